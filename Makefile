@@ -1,0 +1,30 @@
+# grserve — `make demo` serves the embedded default and sends a few requests; `make test` runs the test suite.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.grserve-installed
+
+.PHONY: demo test install bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# The pinned CPU build of torch comes first, and only when no torch is importable
+	# (an unpinned torch would pull a multi-GB CUDA build).
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m grserve.demo
+
+test: $(STAMP)
+	$(PY) -m pytest tests
+
+bench: $(STAMP)
+	$(VENV)/bin/grserve bench retrieval
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,44 @@
+"""Plain request/result types that cross the engine boundary (server → engine → server).
+
+The server validates and converts every user input into a ``RetrievalRequest`` (prompt tokens already laid out),
+so the engine can assume valid requests.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class RetrievalRequest:
+    prompt_tokens: np.ndarray  # int64 [L], L >= 1, every id < vocab_size
+    beam_width: int
+    top_n: int  # 1 <= top_n <= beam_width
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
+    arrival: float = field(default_factory=time.perf_counter)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.prompt_tokens.shape[0])
+
+
+@dataclass(frozen=True)
+class RetrievedItem:
+    item_id: int
+    sid: tuple[int, ...]
+    score: float  # summed log-probability of the SID tokens under the configured scoring convention
+
+
+@dataclass
+class RetrievalResult:
+    request_id: str
+    items: list[RetrievedItem]  # best first; fewer than top_n when fewer valid items exist
+    queue_ms: float = 0.0  # arrival → batch start
+    compute_ms: float = 0.0  # batch start → result
+    batch_size: int = 1  # requests in the batch that served this one
+    candidates_visited: int = 0  # top-BW candidates an early-terminated scan touched, summed over steps
+    catalog_version: int = 0
