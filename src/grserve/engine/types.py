@@ -42,3 +42,4 @@ class RetrievalResult:
     batch_size: int = 1  # requests in the batch that served this one
     candidates_visited: int = 0  # top-BW candidates an early-terminated scan touched, summed over steps
     catalog_version: int = 0
+    kv_bytes: int = 0  # KV cache bytes this request held: (L + BW·ND) · bytes_per_token

@@ -1,0 +1,7 @@
+"""``python -m grserve`` — same as the ``grserve`` command."""
+
+import sys
+
+from grserve.cli import main
+
+sys.exit(main())

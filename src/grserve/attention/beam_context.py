@@ -1,0 +1,54 @@
+"""Attention contexts for GR retrieval batches: packed prefill into ``shared_kv``, staged beam decode.
+
+``PrefillContext``: the prompts of R requests packed into one token stream; each request attends causally to its
+own tokens only, and its K/V are written once into the batch's ``shared_kv``.
+
+``BeamDecodeContext``: one new token per beam (R·BW rows). Its K/V are written into unshared slot ``step`` and
+it attends to shared + its own unshared tokens with the staged computation (shared stage per request, one
+unshared stage for all beams, log-sum-exp merge).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from grserve.attention.staged import merge_states, shared_stage, unshared_stage
+from grserve.kvcache.beam import BeamKV
+
+
+class PrefillContext:
+    def __init__(self, kv: BeamKV):
+        self.kv = kv
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        kv = self.kv
+        kv.write_shared(layer, k, v)
+        out = torch.empty_like(q)
+        for r in range(kv.num_requests):
+            a, b = kv.offsets[r], kv.offsets[r + 1]
+            sk, sv = kv.shared(layer, r)
+            qr = q[a:b].transpose(0, 1).unsqueeze(0)  # [1, Hq, L, D]
+            o = F.scaled_dot_product_attention(qr, sk.unsqueeze(0), sv.unsqueeze(0), is_causal=True, enable_gqa=True)
+            out[a:b] = o[0].transpose(0, 1)
+        return out
+
+
+class BeamDecodeContext:
+    def __init__(self, kv: BeamKV, step: int):
+        self.kv = kv
+        self.step = step
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        kv = self.kv
+        kv.write_unshared(layer, self.step, k, v)
+        uk, uv = kv.unshared(layer, self.step + 1)
+        o_u, lse_u = unshared_stage(q, uk, uv)
+        bw = kv.beam_width
+        o_s = torch.empty_like(o_u)
+        lse_s = torch.empty_like(lse_u)
+        for r in range(kv.num_requests):
+            sk, sv = kv.shared(layer, r)
+            o_s[r * bw : (r + 1) * bw], lse_s[r * bw : (r + 1) * bw] = shared_stage(q[r * bw : (r + 1) * bw], sk, sv)
+        out, _ = merge_states(o_s, lse_s, o_u, lse_u)
+        return out

@@ -1,0 +1,108 @@
+"""Peer baselines run on the same weights and requests as grserve.
+
+* ``HFConstrainedBeamSearch``: HF transformers ``generate(num_beams=BW, prefix_allowed_tokens_fn=...)`` — the
+  reference for output semantics (``hf`` scoring) and the throughput peer. HF expands the prompt per beam.
+* ``NaiveCopyBeamSearch``: grserve's own model, but every beam owns a private copy of the prompt KV
+  (``BatchedBeamsKVContext``), i.e. what a beam-per-sequence LLM server does. Same selection logic.
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+import numpy as np
+import torch
+
+from grserve.attention.context import BatchedBeamsKVContext, SequenceKVContext
+from grserve.catalog import Catalog
+from grserve.model import Decoder, save_pretrained
+from grserve.search.beam_search import BeamSearch, Hit
+
+
+class HFConstrainedBeamSearch:
+    def __init__(self, model: Decoder):
+        from transformers import AutoModelForCausalLM
+
+        with tempfile.TemporaryDirectory() as d:
+            save_pretrained(model, d)
+            self.hf = AutoModelForCausalLM.from_pretrained(d, dtype=model.dtype, attn_implementation="sdpa")
+        self.hf.to(model.device).eval()
+        self.device = model.device
+
+    def allowed_fn(self, catalog: Catalog, prompt_len: int):
+        layout, trie = catalog.layout, catalog.trie
+
+        def allowed(batch_id: int, ids: torch.Tensor) -> list[int]:
+            gen = ids[prompt_len:].tolist()
+            level, node = len(gen), 0
+            for lv, tok in enumerate(gen):
+                start, _ = layout.level_range(lv)
+                node = int(trie.step(lv, np.array([node]), np.array([tok - start]))[0])
+                if node < 0:
+                    return []
+            if level >= catalog.depth:
+                return []
+            start, _ = layout.level_range(level)
+            return (trie.children(level, node) + start).tolist()
+
+        return allowed
+
+    @torch.inference_mode()
+    def run(self, prompt: np.ndarray, beam_width: int, top_n: int, catalog: Catalog) -> list[Hit]:
+        ids = torch.from_numpy(prompt.astype(np.int64))[None].to(self.device)
+        out = self.hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            num_beams=beam_width,
+            num_return_sequences=min(top_n, beam_width),
+            max_new_tokens=catalog.depth,
+            min_new_tokens=catalog.depth,
+            do_sample=False,
+            length_penalty=0.0,  # raw summed log-probs: every hypothesis has the same length anyway
+            early_stopping=True,
+            prefix_allowed_tokens_fn=self.allowed_fn(catalog, ids.shape[1]),
+            output_scores=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+            eos_token_id=None,
+        )
+        seqs = out.sequences[:, ids.shape[1] :].cpu().numpy()
+        scores = out.sequences_scores.float().cpu().numpy()
+        hits = []
+        for row, sc in zip(seqs, scores):
+            if not np.isfinite(sc):
+                continue
+            sid = tuple(int(t - catalog.layout.level_range(lv)[0]) for lv, t in enumerate(row))
+            hits.append(Hit(int(catalog.item_of_sid(sid)), sid, float(sc)))
+        return hits
+
+
+class NaiveCopyBeamSearch:
+    """Prefill once, then copy the prompt KV into every beam; beams reorder by gathering whole caches."""
+
+    def __init__(self, model: Decoder):
+        self.model = model
+
+    @torch.inference_mode()
+    def run(self, prompt: np.ndarray, beam_width: int, top_n: int, catalog: Catalog) -> tuple[list[Hit], int]:
+        model, dev = self.model, self.model.device
+        n = int(prompt.shape[0])
+        seq = SequenceKVContext(model.spec.num_hidden_layers)
+        ids = torch.from_numpy(prompt.astype(np.int64)).to(dev)
+        h = model(ids, torch.arange(n, device=dev), seq)
+        beams = BeamSearch(catalog, 1, beam_width, None, "vectorized", dev)
+        a, b = catalog.layout.level_range(0)
+        beams.logits[0].copy_(model.logits(h[-1:], (a, b)))
+        beams.select_first()
+        ctx = BatchedBeamsKVContext.from_sequence(seq, beam_width)  # BW private copies of the prompt KV
+        peak = 0
+        for level in range(1, catalog.depth):
+            beams.prepare_mask(level)
+            pos = torch.full((beam_width,), n + level - 1, device=dev)
+            h = model(beams.next_tokens, pos, ctx)
+            a, b = catalog.layout.level_range(level)
+            beams.logits[level].copy_(model.logits(h, (a, b)))
+            peak = max(peak, ctx.nbytes())
+            parents = beams.select(level)
+            ctx.reorder(parents)
+        return beams.results([top_n])[0], peak

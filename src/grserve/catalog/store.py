@@ -1,0 +1,46 @@
+"""Holds the live catalog; replacing it never disturbs requests using an older snapshot."""
+
+from __future__ import annotations
+
+import threading
+
+from .catalog import Catalog
+
+
+class CatalogStore:
+    """Current catalog plus a version counter. ``current()`` returns an immutable snapshot reference."""
+
+    def __init__(self, catalog: Catalog | None = None, vocab_size: int | None = None):
+        self.vocab_size = vocab_size
+        self._lock = threading.Lock()
+        self._catalog: Catalog | None = None
+        self._version = 0
+        if catalog is not None:
+            self.replace(catalog)
+
+    def current(self) -> Catalog:
+        """The catalog to use for one request (keep the reference for the whole request)."""
+        cat = self._catalog
+        if cat is None:
+            raise RuntimeError("no catalog loaded")
+        return cat
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def replace(self, new: Catalog) -> int:
+        """Validate against the model vocab, assign the next version and swap it in; returns the version."""
+        if self.vocab_size is not None:
+            new.layout.check_vocab(self.vocab_size)
+        with self._lock:
+            self._version += 1
+            new.version = self._version
+            self._catalog = new
+            return self._version
+
+    def load(self, path, **kwargs) -> int:
+        """Load a catalog file (see ``load_catalog``) and make it current."""
+        from .io import load_catalog
+
+        return self.replace(load_catalog(path, **kwargs))

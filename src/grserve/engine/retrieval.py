@@ -1,0 +1,123 @@
+"""Runs one GR retrieval batch to completion: a packed prefill, then one staged decode step per SID level.
+
+    prefill(all prompts) → shared_kv, level-0 logits at each prompt's last position → top-BW of one distribution
+    for level in 1..depth-1:
+        host thread: build this level's sparse item mask from the beams' trie nodes   ┐ overlapped
+        model: forward the BW beams' previous tokens (staged attention)               ┘
+        masked log-softmax → per-beam top-K → global top-BW → reorder beams and unshared_kv by parent
+
+Decoder-only mapping (decided; see docs/decisions.md): the first SID token comes from the prefill's last
+position, so a depth-D SID takes 1 prefill + (D−1) decode forwards; decode token s (0-based) of every beam sits
+at position L + s. The unshared cache is sized BW × D slots as the paper specifies (slot D−1 is never written:
+the last token's K/V is never needed).
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from grserve.attention.beam_context import BeamDecodeContext, PrefillContext
+from grserve.catalog import Catalog
+from grserve.config import SearchConfig
+from grserve.kvcache.beam import BeamKV
+from grserve.model import Decoder
+from grserve.search.beam_search import BeamSearch, Hit
+
+
+@dataclass
+class BatchOutput:
+    hits: list[list[Hit]]
+    candidates_visited: int
+    kv_bytes_per_request: list[int]
+    kv_bytes_formula: list[int]
+    trace: list[tuple[str, float, float]] = field(default_factory=list)  # (event, start, end), perf_counter
+
+
+class RetrievalRunner:
+    def __init__(self, model: Decoder, search: SearchConfig):
+        self.model = model
+        self.search = search
+        self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="grserve-mask") if search.overlap_masks else None
+
+    def close(self) -> None:
+        if self._mask_pool is not None:
+            self._mask_pool.shutdown(wait=False)
+
+    @torch.inference_mode()
+    def run(
+        self, prompts: list[np.ndarray], beam_width: int, top_n: list[int], catalog: Catalog, trace: bool = False
+    ) -> BatchOutput:
+        model, spec = self.model, self.model.spec
+        dev = model.device
+        events: list[tuple[str, float, float]] = []
+        lens = [int(p.shape[0]) for p in prompts]
+        r, depth = len(prompts), catalog.depth
+        kv = BeamKV(
+            num_layers=spec.num_hidden_layers,
+            num_kv_heads=spec.num_key_value_heads,
+            head_dim=spec.head_dim,
+            prompt_lens=lens,
+            beam_width=beam_width,
+            decode_steps=depth,
+            dtype=model.dtype,
+            device=dev,
+        )
+        beams = BeamSearch(catalog, r, beam_width, self.search.top_k, self.search.topbw, dev)
+        hf = self.search.scoring == "hf"
+
+        t0 = time.perf_counter()
+        tokens = torch.from_numpy(np.concatenate(prompts).astype(np.int64)).to(dev)
+        positions = torch.cat([torch.arange(n) for n in lens]).to(dev)
+        hidden = model(tokens, positions, PrefillContext(kv))
+        last = hidden[torch.tensor(kv.offsets[1:], device=dev) - 1]
+        self._level_logits(last, catalog, 0, beams, hf)
+        beams.select_first(self._full_lse(last) if hf else None)
+        events.append(("prefill", t0, time.perf_counter()))
+
+        base_pos = torch.tensor(lens, device=dev).repeat_interleave(beam_width)
+        for level in range(1, depth):
+            t_fwd = time.perf_counter()
+            mask_job = self._submit_mask(beams, level, events)
+            hidden = model(beams.next_tokens, base_pos + (level - 1), BeamDecodeContext(kv, step=level - 1))
+            self._level_logits(hidden, catalog, level, beams, hf)
+            lse = self._full_lse(hidden) if hf else None
+            events.append((f"forward{level}", t_fwd, time.perf_counter()))
+            if mask_job is not None:
+                mask_job.result()
+            t_sel = time.perf_counter()
+            parents = beams.select(level, lse)
+            if level < depth - 1:
+                kv.reorder(parents)
+            events.append((f"select{level}", t_sel, time.perf_counter()))
+
+        return BatchOutput(
+            hits=beams.results(top_n),
+            candidates_visited=beams.candidates_visited,
+            kv_bytes_per_request=[kv.request_nbytes(i) for i in range(r)],
+            kv_bytes_formula=[(n + beam_width * depth) * kv.bytes_per_token for n in lens],
+            trace=events if trace else [],
+        )
+
+    def _submit_mask(self, beams: BeamSearch, level: int, events: list):
+        def build():
+            t = time.perf_counter()
+            with torch.inference_mode():  # buffers were made under inference mode; this may be another thread
+                beams.prepare_mask(level)
+            events.append((f"mask{level}", t, time.perf_counter()))
+
+        if self._mask_pool is None:
+            build()
+            return None
+        return self._mask_pool.submit(build)
+
+    def _level_logits(self, hidden: torch.Tensor, catalog: Catalog, level: int, beams: BeamSearch, hf: bool) -> None:
+        a, b = catalog.layout.level_range(level)
+        beams.logits[level].copy_(self.model.logits(hidden, (a, b)))
+
+    def _full_lse(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.logsumexp(self.model.logits(hidden).float(), dim=-1, keepdim=True)

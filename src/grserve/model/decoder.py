@@ -1,0 +1,157 @@
+"""Qwen2 / Qwen3 dense decoder over packed tokens (no batch dimension).
+
+Submodule names mirror HF ``Qwen{2,3}ForCausalLM`` so an HF state_dict loads directly. Attention itself is
+delegated to an ``AttentionContext``: the decoder produces q/k/v (after q/k-norm and RoPE) per layer and the
+context owns the KV memory and the visibility rules.
+
+``Decoder(spec)`` allocates *uninitialized* weights (no init cost); use ``grserve.model.load_model``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from grserve.attention.context import AttentionContext
+from grserve.model.spec import ModelSpec
+
+
+class RMSNorm(nn.Module):
+    """HF semantics: normalize in fp32, cast back to the input dtype, then scale by the weight."""
+
+    def __init__(self, dim: int, eps: float, *, dtype: torch.dtype | None = None, device=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype, device=device))
+        self.eps = eps
+        self._shape = (dim,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, self._shape, self.weight, self.eps)
+        return F.rms_norm(x.float(), self._shape, None, self.eps).to(x.dtype) * self.weight
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, **kw):
+        super().__init__()
+        h = spec.hidden_size
+        self.q_proj = nn.Linear(h, spec.q_size, bias=spec.attention_bias, **kw)
+        self.k_proj = nn.Linear(h, spec.kv_size, bias=spec.attention_bias, **kw)
+        self.v_proj = nn.Linear(h, spec.kv_size, bias=spec.attention_bias, **kw)
+        self.o_proj = nn.Linear(spec.q_size, h, bias=spec.o_bias, **kw)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, **kw)
+            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, **kw)
+        else:
+            self.q_norm = self.k_norm = None
+        self.hq, self.hkv, self.d = spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec, **kw):
+        super().__init__()
+        h, i = spec.hidden_size, spec.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=False, **kw)
+        self.up_proj = nn.Linear(h, i, bias=False, **kw)
+        self.down_proj = nn.Linear(i, h, bias=False, **kw)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, **kw):
+        super().__init__()
+        self.self_attn = Attention(spec, **kw)
+        self.mlp = MLP(spec, **kw)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, **kw)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, **kw)
+
+
+class _Backbone(nn.Module):
+    def __init__(self, spec: ModelSpec, **kw):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size, **kw)
+        self.layers = nn.ModuleList(DecoderLayer(spec, **kw) for _ in range(spec.num_hidden_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, **kw)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE. ``sin`` has its first half negated, so rotate_half(x)*sin == cat(x2, x1)*sin_signed."""
+    half = x.shape[-1] // 2
+    return torch.addcmul(x * cos, torch.cat((x[..., half:], x[..., :half]), dim=-1), sin)
+
+
+class Decoder(nn.Module):
+    def __init__(self, spec: ModelSpec, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        super().__init__()
+        self._spec = spec
+        # Build on the meta device (no allocation, no init), then materialize uninitialized storage.
+        kw = {"dtype": dtype, "device": "meta"}
+        self.model = _Backbone(spec, **kw)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False, **kw)
+        if spec.tie_word_embeddings:
+            del self.lm_head.weight
+        self.to_empty(device=device)
+        self.tie_weights()
+        self._inv_freq: torch.Tensor | None = None  # fp32, deliberately not a buffer (survives .to(bf16))
+
+    def tie_weights(self) -> None:
+        if self._spec.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def spec(self) -> ModelSpec:
+        return self._spec
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    # ------------------------------------------------------------------ compute
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, signed sin as [N, 1, D] in the model dtype, computed in fp32 from integer positions."""
+        inv = self._inv_freq
+        if inv is None or inv.device != positions.device:
+            d = self._spec.head_dim
+            exps = torch.arange(0, d, 2, dtype=torch.int64, device=positions.device).float() / d
+            inv = self._inv_freq = 1.0 / (self._spec.rope_theta ** exps)
+        freqs = positions.float()[:, None] * inv[None, :]  # [N, D/2]
+        cos, sin = freqs.cos(), freqs.sin()
+        cos = torch.cat((cos, cos), dim=-1).to(self.dtype)[:, None, :]
+        sin = torch.cat((-sin, sin), dim=-1).to(self.dtype)[:, None, :]
+        return cos, sin
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """input_ids, positions: int64 [N] (packed tokens, absolute positions) → final-normed hidden [N, H]."""
+        cos, sin = self.rope(positions)
+        x = F.embedding(input_ids, self.model.embed_tokens.weight)
+        n = x.shape[0]
+        for i, layer in enumerate(self.model.layers):
+            a = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = F.linear(h, a.q_proj.weight, a.q_proj.bias).view(n, a.hq, a.d)
+            k = F.linear(h, a.k_proj.weight, a.k_proj.bias).view(n, a.hkv, a.d)
+            v = F.linear(h, a.v_proj.weight, a.v_proj.bias).view(n, a.hkv, a.d)
+            if a.q_norm is not None:
+                q, k = a.q_norm(q), a.k_norm(k)
+            o = ctx.attend(i, _rotate(q, cos, sin), _rotate(k, cos, sin), v)
+            x = x + F.linear(o.reshape(n, a.hq * a.d), a.o_proj.weight, a.o_proj.bias)
+            m = layer.mlp
+            h = layer.post_attention_layernorm(x)
+            g = F.silu(F.linear(h, m.gate_proj.weight)) * F.linear(h, m.up_proj.weight)
+            x = x + F.linear(g, m.down_proj.weight)
+        return self.model.norm(x)
+
+    def logits(self, hidden: torch.Tensor, token_range: tuple[int, int] | None = None) -> torch.Tensor:
+        """hidden [N, H] → logits [N, V], or [N, b-a] for token_range=(a, b) (only those vocab rows are used)."""
+        w = self.lm_head.weight
+        if token_range is not None:
+            a, b = token_range
+            if not 0 <= a < b <= w.shape[0]:
+                raise ValueError(f"token_range {token_range} out of bounds for vocab size {w.shape[0]}")
+            w = w[a:b]
+        return F.linear(hidden.to(w.dtype), w)

@@ -1,0 +1,70 @@
+"""Prometheus metrics. Each ``Metrics`` owns its own registry, so many apps can live in one process (tests)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+                   0.5, 0.75, 1.0, 1.5, 2.0, 5.0)
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+BATCH_TOKEN_BUCKETS = (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
+ITEMS_BUCKETS = (0, 1, 5, 10, 20, 50, 100, 200, 500, 1000)
+
+
+class Metrics:
+    def __init__(self, queue_depth: Callable[[], int] | None = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests_total = Counter(
+            "grserve_requests_total", "HTTP requests by route template and status code.",
+            ["route", "status"], registry=self.registry)
+        self.request_latency = Histogram(
+            "grserve_request_latency_seconds", "HTTP request latency (received → response sent), by route.",
+            ["route"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.batch_size = Histogram(
+            "grserve_batch_size", "Requests per executed engine batch.",
+            buckets=BATCH_SIZE_BUCKETS, registry=self.registry)
+        self.batch_tokens = Histogram(
+            "grserve_batch_tokens", "Prompt tokens per executed engine batch.",
+            buckets=BATCH_TOKEN_BUCKETS, registry=self.registry)
+        self.queue_depth = Gauge(
+            "grserve_queue_depth", "Requests waiting in the engine queue (read at scrape time).",
+            registry=self.registry)
+        self.items_returned = Histogram(
+            "grserve_items_returned", "Items returned per successful recommendation.",
+            buckets=ITEMS_BUCKETS, registry=self.registry)
+        self._queue_depth_fn: Callable[[], int] | None = None
+        self.queue_depth.set_function(self._read_queue_depth)
+        if queue_depth is not None:
+            self.bind_queue_depth(queue_depth)
+
+    # --- sources -----------------------------------------------------------------------------------------
+    def bind_queue_depth(self, fn: Callable[[], int]) -> None:
+        """Read the queue depth from ``fn`` at every scrape (the engine is usually built after the metrics)."""
+        self._queue_depth_fn = fn
+
+    def _read_queue_depth(self) -> float:
+        fn = self._queue_depth_fn
+        if fn is None:
+            return 0.0
+        try:
+            return float(fn())
+        except Exception:  # a scrape must never fail because the engine is shutting down
+            return float("nan")
+
+    def on_batch(self, num_requests: int, num_tokens: int) -> None:
+        """Engine callback, once per executed batch (called from the engine's threads; prometheus is thread-safe)."""
+        self.batch_size.observe(num_requests)
+        self.batch_tokens.observe(num_tokens)
+
+    def observe_request(self, route: str, status: int, seconds: float) -> None:
+        self.requests_total.labels(route=route, status=str(status)).inc()
+        self.request_latency.labels(route=route).observe(seconds)
+
+    def observe_items(self, n: int) -> None:
+        self.items_returned.observe(n)
+
+    # --- exposition --------------------------------------------------------------------------------------
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
