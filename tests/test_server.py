@@ -531,3 +531,48 @@ def test_cli_serve_builds_and_runs(monkeypatch, capsys, tmp_path):
     assert ran["port"] == 9123 and built["engine"].started and built["engine"].stopped
     out = capsys.readouterr().out
     assert "tiny" in out and f"{N_ITEMS:,} items" in out and "http://127.0.0.1:9123" in out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the real engine behind the app (small catalog, preset "tiny")
+# ----------------------------------------------------------------------------------------------------------
+def test_real_engine_end_to_end(tmp_path):
+    engine_mod = pytest.importorskip("grserve.engine.engine")
+    from grserve.config import CatalogConfig, ServeConfig
+
+    cfg = ServeConfig(catalog=CatalogConfig(num_items=500, depth=3, codebook_size=16),
+                      search=SearchConfig(beam_width=16), scheduler=SchedulerConfig(slo_ms=20))
+    metrics = Metrics()
+    engine = engine_mod.RetrievalEngine.build(cfg, on_batch=metrics.on_batch)
+    engine.start()
+    try:
+        client = TestClient(create_app(engine, cfg.server, metrics), raise_server_exceptions=False)
+        cat = engine.catalogs.current()
+        ids = [int(x) for x in cat.item_ids[:4]]
+        sids = cat.sids_of_items(np.array(ids)).tolist()
+        bodies = [{"history_items": ids}, {"history_sids": sids},
+                  {"history_tokens": cat.layout.sids_to_tokens(np.array(sids)).tolist()}]
+        answers = []
+        for body in bodies:
+            r = client.post("/v1/recommend", json=body | {"top_n": 5})
+            assert r.status_code == 200, r.text
+            out = r.json()
+            assert len(out["items"]) == 5 and out["beam_width"] == 16 and out["catalog_version"] == 1
+            for it in out["items"]:  # every answer is a catalog item with its own SID
+                assert cat.sids_of_items(np.array([it["item_id"]]))[0].tolist() == it["sid"]
+            scores = [it["score"] for it in out["items"]]
+            assert scores == sorted(scores, reverse=True)
+            answers.append([it["item_id"] for it in out["items"]])
+        assert answers[0] == answers[1] == answers[2]  # three spellings of the same history
+        _err(client.post("/v1/recommend", json={"history_sids": [[0, 16, 0]]}), 422, "history_sids[0][1]")
+        _err(client.post("/v1/recommend", json={"history_tokens": [engine.vocab_size]}), 422, "history_tokens[0]")
+
+        path = tmp_path / "v2.grcat"
+        save_catalog(generate_catalog(300, 3, 16, 9), path)
+        assert client.post("/v1/catalog", json={"path": str(path)}).json()["catalog"]["version"] == 2
+        r = client.post("/v1/recommend", json={"history_tokens": [1, 2, 3], "top_n": 3})
+        assert r.status_code == 200 and r.json()["catalog_version"] == 2
+        text = client.get("/metrics").text
+        assert "grserve_batch_size_count 4.0" in text
+    finally:
+        engine.stop()

@@ -232,7 +232,13 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _bench(argv: list[str]) -> int:
-    from grserve.bench.retrieval import main as bench_main
+    try:
+        from grserve.bench.retrieval import main as bench_main
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("grserve.bench.retrieval", "grserve.bench"):
+            raise
+        print("grserve: error: the retrieval benchmark (grserve.bench.retrieval) is not installed", file=sys.stderr)
+        return 2
 
     try:
         rc = bench_main(argv)

@@ -74,6 +74,9 @@ class BeamSearch:
             self.topk_i.append(torch.empty(n, k, dtype=i64, device=device))
             self.selectors.append(TopBW(num_requests, beam_width, k, beam_width, device) if level > 0 else None)
         self._lse = torch.empty(rows, 1, dtype=f32, device=device)
+        # per-level constants as 0-dim tensors (a Python scalar operand allocates a wrapper tensor per call)
+        self._k_t = [torch.tensor(k, dtype=i64, device=device) for k in self.ks]
+        self._start_t = [torch.tensor(catalog.layout.level_range(l)[0], dtype=i64, device=device) for l in range(self.depth)]
         self._mask_handle = None
         self.candidates_visited = 0
 
@@ -116,7 +119,7 @@ class BeamSearch:
         # reorder the code history by parent, then append this level's code
         torch.index_select(self.codes, 0, self.parents, out=self._codes_ws)
         self.codes.copy_(self._codes_ws)
-        torch.mul(self.parents, k, out=self._flat_rank)
+        torch.mul(self.parents, self._k_t[level], out=self._flat_rank)
         self._flat_rank.add_(ranks.view(-1))
         torch.take(self.topk_i[level], self._flat_rank, out=self._new_codes)
         self.codes[:, level].copy_(self._new_codes)
@@ -143,8 +146,7 @@ class BeamSearch:
         self.nodes = self.catalog.trie.step(level, parent_nodes, codes)
         torch.isneginf(self.scores.view(-1), out=self._dead)
         self.nodes[self._dead.cpu().numpy()] = -1
-        start, _ = self.catalog.layout.level_range(level)
-        torch.add(self.codes[:, level], start, out=self.next_tokens)
+        torch.add(self.codes[:, level], self._start_t[level], out=self.next_tokens)
 
     # ---- results ------------------------------------------------------------------------------------------
     def results(self, top_n: list[int]) -> list[list[Hit]]:

@@ -89,6 +89,10 @@ class TopBW:
         self.beams = torch.empty(r, bw, dtype=i64, device=device)
         self.ranks = torch.empty(r, bw, dtype=i64, device=device)
         self.visited = torch.empty((), dtype=i64, device=device)
+        # constants as 0-dim tensors: a Python scalar operand would be wrapped in a fresh tensor on every call
+        self._bw_t = torch.tensor(bw, dtype=i64, device=device)
+        self._k_t = torch.tensor(k, dtype=i64, device=device)
+        self._one = torch.tensor(1, dtype=i64, device=device)
 
     def select(self, cand: torch.Tensor) -> None:
         r, b, k = cand.shape
@@ -99,7 +103,7 @@ class TopBW:
         torch.gt(flat, tau, out=self._gt)
         torch.eq(flat, tau, out=self._eq)
         torch.sum(self._gt, dim=1, keepdim=True, out=self._need)
-        self._need.neg_().add_(bw)  # how many ties at τ to take
+        self._need.neg_().add_(self._bw_t)  # how many ties at τ to take
         torch.cumsum(self._eq, dim=1, out=self._cum)
         torch.le(self._cum, self._need, out=self._keep)
         self._keep.logical_and_(self._eq).logical_or_(self._gt)  # exactly BW per row
@@ -110,8 +114,8 @@ class TopBW:
         torch.sort(self._tmp_f, dim=1, descending=True, stable=True, out=(self.scores, self._order))
         torch.gather(self.flat, 1, self._order, out=self._tmp_i)
         self.flat.copy_(self._tmp_i)
-        torch.div(self.flat, k, rounding_mode="floor", out=self.beams)
-        torch.remainder(self.flat, k, out=self.ranks)
+        torch.div(self.flat, self._k_t, rounding_mode="floor", out=self.beams)
+        torch.remainder(self.flat, self._k_t, out=self.ranks)
         torch.sum(self._gt.view(r, b, k), dim=2, out=self._per_beam)
-        self._per_beam.add_(1).clamp_(max=k)
+        self._per_beam.add_(self._one).clamp_(max=k)
         torch.sum(self._per_beam, dim=(0, 1), out=self.visited)
