@@ -241,3 +241,16 @@ def test_engine_serves_through_catalog_replacement(model):
         assert len(r.items) == 8
         assert cat.contains_sids(np.array([it.sid for it in r.items])).all()
     assert {r.catalog_version for r in results[-3:]} == {cat_b.version}
+
+
+def test_more_than_one_batch_in_flight(model):
+    catalog = generate_catalog(3000, 3, 32, seed=12)
+    engine = RetrievalEngine(model, CatalogStore(catalog), SearchConfig(), SchedulerConfig(max_inflight_batches=2)).start()
+    try:
+        # two beam widths cannot share a batch: both batches are dispatched to the two idle slots
+        futs = [engine.submit(RetrievalRequest(prompt(400, s), bw, 4)) for s, bw in enumerate([64, 32, 64, 32])]
+        results = [f.result(timeout=120) for f in futs]
+    finally:
+        engine.stop()
+    assert engine.peak_inflight == 2
+    assert all(len(r.items) == 4 for r in results)

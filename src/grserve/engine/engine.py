@@ -54,6 +54,7 @@ class RetrievalEngine:
         self._thread: threading.Thread | None = None
         self._pool = ThreadPoolExecutor(self.scheduler.max_inflight_batches, thread_name_prefix="grserve-batch")
         self.batches_run = 0
+        self.peak_inflight = 0  # most batches executing at once so far
 
     @classmethod
     def build(cls, cfg: ServeConfig, on_batch: Callable[[int, int], None] | None = None) -> "RetrievalEngine":
@@ -120,6 +121,7 @@ class RetrievalEngine:
                 if not self._running:
                     return
                 self._inflight += 1
+                self.peak_inflight = max(self.peak_inflight, self._inflight)
             self._pool.submit(self._execute, batch)
 
     def _execute(self, batch: Batch["_Pending"]) -> None:
