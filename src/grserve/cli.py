@@ -147,8 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Benchmarks. 'grserve bench retrieval [FLAGS]' runs the retrieval benchmark; "
                                    "see 'grserve bench retrieval --help' for its flags.")
     bsub = p.add_subparsers(dest="bench_command", metavar="BENCH")
-    bsub.add_parser("retrieval", help="engine retrieval throughput / latency benchmark (flags are forwarded)",
-                    add_help=False)
+    for (group, name), (_, text) in DELEGATED.items():
+        if group == "bench":
+            bsub.add_parser(name, help=f"{text} (flags are forwarded; see --help)", add_help=False)
 
     # catalog
     p = sub.add_parser("catalog", formatter_class=_Formatter, help="generate or validate catalog files",
@@ -165,6 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--codebook-size", type=_positive_int, default=_D_CAT.codebook_size, metavar="C",
                    help="codes per SID level")
     g.add_argument("--seed", type=_nonneg_int, default=_D_CAT.seed, help="random seed")
+    csub.add_parser("build", help=DELEGATED[("catalog", "build")][1] + " (see 'grserve catalog build --help')",
+                    add_help=False)
     v = csub.add_parser("validate", formatter_class=_Formatter, help="check a catalog file",
                         description="Load a catalog file and print its item count, depth and codebook sizes, or "
                                     "the first problem found (exit code 1).")
@@ -231,17 +234,28 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench(argv: list[str]) -> int:
+# Subcommands whose flags belong to the module that implements them: (group, name) → (module, one-line help).
+DELEGATED = {
+    ("bench", "retrieval"): ("grserve.bench.retrieval", "GR retrieval throughput / latency / KV memory vs HF transformers"),
+    ("bench", "cache"): ("grserve.bench.cache", "cache eviction hit rates (LRU, OPT, FPB, HF, LARU) on replayed traces"),
+    ("bench", "quality"): ("grserve.bench.quality", "Recall@10 / NDCG@10 of the served MovieLens model vs baselines"),
+    ("catalog", "build"): ("grserve.catalog.build", "build a SID catalog from item text (RQ-KMeans over embeddings)"),
+}
+
+
+def _delegate(module_name: str, argv: list[str]) -> int:
+    import importlib
+
     try:
-        from grserve.bench.retrieval import main as bench_main
+        module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
-        if exc.name not in ("grserve.bench.retrieval", "grserve.bench"):
+        if not module_name.startswith(exc.name or "\0"):
             raise
-        print("grserve: error: the retrieval benchmark (grserve.bench.retrieval) is not installed", file=sys.stderr)
+        print(f"grserve: error: {module_name} is not installed", file=sys.stderr)
         return 2
 
     try:
-        rc = bench_main(argv)
+        rc = module.main(argv)
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     return int(rc or 0)
@@ -282,8 +296,8 @@ def _catalog_validate(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if len(argv) >= 2 and argv[0] == "bench" and argv[1] == "retrieval":
-        return _bench(argv[2:])  # everything after 'bench retrieval' belongs to the benchmark's own parser
+    if len(argv) >= 2 and (argv[0], argv[1]) in DELEGATED:
+        return _delegate(DELEGATED[(argv[0], argv[1])][0], argv[2:])  # the rest belongs to that module's parser
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
