@@ -239,6 +239,8 @@ DELEGATED = {
     ("bench", "retrieval"): ("grserve.bench.retrieval", "GR retrieval throughput / latency / KV memory vs HF transformers"),
     ("bench", "cache"): ("grserve.bench.cache", "cache eviction hit rates (LRU, OPT, FPB, HF, LARU) on replayed traces"),
     ("bench", "quality"): ("grserve.bench.quality", "Recall@10 / NDCG@10 of the served MovieLens model vs baselines"),
+    ("bench", "ranking"): ("grserve.bench.ranking", "BAT ranking throughput: hotness-aware prefix choice vs UP, IP, greedy, recompute"),
+    ("serve", "ranking"): ("grserve.server.ranking_main", "serve GR ranking (BAT): POST /v1/rank"),
     ("catalog", "build"): ("grserve.catalog.build", "build a SID catalog from item text (RQ-KMeans over embeddings)"),
 }
 
