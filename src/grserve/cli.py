@@ -241,6 +241,8 @@ DELEGATED = {
     ("bench", "quality"): ("grserve.bench.quality", "Recall@10 / NDCG@10 of the served MovieLens model vs baselines"),
     ("bench", "ranking"): ("grserve.bench.ranking", "BAT ranking throughput: hotness-aware prefix choice vs UP, IP, greedy, recompute"),
     ("serve", "ranking"): ("grserve.server.ranking_main", "serve GR ranking (BAT): POST /v1/rank"),
+    ("bench", "serve"): ("grserve.bench.serve", "LLM serving: SLO attainment and effective throughput, FCFS vs chunked vs Apt-Serve"),
+    ("serve", "llm"): ("grserve.server.llm_main", "serve an LLM with an OpenAI-compatible API (hybrid KV/hidden cache, Apt-Serve)"),
     ("catalog", "build"): ("grserve.catalog.build", "build a SID catalog from item text (RQ-KMeans over embeddings)"),
 }
 
