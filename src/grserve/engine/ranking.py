@@ -1,0 +1,462 @@
+"""The BAT ranking engine: per-request prefix choice, one packed prefill per batch, user/item KV caches.
+
+scheduler (a ``PrefixPolicy``: which side is the cached prefix) → this engine (gathers cached KV, packs the
+computed tokens of a batch into one forward through ``BipartiteBatchContext``, scores, writes caches back) →
+results. The policy sees only sizes and cache/hotness state (``PrefixQuery``); it never touches tensors.
+
+Per request (``RankingRunner.run``):
+
+1. the cache meta service records the access (hotness) and returns the user's predicted frequency f_u;
+2. the policy picks user-as-prefix (UP) or item-as-prefix (IP) and whether to read/admit the user's KV;
+3. UP: the user's KV comes from the user cache on a hit (items + instruction computed); on a miss everything is
+   computed and the user KV is admitted if the policy says so. IP: the candidates' KV comes from the item
+   source (local pool or HRCS KV-cache workers); items it lacks are computed inline and written back to a local
+   pool; the user and instruction are computed. Recompute computes the whole UP prompt.
+4. one forward over the packed computed tokens of the batch; each request's last token → identifier-token
+   softmax → top-k.
+
+A cached token is never recomputed: ``computed_tokens`` counts exactly the tokens that entered the forward.
+Batches run one at a time on one executor thread: cache decisions and writes are sequential, so each request
+sees the cache state left by the previous batch (on 2 CPU cores one forward already uses every core).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+
+from grserve.attention.bipartite import BipartiteBatchContext, BipartiteRequest
+from grserve.kvcache.item_pool import ItemKVPool, ItemKVSource
+from grserve.kvcache.meta import CacheMetaService
+from grserve.kvcache.paged import PagedKVStore
+from grserve.kvcache.user_cache import UserKVCache
+from grserve.model import Decoder
+from grserve.ranking.layouts import ITEM_PREFIX, USER_PREFIX, BipartitePrompt, build_prompt
+from grserve.ranking.registry import RankingRegistry
+from grserve.ranking.scoring import score_candidates
+from grserve.scheduler.prefix_choice import PrefixDecision, PrefixPolicy, PrefixQuery, make_policy
+
+
+class EngineOverloaded(RuntimeError):
+    """The waiting queue is full (HTTP 503)."""
+
+
+@dataclass(frozen=True)
+class RankingConfig:
+    policy: str = "bat"  # bat | user_prefix | item_prefix | greedy_size | recompute
+    user_cache_bytes: int = 256 << 20  # user-prefix KV cache capacity (whole pages)
+    item_pool_bytes: int | None = None  # None → sized for the registered catalog + ``item_pool_headroom``
+    item_pool_headroom: float = 0.25  # spare fraction for items registered later
+    page_size: int = 16  # tokens per KV page
+    user_window_s: float = 300.0  # W of the users' decayed sliding-window frequency
+    item_window_s: float = 3600.0  # window of the items' hotness (HRCS re-replication)
+    bat_item_tokens: str = "all"  # BAT rule's τ_i: "all" candidate tokens or only the "cached" ones
+    write_back_items: bool = True  # IP: items computed inline (cache miss) are stored in the local pool
+    max_batch_requests: int = 8
+    token_capacity: int = 16384  # prompt tokens per batch; a larger single request runs alone
+    max_queue: int = 1024
+    precompute_batch_tokens: int = 8192  # item tokens per forward when precomputing the item pool
+
+
+@dataclass
+class RankingRequest:
+    user_tokens: np.ndarray  # int64 profile 𝒰
+    item_tokens: list[np.ndarray]  # per candidate; the last token is its identifier token
+    user_id: int | None = None  # None: raw tokens, never cached
+    item_ids: list[int | None] | None = None  # None entries: raw candidates (never cached)
+    top_k: int = 10
+    now: float | None = None  # hotness clock (trace seconds); None → time.time()
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
+    arrival: float = field(default_factory=time.perf_counter)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.user_tokens) + sum(len(t) for t in self.item_tokens)
+
+
+@dataclass
+class RankingResult:
+    request_id: str
+    order: list[int]  # candidate indices, best first
+    scores: list[float]  # softmax probabilities of ``order``
+    layout: str
+    total_tokens: int
+    computed_tokens: int
+    cached_tokens: int
+    user_cache_hit: bool
+    queue_ms: float = 0.0
+    compute_ms: float = 0.0
+    batch_size: int = 1
+
+
+@dataclass
+class RankingStats:
+    requests: int = 0
+    batches: int = 0
+    total_tokens: int = 0  # prompt tokens of every request (instruction included)
+    computed_tokens: int = 0  # tokens that entered a forward
+    cached_user_tokens: int = 0
+    cached_item_tokens: int = 0
+    up_requests: int = 0
+    ip_requests: int = 0
+    user_lookups: int = 0  # UP requests of a policy with a user cache
+    user_hits: int = 0
+    ip_item_tokens: int = 0  # candidate tokens of IP requests
+    user_admissions: int = 0
+    user_admission_failures: int = 0
+    user_evictions: int = 0
+    items_written_back: int = 0
+    forward_s: float = 0.0
+    busy_s: float = 0.0
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.cached_user_tokens + self.cached_item_tokens
+
+    def summary(self) -> dict:
+        d = asdict(self)
+        tot = max(self.total_tokens, 1)
+        d.update(
+            cached_tokens=self.cached_tokens,
+            cached_token_fraction=self.cached_tokens / tot,
+            computed_token_fraction=self.computed_tokens / tot,
+            user_hit_rate=self.user_hits / self.user_lookups if self.user_lookups else 0.0,
+            item_hit_rate=self.cached_item_tokens / self.ip_item_tokens if self.ip_item_tokens else 0.0,
+            up_share=self.up_requests / max(self.requests, 1),
+        )
+        return d
+
+
+def _kv_store(model: Decoder, capacity_bytes: int, page_size: int) -> PagedKVStore:
+    s = model.spec
+    return PagedKVStore.with_capacity_bytes(capacity_bytes, s.num_hidden_layers, s.num_key_value_heads,
+                                            s.head_dim, page_size=page_size, dtype=model.dtype, device=model.device)
+
+
+@torch.no_grad()
+def precompute_item_kv(model: Decoder, items: Sequence[tuple[int, np.ndarray]], put: Callable[[int, torch.Tensor], object],
+                       notation: np.ndarray | None = None, notation_kv: torch.Tensor | None = None,
+                       batch_tokens: int = 8192, progress: bool = False) -> int:
+    """Compute every item's KV alone (IP positions, after the notation) and hand it to ``put(item_id, kv)``.
+
+    Items are packed into item-as-prefix prompts with a one-token dummy tail; each item's K/V inside such a
+    prompt equal the item computed alone (tested), so the pool entry is the same whatever else was packed.
+    """
+    head = np.zeros(0, dtype=np.int64) if notation is None else np.asarray(notation, dtype=np.int64)
+    chunks: list[list[tuple[int, np.ndarray]]] = [[]]
+    n = 0
+    for iid, toks in items:
+        if chunks[-1] and n + len(toks) > batch_tokens:
+            chunks.append([])
+            n = 0
+        chunks[-1].append((iid, toks))
+        n += len(toks)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(items), desc="item KV pool", unit="item", leave=False)
+    done = 0
+    for chunk in chunks:
+        if not chunk:
+            continue
+        prompt = BipartitePrompt(ITEM_PREFIX, head, tuple(t for _, t in chunk), np.zeros(1, dtype=np.int64))
+        ctx = BipartiteBatchContext([BipartiteRequest(prompt, head_kv=notation_kv if len(head) else None)],
+                                    device=model.device)
+        model.forward(ctx.input_ids, ctx.positions, ctx)
+        for i, (iid, _) in enumerate(chunk):
+            put(iid, ctx.item_kv(0, i))
+        done += len(chunk)
+        if bar is not None:
+            bar.update(len(chunk))
+    if bar is not None:
+        bar.close()
+    return done
+
+
+class RankingRunner:
+    """Executes batches of ranking requests with one prefix policy and its caches (no threads)."""
+
+    def __init__(self, model: Decoder, registry: RankingRegistry, cfg: RankingConfig | None = None,
+                 item_source: ItemKVSource | None = None, meta: CacheMetaService | None = None,
+                 policy: PrefixPolicy | None = None, progress: bool = False):
+        self.model = model
+        self.registry = registry
+        self.cfg = cfg = cfg or RankingConfig()
+        self.policy = policy or make_policy(cfg.policy, **({"item_tokens": cfg.bat_item_tokens}
+                                                          if cfg.policy == "bat" else {}))
+        self.meta = meta or CacheMetaService(cfg.user_window_s, cfg.item_window_s)
+        self.instruction = registry.instruction
+        self.notation = registry.notation
+        self._lock = threading.RLock()
+        self.stats = RankingStats()
+        self._bytes_per_token = model.spec.kv_bytes_per_token(torch.empty(0, dtype=model.dtype).element_size())
+        # the fixed IP head (notation tokens) is computed once and always read from cache
+        self.notation_kv: torch.Tensor | None = None
+        if len(self.notation):
+            with torch.no_grad():
+                p = BipartitePrompt(ITEM_PREFIX, self.notation, (np.zeros(1, dtype=np.int64),),
+                                    np.zeros(1, dtype=np.int64))
+                ctx = BipartiteBatchContext([BipartiteRequest(p)], device=model.device)
+                model.forward(ctx.input_ids, ctx.positions, ctx)
+                self.notation_kv = ctx.head_kv(0)
+        # user cache
+        self.user_cache: UserKVCache | None = None
+        if self.policy.user_replacement is not None:
+            freq = (lambda users: self.meta.user_frequencies(users, self._now)) \
+                if self.policy.user_replacement == "frequency" else None
+            self.user_cache = UserKVCache(_kv_store(model, cfg.user_cache_bytes, cfg.page_size),
+                                          self.policy.user_replacement, freq)
+        # item KV: an external source (cluster) or a local pool precomputed for the whole catalog
+        self.item_pool: ItemKVPool | None = None
+        self.item_source: ItemKVSource | None = None
+        if self.policy.uses_item_cache:
+            if item_source is not None:
+                self.item_source = item_source
+            else:
+                ids = registry.item_ids()
+                cap = cfg.item_pool_bytes
+                if cap is None:
+                    pages = sum(-(-len(registry.item_tokens(i)) // cfg.page_size) for i in ids)
+                    cap = int((pages * (1 + cfg.item_pool_headroom) + 1) * cfg.page_size * self._bytes_per_token)
+                self.item_pool = ItemKVPool(_kv_store(model, cap, cfg.page_size))
+                precompute_item_kv(model, [(i, registry.item_tokens(i)) for i in ids], self.item_pool.put,
+                                   self.notation, self.notation_kv, cfg.precompute_batch_tokens, progress)
+                self.item_source = self.item_pool
+        self._now = 0.0
+        registry.on_change(self._invalidate)
+
+    # ---- cache maintenance --------------------------------------------------------------------------------
+    def _invalidate(self, kind: str, key: int) -> None:
+        with self._lock:
+            if kind == "user" and self.user_cache is not None:
+                self.user_cache.remove(key)
+            elif kind == "item" and self.item_pool is not None:
+                self.item_pool.remove(key)
+                self.add_items([key])
+
+    def add_items(self, item_ids: Sequence[int]) -> int:
+        """Precompute and store the KV of newly registered (or changed) items in the local pool."""
+        if self.item_pool is None:
+            return 0
+        with self._lock:
+            return precompute_item_kv(self.model, [(i, self.registry.item_tokens(i)) for i in item_ids],
+                                      self.item_pool.put, self.notation, self.notation_kv,
+                                      self.cfg.precompute_batch_tokens)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self._bytes_per_token
+
+    # ---- one batch ----------------------------------------------------------------------------------------
+    def _decide(self, req: RankingRequest, f_u: float) -> PrefixDecision:
+        n_u = len(req.user_tokens)
+        item_lens = [len(t) for t in req.item_tokens]
+        cached_items = 0
+        if self.item_source is not None and req.item_ids is not None:
+            known = [i for i in req.item_ids if i is not None]
+            flags = iter(self.item_source.has(known))
+            cached_items = sum(n for i, n in zip(req.item_ids, item_lens) if i is not None and next(flags))
+        uc = self.user_cache
+        cacheable = uc is not None and req.user_id is not None and uc.fits_at_all(n_u)
+        cached = cacheable and req.user_id in uc
+        q = PrefixQuery(
+            user_tokens=n_u, item_tokens=sum(item_lens), cached_item_tokens=cached_items,
+            cacheable_user=cacheable, user_cached=cached, user_frequency=f_u,
+            min_cached_frequency=uc.min_frequency() if uc is not None and uc.replacement == "frequency"
+            else float("inf"),
+            user_fits_free=cacheable and uc.fits_free(n_u),
+            user_evictable=cacheable and uc.plan_admission(n_u, f_u) is not None,
+        )
+        return self.policy.choose(q)
+
+    @torch.no_grad()
+    def run(self, requests: Sequence[RankingRequest]) -> list[RankingResult]:
+        with self._lock:
+            return self._run(requests)
+
+    def _run(self, requests: Sequence[RankingRequest]) -> list[RankingResult]:
+        t0 = time.perf_counter()
+        plans: list[BipartiteRequest] = []
+        decisions: list[PrefixDecision] = []
+        freqs: list[float] = []
+        hits: list[bool] = []
+        for req in requests:
+            self._now = req.now if req.now is not None else time.time()
+            ids = [i for i in (req.item_ids or []) if i is not None]
+            f_u = self.meta.record_request(req.user_id, ids, self._now)
+            d = self._decide(req, f_u)
+            prompt = build_prompt(d.layout, req.user_tokens, req.item_tokens, self.instruction, self.notation)
+            head_kv = None
+            item_kv: list = [None] * len(req.item_tokens)
+            cached_items_kv = None
+            hit = False
+            if d.layout == USER_PREFIX and d.read_user_cache and self.user_cache is not None:
+                head_kv = self.user_cache.get(req.user_id)
+                hit = head_kv is not None
+            if d.layout == ITEM_PREFIX:
+                head_kv = self.notation_kv
+                if d.read_item_cache and self.item_source is not None and req.item_ids is not None:
+                    pos = [k for k, i in enumerate(req.item_ids) if i is not None]
+                    kv, flags = self.item_source.fetch([req.item_ids[k] for k in pos])
+                    if any(flags):
+                        cached_items_kv = kv
+                        for k, f in zip(pos, flags):
+                            if f:
+                                item_kv[k] = True
+            plans.append(BipartiteRequest(prompt, head_kv, item_kv, cached_items_kv))
+            decisions.append(d)
+            freqs.append(f_u)
+            hits.append(hit)
+        ctx = BipartiteBatchContext(plans, device=self.model.device)
+        tf = time.perf_counter()
+        hidden = self.model.forward(ctx.input_ids, ctx.positions, ctx)
+        forward_s = time.perf_counter() - tf
+        last = hidden[torch.tensor([ctx.last_index(r) for r in range(len(plans))], device=hidden.device)]
+        w = self.model.lm_head.weight
+        done = time.perf_counter()
+        results = []
+        st = self.stats
+        for r, (req, plan, d) in enumerate(zip(requests, plans, decisions)):
+            p = plan.prompt
+            ident = torch.from_numpy(p.identifier_tokens).to(w.device)
+            ranked = score_candidates(last[r], w, ident, req.top_k)
+            cached_user = len(p.head) if (d.layout == USER_PREFIX and plan.head_kv is not None) else 0
+            cached_item = sum(len(p.items[k]) for k, x in enumerate(plan.item_kv) if x is not None)
+            total = p.num_tokens - (len(p.head) if d.layout == ITEM_PREFIX else 0)  # notation is not request data
+            computed = total - cached_user - cached_item
+            # cache writes
+            if d.layout == USER_PREFIX and d.admit_user and not hits[r] and self.user_cache is not None:
+                victims = self.user_cache.plan_admission(len(p.head), freqs[r])
+                if victims is not None:
+                    ok = self.user_cache.admit(req.user_id, ctx.head_kv(r), victims)
+                    st.user_admissions += ok
+                    st.user_admission_failures += not ok
+                    st.user_evictions += len(victims) if ok else 0
+                else:
+                    st.user_admission_failures += 1
+            if d.layout == ITEM_PREFIX and self.item_pool is not None and self.cfg.write_back_items \
+                    and req.item_ids is not None:
+                for k, x in enumerate(plan.item_kv):
+                    iid = req.item_ids[k]
+                    if x is None and iid is not None and self.item_pool.put(iid, ctx.item_kv(r, k)):
+                        st.items_written_back += 1
+            # stats
+            st.requests += 1
+            st.total_tokens += total
+            st.computed_tokens += computed
+            st.cached_user_tokens += cached_user
+            st.cached_item_tokens += cached_item
+            if d.layout == USER_PREFIX:
+                st.up_requests += 1
+                if self.user_cache is not None and req.user_id is not None:
+                    st.user_lookups += 1
+                    st.user_hits += hits[r]
+            else:
+                st.ip_requests += 1
+                st.ip_item_tokens += sum(p.item_lengths)
+            results.append(RankingResult(
+                request_id=req.request_id, order=ranked.order, scores=ranked.scores, layout=d.layout,
+                total_tokens=total, computed_tokens=computed, cached_tokens=cached_user + cached_item,
+                user_cache_hit=hits[r], queue_ms=(t0 - req.arrival) * 1e3, compute_ms=(done - t0) * 1e3,
+                batch_size=len(requests)))
+        st.batches += 1
+        st.forward_s += forward_s
+        st.busy_s += time.perf_counter() - t0
+        return results
+
+
+class RankingEngine:
+    """Batching thread + one executor thread + futures around a ``RankingRunner``."""
+
+    def __init__(self, runner: RankingRunner, on_batch: Callable[[int, int], None] | None = None):
+        self.runner = runner
+        self.cfg = runner.cfg
+        self.on_batch = on_batch
+        self._queue: deque[tuple[RankingRequest, Future]] = deque()
+        self._cond = threading.Condition()
+        self._running = False
+        self._thread: threading.Thread | None = None
+
+    @property
+    def registry(self) -> RankingRegistry:
+        return self.runner.registry
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._queue)
+
+    def start(self) -> "RankingEngine":
+        if not self._running:
+            self._running = True
+            self._thread = threading.Thread(target=self._loop, name="grserve-ranking", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        with self._cond:
+            self._running = False
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._thread = None
+        for _, fut in self._queue:
+            if not fut.done():
+                fut.set_exception(RuntimeError("engine stopped"))
+        self._queue.clear()
+
+    def __enter__(self) -> "RankingEngine":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def submit(self, req: RankingRequest) -> Future[RankingResult]:
+        fut: Future[RankingResult] = Future()
+        with self._cond:
+            if len(self._queue) >= self.cfg.max_queue:
+                raise EngineOverloaded(f"{len(self._queue)} requests waiting (max_queue={self.cfg.max_queue})")
+            self._queue.append((req, fut))
+            self._cond.notify_all()
+        return fut
+
+    async def rank(self, req: RankingRequest) -> RankingResult:
+        return await asyncio.wrap_future(self.submit(req))
+
+    def _pop_batch(self) -> list[tuple[RankingRequest, Future]]:
+        batch, tokens = [], 0
+        while self._queue and len(batch) < self.cfg.max_batch_requests:
+            n = self._queue[0][0].num_tokens
+            if batch and tokens + n > self.cfg.token_capacity:
+                break
+            batch.append(self._queue.popleft())
+            tokens += n
+        return batch
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while self._running and not self._queue:
+                    self._cond.wait()
+                if not self._running:
+                    return
+                batch = self._pop_batch()
+            try:
+                results = self.runner.run([r for r, _ in batch])
+                for (_, fut), res in zip(batch, results):
+                    fut.set_result(res)
+                if self.on_batch is not None:
+                    self.on_batch(len(batch), sum(r.num_tokens for r, _ in batch))
+            except BaseException as exc:  # a failing batch fails its own requests only
+                for _, fut in batch:
+                    if not fut.done():
+                        fut.set_exception(exc)

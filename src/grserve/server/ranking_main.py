@@ -1,0 +1,153 @@
+"""``grserve serve ranking``: the BAT ranking server (POST /v1/rank, /v1/users, /v1/items, /health, /metrics).
+
+Default: preset ``tiny`` with seeded random weights and a generated synthetic catalog of items and users
+(``grserve.ranking.workload``); ``--items-file`` / ``--users-file`` load JSON lines instead
+(``{"item_id": 7, "tokens": [...]}``; an item's last token is its identifier token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+import numpy as np
+import torch
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from grserve.engine.ranking import RankingConfig, RankingEngine, RankingRunner
+from grserve.model import load_model
+from grserve.ranking.registry import RankingRegistry, RegistryError
+from grserve.ranking.workload import WorkloadSpec, generate_workload
+from grserve.scheduler.prefix_choice import POLICIES
+from grserve.server.app import ApiError, _MetricsMiddleware, _translate_validation_error, error_response
+from grserve.server.metrics import Metrics
+from grserve.server.ranking_routes import RankingLimits, build_router
+
+log = logging.getLogger("grserve.server.ranking")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def create_ranking_app(engine: Any, limits: RankingLimits | None = None, metrics: Metrics | None = None) -> FastAPI:
+    metrics = metrics if metrics is not None else Metrics()
+    metrics.bind_queue_depth(lambda: engine.queue_depth)
+    engine.on_batch = metrics.on_batch
+    app = FastAPI(title="grserve ranking", version="0.1.0",
+                  description="GR ranking with Bipartite Attention (BAT): user + candidates in, ranked candidates out.")
+    app.state.engine = engine
+    app.add_middleware(_MetricsMiddleware, metrics=metrics)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.field, exc.type, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        etype = str(errors[0].get("type")) if errors else ""
+        if etype.endswith(("_missing", "_ambiguous")) and etype.split("_")[0] in ("user", "candidates"):
+            return error_response(422, str(errors[0].get("msg")), etype.split("_")[0], etype)
+        status, message, field, etype = _translate_validation_error(exc)
+        return error_response(status, message, field, etype)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kinds = {404: "not_found", 405: "method_not_allowed"}
+        return error_response(exc.status_code, str(exc.detail), None, kinds.get(exc.status_code, "http_error"),
+                              getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(500, f"internal error: {type(exc).__name__}", None, "internal")
+
+    app.include_router(build_router(engine, limits))
+
+    @app.get("/health")
+    async def health() -> Any:
+        r = engine.runner
+        return {"status": "ok", "policy": r.policy.name, "users": r.registry.num_users,
+                "items": r.registry.num_items, "queue_depth": engine.queue_depth,
+                "vocab_size": r.registry.vocab_size}
+
+    @app.get("/metrics")
+    async def metrics_route() -> Response:
+        payload, content_type = metrics.render()
+        return Response(content=payload, media_type=content_type)
+
+    return app
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="grserve serve ranking",
+                                description="Serve GR ranking with Bipartite Attention (BAT): POST /v1/rank.")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8001)
+    p.add_argument("--model", default="tiny", help="preset or HF-format directory (default: tiny)")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--policy", default="bat", choices=sorted(POLICIES), help="prefix-choice policy (default: bat)")
+    p.add_argument("--user-cache-mb", type=float, default=64.0, help="user-prefix KV cache budget (MiB)")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--window-s", type=float, default=1800.0, help="user frequency window W (seconds)")
+    p.add_argument("--items-file", default=None, help="JSON lines {item_id, tokens} (last token = identifier)")
+    p.add_argument("--users-file", default=None, help="JSON lines {user_id, tokens}")
+    p.add_argument("--instruction", default=None, help="comma-separated instruction token ids (default: generated)")
+    p.add_argument("--num-items", type=int, default=2000, help="generated catalog size (default 2000)")
+    p.add_argument("--num-users", type=int, default=200, help="generated users (default 200)")
+    p.add_argument("--scale", type=float, default=0.25, help="generated profile-length scale (default 0.25)")
+    p.add_argument("--max-candidates", type=int, default=256)
+    p.add_argument("--max-profile-tokens", type=int, default=8192)
+    p.add_argument("--max-batch-requests", type=int, default=8)
+    p.add_argument("--log-level", default="info")
+    return p.parse_args(argv)
+
+
+def build_registry(a, vocab_size: int) -> RankingRegistry:
+    if a.items_file or a.users_file:
+        if a.instruction:
+            instr = [int(x) for x in a.instruction.split(",")]
+        else:
+            instr = np.random.default_rng(a.seed).integers(16, vocab_size, size=4).tolist()
+        reg = RankingRegistry(vocab_size, instr)
+        if a.items_file:
+            reg.load_jsonl(a.items_file, "item")
+        if a.users_file:
+            reg.load_jsonl(a.users_file, "user")
+        return reg
+    reg, _, _ = generate_workload(WorkloadSpec(num_items=a.num_items, num_users=a.num_users, scale=a.scale,
+                                               seed=a.seed), vocab_size)
+    return reg
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    import uvicorn
+
+    model = load_model(a.model, dtype=DTYPES[a.dtype], seed=a.seed)
+    try:
+        reg = build_registry(a, model.spec.vocab_size)
+    except (RegistryError, OSError) as e:
+        print(f"grserve serve ranking: error: {e}", file=sys.stderr)
+        return 2
+    cfg = RankingConfig(policy=a.policy, user_cache_bytes=int(a.user_cache_mb * 2**20), page_size=a.page_size,
+                        user_window_s=a.window_s, max_batch_requests=a.max_batch_requests)
+    print(f"grserve ranking: {reg.num_items} items, {reg.num_users} users, policy {a.policy}; precomputing item KV",
+          file=sys.stderr, flush=True)
+    runner = RankingRunner(model, reg, cfg, progress=True)
+    engine = RankingEngine(runner)
+    app = create_ranking_app(engine, RankingLimits(max_candidates=a.max_candidates,
+                                                   max_profile_tokens=a.max_profile_tokens))
+    print(f"grserve ranking -> http://{a.host}:{a.port}  (POST /v1/rank)", flush=True)
+    engine.start()
+    try:
+        uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level)
+    except SystemExit as exc:
+        return int(exc.code or 0) if isinstance(exc.code, int) else 1
+    finally:
+        engine.stop()
+    return 0
