@@ -130,9 +130,14 @@ class Decoder(nn.Module):
         cos, sin = self.rope(positions)
         x = F.embedding(input_ids, self.model.embed_tokens.weight)
         n = x.shape[0]
+        # Optional hook: a context that caches the layer input (Apt-Serve's hidden cache) sees the post-norm
+        # input of the QKV projection before ``attend``. Contexts without the hook are unaffected.
+        observe = getattr(ctx, "observe_layer_input", None)
         for i, layer in enumerate(self.model.layers):
             a = layer.self_attn
             h = layer.input_layernorm(x)
+            if observe is not None:
+                observe(i, h)
             q = F.linear(h, a.q_proj.weight, a.q_proj.bias).view(n, a.hq, a.d)
             k = F.linear(h, a.k_proj.weight, a.k_proj.bias).view(n, a.hkv, a.d)
             v = F.linear(h, a.v_proj.weight, a.v_proj.bias).view(n, a.hkv, a.d)
@@ -145,6 +150,21 @@ class Decoder(nn.Module):
             g = F.silu(F.linear(h, m.gate_proj.weight)) * F.linear(h, m.up_proj.weight)
             x = x + F.linear(g, m.down_proj.weight)
         return self.model.norm(x)
+
+    def kv_from_hidden(self, layer: int, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Recompute K/V of ``layer`` from cached post-norm layer inputs: h [N, H], positions int64 [N].
+
+        Exactly what ``forward`` computes for those tokens (k_proj/v_proj, k-norm, RoPE at ``positions``):
+        k, v [N, Hkv, D]. Used by the hidden-cache attention path (Apt-Serve).
+        """
+        a = self.model.layers[layer].self_attn
+        n = h.shape[0]
+        k = F.linear(h, a.k_proj.weight, a.k_proj.bias).view(n, a.hkv, a.d)
+        v = F.linear(h, a.v_proj.weight, a.v_proj.bias).view(n, a.hkv, a.d)
+        if a.k_norm is not None:
+            k = a.k_norm(k)
+        cos, sin = self.rope(positions)
+        return _rotate(k, cos, sin), v
 
     def logits(self, hidden: torch.Tensor, token_range: tuple[int, int] | None = None) -> torch.Tensor:
         """hidden [N, H] → logits [N, V], or [N, b-a] for token_range=(a, b) (only those vocab rows are used)."""

@@ -188,4 +188,11 @@ PRESETS: dict[str, ModelSpec] = {
         num_attention_heads=12, num_key_value_heads=2, head_dim=128, rms_norm_eps=1e-6, rope_theta=1e6,
         tie_word_embeddings=True, attention_bias=True, qk_norm=False, max_position_embeddings=32768,
     ),
+    # Multi-head attention (num_key_value_heads == num_attention_heads), as the paper's OPT models: the hidden
+    # state (256) is half of K+V (2·4·64 = 512) per token per layer, so Apt-Serve's hidden cache can pay off.
+    "tiny-mha": ModelSpec(
+        family="qwen3", vocab_size=32000, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4, head_dim=64, rms_norm_eps=1e-6, rope_theta=1e6,
+        tie_word_embeddings=True, attention_bias=False, qk_norm=True, max_position_embeddings=32768,
+    ),
 }

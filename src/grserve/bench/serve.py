@@ -1,0 +1,230 @@
+"""``grserve bench serve``: SLO attainment and effective throughput, FCFS vs chunked prefill vs Apt-Serve.
+
+Two modes, one engine (same schedulers, same block pool):
+- default: the real model (``--model``, default the MHA preset ``tiny-mha``) on CPU; the clock advances by each
+  iteration's measured time and jumps idle gaps (``engine.simulated.TimedExecutor``). SLOs are multiples of the
+  measured single-request latencies (TTFT: prefill of the mean prompt; TBT: one decode step); the pool holds
+  ``--mem-requests`` mean-size requests' KV, so memory binds as on a GPU.
+- ``--simulate``: the discrete-event simulator with the OPT-13B / A100-40GB cost model (Table 3 SLOs,
+  1,625 blocks ≈ 13k tokens of KV).
+
+Rates sweep multiples of the single-request service rate; effective throughput = the highest rate with ≥ 90 %
+attainment. Also measures decode throughput at batch 32 vs HF transformers ``generate`` (target P7).
+Prints a rich table, writes ``attainment_vs_rate.png`` and ``serve.json`` to ``--out-dir``, and ends with one
+JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from grserve.bench.llm_workloads import DATASETS, attainment, effective_throughput, make_trace
+
+SYSTEMS = ("fcfs", "chunked", "aptserve")
+TABLE3 = {"sharegpt": (1.0, 1.0), "humaneval": (0.5, 0.5), "longbench": (4.0, 1.0)}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="grserve bench serve", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="few requests, few rates, short decode benchmark")
+    p.add_argument("--simulate", action="store_true", help="discrete-event simulator, OPT-13B on an A100")
+    p.add_argument("--dataset", default="sharegpt", choices=DATASETS)
+    p.add_argument("--model", default="tiny-mha", help="preset or HF dir (real mode)")
+    p.add_argument("--num-requests", type=int, default=None, help="requests per rate (default 40 real / 500 sim)")
+    p.add_argument("--rates", type=str, default=None, help="comma-separated req/s (default: auto sweep)")
+    p.add_argument("--cv", type=float, default=1.0, help="arrival CV (1 = Poisson, >1 Gamma bursts)")
+    p.add_argument("--scale", type=float, default=0.25, help="length scale of the workload (real mode)")
+    p.add_argument("--mem-requests", type=float, default=4.0, help="pool size in mean-request KV footprints")
+    p.add_argument("--ttft-mult", type=float, default=10.0, help="TTFT SLO = mult × single-request prefill")
+    p.add_argument("--tbt-mult", type=float, default=10.0, help="TBT SLO = mult × single-request decode step")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--no-decode-bench", action="store_true", help="skip the batch-32 decode vs HF benchmark")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out-dir", default="bench-results")
+    return p
+
+
+def _sweep(run_one, rates, systems, progress) -> dict[str, list[dict]]:
+    out = {s: [] for s in systems}
+    for rate in rates:
+        for s in systems:
+            out[s].append(run_one(s, rate))
+            progress.update(1)
+    return out
+
+
+def decode_vs_hf(quick: bool) -> dict:
+    """P7: tiny shape (32k vocab), batch 32, prompt 128, new tokens 128 (32 in --quick); greedy, end to end."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from grserve.engine.llm import build_model_engine
+    from grserve.engine.sampling import SamplingParams
+    from grserve.model import load_model
+    from grserve.scheduler.fcfs import FCFSScheduler
+
+    new = 32 if quick else 128
+    batch, plen = 32, 128
+    model = load_model("tiny", seed=0)
+    spec = model.spec
+    prompts = torch.randint(3, spec.vocab_size, (batch, plen), generator=torch.Generator().manual_seed(0))
+    eng = build_model_engine(model, FCFSScheduler(max_num_batched_tokens=batch * plen), num_blocks=1200,
+                             block_size=16)
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    eng.generate([p.tolist() for p in prompts[:2]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    t0 = time.perf_counter()
+    eng.generate([p.tolist() for p in prompts], params)
+    ours = batch * new / (time.perf_counter() - t0)
+    cfg = Qwen3Config(**{k: v for k, v in spec.to_hf_config().items() if k not in ("architectures", "model_type",
+                                                                                   "torch_dtype", "dtype")})
+    hf = Qwen3ForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        hf.generate(prompts[:2], max_new_tokens=4, do_sample=False)
+        t0 = time.perf_counter()
+        hf.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new, min_new_tokens=new,
+                    do_sample=False)
+        theirs = batch * new / (time.perf_counter() - t0)
+    return {"ours_tok_s": ours, "hf_tok_s": theirs, "speedup": ours / theirs, "batch": batch, "prompt": plen,
+            "new_tokens": new}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from rich.console import Console
+    from rich.table import Table
+    from tqdm import tqdm
+
+    from grserve.engine.llm import LLMEngine, build_model_engine, calibrate_rho
+    from grserve.engine.simulated import CostModel, SimulatedExecutor, TimedExecutor, VirtualClock, run_trace
+    from grserve.kvcache.blocks import BlockPool
+    from grserve.scheduler.llm_types import make_llm_scheduler
+
+    console = Console(stderr=False)
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    n_req = args.num_requests or ((24 if args.quick else 40) if not args.simulate else (200 if args.quick else 500))
+    probe = make_trace(args.dataset, n_req, 1.0, cv=args.cv, seed=args.seed,
+                       scale=1.0 if args.simulate else args.scale)
+    mean_p = sum(r.prompt_len for r in probe) / n_req
+    mean_o = sum(r.output_len for r in probe) / n_req
+    info: dict = {"mode": "simulate" if args.simulate else "real", "dataset": args.dataset, "cv": args.cv,
+                  "num_requests": n_req, "mean_prompt": mean_p, "mean_output": mean_o}
+
+    if args.simulate:
+        cost = CostModel.opt13b_a100()
+        ttft_slo, tbt_slo = TABLE3[args.dataset]
+        num_blocks, hidden_planes = 1625, 1
+        rho = cost.rho_h
+        single = cost.iteration_time([_Item(0, int(mean_p), "kv")]) + mean_o * cost.iteration_time(
+            [_Item(int(mean_p + mean_o / 2), 1, "kv")])
+        model = None
+    else:
+        from grserve.model import load_model
+
+        model = load_model(args.model, seed=args.seed)
+        spec = model.spec
+        rho = calibrate_rho(model)
+        hidden_planes = -(-spec.hidden_size // spec.kv_size)
+        # single-request latencies (engine, FCFS, one request alone)
+        eng = build_model_engine(model, make_llm_scheduler("fcfs"), num_blocks=4096, block_size=args.block_size)
+        from grserve.engine.sampling import SamplingParams
+
+        eng.generate([[5] * 16], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))  # warm-up
+        ts = []
+        for _ in range(3):
+            eng.keep_finished = True
+            eng.generate([[5] * int(mean_p)], SamplingParams(max_tokens=int(mean_o), temperature=0.0,
+                                                             ignore_eos=True))
+            s = eng.finished[-1]
+            ts.append((s.token_times[0] - s.arrival, (s.token_times[-1] - s.token_times[0]) / max(1, len(
+                s.token_times) - 1)))
+        prefill_lat = min(t[0] for t in ts)
+        step_lat = min(t[1] for t in ts)
+        ttft_slo, tbt_slo = args.ttft_mult * prefill_lat, args.tbt_mult * step_lat
+        per_tok_kv = 2 * args.block_size
+        num_blocks = int(args.mem_requests * (mean_p + mean_o) / args.block_size * 2) + per_tok_kv
+        single = prefill_lat + mean_o * step_lat
+        info.update(single_prefill_s=prefill_lat, single_step_s=step_lat, model=args.model)
+    mu = 1.0 / single  # single-request service rate
+    if args.rates:
+        rates = [float(x) for x in args.rates.split(",")]
+    else:
+        mults = [1, 2, 3, 4, 6] if args.quick else [1, 2, 3, 4, 5, 6, 8, 10, 12]
+        rates = [round(mu * m, 3) for m in mults] if not args.simulate else \
+            ([0.5, 1, 2, 3, 4, 6] if args.quick else [0.5, 1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 7, 8])
+    info.update(ttft_slo=ttft_slo, tbt_slo=tbt_slo, num_blocks=num_blocks, rho=rho, rates=rates)
+
+    def run_one(system: str, rate: float) -> dict:
+        trace = make_trace(args.dataset, n_req, rate, cv=args.cv, seed=args.seed,
+                           scale=1.0 if args.simulate else args.scale)
+        clock = VirtualClock()
+        pool = BlockPool(num_blocks, args.block_size, kv_planes=2, hidden_planes=hidden_planes)
+        pol = make_llm_scheduler(system, ttft_slo=ttft_slo, tbt_slo=tbt_slo, rho=rho,
+                                 token_budget=512 if args.simulate else 128,
+                                 max_num_batched_tokens=2048 if args.simulate else 512)
+        if args.simulate:
+            eng = LLMEngine(pol, pool, SimulatedExecutor(cost), clock=clock)
+        else:
+            real = build_model_engine(model, pol, num_blocks=num_blocks, block_size=args.block_size)
+            eng = LLMEngine(pol, real.pool, TimedExecutor(real.executor), clock=clock)
+        res = run_trace(eng, trace, clock)
+        a = attainment(res.requests, ttft_slo, tbt_slo)
+        a.update(rate=rate, hidden_scheduled=res.stats["hidden_scheduled"], preemptions=res.stats["preemptions"])
+        return a
+
+    total = len(rates) * len(SYSTEMS)
+    with tqdm(total=total, desc="rate sweep", file=sys.stderr) as bar:
+        sweep = _sweep(run_one, rates, SYSTEMS, bar)
+    eff = {s: effective_throughput(rates, [r["attainment"] for r in sweep[s]]) for s in SYSTEMS}
+
+    table = Table(title=f"SLO attainment ({info['mode']}, {args.dataset}, CV {args.cv}; TTFT {ttft_slo:.3g}s, "
+                        f"P99 TBT {tbt_slo:.3g}s)")
+    table.add_column("rate (req/s)", justify="right")
+    for s in SYSTEMS:
+        table.add_column(s, justify="right")
+    for i, r in enumerate(rates):
+        table.add_row(f"{r:.3g}", *[f"{sweep[s][i]['attainment']:.0%} (ttft {sweep[s][i]['ttft_attainment']:.0%})"
+                                    for s in SYSTEMS])
+    table.add_row("effective @90%", *[f"{eff[s]:.3g}" for s in SYSTEMS])
+    console.print(table)
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for s in SYSTEMS:
+        ax.plot(rates, [r["attainment"] * 100 for r in sweep[s]], marker="o", label=s)
+    ax.axhline(90, ls="--", c="grey")
+    ax.set_xlabel("request rate (req/s)")
+    ax.set_ylabel("SLO attainment (%)")
+    ax.set_title(f"{args.dataset} ({info['mode']})")
+    ax.legend()
+    fig.tight_layout()
+    png = out_dir / f"attainment_vs_rate_{info['mode']}_{args.dataset}.png"
+    fig.savefig(png, dpi=120)
+
+    dec = None
+    if not args.no_decode_bench:
+        dec = decode_vs_hf(args.quick)
+        console.print(f"decode batch 32 (tiny, 32k vocab): grserve {dec['ours_tok_s']:.0f} tok/s, HF generate "
+                      f"{dec['hf_tok_s']:.0f} tok/s -> {dec['speedup']:.2f}x")
+    ratios = {"aptserve_vs_fcfs": eff["aptserve"] / eff["fcfs"] if eff["fcfs"] else None,
+              "aptserve_vs_chunked": eff["aptserve"] / eff["chunked"] if eff["chunked"] else None}
+    summary = {"effective_throughput": eff, **ratios, "decode_speedup_vs_hf": dec["speedup"] if dec else None,
+               "png": str(png), **{k: v for k, v in info.items() if k != "rates"}}
+    (out_dir / f"serve_{info['mode']}_{args.dataset}.json").write_text(json.dumps(
+        {"summary": summary, "sweep": sweep, "decode": dec}, indent=2))
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
+class _Item:
+    def __init__(self, start: int, num_new: int, kind: str):
+        self.start, self.num_new, self.kind = start, num_new, kind

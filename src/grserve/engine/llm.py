@@ -1,0 +1,393 @@
+"""Continuous-batching LLM engine: executes the scheduler's plan over the hybrid KV/hidden block pool.
+
+One ``step()`` = one iteration: build the plain ``SchedulerInput`` (W, R, pool arithmetic), ask the policy,
+then execute its ``SchedulerOutput`` — preempt (free blocks, back to the front of W, recompute later), grow
+block tables, run one packed forward pass (``HybridPagedContext``), sample (temperature / top-p / seed), apply
+stop conditions (max_tokens, EOS, stop token ids, stop strings), free finished requests' blocks.
+
+The executor is swappable: ``ModelExecutor`` runs the real model; ``engine.simulated.SimulatedExecutor``
+returns a cost-model duration instead (the discrete-event simulator). The clock is injectable (virtual time
+in the benchmark). ``abort()`` frees a request's blocks at once (between iterations: the engine lock).
+
+Prefix cache seam: ``prefix_cache`` (default None) is any object with ``match(token_ids) -> int`` (cached
+prefix length) — the radix prefix cache from the LCR work can plug in here; it is not used yet.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import torch
+
+from grserve.attention.hybrid import HybridPagedContext, SeqSlice
+from grserve.kvcache.blocks import BlockPool, CacheKind, HybridCacheStorage
+from grserve.engine.sampling import SamplerState, SamplingParams, sample
+from grserve.scheduler.llm_types import LLMScheduler, PoolView, SchedulerInput, SchedulerOutput, SeqView
+
+
+class PrefixCache(Protocol):
+    def match(self, token_ids: list[int]) -> int: ...
+
+
+@dataclass
+class TokenEvent:
+    """What a request got in one iteration (streamed to its client)."""
+
+    seq_id: int
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: float
+    on_event: Callable[[TokenEvent], None] | None = None
+    output_ids: list[int] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)
+    num_computed: int = 0
+    cache: CacheKind | None = None
+    finished: bool = False
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+    text: str = ""
+    emitted: int = 0
+    sampler: SamplerState | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def first_token_time(self) -> float | None:
+        return self.token_times[0] if self.token_times else None
+
+
+@dataclass
+class ExecItem:
+    seq: Sequence
+    start: int
+    num_new: int
+    kind: CacheKind
+    sample: bool
+
+
+class ModelExecutor:
+    """Runs one packed forward over the hybrid cache; returns logits for the requests that sample."""
+
+    def __init__(self, model, storage: HybridCacheStorage):
+        self.model = model
+        self.storage = storage
+        spec = model.spec
+        self.hkv, self.d = spec.num_key_value_heads, spec.head_dim
+
+    def execute(self, items: list[ExecItem], pool: BlockPool) -> tuple[torch.Tensor | None, float | None]:
+        ids: list[int] = []
+        pos: list[int] = []
+        slices, rows = [], []
+        for it in items:
+            toks = it.seq.tokens
+            ids.extend(toks[it.start: it.start + it.num_new])
+            pos.extend(range(it.start, it.start + it.num_new))
+            slices.append(SeqSlice(pool.table(it.seq.seq_id), it.start, it.num_new))
+            if it.sample:
+                rows.append(len(ids) - 1)
+        dev = self.storage.data.device
+        ctx = HybridPagedContext(self.storage, slices, self.model.kv_from_hidden, self.hkv, self.d)
+        with torch.inference_mode():
+            h = self.model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), ctx)
+            logits = self.model.logits(h[torch.tensor(rows, device=dev)]) if rows else None
+        return logits, None
+
+
+def calibrate_rho(model, token_counts=(32, 128, 512), repeats: int = 3) -> float:
+    """ρ (seconds per cached token): the slope of the all-layer K/V re-projection time vs tokens (§4.2 'profiled
+    before serving'; the Repo times the fused QKV linear and divides by 5 — we time exactly ``kv_from_hidden``
+    and do not divide)."""
+    spec = model.spec
+    xs, ys = [], []
+    with torch.inference_mode():
+        for n in token_counts:
+            h = torch.randn(n, spec.hidden_size, dtype=model.dtype, device=model.device)
+            pos = torch.arange(n, device=model.device)
+            best = float("inf")
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                for layer in range(spec.num_hidden_layers):
+                    model.kv_from_hidden(layer, h, pos)
+                best = min(best, time.perf_counter() - t0)
+            xs.append(n), ys.append(best)
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return max(slope, 0.0)
+
+
+class LLMEngine:
+    def __init__(self, scheduler: LLMScheduler, pool: BlockPool, executor, *, eos_token_id: int | None = None,
+                 detokenize: Callable[[list[int]], str] | None = None, clock: Callable[[], float] = time.perf_counter,
+                 max_model_len: int | None = None, prefix_cache: PrefixCache | None = None,
+                 on_iteration: Callable[[SchedulerOutput, float], None] | None = None):
+        self.scheduler = scheduler
+        self.pool = pool
+        self.executor = executor
+        self.eos_token_id = eos_token_id
+        self.detokenize = detokenize
+        self.clock = clock
+        self.max_model_len = max_model_len
+        self.prefix_cache = prefix_cache
+        self.on_iteration = on_iteration
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.seqs: dict[int, Sequence] = {}
+        self.finished: list[Sequence] = []
+        self.keep_finished = False
+        self.lock = threading.RLock()
+        self._next_id = 0
+        self.iterations = 0
+        self.stats = {"preemptions": 0, "hidden_scheduled": 0, "kv_scheduled": 0, "iterations_at_limit": 0}
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, *, arrival: float | None = None,
+                    on_event: Callable[[TokenEvent], None] | None = None, seq_id: int | None = None) -> int:
+        """Queue a request; raises ValueError if it can never fit (model length or pool size)."""
+        if not prompt_ids:
+            raise ValueError("prompt must have at least one token")
+        total = len(prompt_ids) + params.max_tokens
+        if self.max_model_len is not None and total > self.max_model_len:
+            raise ValueError(f"prompt ({len(prompt_ids)}) + max_tokens ({params.max_tokens}) exceeds the model "
+                             f"length {self.max_model_len}")
+        if self.pool.blocks_for(total, "kv") > self.pool.num_blocks:
+            raise ValueError(f"prompt + max_tokens = {total} tokens never fits the KV pool "
+                             f"({self.pool.num_blocks} blocks of {self.pool.block_size})")
+        with self.lock:
+            if seq_id is None:
+                seq_id = self._next_id
+                self._next_id += 1
+            seq = Sequence(seq_id, list(prompt_ids), params, self.clock() if arrival is None else arrival, on_event)
+            seq.sampler = SamplerState(params)
+            self.seqs[seq_id] = seq
+            self.waiting.append(seq)
+        return seq_id
+
+    def abort(self, seq_id: int) -> bool:
+        """Cancel a request and free its blocks now. Returns False if it is unknown or already finished."""
+        with self.lock:
+            seq = self.seqs.get(seq_id)
+            if seq is None or seq.finished:
+                return False
+            self._finish(seq, "abort")
+            return True
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ the iteration
+    def _view(self, s: Sequence) -> SeqView:
+        return SeqView(s.seq_id, s.arrival, s.token_times[-1] if s.token_times else None, s.num_tokens,
+                       s.num_computed, len(s.output_ids), s.cache, self.pool.blocks_of(s.seq_id))
+
+    def scheduler_input(self) -> SchedulerInput:
+        p = self.pool
+        return SchedulerInput(self.clock(), tuple(self._view(s) for s in self.waiting),
+                              tuple(self._view(s) for s in self.running),
+                              PoolView(p.num_blocks, p.num_free, p.block_size, p.kv_planes, p.hidden_planes))
+
+    def step(self) -> list[TokenEvent]:
+        with self.lock:
+            return self._step()
+
+    def _step(self) -> list[TokenEvent]:
+        if not self.has_work():
+            return []
+        inp = self.scheduler_input()
+        plan = self.scheduler.schedule(inp)
+        self.iterations += 1
+        # 1. preemption (recompute): free, back to the front of W in their original order
+        for sid in reversed(plan.preempted):
+            seq = self.seqs[sid]
+            self.pool.free(sid)
+            seq.num_computed, seq.cache = 0, None
+            seq.num_preemptions += 1
+            self.stats["preemptions"] += 1
+            if seq in self.running:
+                self.running.remove(seq)
+                self.waiting.appendleft(seq)
+        if not plan.scheduled:
+            return []
+        if self.pool.num_free < sum(self.pool.extra_blocks_for(x.seq_id, self.seqs[x.seq_id].num_computed
+                                                                 + x.num_tokens, x.cache) for x in plan.scheduled):
+            self.stats["iterations_at_limit"] += 1
+        # 2. admit + grow block tables
+        items: list[ExecItem] = []
+        for x in plan.scheduled:
+            seq = self.seqs[x.seq_id]
+            if seq.cache is not None and seq.cache != x.cache:  # a policy switching kinds without preempting
+                raise RuntimeError(f"seq {x.seq_id}: cache switch {seq.cache}->{x.cache} must be a preemption")
+            if seq.cache is None:
+                self.waiting.remove(seq)
+                self.running.append(seq)
+                seq.cache = x.cache
+            n = min(x.num_tokens, seq.num_tokens - seq.num_computed)
+            self.pool.reserve(x.seq_id, seq.num_computed + n, x.cache)
+            self.stats["hidden_scheduled" if x.cache == "hidden" else "kv_scheduled"] += 1
+            items.append(ExecItem(seq, seq.num_computed, n, x.cache, seq.num_computed + n == seq.num_tokens))
+        # 3. forward
+        t0 = self.clock()
+        logits, duration = self.executor.execute(items, self.pool)
+        if duration is not None:  # simulated executor: advance the virtual clock
+            self.clock_advance(duration)
+        now = self.clock()
+        if self.on_iteration is not None:
+            self.on_iteration(plan, now - t0)
+        for it in items:
+            it.seq.num_computed += it.num_new
+            self.pool.table(it.seq.seq_id).num_tokens = it.seq.num_computed
+        # 4. sample + stop conditions
+        samplers = [it for it in items if it.sample]
+        if logits is not None:
+            toks = sample(logits, [it.seq.sampler for it in samplers])
+        else:
+            toks = [self.executor.dummy_token(it.seq) for it in samplers]
+        events = []
+        for it, tok in zip(samplers, toks):
+            events.append(self._append_token(it.seq, tok, now))
+        return [e for e in events if e is not None]
+
+    def clock_advance(self, dt: float) -> None:
+        adv = getattr(self.clock, "advance", None)
+        if adv is None:
+            raise RuntimeError("a simulated executor needs a virtual clock with advance()")
+        adv(dt)
+
+    def _append_token(self, seq: Sequence, tok: int, now: float) -> TokenEvent | None:
+        if seq.finished:
+            return None
+        seq.output_ids.append(tok)
+        seq.token_times.append(now)
+        p = seq.params
+        reason = None
+        if not p.ignore_eos and self.eos_token_id is not None and tok == self.eos_token_id:
+            reason = "stop"
+        elif tok in p.stop_token_ids:
+            reason = "stop"
+        delta = ""
+        if self.detokenize is not None:
+            text = self.detokenize(seq.output_ids)
+            hold = 0
+            if p.stop:
+                for s in p.stop:
+                    i = text.find(s)
+                    if i >= 0:
+                        text, reason = text[:i], "stop"
+                hold = max(len(s) for s in p.stop) - 1
+            seq.text = text
+            safe = len(text) if reason else max(seq.emitted, len(text) - hold)
+            while safe > seq.emitted and text[safe - 1] == "\ufffd" and not reason:  # an unfinished UTF-8 char
+                safe -= 1
+            delta = text[seq.emitted:safe]
+            seq.emitted = max(seq.emitted, safe)
+        if reason is None and len(seq.output_ids) >= p.max_tokens:
+            reason = "length"
+        if reason is not None:
+            if self.detokenize is not None and seq.emitted < len(seq.text):
+                delta += seq.text[seq.emitted:]
+                seq.emitted = len(seq.text)
+            ev = TokenEvent(seq.seq_id, [tok], delta, True, reason)
+            self._finish(seq, reason, emit=False)
+        else:
+            ev = TokenEvent(seq.seq_id, [tok], delta, False)
+        if seq.on_event is not None:
+            seq.on_event(ev)
+        return ev
+
+    def _finish(self, seq: Sequence, reason: str, emit: bool = True) -> None:
+        seq.finished, seq.finish_reason = True, reason
+        self.pool.free(seq.seq_id)
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.seqs.pop(seq.seq_id, None)
+        if self.keep_finished:
+            self.finished.append(seq)
+        if emit and seq.on_event is not None:
+            seq.on_event(TokenEvent(seq.seq_id, [], "", True, reason))
+
+    # ------------------------------------------------------------------ convenience (tests, offline runs)
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 max_iterations: int = 100_000) -> list[list[int]]:
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        self.keep_finished = True
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        for _ in range(max_iterations):
+            if not self.has_work():
+                break
+            self.step()
+        done = {s.seq_id: s for s in self.finished}
+        return [done[i].output_ids for i in ids]
+
+
+def build_model_engine(model, scheduler: LLMScheduler, *, num_blocks: int, block_size: int = 16,
+                       **kw) -> LLMEngine:
+    """Engine over a real model: pool + storage sized from the model spec (planes of K/V width)."""
+    spec = model.spec
+    pool = BlockPool.for_model(num_blocks, block_size, spec.hidden_size, spec.kv_size)
+    storage = HybridCacheStorage(pool, spec.num_hidden_layers, spec.kv_size, spec.hidden_size, dtype=model.dtype,
+                                 device=model.device)
+    kw.setdefault("max_model_len", spec.max_position_embeddings)
+    return LLMEngine(scheduler, pool, ModelExecutor(model, storage), **kw)
+
+
+class EngineLoop:
+    """Runs ``engine.step()`` on a background thread while there is work (the server's driver)."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._cv = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="grserve-llm-engine", daemon=True)
+        self.errors = 0
+
+    def start(self) -> "EngineLoop":
+        self._thread.start()
+        return self
+
+    def wake(self) -> None:
+        with self._cv:
+            self._cv.notify()
+
+    def stop(self) -> None:
+        self._stop = True
+        self.wake()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop:
+            with self._cv:
+                while not self._stop and not self.engine.has_work():
+                    self._cv.wait(timeout=0.5)
+            if self._stop:
+                return
+            try:
+                self.engine.step()
+            except Exception:  # never die: fail the in-flight requests, keep serving
+                import logging
+
+                logging.getLogger("grserve.engine").exception("engine step failed")
+                self.errors += 1
+                with self.engine.lock:
+                    for s in list(self.engine.running) + list(self.engine.waiting):
+                        self.engine._finish(s, "error")

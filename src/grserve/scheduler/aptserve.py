@@ -1,0 +1,114 @@
+"""Apt-Serve's adaptive scheduler (§5): iteration type by pending time, greedy hybrid-cache knapsack, SLO demotion.
+
+Per iteration (digest §5.7; our decisions are in docs/llm.md):
+
+1. p_i = time since arrival (no token yet) or since the last token; m_i = KV blocks for all n_i tokens
+   (for a running request that includes the slot of the token it is about to compute).
+2. Iteration type: with R empty → prefill. Otherwise prefill iff Σ_W p > Σ_R p **and** the prefill greedy picks
+   something (Repo's fallback); else decode.
+3. Values (Eq. 5–6): g_kv = p_i, g_hidden = p_i − N·ρ·n_i with N = |W| + |R| minus the requests already past their
+   SLO (Repo) and ρ in seconds per cached token (the K/V re-projection cost over all layers, profiled).
+4. A request past its SLO (TTFT for never-served requests, TBT since its last token otherwise) is demoted:
+   ``demotion="near_zero"``: KV-only with θ = min waiting p · 1e-4 / total blocks (1e-6 without waiting
+   requests) (Repo); ``demotion="decay"``: both values × 0.4 (the paper's Scheduling*).
+5. Prefill: U = W, M = free blocks; the chosen requests are admitted with their chosen cache kind, in the greedy's
+   order, within the token / sequence caps. Decode: U = R, M = all blocks; unselected running requests are
+   preempted (recompute), and a selected request whose kind changes is preempted and re-prefilled (the paper
+   discards the cache; its new kind is decided again by the prefill greedy).
+"""
+
+from __future__ import annotations
+
+from grserve.scheduler.knapsack import Candidate, greedy
+from grserve.scheduler.llm_types import ScheduledSeq, SchedulerInput, SchedulerOutput, SeqView
+
+
+class AptServeScheduler:
+    name = "aptserve"
+
+    def __init__(self, ttft_slo: float = 1.0, tbt_slo: float = 1.0, rho: float = 0.0, hybrid: bool = True,
+                 demotion: str = "near_zero", decay: float = 0.4, max_num_batched_tokens: int = 2048,
+                 max_num_seqs: int = 256, **_ignored):
+        if demotion not in ("near_zero", "decay"):
+            raise ValueError("demotion must be 'near_zero' or 'decay'")
+        self.ttft_slo, self.tbt_slo = ttft_slo, tbt_slo
+        self.rho = rho
+        self.hybrid = hybrid
+        self.demotion = demotion
+        self.decay = decay
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+
+    # ------------------------------------------------------------------ pieces (tested one by one)
+    def violated(self, s: SeqView, now: float) -> bool:
+        return s.pending(now) > (self.tbt_slo if s.prefilled else self.ttft_slo)
+
+    @staticmethod
+    def iteration_type(inp: SchedulerInput) -> str:
+        """The paper's rule: prefill iff Σ_W p > Σ_R p (R empty → prefill; W empty → decode)."""
+        if not inp.waiting:
+            return "decode"
+        if not inp.running:
+            return "prefill"
+        now = inp.now
+        return "prefill" if sum(s.pending(now) for s in inp.waiting) > sum(s.pending(now) for s in inp.running) \
+            else "decode"
+
+    def candidates(self, inp: SchedulerInput, seqs: tuple[SeqView, ...]) -> list[Candidate]:
+        now, pool = inp.now, inp.pool
+        everyone = inp.waiting + inp.running
+        n_violated = sum(self.violated(s, now) for s in everyone)
+        n = max(1, len(everyone) - n_violated)
+        waiting_p = [s.pending(now) for s in inp.waiting]
+        eps = (min(waiting_p) * 1e-4 / pool.total_blocks) if waiting_p else 1e-6
+        eps = max(eps, 1e-12)
+        out = []
+        for s in seqs:
+            p = s.pending(now)
+            c_kv = pool.blocks_for(s.num_tokens, "kv")
+            c_h = pool.blocks_for(s.num_tokens, "hidden") if self.hybrid else None
+            g_h = p - n * self.rho * s.num_tokens if self.hybrid else None
+            if self.violated(s, now):
+                if self.demotion == "near_zero":
+                    out.append(Candidate(s.seq_id, p, c_kv, theta_override=eps))
+                    continue
+                p *= self.decay
+                g_h = None if g_h is None else g_h * self.decay
+            out.append(Candidate(s.seq_id, p, c_kv, g_h, c_h))
+        return out
+
+    # ------------------------------------------------------------------ the policy
+    def schedule(self, inp: SchedulerInput) -> SchedulerOutput:
+        if not inp.waiting and not inp.running:
+            return SchedulerOutput("idle")
+        if self.iteration_type(inp) == "prefill":
+            out = self._prefill(inp)
+            if out.scheduled or not inp.running:
+                return out
+        return self._decode(inp)
+
+    def _prefill(self, inp: SchedulerInput) -> SchedulerOutput:
+        sol = greedy(self.candidates(inp, inp.waiting), inp.pool.free_blocks)
+        by_id = {s.seq_id: s for s in inp.waiting}
+        plan, tokens = [], 0
+        room = self.max_num_seqs - len(inp.running)
+        for sid, kind in sol.choice.items():  # greedy (θ) order
+            n = by_id[sid].num_tokens
+            if len(plan) >= room or (plan and tokens + n > self.max_num_batched_tokens):
+                break
+            plan.append(ScheduledSeq(sid, n, kind))
+            tokens += n
+        return SchedulerOutput("prefill" if plan else "idle", plan,
+                               info={"value": sol.value, "broke": sol.broke, "single_won": sol.single_won})
+
+    def _decode(self, inp: SchedulerInput) -> SchedulerOutput:
+        sol = greedy(self.candidates(inp, inp.running), inp.pool.total_blocks)
+        plan, preempted = [], []
+        for s in inp.running:
+            kind = sol.choice.get(s.seq_id)
+            if kind is None or kind != s.cache:
+                preempted.append(s.seq_id)
+            else:
+                plan.append(ScheduledSeq(s.seq_id, s.num_tokens - s.num_computed, kind))
+        return SchedulerOutput("decode", plan, preempted,
+                               info={"value": sol.value, "broke": sol.broke, "single_won": sol.single_won})

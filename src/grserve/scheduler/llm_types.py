@@ -1,0 +1,119 @@
+"""The LLM scheduling contract: what a policy sees (plain views) and what it returns (a plain plan).
+
+Policies never touch tensors or block tables. Each iteration the engine hands a ``SchedulerInput`` — the clock,
+the waiting queue W (requests holding no blocks: new, or preempted; in queue order, preempted ones first), the
+running set R (requests holding blocks, in admission order) and the pool's block arithmetic — and executes the
+returned ``SchedulerOutput``:
+
+1. ``preempted``: free those requests' blocks and put them back at the front of W (recompute preemption; a
+   cache-type switch is a preemption too: the paper discards the cache and re-prefills it in the new type);
+2. ``scheduled``: for each (seq, num_tokens, cache) grow the request's blocks to hold num_computed + num_tokens
+   tokens of ``cache`` and compute those tokens in one packed forward pass; a request whose last token was
+   computed samples its next token.
+
+A token count n of a request is "prompt + generated so far"; a request with ``num_computed == num_tokens − 1``
+is decoding (its newest token is not yet in the cache).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+from grserve.kvcache.blocks import CacheKind
+
+IterationKind = Literal["prefill", "decode", "mixed", "idle"]
+
+
+@dataclass(frozen=True)
+class SeqView:
+    seq_id: int
+    arrival: float
+    last_token_time: float | None  # None until the first output token
+    num_tokens: int  # prompt + generated so far
+    num_computed: int  # tokens whose cache is in the pool (0 for waiting requests)
+    num_output: int
+    cache: CacheKind | None  # kind of the blocks it holds (None when waiting)
+    held_blocks: int
+
+    @property
+    def prefilled(self) -> bool:
+        return self.last_token_time is not None
+
+    def pending(self, now: float) -> float:
+        """p_i (§4.2): time since arrival before the first token, else since the last token."""
+        return now - (self.arrival if self.last_token_time is None else self.last_token_time)
+
+
+@dataclass(frozen=True)
+class PoolView:
+    total_blocks: int
+    free_blocks: int
+    block_size: int
+    kv_planes: int = 2
+    hidden_planes: int = 1
+
+    def blocks_for(self, num_tokens: int, kind: CacheKind) -> int:
+        planes = self.kv_planes if kind == "kv" else self.hidden_planes
+        return planes * (-(-num_tokens // self.block_size))
+
+
+@dataclass(frozen=True)
+class SchedulerInput:
+    now: float
+    waiting: tuple[SeqView, ...]
+    running: tuple[SeqView, ...]
+    pool: PoolView
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    seq_id: int
+    num_tokens: int  # new tokens to compute this iteration (1 for a decode step)
+    cache: CacheKind
+
+
+@dataclass
+class SchedulerOutput:
+    kind: IterationKind
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[int] = field(default_factory=list)
+    info: dict = field(default_factory=dict)  # policy statistics (knapsack value, ...), for logs and tests
+
+
+class LLMScheduler(Protocol):
+    name: str
+
+    def schedule(self, inp: SchedulerInput) -> SchedulerOutput: ...
+
+
+def preempt_until_fits(running: list[SeqView], pool: PoolView, need: dict[int, int],
+                       free: int) -> tuple[list[SeqView], list[int], int]:
+    """vLLM's recompute preemption: drop the latest-admitted running requests until every kept request's extra
+    blocks (``need[seq_id]``) fit in ``free`` (+ the victims' freed blocks). Returns (kept, preempted, free)."""
+    kept = list(running)
+    preempted: list[int] = []
+    total = sum(need[s.seq_id] for s in kept)
+    while kept and total > free:
+        victim = kept.pop()
+        total -= need[victim.seq_id]
+        free += victim.held_blocks
+        preempted.append(victim.seq_id)
+    return kept, preempted, free - total
+
+
+SCHEDULERS = ("fcfs", "chunked", "aptserve")
+
+
+def make_llm_scheduler(name: str, **kw) -> LLMScheduler:
+    """Build a policy by name (config): fcfs | chunked | aptserve; ``kw`` go to its constructor."""
+    if name == "fcfs":
+        from grserve.scheduler.fcfs import FCFSScheduler
+        return FCFSScheduler(**kw)
+    if name == "chunked":
+        from grserve.scheduler.chunked import ChunkedPrefillScheduler
+        return ChunkedPrefillScheduler(**kw)
+    if name == "aptserve":
+        from grserve.scheduler.aptserve import AptServeScheduler
+        return AptServeScheduler(**kw)
+    raise ValueError(f"unknown scheduler {name!r}; choose from {', '.join(SCHEDULERS)}")

@@ -1,0 +1,126 @@
+"""``grserve serve llm``: an LLM behind an OpenAI-compatible API, on the hybrid-cache continuous-batching engine."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+
+from grserve.engine.llm import EngineLoop, LLMEngine, build_model_engine, calibrate_rho
+from grserve.scheduler.llm_types import SCHEDULERS, make_llm_scheduler
+from grserve.server.openai_routes import create_openai_router, openai_error
+
+
+def build_app(loop: EngineLoop, tokenizer, model_name: str, max_model_len: int, vocab_size: int) -> FastAPI:
+    engine: LLMEngine = loop.engine
+    app = FastAPI(title="grserve LLM", docs_url=None, redoc_url=None)
+    app.include_router(create_openai_router(loop, tokenizer, model_name, max_model_len, vocab_size))
+    reg = CollectorRegistry(auto_describe=True)
+    Gauge("grserve_llm_running", "Requests holding cache blocks.", registry=reg).set_function(
+        lambda: len(engine.running))
+    Gauge("grserve_llm_waiting", "Requests waiting (new or preempted).", registry=reg).set_function(
+        lambda: len(engine.waiting))
+    Gauge("grserve_llm_free_blocks", "Free blocks in the unified pool.", registry=reg).set_function(
+        lambda: engine.pool.num_free)
+    Gauge("grserve_llm_preemptions", "Preemptions so far (recompute).", registry=reg).set_function(
+        lambda: engine.stats["preemptions"])
+    requests = Counter("grserve_llm_http_requests_total", "HTTP requests by path and status.",
+                       ["path", "status"], registry=reg)
+
+    @app.middleware("http")
+    async def count(request: Request, call_next):
+        resp = await call_next(request)
+        requests.labels(request.url.path, str(resp.status_code)).inc()
+        return resp
+
+    @app.exception_handler(404)
+    async def not_found(request: Request, exc):
+        return openai_error(404, f"no route {request.url.path}", None, "not_found")
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, exc: Exception):
+        return openai_error(500, "internal error", None, "internal_error")
+
+    @app.get("/health")
+    async def health():
+        return JSONResponse({"status": "ok", "model": model_name, "running": len(engine.running),
+                             "waiting": len(engine.waiting), "free_blocks": engine.pool.num_free,
+                             "total_blocks": engine.pool.num_blocks})
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(reg), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def build_engine(args: argparse.Namespace):
+    from grserve.engine.tokenizer import load_tokenizer
+    from grserve.model import load_model
+
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    model = load_model(args.model, dtype=dtype, device=args.device, seed=args.seed)
+    tok = load_tokenizer(args.model, model.spec.vocab_size)
+    rho = args.rho if args.rho is not None else (calibrate_rho(model) if args.scheduler == "aptserve" else 0.0)
+    pol = make_llm_scheduler(args.scheduler, ttft_slo=args.ttft_slo, tbt_slo=args.tbt_slo, rho=rho,
+                             token_budget=args.token_budget, max_num_batched_tokens=args.max_batched_tokens,
+                             max_num_seqs=args.max_num_seqs)
+    engine = build_model_engine(model, pol, num_blocks=args.num_blocks, block_size=args.block_size,
+                                eos_token_id=tok.eos_token_id, detokenize=tok.decode)
+    return engine, tok, model
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="grserve serve llm", description=(
+        "Serve an LLM over an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models) plus "
+        "/health and /metrics, on the continuous-batching engine with Apt-Serve's hybrid KV/hidden cache."),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default="tiny-mha", help="preset name (tiny, tiny-mha, qwen3-0.6b, ...) or HF dir")
+    p.add_argument("--served-model-name", default=None, help="model id in the API (default: --model)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--seed", type=int, default=0, help="seed of a preset's random weights")
+    p.add_argument("--scheduler", default="aptserve", choices=SCHEDULERS)
+    p.add_argument("--num-blocks", type=int, default=4096, help="blocks in the unified KV/hidden pool")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per block")
+    p.add_argument("--ttft-slo", type=float, default=5.0, help="TTFT SLO in seconds (aptserve)")
+    p.add_argument("--tbt-slo", type=float, default=1.0, help="P99 TBT SLO in seconds (aptserve)")
+    p.add_argument("--rho", type=float, default=None, help="hidden-cache cost per cached token in seconds "
+                                                           "(default: profiled at start-up)")
+    p.add_argument("--token-budget", type=int, default=512, help="tokens per iteration (chunked)")
+    p.add_argument("--max-batched-tokens", type=int, default=2048, help="prefill tokens per iteration")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.num_blocks < 2 or args.block_size < 1:
+        print("grserve serve llm: error: --num-blocks must be >= 2 and --block-size >= 1", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    try:
+        engine, tok, model = build_engine(args)
+    except (ValueError, OSError) as exc:
+        print(f"grserve serve llm: error: {exc}", file=sys.stderr)
+        return 2
+    name = args.served_model_name or args.model
+    loop = EngineLoop(engine).start()
+    app = build_app(loop, tok, name, model.spec.max_position_embeddings, model.spec.vocab_size)
+    print(f"grserve: LLM {name} ({args.dtype}), scheduler {args.scheduler}, {args.num_blocks} blocks x "
+          f"{args.block_size} tokens -> http://{args.host}:{args.port}/v1", flush=True)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    except SystemExit as exc:
+        return int(exc.code or 0) if isinstance(exc.code, int) else 1
+    finally:
+        loop.stop()
+    return 0

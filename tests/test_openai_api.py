@@ -1,0 +1,158 @@
+"""OpenAI-compatible API with the official ``openai`` client: completions / chat (stream and not), models,
+usage, stop, max_tokens, seeded sampling, 4xx in OpenAI's error shape naming the param, disconnect frees blocks."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+
+openai = pytest.importorskip("openai")
+
+from grserve.engine.llm import EngineLoop, build_model_engine  # noqa: E402
+from grserve.engine.tokenizer import ByteTokenizer  # noqa: E402
+from grserve.model import ModelSpec, load_model  # noqa: E402
+from grserve.scheduler.aptserve import AptServeScheduler  # noqa: E402
+from grserve.server.llm_main import build_app  # noqa: E402
+
+SPEC = ModelSpec(family="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=4, head_dim=16, max_position_embeddings=1024)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from grserve.model import Decoder, save_pretrained
+
+    d = tmp_path_factory.mktemp("m")
+    save_pretrained(load_model_from_spec(), d)
+    model = load_model(str(d))
+    tok = ByteTokenizer(SPEC.vocab_size)
+    eng = build_model_engine(model, AptServeScheduler(ttft_slo=10, tbt_slo=10, rho=1e-6), num_blocks=256,
+                             block_size=8, eos_token_id=None, detokenize=tok.decode)
+    loop = EngineLoop(eng).start()
+    app = build_app(loop, tok, "test-model", SPEC.max_position_embeddings, SPEC.vocab_size)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    th = threading.Thread(target=srv.run, daemon=True)
+    th.start()
+    for _ in range(200):
+        if srv.started:
+            break
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", eng
+    srv.should_exit = True
+    th.join(timeout=5)
+    loop.stop()
+    del Decoder
+
+
+def load_model_from_spec():
+    from grserve.model.decoder import Decoder
+    from grserve.model.loader import _random_init
+
+    m = Decoder(SPEC)
+    _random_init(m, 0)
+    return m
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    url, _ = server
+    return openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
+
+
+def test_models(client):
+    assert [m.id for m in client.models.list().data] == ["test-model"]
+
+
+def test_completion_nonstream_usage_and_length(client):
+    r = client.completions.create(model="test-model", prompt="Hello", max_tokens=7, temperature=0)
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 7 and r.usage.prompt_tokens == len("Hello") + 1
+    r2 = client.completions.create(model="test-model", prompt="Hello", max_tokens=7, temperature=0)
+    assert r2.choices[0].text == r.choices[0].text  # greedy is deterministic
+
+
+def test_completion_stream_equals_nonstream(client):
+    full = client.completions.create(model="test-model", prompt="abc", max_tokens=9, temperature=0)
+    chunks = list(client.completions.create(model="test-model", prompt="abc", max_tokens=9, temperature=0,
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_seeded_sampling_is_reproducible(client):
+    kw = dict(model="test-model", prompt="xyz", max_tokens=8, temperature=0.9, top_p=0.9, seed=123)
+    assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
+
+
+def test_stop_string(client):
+    full = client.completions.create(model="test-model", prompt="stop test", max_tokens=20, temperature=0)
+    text = full.choices[0].text
+    stop = next((text[i:i + 2] for i in range(2, len(text) - 2) if "\ufffd" not in text[i:i + 2]), None)
+    if stop is None:
+        pytest.skip("generated text has no usable stop substring")
+    r = client.completions.create(model="test-model", prompt="stop test", max_tokens=20, temperature=0, stop=[stop])
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].text == text[: text.find(stop)]
+
+
+def test_chat_stream_and_not(client):
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    r = client.chat.completions.create(model="test-model", messages=msgs, max_tokens=6, temperature=0)
+    assert r.choices[0].message.role == "assistant" and r.usage.completion_tokens == 6
+    chunks = list(client.chat.completions.create(model="test-model", messages=msgs, max_tokens=6, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == r.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 6
+
+
+@pytest.mark.parametrize("kw,param", [
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(temperature=5), "temperature"),
+    (dict(top_p=0), "top_p"),
+    (dict(n=3), "n"),
+    (dict(max_tokens=5000), "max_tokens"),
+    (dict(stop=["a", "b", "c", "d", "e"]), "stop"),
+])
+def test_bad_parameters_are_400_naming_the_param(client, kw, param):
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.completions.create(model="test-model", prompt="x", **{"max_tokens": 4, **kw})
+    err = ei.value.body
+    assert err["param"] == param and err["message"] and err["type"] == "invalid_request_error"
+
+
+def test_unknown_model_and_bad_json(server, client):
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x", max_tokens=2)
+    url, _ = server
+    r = httpx.post(url + "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "error" in r.json() and set(r.json()["error"]) == {"message", "type", "param",
+                                                                                        "code"}
+    r = httpx.post(url + "/v1/chat/completions", json={"model": "test-model"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    assert httpx.get(url + "/health").json()["status"] == "ok"  # still serving
+    assert "grserve_llm_free_blocks" in httpx.get(url + "/metrics").text
+
+
+def test_disconnect_frees_blocks(server):
+    url, eng = server
+    with httpx.Client(timeout=30) as c:
+        with c.stream("POST", url + "/v1/completions", json={"model": "test-model", "prompt": "long one",
+                                                             "max_tokens": 900, "stream": True,
+                                                             "temperature": 0}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    break
+            assert eng.pool.num_free < eng.pool.num_blocks
+    for _ in range(100):
+        if eng.pool.num_free == eng.pool.num_blocks and not eng.has_work():
+            break
+        time.sleep(0.05)
+    assert eng.pool.num_free == eng.pool.num_blocks and not eng.has_work()
