@@ -1,4 +1,5 @@
-# grserve — `make demo` serves the embedded default and sends a few requests; `make test` runs the test suite.
+# grserve — `make demo` builds (once) and serves a MovieLens-100k GR model and prints real recommendations;
+# `make test` runs the test suite.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
