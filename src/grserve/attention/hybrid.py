@@ -41,6 +41,19 @@ class SeqSlice:
     num_new: int  # tokens computed in this pass
 
 
+def block_matrix(seqs: list[SeqSlice], num_planes: int) -> torch.Tensor:
+    """[S, num_planes, G] int64: every request's block ids per plane, padded with block 0 (one tensor build from
+    the tables' lists; no per-token Python)."""
+    g = max(len(s.table.planes[0]) for s in seqs)
+    pad_plane = [0] * g
+    rows = []
+    for s in seqs:
+        planes = [p + [0] * (g - len(p)) if len(p) < g else p for p in s.table.planes]
+        planes += [pad_plane] * (num_planes - len(planes))
+        rows.append(planes)
+    return torch.tensor(rows, dtype=torch.int64)
+
+
 class _HybridBase:
     def __init__(self, storage: HybridCacheStorage, seqs: list[SeqSlice], kv_from_hidden: KVFromHidden,
                  num_kv_heads: int, head_dim: int):
@@ -51,28 +64,51 @@ class _HybridBase:
         self._h: torch.Tensor | None = None
         dev = storage.data.device
         b = storage.pool.block_size
-        # ---- write plan: (plane, dst pool rows, src packed rows) for K, V and each hidden plane
-        k_dst, v_dst, kv_src = [], [], []
-        h_dst: list[list[torch.Tensor]] = [[] for _ in range(storage.pool.hidden_planes)]
-        h_src: list[torch.Tensor] = []
-        off = 0
+        n_seq = len(seqs)
         for s in seqs:
             if s.start + s.num_new > len(s.table.planes[0]) * b:
                 raise ValueError("block table too short for start + num_new tokens")
-            rows = storage.row_index(s.table, s.start, s.start + s.num_new, device="cpu")
-            src = torch.arange(off, off + s.num_new)
-            if s.table.kind == "kv":
-                k_dst.append(rows[0]), v_dst.append(rows[1]), kv_src.append(src)
+        # ---- per-request vectors and the padded block matrix, built once per pass (vectorised, CPU)
+        self.num_planes = max(len(s.table.planes) for s in seqs)
+        self._blocks = block_matrix(seqs, self.num_planes)  # [S, P, G]
+        self._starts = torch.tensor([s.start for s in seqs], dtype=torch.int64)
+        self._nnew = torch.tensor([s.num_new for s in seqs], dtype=torch.int64)
+        self._is_kv = torch.tensor([s.table.kind == "kv" for s in seqs], dtype=torch.bool)
+        self.all_kv = bool(self._is_kv.all())
+        self.any_kv = bool(self._is_kv.any())
+        off = torch.cumsum(self._nnew, 0) - self._nnew
+        self.num_tokens = int(self._nnew.sum())
+        # packed token t belongs to request tok_seq[t], position tok_pos[t]
+        self._tok_seq = torch.repeat_interleave(torch.arange(n_seq), self._nnew)
+        self._tok_pos = torch.arange(self.num_tokens) - off[self._tok_seq] + self._starts[self._tok_seq]
+        rows = self._rows(self._tok_seq, self._tok_pos)  # [P, N] pool rows of the new tokens
+        # ---- write plan: (plane, dst pool rows, src packed rows) for K, V and each hidden plane
+        if self.all_kv:
+            self._kv_src = None
+            self._k_dst, self._v_dst = rows[0].to(dev), rows[1].to(dev)
+            self._kv_all = True
+        else:
+            tok_kv = self._is_kv[self._tok_seq]
+            kv_src = tok_kv.nonzero().squeeze(1)
+            self._kv_all = False
+            if kv_src.numel():
+                self._kv_src = kv_src.to(dev)
+                self._k_dst, self._v_dst = rows[0, kv_src].to(dev), rows[1, kv_src].to(dev)
             else:
-                for p in range(len(rows)):
-                    h_dst[p].append(rows[p])
-                h_src.append(src)
-            off += s.num_new
-        self.num_tokens = off
-        cat = lambda xs: torch.cat(xs).to(dev) if xs else None  # noqa: E731
-        self._k_dst, self._v_dst, self._kv_src = cat(k_dst), cat(v_dst), cat(kv_src)
-        self._h_dst = [cat(x) for x in h_dst] if h_src else []
-        self._h_src = cat(h_src)
+                self._kv_src = self._k_dst = self._v_dst = None
+        if self.all_kv:
+            self._h_src, self._h_dst = None, []
+        else:
+            h_src = (~self._is_kv[self._tok_seq]).nonzero().squeeze(1)
+            hp = storage.pool.hidden_planes
+            self._h_src = h_src.to(dev) if h_src.numel() else None
+            self._h_dst = [rows[p, h_src].to(dev) for p in range(hp)] if h_src.numel() else []
+
+    def _rows(self, seq: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Pool rows [P, M] of (request seq[m], position pos[m]) in every plane (padded planes → block 0)."""
+        b = self.storage.pool.block_size
+        blk = self._blocks[seq, :, pos // b]  # [M, P]
+        return (blk * b + (pos % b)[:, None]).T.contiguous()
 
     def observe_layer_input(self, layer: int, h: torch.Tensor) -> None:
         self._h = h
@@ -80,7 +116,10 @@ class _HybridBase:
     def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         data = self.storage.data[layer]
         w = self.storage.width
-        if self._kv_src is not None:
+        if self._kv_all:
+            data.index_copy_(0, self._k_dst, k.reshape(k.shape[0], -1).to(data.dtype))
+            data.index_copy_(0, self._v_dst, v.reshape(v.shape[0], -1).to(data.dtype))
+        elif self._kv_src is not None:
             data.index_copy_(0, self._k_dst, k.reshape(k.shape[0], -1).index_select(0, self._kv_src).to(data.dtype))
             data.index_copy_(0, self._v_dst, v.reshape(v.shape[0], -1).index_select(0, self._kv_src).to(data.dtype))
         if self._h_src is not None:
@@ -103,70 +142,101 @@ class _HybridBase:
 
 
 class HybridPagedContext(_HybridBase):
-    """Fast path: padded [S, Tmax] key layout and one SDPA per layer for the whole mixed batch."""
+    """Fast path: padded [S, Tmax] key layout and one SDPA per layer for the whole mixed batch.
+
+    All index tensors are built once per pass, vectorised (no per-token Python). Per layer: the new tokens' K/V
+    are written to their blocks first, then every KV request's keys/values for positions 0 … start+num_new−1
+    are gathered from the pool in **one** ``index_select`` per plane (padding reads row 0 and is masked);
+    hidden requests get their past K/V re-projected from the gathered x and their new K/V from this pass. A
+    pure decode batch (one new token each) needs no query packing.
+    """
 
     def __init__(self, storage: HybridCacheStorage, seqs: list[SeqSlice], kv_from_hidden: KVFromHidden,
                  num_kv_heads: int, head_dim: int):
         super().__init__(storage, seqs, kv_from_hidden, num_kv_heads, head_dim)
         dev = storage.data.device
         n_seq = len(seqs)
-        self.t_max = max(s.start + s.num_new for s in seqs)
-        self.q_max = max(s.num_new for s in seqs)
-        new_dst, q_dst = [], []
-        pk_dst, pk_src_k, pk_src_v = [], [], []
-        ph_dst, ph_src, ph_pos = [], [], []
-        mask = torch.zeros(n_seq, 1, self.q_max, self.t_max, dtype=torch.bool)
-        mask[:, :, :, 0] = True  # padded query rows see key 0 (never NaN); their output is discarded
-        for i, s in enumerate(seqs):
-            j = torch.arange(s.num_new)
-            new_dst.append(i * self.t_max + s.start + j)
-            q_dst.append(i * self.q_max + j)
-            kpos = torch.arange(self.t_max)
-            mask[i, 0, : s.num_new] = kpos[None, :] <= (s.start + j)[:, None]
-            if s.start:
-                rows = storage.row_index(s.table, 0, s.start, device="cpu")
-                dst = i * self.t_max + torch.arange(s.start)
-                if s.table.kind == "kv":
-                    pk_dst.append(dst), pk_src_k.append(rows[0]), pk_src_v.append(rows[1])
-                else:
-                    ph_dst.append(dst), ph_src.append(rows), ph_pos.append(torch.arange(s.start))
-        self._new_dst = torch.cat(new_dst).to(dev)
-        self._q_dst = torch.cat(q_dst).to(dev)
-        self._mask = mask.to(dev)
-        self._pk = (torch.cat(pk_dst).to(dev), torch.cat(pk_src_k).to(dev), torch.cat(pk_src_v).to(dev)) \
-            if pk_dst else None
-        self._ph = (torch.cat(ph_dst).to(dev), torch.cat(ph_src, dim=1).to(dev), torch.cat(ph_pos).to(dev)) \
-            if ph_dst else None
+        ends = self._starts + self._nnew
+        self.t_max = int(ends.max())
+        self.q_max = int(self._nnew.max())
+        # fresh prefills of one length (incl. a lone prompt): plain causal SDPA over [S, n], no gather, no mask
+        self.lone_prefill = (all(s.start == 0 for s in seqs) and self.q_max == int(self._nnew.min())
+                             and (self.all_kv or n_seq == 1))
+        if self.lone_prefill:
+            return
+        kpos = torch.arange(self.t_max)
+        qj = torch.arange(self.q_max)
+        # mask[s, 0, j, t]: query j of request s (position start+j) sees key t ≤ start+j; padded query rows
+        # (j ≥ num_new) see key 0 only (never NaN; their output is discarded)
+        qpos = self._starts[:, None] + qj[None, :]  # [S, Q]
+        real_q = qj[None, :] < self._nnew[:, None]
+        mask = kpos[None, None, :] <= qpos[:, :, None]
+        mask = torch.where(real_q[:, :, None], mask, (kpos == 0)[None, None, :])
+        self._mask = mask[:, None].to(dev)
+        self.pure_decode = self.q_max == 1 and bool((self._nnew == 1).all())
+        flat_seq = torch.arange(n_seq).repeat_interleave(self.t_max)
+        flat_pos = kpos.repeat(n_seq)
+        valid = flat_pos < ends[flat_seq]
+        self._kv_rows = None
+        if self.any_kv:
+            kv_ok = valid & self._is_kv[flat_seq]
+            rows = self._rows(flat_seq, flat_pos)  # [P, S·Tmax]
+            self._kv_rows = (torch.where(kv_ok, rows[0], 0).to(dev), torch.where(kv_ok, rows[1], 0).to(dev))
+        self._new_dst = self._ph = None
+        if not self.all_kv:
+            h_tok = ~self._is_kv[self._tok_seq]
+            # hidden requests' new tokens: copied from this pass (packed rows → padded slots)
+            self._new_src = h_tok.nonzero().squeeze(1).to(dev)
+            self._new_dst = (self._tok_seq[h_tok] * self.t_max + self._tok_pos[h_tok]).to(dev)
+            past = valid & ~self._is_kv[flat_seq] & (flat_pos < self._starts[flat_seq])
+            if bool(past.any()):
+                ps, pp = flat_seq[past], flat_pos[past]
+                hp = storage.pool.hidden_planes
+                self._ph = (past.nonzero().squeeze(1).to(dev), self._rows(ps, pp)[:hp].to(dev), pp.to(dev))
+        if not self.pure_decode:
+            self._q_dst = (self._tok_seq * self.q_max + torch.arange(self.num_tokens)
+                           - (torch.cumsum(self._nnew, 0) - self._nnew)[self._tok_seq]).to(dev)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self._write(layer, k, v)
         n_seq, hq, d, hkv = len(self.seqs), q.shape[1], self.d, self.hkv
-        if n_seq == 1 and self.seqs[0].start == 0:  # a lone fresh prefill: no gather, plain causal SDPA
-            o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                               v.transpose(0, 1)[None], is_causal=True, enable_gqa=hq != hkv)
-            return o[0].transpose(0, 1)
-        kk = k.new_zeros(n_seq * self.t_max, hkv, d)
-        vv = v.new_zeros(n_seq * self.t_max, hkv, d)
-        kk.index_copy_(0, self._new_dst, k)
-        vv.index_copy_(0, self._new_dst, v)
+        if self.lone_prefill:  # fresh prefills of one length: no gather, plain causal SDPA
+            n = self.q_max
+            o = F.scaled_dot_product_attention(q.view(n_seq, n, hq, d).transpose(1, 2),
+                                               k.view(n_seq, n, hkv, d).transpose(1, 2),
+                                               v.view(n_seq, n, hkv, d).transpose(1, 2), is_causal=True,
+                                               enable_gqa=hq != hkv)
+            return o.transpose(1, 2).reshape(n_seq * n, hq, d)
         data = self.storage.data[layer]
-        if self._pk is not None:
-            dst, sk, sv = self._pk
-            kk.index_copy_(0, dst, data.index_select(0, sk).view(-1, hkv, d).to(k.dtype))
-            vv.index_copy_(0, dst, data.index_select(0, sv).view(-1, hkv, d).to(v.dtype))
+        if self._kv_rows is not None:  # one gather per plane; includes the new tokens just written
+            kk = data.index_select(0, self._kv_rows[0]).view(-1, hkv, d).to(k.dtype)
+            vv = data.index_select(0, self._kv_rows[1]).view(-1, hkv, d).to(v.dtype)
+        else:
+            kk = k.new_zeros(n_seq * self.t_max, hkv, d)
+            vv = v.new_zeros(n_seq * self.t_max, hkv, d)
+        if self._new_dst is not None:
+            kk.index_copy_(0, self._new_dst, k.index_select(0, self._new_src))
+            vv.index_copy_(0, self._new_dst, v.index_select(0, self._new_src))
         if self._ph is not None:
             dst, rows, pos = self._ph
             kr, vr = self.kv_from_hidden(layer, self._gather_hidden(layer, rows).to(k.dtype), pos)
             kk.index_copy_(0, dst, kr)
             vv.index_copy_(0, dst, vr)
-        qq = q.new_zeros(n_seq * self.q_max, hq, d)
-        qq.index_copy_(0, self._q_dst, q)
+        if self.pure_decode:
+            qq = q.view(n_seq, 1, hq, d)
+        else:
+            qq = q.new_zeros(n_seq * self.q_max, hq, d)
+            qq.index_copy_(0, self._q_dst, q)
+            qq = qq.view(n_seq, self.q_max, hq, d)
         o = F.scaled_dot_product_attention(
-            qq.view(n_seq, self.q_max, hq, d).transpose(1, 2),
+            qq.transpose(1, 2),
             kk.view(n_seq, self.t_max, hkv, d).transpose(1, 2),
             vv.view(n_seq, self.t_max, hkv, d).transpose(1, 2),
             attn_mask=self._mask, enable_gqa=hq != hkv)
-        return o.transpose(1, 2).reshape(n_seq * self.q_max, hq, d).index_select(0, self._q_dst)
+        o = o.transpose(1, 2)
+        if self.pure_decode:
+            return o.reshape(n_seq, hq, d)
+        return o.reshape(n_seq * self.q_max, hq, d).index_select(0, self._q_dst)
 
 
 class ReferenceHybridContext(_HybridBase):

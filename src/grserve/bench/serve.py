@@ -44,6 +44,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tbt-mult", type=float, default=10.0, help="TBT SLO = mult × single-request decode step")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--no-decode-bench", action="store_true", help="skip the batch-32 decode vs HF benchmark")
+    p.add_argument("--decode-only", action="store_true", help="only the batch-32 decode vs HF benchmark (P7)")
+    p.add_argument("--decode-repeats", type=int, default=None, help="decode benchmark: best of N (default 1 "
+                   "quick / 2)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads (0 = torch default). 1 by default: the per-iteration GEMMs are "
+                        "tiny and two OpenMP threads on a shared 2-core machine stall on a busy core")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default="bench-results")
     return p
@@ -58,8 +64,15 @@ def _sweep(run_one, rates, systems, progress) -> dict[str, list[dict]]:
     return out
 
 
-def decode_vs_hf(quick: bool) -> dict:
-    """P7: tiny shape (32k vocab), batch 32, prompt 128, new tokens 128 (32 in --quick); greedy, end to end."""
+def decode_vs_hf(quick: bool = False, *, new_tokens: int | None = None, batch: int = 32, prompt_len: int = 128,
+                 repeats: int = 1) -> dict:
+    """P7: decode throughput of the grserve engine vs HF transformers ``generate``, same weights, same run.
+
+    Shape ``tiny`` (32k vocab), batch 32, prompt 128, 128 new tokens (32 with ``quick``), greedy, fp32,
+    end to end (prefill included) for both: tok/s = batch · new / wall time. Weights: the seeded ``tiny``
+    preset, loaded into ``Qwen3ForCausalLM`` with ``load_state_dict`` (so both produce the same tokens; checked).
+    Best of ``repeats`` alternating runs (the machine is shared).
+    """
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -68,33 +81,58 @@ def decode_vs_hf(quick: bool) -> dict:
     from grserve.model import load_model
     from grserve.scheduler.fcfs import FCFSScheduler
 
-    new = 32 if quick else 128
-    batch, plen = 32, 128
+    new = new_tokens or (32 if quick else 128)
+    batch, plen = batch, prompt_len
     model = load_model("tiny", seed=0)
     spec = model.spec
     prompts = torch.randint(3, spec.vocab_size, (batch, plen), generator=torch.Generator().manual_seed(0))
-    eng = build_model_engine(model, FCFSScheduler(max_num_batched_tokens=batch * plen), num_blocks=1200,
+    plists = [p.tolist() for p in prompts]
+    blocks = batch * 2 * -(-(plen + new) // 16) + 16
+    eng = build_model_engine(model, FCFSScheduler(max_num_batched_tokens=batch * plen), num_blocks=blocks,
                              block_size=16)
     params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
-    eng.generate([p.tolist() for p in prompts[:2]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
-    t0 = time.perf_counter()
-    eng.generate([p.tolist() for p in prompts], params)
-    ours = batch * new / (time.perf_counter() - t0)
     cfg = Qwen3Config(**{k: v for k, v in spec.to_hf_config().items() if k not in ("architectures", "model_type",
                                                                                    "torch_dtype", "dtype")})
     hf = Qwen3ForCausalLM(cfg).float().eval()
+    missing, unexpected = hf.load_state_dict(model.state_dict(), strict=False)
+    if unexpected or [k for k in missing if k != "lm_head.weight"]:
+        raise RuntimeError(f"weights do not map onto HF: missing {missing}, unexpected {unexpected}")
+    hf.tie_weights()
+    eng.generate(plists[:2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
     with torch.no_grad():
         hf.generate(prompts[:2], max_new_tokens=4, do_sample=False)
+    ours_t, hf_t = [], []
+    ours_out = hf_out = None
+    for _ in range(max(1, repeats)):
         t0 = time.perf_counter()
-        hf.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new, min_new_tokens=new,
-                    do_sample=False)
-        theirs = batch * new / (time.perf_counter() - t0)
+        ours_out = eng.generate(plists, params)
+        ours_t.append(time.perf_counter() - t0)
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            out = hf.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new,
+                              min_new_tokens=new, do_sample=False)
+            hf_t.append(time.perf_counter() - t0)
+        hf_out = out[:, plen:].tolist()
+    ours, theirs = batch * new / min(ours_t), batch * new / min(hf_t)
     return {"ours_tok_s": ours, "hf_tok_s": theirs, "speedup": ours / theirs, "batch": batch, "prompt": plen,
-            "new_tokens": new}
+            "new_tokens": new, "threads": torch.get_num_threads(), "same_tokens": ours_out == hf_out,
+            "ours_s": ours_t, "hf_s": hf_t, "hf_attn": cfg._attn_implementation}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    import torch
+
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    if args.decode_only:
+        dec = decode_vs_hf(args.quick, repeats=args.decode_repeats or (1 if args.quick else 2))
+        print(f"decode batch {dec['batch']} (tiny, 32k vocab, prompt {dec['prompt']}, {dec['new_tokens']} new, "
+              f"{dec['threads']} thread(s)): grserve {dec['ours_tok_s']:.0f} tok/s, HF generate "
+              f"{dec['hf_tok_s']:.0f} tok/s -> {dec['speedup']:.2f}x; same tokens: {dec['same_tokens']}",
+              file=sys.stderr)
+        print(json.dumps(dec), flush=True)
+        return 0
     from rich.console import Console
     from rich.table import Table
     from tqdm import tqdm
@@ -154,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.rates:
         rates = [float(x) for x in args.rates.split(",")]
     else:
-        mults = [1, 2, 3, 4, 6] if args.quick else [1, 2, 3, 4, 5, 6, 8, 10, 12]
+        mults = [2, 4, 6, 8] if args.quick else [1, 2, 3, 4, 6, 8, 10, 12]  # x single-request service rate
         rates = [round(mu * m, 3) for m in mults] if not args.simulate else \
             ([0.5, 1, 2, 3, 4, 6] if args.quick else [0.5, 1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 7, 8])
     info.update(ttft_slo=ttft_slo, tbt_slo=tbt_slo, num_blocks=num_blocks, rho=rho, rates=rates)
@@ -212,9 +250,10 @@ def main(argv: list[str] | None = None) -> int:
 
     dec = None
     if not args.no_decode_bench:
-        dec = decode_vs_hf(args.quick)
-        console.print(f"decode batch 32 (tiny, 32k vocab): grserve {dec['ours_tok_s']:.0f} tok/s, HF generate "
-                      f"{dec['hf_tok_s']:.0f} tok/s -> {dec['speedup']:.2f}x")
+        dec = decode_vs_hf(args.quick, repeats=args.decode_repeats or (1 if args.quick else 2))
+        console.print(f"decode batch 32 (tiny, 32k vocab, {dec['new_tokens']} new, {dec['threads']} thread(s)): "
+                      f"grserve {dec['ours_tok_s']:.0f} tok/s, HF generate {dec['hf_tok_s']:.0f} tok/s -> "
+                      f"{dec['speedup']:.2f}x; same tokens: {dec['same_tokens']}")
     ratios = {"aptserve_vs_fcfs": eff["aptserve"] / eff["fcfs"] if eff["fcfs"] else None,
               "aptserve_vs_chunked": eff["aptserve"] / eff["chunked"] if eff["chunked"] else None}
     summary = {"effective_throughput": eff, **ratios, "decode_speedup_vs_hf": dec["speedup"] if dec else None,

@@ -98,9 +98,15 @@ class ModelExecutor:
         pos: list[int] = []
         slices, rows = [], []
         for it in items:
-            toks = it.seq.tokens
-            ids.extend(toks[it.start: it.start + it.num_new])
-            pos.extend(range(it.start, it.start + it.num_new))
+            seq, a, b = it.seq, it.start, it.start + it.num_new
+            plen = len(seq.prompt_ids)
+            if a >= plen:  # decode: only generated tokens (no prompt + output list copy per step)
+                ids.extend(seq.output_ids[a - plen: b - plen])
+            elif b <= plen:
+                ids.extend(seq.prompt_ids[a:b])
+            else:
+                ids.extend(seq.tokens[a:b])
+            pos.extend(range(a, b))
             slices.append(SeqSlice(pool.table(it.seq.seq_id), it.start, it.num_new))
             if it.sample:
                 rows.append(len(ids) - 1)
@@ -157,6 +163,7 @@ class LLMEngine:
         self.lock = threading.RLock()
         self._next_id = 0
         self.iterations = 0
+        self.last_step_progressed = False  # did the last step() schedule or preempt anything?
         self.stats = {"preemptions": 0, "hidden_scheduled": 0, "kv_scheduled": 0, "iterations_at_limit": 0}
 
     # ------------------------------------------------------------------ requests
@@ -210,11 +217,15 @@ class LLMEngine:
             return self._step()
 
     def _step(self) -> list[TokenEvent]:
+        self.last_step_progressed = False
         if not self.has_work():
             return []
         inp = self.scheduler_input()
         plan = self.scheduler.schedule(inp)
         self.iterations += 1
+        # An idle plan (nothing scheduled, nothing preempted) changes no state: the driver must let time pass
+        # (run_trace jumps to the next arrival; EngineLoop waits) or it would spin forever.
+        self.last_step_progressed = bool(plan.scheduled or plan.preempted)
         # 1. preemption (recompute): free, back to the front of W in their original order
         for sid in reversed(plan.preempted):
             seq = self.seqs[sid]
@@ -383,6 +394,9 @@ class EngineLoop:
                 return
             try:
                 self.engine.step()
+                if not self.engine.last_step_progressed:  # the policy is idle: let time pass, don't spin
+                    with self._cv:
+                        self._cv.wait(timeout=0.002)
             except Exception:  # never die: fail the in-flight requests, keep serving
                 import logging
 

@@ -115,17 +115,29 @@ class TraceResult:
     stats: dict
 
 
-def run_trace(engine: LLMEngine, trace, clock: VirtualClock, *, progress=None) -> TraceResult:
+class SchedulerStalled(RuntimeError):
+    """``run_trace``: the policy scheduled nothing for ``max_stall_s`` of virtual time with no arrival left."""
+
+
+def run_trace(engine: LLMEngine, trace, clock: VirtualClock, *, progress=None, idle_tick: float = 0.01,
+              max_stall_s: float = 600.0) -> TraceResult:
     """Feed ``trace`` (items with arrival, prompt_len, output_len) to ``engine`` on ``clock``; run to completion.
 
     Prompts are synthetic token ids (3 + i mod 250); outputs run to exactly output_len (ignore EOS), as the Repo's
     client does with max_tokens = reference length.
+
+    Termination: an iteration that schedules and preempts nothing changes no state, so time must pass. With
+    nothing running the engine idles until the next arrival (the clock jumps there); with requests running
+    (a time-dependent policy may be waiting for pending times to grow) the clock moves by ``idle_tick`` (never
+    past the next arrival). If no arrival is left and the policy stays idle for ``max_stall_s`` of virtual time,
+    ``SchedulerStalled`` is raised instead of looping forever.
     """
     engine.keep_finished = True
     records: list[RequestRecord] = []
     order = sorted(range(len(trace)), key=lambda i: trace[i].arrival)
     nxt = 0
     ids = {}
+    stalled_since: float | None = None
     while nxt < len(order) or engine.has_work():
         if not engine.has_work() and clock() < trace[order[nxt]].arrival:
             clock.now = trace[order[nxt]].arrival  # idle: jump to the next arrival
@@ -138,9 +150,28 @@ def run_trace(engine: LLMEngine, trace, clock: VirtualClock, *, progress=None) -
                                                             ignore_eos=True), arrival=r.arrival)
             ids[sid] = rec
             nxt += 1
+            stalled_since = None
             if progress is not None:
                 progress(1)
         engine.step()
+        if engine.last_step_progressed:
+            stalled_since = None
+            continue
+        # no progress: let (virtual) time pass
+        next_arrival = trace[order[nxt]].arrival if nxt < len(order) else None
+        if next_arrival is not None and not engine.running:
+            clock.now = max(clock.now, next_arrival)
+            continue
+        if stalled_since is None:
+            stalled_since = clock()
+        if next_arrival is None and clock() - stalled_since > max_stall_s:
+            raise SchedulerStalled(
+                f"scheduler {getattr(engine.scheduler, 'name', engine.scheduler)!r} made no progress for "
+                f"{clock() - stalled_since:.3g} s (virtual) with {len(engine.waiting)} waiting, "
+                f"{len(engine.running)} running, {engine.pool.num_free}/{engine.pool.num_blocks} blocks free "
+                f"and no arrival left")
+        dt = idle_tick if next_arrival is None else max(0.0, min(idle_tick, next_arrival - clock()))
+        clock.advance(dt)
     for s in engine.finished:
         rec = ids[s.seq_id]
         rec.token_times = list(s.token_times)
