@@ -94,3 +94,18 @@ def test_bat_protects_frequent_users_in_a_bound_cache():
         return n_hit
 
     assert hits("bat") > 1.5 * hits("user_prefix")
+
+
+def test_workload_has_the_papers_statistics():
+    """The bench trace (BAT §2.5 digest): > 55% of users once, ≈ 90% of realized candidate accesses on the top 10%
+    of items, 100 candidates × 10–18 tokens, long-tailed profiles capped at 8K."""
+    from grserve.ranking.workload import WorkloadSpec, generate_workload
+
+    reg, trace, st = generate_workload(WorkloadSpec(num_items=2000, num_users=40, seed=3), vocab_size=32000)
+    assert st["users_seen_once"] > 0.55
+    assert abs(st["top10pct_access_share"] - 0.9) < 0.02
+    assert all(len(r.item_ids) == 100 == len(set(r.item_ids)) for r in trace)
+    lens = [len(reg.item_tokens(i)) for i in reg.item_ids()]
+    assert min(lens) >= 10 and max(lens) <= 18
+    assert st["profile_max"] <= 8192 and st["profile_mean"] > st["profile_median"]  # right-skewed
+    assert [r.time_s for r in trace] == sorted(r.time_s for r in trace)

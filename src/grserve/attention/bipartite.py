@@ -58,10 +58,36 @@ def causal_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[to
     return o.transpose(1, 2), lse.to(q.dtype).transpose(1, 2)
 
 
+def causal_states_1(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, exact: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal self-attention partial state of one sequence: q [n, Hq, D], k/v [n, Hkv, D] → o [n, Hq, D], lse [n, Hq].
+
+    GQA without copying K/V: the G query heads of a KV head become the kernel's batch dimension and K/V are
+    expanded (stride 0) over it.
+    """
+    if exact or q.device.type != "cpu" or q.dtype not in _FLASH_DTYPES or q.shape[0] == 0:
+        o, lse = causal_states_reference(q[None], k[None], v[None])
+        return o[0], lse[0]
+    n, hq, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    qh = q.view(n, hkv, g, d).permute(2, 1, 0, 3)  # [G, Hkv, n, D]
+    kh = k.permute(1, 0, 2).unsqueeze(0).expand(g, hkv, n, d)
+    vh = v.permute(1, 0, 2).unsqueeze(0).expand(g, hkv, n, d)
+    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qh, kh, vh, 0.0, True)
+    return o.permute(2, 1, 0, 3).reshape(n, hq, d), lse.to(q.dtype).permute(2, 1, 0).reshape(n, hq)
+
+
 def full_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, exact: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every query sees every key. q [Nq, Hq, D], k/v [Nk, Hkv, D] (Nk may be 0) → o [Nq, Hq, D], lse [Nq, Hq]."""
     kh, vh = k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()  # head-major [Hkv, Nk, D]
+    return full_states_hm(q, kh, vh, exact)
+
+
+def full_states_hm(q: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, exact: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``full_states`` with head-major keys kh/vh [Hkv, Nk, D] (may be strided views of a batch buffer)."""
     if exact or q.dtype not in _FLASH_DTYPES:
         return shared_stage_reference(q, kh, vh)
     return shared_stage(q, kh, vh)
@@ -88,12 +114,21 @@ class _Slots:
     item_range: tuple[int, int]  # packed range covering all computed items (contiguous)
     tail: tuple[int, int]
     flat_items: tuple[int, int]  # range of this request's tokens in the batch's flat computed-item list
-    head_cached: list[torch.Tensor] | None  # per layer [2, n_head, Hkv, D]
-    items_cached: torch.Tensor | None  # [L, 2, n_cached_item_tokens, Hkv, D], concatenated (order is irrelevant)
+    prefix: tuple[int, int]  # range of [head | all items] in the batch's per-layer prefix-KV buffer
+    n_head: int
+    cached: list[tuple[int, torch.Tensor]]  # (buffer offset, cached [L, 2, n, Hkv, D]) copied in per layer
 
 
 class BipartiteBatchContext:
-    """The fast path: one packed forward over the computed tokens of several Bipartite prompts."""
+    """The fast path: one packed forward over the computed tokens of several Bipartite prompts.
+
+    Per layer, the keys every request's items and tail attend to in full ("shared" keys: [head | all items]) are
+    assembled once in a head-major buffer ``[2, Hkv, Σ prefix, D]``: cached head / item KV is copied in (one
+    copy per cached entry), computed head / item K/V with a single ``index_copy_`` for the whole batch. Per request
+    the attention is then at most: one causal kernel call for a computed head, one full call items → head, one
+    full call tail → [head | items] and one causal call for the tail, plus one padded causal call for the self
+    stage of every computed item of the batch. No concatenation or GQA repetition of cached KV per layer.
+    """
 
     def __init__(self, requests: list[BipartiteRequest], device: torch.device | str = "cpu", exact: bool = False):
         self.exact = exact
@@ -103,24 +138,32 @@ class BipartiteBatchContext:
         cursor = 0
         item_rows: list[tuple[int, int]] = []  # computed items of the whole batch, (packed start, length)
         flat = 0
+        pre = 0  # cursor in the prefix-KV buffer
+        copy_src: list[np.ndarray] = []
+        copy_dst: list[np.ndarray] = []
         for req in requests:
             p = req.prompt
             n_items = len(p.items)
             item_kv = req.item_kv if req.item_kv is not None else [None] * n_items
             if len(item_kv) != n_items:
                 raise ValueError(f"item_kv has {len(item_kv)} entries for {n_items} candidates")
-            head_computed = req.head_kv is None and len(p.head) > 0
-            if req.head_kv is not None and req.head_kv.shape[2] != len(p.head):
-                raise ValueError(f"cached head KV has {req.head_kv.shape[2]} tokens, the head has {len(p.head)}")
+            n_head = len(p.head)
+            head_computed = req.head_kv is None and n_head > 0
+            if req.head_kv is not None and req.head_kv.shape[2] != n_head:
+                raise ValueError(f"cached head KV has {req.head_kv.shape[2]} tokens, the head has {n_head}")
+            p0 = pre
+            cached: list[tuple[int, torch.Tensor]] = []
             h0 = cursor
             if head_computed:
                 ids.append(p.head)
                 pos.append(p.head_positions())
-                cursor += len(p.head)
+                cursor += n_head
+            elif req.head_kv is not None and n_head > 0:
+                cached.append((p0, req.head_kv))
             head = (h0, cursor)
             items: list[tuple[int, int] | None] = []
             i0, f0 = cursor, flat
-            cached_parts = [] if req.cached_items_kv is None else [req.cached_items_kv]
+            cached_parts = []
             concat_tokens = 0
             for i, kv in enumerate(item_kv):
                 if kv is None:
@@ -140,20 +183,35 @@ class BipartiteBatchContext:
                                          f"{len(p.items[i])}")
                     items.append(None)
                     cached_parts.append(kv)
-            if concat_tokens != (0 if req.cached_items_kv is None else int(req.cached_items_kv.shape[2])):
-                raise ValueError(f"cached_items_kv has {0 if req.cached_items_kv is None else req.cached_items_kv.shape[2]}"
-                                 f" tokens, the candidates marked cached have {concat_tokens}")
+            n_cat = 0 if req.cached_items_kv is None else int(req.cached_items_kv.shape[2])
+            if concat_tokens != n_cat:
+                raise ValueError(f"cached_items_kv has {n_cat} tokens, the candidates marked cached have {concat_tokens}")
             item_range = (i0, cursor)
+            # prefix buffer: [head | computed items (packed order) | cached_items_kv | other cached items]
+            n_comp = cursor - i0
+            if cursor > h0:  # computed head and items are contiguous in the packed order and in the buffer
+                copy_src.append(np.arange(h0, cursor, dtype=np.int64))
+                d0 = p0 + (0 if head_computed else n_head)  # a cached head's rows are filled from cache
+                copy_dst.append(np.arange(d0, d0 + (cursor - h0), dtype=np.int64))
+            off = p0 + n_head + n_comp
+            if req.cached_items_kv is not None and n_cat:
+                cached.append((off, req.cached_items_kv))
+                off += n_cat
+            for kv in cached_parts:
+                cached.append((off, kv))
+                off += int(kv.shape[2])
+            pre = off
             t0 = cursor
             ids.append(p.tail)
             pos.append(p.tail_positions())
             cursor += len(p.tail)
-            head_cached = None if req.head_kv is None else list(req.head_kv.unbind(0))
-            items_cached = torch.cat(cached_parts, dim=2) if cached_parts else None
-            self.slots.append(_Slots(head, items, item_range, (t0, cursor), (f0, flat), head_cached, items_cached))
+            self.slots.append(_Slots(head, items, item_range, (t0, cursor), (f0, flat), (p0, pre), n_head, cached))
         self.input_ids = torch.from_numpy(np.concatenate(ids)).to(device)
         self.positions = torch.from_numpy(np.concatenate(pos)).to(device)
         self.num_tokens = cursor
+        self.prefix_tokens = pre
+        self._copy_src = torch.from_numpy(np.concatenate(copy_src)).to(device) if copy_src else None
+        self._copy_dst = torch.from_numpy(np.concatenate(copy_dst)).to(device) if copy_dst else None
         # padded gather of all computed items: [NI, Lmax]; padding repeats the item's first index (ignored)
         self.num_item_tokens = flat
         if item_rows:
@@ -189,44 +247,50 @@ class BipartiteBatchContext:
         return self.captured_kv(*rng)
 
     # ---- the contract -------------------------------------------------------------------------------------
+    def _prefix_buffer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """[2, Hkv, Σ prefix, D]: every request's [head | items] K/V of this layer, head-major."""
+        buf = k.new_empty(2, k.shape[1], self.prefix_tokens, k.shape[2])
+        for s in self.slots:
+            for off, kv in s.cached:
+                n = kv.shape[2]
+                buf[:, :, off:off + n].copy_(kv[layer].transpose(1, 2))
+        if self._copy_src is not None:
+            buf[0].index_copy_(1, self._copy_dst, k.index_select(0, self._copy_src).transpose(0, 1))
+            buf[1].index_copy_(1, self._copy_dst, v.index_select(0, self._copy_src).transpose(0, 1))
+        return buf
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         while len(self.k) <= layer:
             self.k.append(None)
             self.v.append(None)
         self.k[layer], self.v[layer] = k, v
-        out = torch.zeros_like(q)
-        causal = causal_states_reference if self.exact else causal_states
+        ex = self.exact
+        out = torch.empty_like(q)
+        buf = self._prefix_buffer(layer, k, v)
         # self stage of every computed item of the batch, at once
         if self._item_pad is not None:
             ni, lmax = self._item_pad.shape
+            causal = causal_states_reference if ex else causal_states
             o_i, lse_i = causal(q[self._item_pad], k[self._item_pad], v[self._item_pad])
             o_items = o_i.reshape(ni * lmax, *q.shape[1:])[self._item_valid]
             lse_items = lse_i.reshape(ni * lmax, q.shape[1])[self._item_valid]
         for s in self.slots:
             hs, he = s.head
-            if s.head_cached is not None:
-                head_k, head_v = s.head_cached[layer][0], s.head_cached[layer][1]
-            else:
-                head_k, head_v = k[hs:he], v[hs:he]
-                if he > hs:
-                    o_h, _ = causal(q[None, hs:he], head_k[None], head_v[None])
-                    out[hs:he] = o_h[0]
+            if he > hs:
+                out[hs:he] = causal_states_1(q[hs:he], k[hs:he], v[hs:he], ex)[0]
+            p0, p1 = s.prefix
             f0, f1 = s.flat_items
             i0, i1 = s.item_range
             if f1 > f0:
                 o_self, lse_self = o_items[f0:f1], lse_items[f0:f1]
-                if head_k.shape[0] > 0:
-                    o_a, lse_a = full_states(q[i0:i1], head_k, head_v, self.exact)
+                if s.n_head > 0:
+                    o_a, lse_a = full_states_hm(q[i0:i1], buf[0, :, p0:p0 + s.n_head], buf[1, :, p0:p0 + s.n_head], ex)
                     o_self, _ = merge_states(o_a, lse_a, o_self, lse_self)
                 out[i0:i1] = o_self
             ts, te = s.tail
-            keys_k, keys_v = [head_k, k[i0:i1]], [head_v, v[i0:i1]]
-            if s.items_cached is not None:
-                keys_k.append(s.items_cached[layer, 0])
-                keys_v.append(s.items_cached[layer, 1])
-            o_a, lse_a = full_states(q[ts:te], torch.cat(keys_k), torch.cat(keys_v), self.exact)
-            o_t, lse_t = causal(q[None, ts:te], k[None, ts:te], v[None, ts:te])
-            out[ts:te], _ = merge_states(o_a, lse_a, o_t[0], lse_t[0])
+            o_a, lse_a = full_states_hm(q[ts:te], buf[0, :, p0:p1], buf[1, :, p0:p1], ex)
+            o_t, lse_t = causal_states_1(q[ts:te], k[ts:te], v[ts:te], ex)
+            out[ts:te], _ = merge_states(o_a, lse_a, o_t, lse_t)
         return out
 
 
