@@ -95,7 +95,10 @@ def field_path(loc: Sequence[Any]) -> str | None:
     return out or None
 
 
-def _translate_validation_error(exc: RequestValidationError) -> tuple[int, str, str | None, str]:
+def _translate_validation_error(exc: RequestValidationError,
+                                groups: Sequence[str] = ("history",)) -> tuple[int, str, str | None, str]:
+    """FastAPI/pydantic validation error → (status, message, field, type). ``groups`` name the request's
+    one-of field groups: a ``<group>_missing`` / ``<group>_ambiguous`` error names the group as its field."""
     errors = exc.errors()
     if not errors:
         return 422, "invalid request", None, "validation_error"
@@ -109,8 +112,9 @@ def _translate_validation_error(exc: RequestValidationError) -> tuple[int, str, 
             "invalid_json"
     if loc == ("body",) and isinstance(getattr(exc, "body", None), (bytes, bytearray)):
         return 415, "request body must be JSON (Content-Type: application/json)", None, "unsupported_media_type"
-    if etype in ("history_missing", "history_ambiguous"):
-        return 422, str(err.get("msg")), "history", etype
+    group, _, kind = etype.rpartition("_")
+    if group in groups and kind in ("missing", "ambiguous"):
+        return 422, str(err.get("msg")), group, etype
     field = field_path(loc)
     msg = str(err.get("msg", "invalid value"))
     if etype == "missing" and field is None:
@@ -262,25 +266,16 @@ class _MetricsMiddleware:
 # ----------------------------------------------------------------------------------------------------------
 # the app
 # ----------------------------------------------------------------------------------------------------------
-def create_app(engine: Any, server_cfg: ServerConfig, metrics: Metrics | None = None) -> FastAPI:
-    """Build the FastAPI app around a started (or to-be-started) engine. The caller owns engine start/stop."""
-    metrics = metrics if metrics is not None else Metrics()
-    metrics.bind_queue_depth(lambda: engine.queue_depth)
-    app = FastAPI(title="grserve", version="0.1.0",
-                  description="Generative-recommender retrieval: history in, top items by SID beam search out.")
-    app.state.engine = engine
-    app.state.metrics = metrics
-    app.state.server_cfg = server_cfg
-    app.add_middleware(_MetricsMiddleware, metrics=metrics)
+def install_error_handlers(app: FastAPI, groups: Sequence[str] = ()) -> None:
+    """Answer every error of ``app`` in the house format ``{"error": {"message", "field", "type"}}``."""
 
-    # --- error handlers ----------------------------------------------------------------------------------
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
         return error_response(exc.status, exc.message, exc.field, exc.type, exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        status, message, field, etype = _translate_validation_error(exc)
+        status, message, field, etype = _translate_validation_error(exc, groups)
         return error_response(status, message, field, etype)
 
     @app.exception_handler(StarletteHTTPException)
@@ -293,6 +288,20 @@ def create_app(engine: Any, server_cfg: ServerConfig, metrics: Metrics | None = 
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:  # last resort; routes catch their own
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return error_response(500, f"internal error: {type(exc).__name__}", None, "internal")
+
+
+def create_app(engine: Any, server_cfg: ServerConfig, metrics: Metrics | None = None) -> FastAPI:
+    """Build the FastAPI app around a started (or to-be-started) engine. The caller owns engine start/stop."""
+    metrics = metrics if metrics is not None else Metrics()
+    metrics.bind_queue_depth(lambda: engine.queue_depth)
+    app = FastAPI(title="grserve", version="0.1.0",
+                  description="Generative-recommender retrieval: history in, top items by SID beam search out.")
+    app.state.engine = engine
+    app.state.metrics = metrics
+    app.state.server_cfg = server_cfg
+    app.add_middleware(_MetricsMiddleware, metrics=metrics)
+
+    install_error_handlers(app, groups=("history",))
 
     # --- routes ------------------------------------------------------------------------------------------
     @app.post("/v1/recommend", response_model=RecommendResponse,

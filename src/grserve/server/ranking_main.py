@@ -8,27 +8,23 @@ Default: preset ``tiny`` with seeded random weights and a generated synthetic ca
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from typing import Any
 
 import numpy as np
 import torch
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from fastapi import FastAPI
+from fastapi.responses import Response
 
 from grserve.engine.ranking import RankingConfig, RankingEngine, RankingRunner
 from grserve.model import load_model
 from grserve.ranking.registry import RankingRegistry, RegistryError
 from grserve.ranking.workload import WorkloadSpec, generate_workload
 from grserve.scheduler.prefix_choice import POLICIES
-from grserve.server.app import ApiError, _MetricsMiddleware, _translate_validation_error, error_response
+from grserve.server.app import _MetricsMiddleware, install_error_handlers
 from grserve.server.metrics import Metrics
 from grserve.server.ranking_routes import RankingLimits, build_router
 
-log = logging.getLogger("grserve.server.ranking")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -41,30 +37,7 @@ def create_ranking_app(engine: Any, limits: RankingLimits | None = None, metrics
     app.state.engine = engine
     app.add_middleware(_MetricsMiddleware, metrics=metrics)
 
-    @app.exception_handler(ApiError)
-    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.field, exc.type, exc.headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        etype = str(errors[0].get("type")) if errors else ""
-        if etype.endswith(("_missing", "_ambiguous")) and etype.split("_")[0] in ("user", "candidates"):
-            return error_response(422, str(errors[0].get("msg")), etype.split("_")[0], etype)
-        status, message, field, etype = _translate_validation_error(exc)
-        return error_response(status, message, field, etype)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        kinds = {404: "not_found", 405: "method_not_allowed"}
-        return error_response(exc.status_code, str(exc.detail), None, kinds.get(exc.status_code, "http_error"),
-                              getattr(exc, "headers", None))
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return error_response(500, f"internal error: {type(exc).__name__}", None, "internal")
-
+    install_error_handlers(app, groups=("user", "candidates"))
     app.include_router(build_router(engine, limits))
 
     @app.get("/health")
