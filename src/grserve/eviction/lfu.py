@@ -10,11 +10,10 @@ from __future__ import annotations
 from collections import deque
 from typing import Hashable
 
-from grserve.eviction.policy import EvictionPolicy, NoEvictableKey
-from grserve.eviction.recency import RecencyIndex
+from grserve.eviction.policy import IndexedPolicy, NoEvictableKey
 
 
-class WindowLFUPolicy(EvictionPolicy):
+class WindowLFUPolicy(IndexedPolicy):
     name = "lfu"
 
     def __init__(self, capacity: int, window: int = 10_000):
@@ -22,7 +21,6 @@ class WindowLFUPolicy(EvictionPolicy):
         if window < 1:
             raise ValueError("window must be ≥ 1")
         self.window = window
-        self.index = RecencyIndex(capacity)
         self._recent: deque[Hashable] = deque()
         self._count: dict[Hashable, int] = {}
 
@@ -50,24 +48,9 @@ class WindowLFUPolicy(EvictionPolicy):
     def on_remove(self, key: Hashable) -> None:
         self.index.remove(key)
 
-    def set_evictable(self, key: Hashable, evictable: bool) -> None:
-        self.index.set_evictable(key, evictable)
-
     def victim(self, now: int) -> Hashable:
         n = self.index.n_evictable
         if n == 0:
             raise NoEvictableKey("no evictable key")
         z = self.index.argmax_upto(self.index.oldest_position(n))
-        self.index.remove(z)
-        self.stats["evictions"] += 1
-        return z
-
-    def __len__(self) -> int:
-        return len(self.index)
-
-    def __contains__(self, key: Hashable) -> bool:
-        return key in self.index
-
-    @property
-    def n_evictable(self) -> int:
-        return self.index.n_evictable
+        return self._evict(z)

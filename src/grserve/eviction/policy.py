@@ -21,6 +21,8 @@ import importlib
 from abc import ABC, abstractmethod
 from typing import Any, Hashable, Protocol, Sequence, runtime_checkable
 
+from grserve.eviction.recency import RecencyIndex
+
 
 class NoEvictableKey(RuntimeError):
     """``victim`` was called while every cached key is locked (or the cache is empty)."""
@@ -90,6 +92,33 @@ class EvictionPolicy(ABC):
     @property
     def n_evictable(self) -> int:
         return len(self)
+
+
+class IndexedPolicy(EvictionPolicy):
+    """A policy whose state is a ``RecencyIndex`` (LRU order + per-key values): LRU, window-LFU, FPB/HF/LARU."""
+
+    def __init__(self, capacity: int):
+        super().__init__(capacity)
+        self.index = RecencyIndex(capacity)
+
+    def set_evictable(self, key: Hashable, evictable: bool) -> None:
+        self.index.set_evictable(key, evictable)
+
+    def _evict(self, z: Hashable) -> Hashable:
+        """Forget the chosen victim and count the eviction."""
+        self.index.remove(z)
+        self.stats["evictions"] += 1
+        return z
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self.index
+
+    @property
+    def n_evictable(self) -> int:
+        return self.index.n_evictable
 
 
 # name -> (module, class). Modules are imported lazily so each policy file stays independent.

@@ -21,11 +21,10 @@ from __future__ import annotations
 from typing import Any, Hashable
 
 from grserve.eviction.async_predict import AsyncPredictionJobs
-from grserve.eviction.policy import EvictionPolicy, NoEvictableKey
-from grserve.eviction.recency import RecencyIndex
+from grserve.eviction.policy import IndexedPolicy, NoEvictableKey
 
 
-class PredictivePolicy(EvictionPolicy):
+class PredictivePolicy(IndexedPolicy):
     def __init__(self, capacity: int, predictor: Any = None, mode: str = "sync", async_batch: int = 64,
                  async_threaded: bool = False):
         super().__init__(capacity)
@@ -36,7 +35,6 @@ class PredictivePolicy(EvictionPolicy):
         self.predictor = predictor
         self.mode = mode
         self.stable = bool(getattr(predictor, "stable", False))
-        self.index = RecencyIndex(capacity)
         self.jobs = AsyncPredictionJobs(predictor, async_batch, async_threaded) if mode == "async" else None
 
     # ---- 𝒫 maintenance -------------------------------------------------------------------------------------
@@ -80,11 +78,6 @@ class PredictivePolicy(EvictionPolicy):
                 idx.set_value(k, v)
         return idx.argmax_upto(pos)
 
-    def _evict(self, z: Hashable) -> Hashable:
-        self.index.remove(z)
-        self.stats["evictions"] += 1
-        return z
-
     def _check_evictable(self) -> None:
         self._drain()
         if self.index.n_evictable == 0:
@@ -100,9 +93,6 @@ class PredictivePolicy(EvictionPolicy):
     def on_remove(self, key: Hashable) -> None:
         self.index.remove(key)
 
-    def set_evictable(self, key: Hashable, evictable: bool) -> None:
-        self.index.set_evictable(key, evictable)
-
     def on_split(self, head: Hashable, tail: Hashable, now: int) -> None:
         """The tail inherits the head's access history (it was requested exactly when the head was) and 𝒫."""
         copy = getattr(self.predictor, "copy_history", None)
@@ -117,13 +107,3 @@ class PredictivePolicy(EvictionPolicy):
     def close(self) -> None:
         if self.jobs is not None:
             self.jobs.close()
-
-    def __len__(self) -> int:
-        return len(self.index)
-
-    def __contains__(self, key: Hashable) -> bool:
-        return key in self.index
-
-    @property
-    def n_evictable(self) -> int:
-        return self.index.n_evictable
