@@ -13,8 +13,10 @@ Per iteration (digest §5.7; our decisions are in docs/llm.md):
    requests) (Repo); ``demotion="decay"``: both values × 0.4 (the paper's Scheduling*).
 5. Prefill: U = W, M = free blocks; the chosen requests are admitted with their chosen cache kind, in the greedy's
    order, within the token / sequence caps. Decode: U = R, M = all blocks; unselected running requests are
-   preempted (recompute), and a selected request whose kind changes is preempted and re-prefilled (the paper
-   discards the cache; its new kind is decided again by the prefill greedy).
+   preempted (recompute). A running request's only option in the decode greedy is the kind it holds (value
+   g_kv or g_hidden, that kind's blocks): a kind switch would be a preemption (the paper discards the cache and
+   re-prefills), i.e. no decode this iteration, so offering it at value p was inconsistent and churned every
+   freshly prefilled hidden request (docs/llm.md). A preempted request's new kind is decided by the prefill greedy.
 """
 
 from __future__ import annotations
@@ -54,7 +56,10 @@ class AptServeScheduler:
         return "prefill" if sum(s.pending(now) for s in inp.waiting) > sum(s.pending(now) for s in inp.running) \
             else "decode"
 
-    def candidates(self, inp: SchedulerInput, seqs: tuple[SeqView, ...]) -> list[Candidate]:
+    def candidates(self, inp: SchedulerInput, seqs: tuple[SeqView, ...], decode: bool = False) -> list[Candidate]:
+        """One candidate per request. ``decode=True`` (U = R): a running request can only be kept in the kind
+        it holds (a switch is a preemption: it would not run this iteration), so its single option is that kind,
+        valued g_kv or g_hidden, costing that kind's blocks; the solution's "kv" then means "keep"."""
         now, pool = inp.now, inp.pool
         everyone = inp.waiting + inp.running
         n_violated = sum(self.violated(s, now) for s in everyone)
@@ -68,6 +73,11 @@ class AptServeScheduler:
             c_kv = pool.blocks_for(s.num_tokens, "kv")
             c_h = pool.blocks_for(s.num_tokens, "hidden") if self.hybrid else None
             g_h = p - n * self.rho * s.num_tokens if self.hybrid else None
+            if decode and s.cache == "hidden":  # keep-as-hidden is the only option: value g_h, cost c_h
+                c_kv, p, c_h, g_h = pool.blocks_for(s.num_tokens, "hidden"), p - n * self.rho * s.num_tokens, \
+                    None, None
+            elif decode:  # keep-as-KV is the only option
+                c_h, g_h = None, None
             if self.violated(s, now):
                 if self.demotion == "near_zero":
                     out.append(Candidate(s.seq_id, p, c_kv, theta_override=eps))
@@ -102,13 +112,15 @@ class AptServeScheduler:
                                info={"value": sol.value, "broke": sol.broke, "single_won": sol.single_won})
 
     def _decode(self, inp: SchedulerInput) -> SchedulerOutput:
-        sol = greedy(self.candidates(inp, inp.running), inp.pool.total_blocks)
+        # Each running request's only option is its held kind: offering the other kind (as the prefill greedy
+        # does) books value p for an option a decode cannot run — a switch is a preemption — and preempted every
+        # freshly prefilled hidden request (p = 0 < 2Nρm forbids hidden) at once: re-prefill, 1 token, repeat.
+        sol = greedy(self.candidates(inp, inp.running, decode=True), inp.pool.total_blocks)
         plan, preempted = [], []
         for s in inp.running:
-            kind = sol.choice.get(s.seq_id)
-            if kind is None or kind != s.cache:
+            if s.seq_id not in sol.choice:
                 preempted.append(s.seq_id)
             else:
-                plan.append(ScheduledSeq(s.seq_id, s.num_tokens - s.num_computed, kind))
+                plan.append(ScheduledSeq(s.seq_id, s.num_tokens - s.num_computed, s.cache or "kv"))
         return SchedulerOutput("decode", plan, preempted,
                                info={"value": sol.value, "broke": sol.broke, "single_won": sol.single_won})
