@@ -253,3 +253,14 @@ def test_from_hf_config_validation():
     assert ModelSpec.from_hf_config(no_hd).head_dim == 256 // 8
     old_style = {k: v for k, v in base.items() if k != "rope_parameters"}
     assert ModelSpec.from_hf_config(dict(old_style, rope_theta=5e5)).rope_theta == 5e5
+
+
+def test_dtype_by_name_equals_dtype_object_and_bad_names_fail():
+    import grserve.model as gm
+
+    by_name = gm.load_model("tiny", dtype="bfloat16", seed=1)
+    by_obj = gm.load_model("tiny", dtype=torch.bfloat16, seed=1)
+    assert by_name.dtype == torch.bfloat16
+    assert all(torch.equal(a, b) for a, b in zip(by_name.state_dict().values(), by_obj.state_dict().values()))
+    with pytest.raises(ValueError, match="unknown dtype 'fp8'.*float32"):
+        gm.load_model("tiny", dtype="fp8")

@@ -23,10 +23,10 @@ from tqdm import tqdm
 from grserve.bench.workload import history_prompts
 from grserve.catalog import CatalogStore, generate_catalog
 from grserve.config import SchedulerConfig, SearchConfig
-from grserve.engine.engine import DTYPES, RetrievalEngine
+from grserve.engine.engine import RetrievalEngine
 from grserve.engine.retrieval import RetrievalRunner
 from grserve.engine.types import RetrievalRequest
-from grserve.model import load_model
+from grserve.model import DTYPES, load_model
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     headline = args.headline_bw or max(bws)
     if headline not in bws:
         bws.append(headline)
-    model = load_model(args.model, dtype=DTYPES[args.dtype], device=args.device, seed=args.seed)
+    model = load_model(args.model, dtype=args.dtype, device=args.device, seed=args.seed)
     spec = model.spec
     catalog = generate_catalog(args.num_items, args.depth, args.codebook_size, args.seed)
     catalog.layout.check_vocab(spec.vocab_size)

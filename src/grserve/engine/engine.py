@@ -15,7 +15,6 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
-import torch
 
 from grserve.catalog import Catalog, CatalogStore, generate_catalog, load_catalog
 from grserve.config import SchedulerConfig, SearchConfig, ServeConfig
@@ -23,9 +22,6 @@ from grserve.engine.retrieval import RetrievalRunner
 from grserve.engine.types import RetrievalRequest, RetrievalResult, RetrievedItem
 from grserve.model import Decoder, load_model
 from grserve.scheduler.gr_batching import Batch, GRBatcher
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
-
 
 class EngineOverloaded(RuntimeError):
     """The waiting queue is full; the caller should retry later (HTTP 503)."""
@@ -59,9 +55,7 @@ class RetrievalEngine:
     @classmethod
     def build(cls, cfg: ServeConfig, on_batch: Callable[[int, int], None] | None = None) -> "RetrievalEngine":
         m = cfg.model
-        if m.dtype not in DTYPES:
-            raise ValueError(f"unknown dtype {m.dtype!r}; choose one of {sorted(DTYPES)}")
-        model = load_model(m.source, dtype=DTYPES[m.dtype], device=m.device, seed=m.seed)
+        model = load_model(m.source, dtype=m.dtype, device=m.device, seed=m.seed)
         store = CatalogStore(build_catalog(cfg), vocab_size=model.spec.vocab_size)
         return cls(model, store, cfg.search, cfg.scheduler, on_batch)
 

@@ -45,11 +45,26 @@ def resolve_spec(source: str | Path) -> ModelSpec:
     return ModelSpec.from_hf_config(cfg)
 
 
-def load_model(source: str | Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+# dtype names accepted on command lines and in configs
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """A torch dtype, or its name in ``DTYPES``."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def load_model(source: str | Path, *, dtype: torch.dtype | str = torch.float32, device: torch.device | str = "cpu",
                seed: int = 0) -> Decoder:
-    """Preset name → seeded random weights; directory → weights from its safetensors files."""
+    """Preset name → seeded random weights; directory → weights from its safetensors files.
+
+    ``dtype`` is a torch dtype or a name in ``DTYPES``."""
     spec = resolve_spec(source)
-    model = Decoder(spec, dtype=dtype, device=device)
+    model = Decoder(spec, dtype=resolve_dtype(dtype), device=device)
     if isinstance(source, str) and source in PRESETS:
         _random_init(model, seed)
     else:

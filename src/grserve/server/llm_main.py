@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
@@ -62,8 +61,7 @@ def build_engine(args: argparse.Namespace):
     from grserve.engine.tokenizer import load_tokenizer
     from grserve.model import load_model
 
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
-    model = load_model(args.model, dtype=dtype, device=args.device, seed=args.seed)
+    model = load_model(args.model, dtype=args.dtype, device=args.device, seed=args.seed)
     tok = load_tokenizer(args.model, model.spec.vocab_size)
     rho = args.rho if args.rho is not None else (calibrate_rho(model) if args.scheduler == "aptserve" else 0.0)
     pol = make_llm_scheduler(args.scheduler, ttft_slo=args.ttft_slo, tbt_slo=args.tbt_slo, rho=rho,

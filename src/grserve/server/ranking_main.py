@@ -12,7 +12,6 @@ import sys
 from typing import Any
 
 import numpy as np
-import torch
 from fastapi import FastAPI
 from fastapi.responses import Response
 
@@ -25,7 +24,7 @@ from grserve.server.app import _MetricsMiddleware, install_error_handlers
 from grserve.server.metrics import Metrics
 from grserve.server.ranking_routes import RankingLimits, build_router
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+RANKING_DTYPES = ("float16", "float32", "bfloat16")  # choices on the command line
 
 
 def create_ranking_app(engine: Any, limits: RankingLimits | None = None, metrics: Metrics | None = None) -> FastAPI:
@@ -61,7 +60,7 @@ def parse_args(argv):
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8001)
     p.add_argument("--model", default="tiny", help="preset or HF-format directory (default: tiny)")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--dtype", default="float32", choices=sorted(RANKING_DTYPES))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--policy", default="bat", choices=sorted(POLICIES), help="prefix-choice policy (default: bat)")
     p.add_argument("--user-cache-mb", type=float, default=64.0, help="user-prefix KV cache budget (MiB)")
@@ -101,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     import uvicorn
 
-    model = load_model(a.model, dtype=DTYPES[a.dtype], seed=a.seed)
+    model = load_model(a.model, dtype=a.dtype, seed=a.seed)
     try:
         reg = build_registry(a, model.spec.vocab_size)
     except (RegistryError, OSError) as e:
