@@ -75,7 +75,7 @@ class RetrievalRunner:
         positions = torch.cat([torch.arange(n) for n in lens]).to(dev)
         hidden = model(tokens, positions, PrefillContext(kv))
         last = hidden[torch.tensor(kv.offsets[1:], device=dev) - 1]
-        self._level_logits(last, catalog, 0, beams, hf)
+        self._level_logits(last, catalog, 0, beams)
         beams.select_first(self._full_lse(last) if hf else None)
         events.append(("prefill", t0, time.perf_counter()))
 
@@ -84,7 +84,7 @@ class RetrievalRunner:
             t_fwd = time.perf_counter()
             mask_job = self._submit_mask(beams, level, events)
             hidden = model(beams.next_tokens, base_pos + (level - 1), BeamDecodeContext(kv, step=level - 1))
-            self._level_logits(hidden, catalog, level, beams, hf)
+            self._level_logits(hidden, catalog, level, beams)
             lse = self._full_lse(hidden) if hf else None
             events.append((f"forward{level}", t_fwd, time.perf_counter()))
             if mask_job is not None:
@@ -115,7 +115,7 @@ class RetrievalRunner:
             return None
         return self._mask_pool.submit(build)
 
-    def _level_logits(self, hidden: torch.Tensor, catalog: Catalog, level: int, beams: BeamSearch, hf: bool) -> None:
+    def _level_logits(self, hidden: torch.Tensor, catalog: Catalog, level: int, beams: BeamSearch) -> None:
         a, b = catalog.layout.level_range(level)
         beams.logits[level].copy_(self.model.logits(hidden, (a, b)))
 
