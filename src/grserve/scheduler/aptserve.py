@@ -115,7 +115,7 @@ class AptServeScheduler:
         # Each running request's only option is its held kind: offering the other kind (as the prefill greedy
         # does) books value p for an option a decode cannot run — a switch is a preemption — and preempted every
         # freshly prefilled hidden request (p = 0 < 2Nρm forbids hidden) at once: re-prefill, 1 token, repeat.
-        sol = greedy(self.candidates(inp, inp.running, decode=True), inp.pool.total_blocks)
+        sol = greedy(self.candidates(inp, inp.running, decode=True), inp.pool.total_blocks, keeping=True)
         plan, preempted = [], []
         for s in inp.running:
             if s.seq_id not in sol.choice:

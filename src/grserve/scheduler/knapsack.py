@@ -42,6 +42,7 @@ class Increment:
     delta: int
     to: CacheKind  # the request's cache kind after this increment
     value: float  # the request's total value after this increment
+    upgrade: bool = False  # hidden → KV (only valid once the request's hidden increment was taken)
 
 
 @dataclass
@@ -72,7 +73,7 @@ def increments(cands: list[Candidate], budget: int) -> list[Increment]:
             out.append(Increment(c.value_hidden / c.cost_hidden, c.req, c.cost_hidden, "hidden", c.value_hidden))
             if c.cost_kv <= budget:
                 out.append(Increment((c.value_kv - c.value_hidden) / (c.cost_kv - c.cost_hidden), c.req,
-                                     c.cost_kv - c.cost_hidden, "kv", c.value_kv))
+                                     c.cost_kv - c.cost_hidden, "kv", c.value_kv, upgrade=True))
         elif c.cost_kv > budget:  # KV cannot fit at all: hidden alone is the only option left
             if (c.theta_override is None and c.value_hidden is not None and c.cost_hidden is not None
                     and c.value_hidden > 0 and c.cost_hidden <= budget):
@@ -85,26 +86,36 @@ def increments(cands: list[Candidate], budget: int) -> list[Increment]:
     return out
 
 
-def greedy(cands: list[Candidate], budget: int) -> Solution:
+def greedy(cands: list[Candidate], budget: int, *, keeping: bool = False) -> Solution:
     """Algorithm 1: sort increments by θ (stable: ties keep candidate order), take while they fit, break on the
-    first that does not; return the better of the prefix and the break request alone."""
+    first that does not; return the better of the prefix and the break request alone.
+
+    ``keeping=True`` is the decode-iteration variant (U = R: whom to *keep*; everyone not kept is preempted):
+    no double check (the Repo's decode greedy has none — choosing the break request alone would preempt every
+    other running request to keep one) and no break: an increment that does not fit is skipped and smaller
+    ones after it are still taken, so nobody is preempted who still fits (the kept set is maximal)."""
     incs = sorted(increments(cands, budget), key=lambda x: -x.theta)
     choice: dict[int, CacheKind] = {}
     value_of: dict[int, float] = {}
     used, total = 0, 0.0
+    broke = False
     for inc in incs:
         if used + inc.delta <= budget:
+            if inc.upgrade and inc.req not in choice:
+                continue  # its hidden step was skipped (only possible with keeping=True)
             used += inc.delta
             total += inc.value - value_of.get(inc.req, 0.0)
             value_of[inc.req] = inc.value
             choice[inc.req] = inc.to
+        elif keeping:
+            broke = True
         else:
             single_cost = inc.delta + (0 if inc.to == "hidden" or inc.req not in choice else
                                        _hidden_cost(cands, inc.req))
             if inc.value > total and single_cost <= budget:
                 return Solution({inc.req: inc.to}, inc.value, single_cost, broke=True, single_won=True)
             return Solution(choice, total, used, broke=True)
-    return Solution(choice, total, used)
+    return Solution(choice, total, used, broke=broke)
 
 
 def _hidden_cost(cands: list[Candidate], req: int) -> int:
