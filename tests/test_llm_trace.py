@@ -78,7 +78,7 @@ def test_policy_that_never_schedules_raises():
     assert clock() >= 1.0  # it idled through the arrivals before giving up
 
 
-@pytest.mark.parametrize("name", ["fcfs", "chunked", "aptserve"])
+@pytest.mark.parametrize("name", ["fcfs", "chunked", "aptserve", "aptserve-kv"])
 @pytest.mark.parametrize("seed,cv", [(0, 1.0), (1, 3.0), (2, 1.0)])
 def test_random_memory_bound_traces_terminate(name, seed, cv):
     trace = make_trace("sharegpt", 40, rate=8.0, cv=cv, seed=seed, scale=0.25)
@@ -89,6 +89,8 @@ def test_random_memory_bound_traces_terminate(name, seed, cv):
     eng = LLMEngine(_Guard(pol), pool, SimulatedExecutor(CostModel.opt13b_a100()), clock=clock)
     res = run_trace(eng, trace, clock)
     assert all(r.num_output == r.max_tokens for r in res.requests)
+    if name == "aptserve-kv":
+        assert res.stats["hidden_scheduled"] == 0
     pool.check()
     assert pool.num_free == pool.num_blocks
 

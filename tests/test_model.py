@@ -183,7 +183,23 @@ PRESET_SHAPES = {
     "qwen3-0.6b": (151936, 1024, 3072, 28, 16, 8, 128, True, "qwen3", 40960),
     "qwen3-1.7b": (151936, 2048, 6144, 28, 16, 8, 128, True, "qwen3", 40960),
     "qwen2-1.5b": (151936, 1536, 8960, 28, 12, 2, 128, True, "qwen2", 32768),
+    "tiny-bat": (32000, 256, 2560, 4, 2, 2, 32, True, "qwen2", 32768),
 }
+
+
+def _linear_vs_pair_macs(s):
+    h, q, kv = s.hidden_size, s.q_size, s.kv_size
+    linear = h * q + 2 * h * kv + q * h + 3 * h * s.intermediate_size  # per token and layer
+    return linear / (2 * q)  # attention: q·k and p·v per (query, key) pair and layer
+
+
+def test_tiny_bat_has_qwen2_1_5b_flop_mix():
+    """The ranking benchmark's model: the linear-vs-attention cost ratio of the paper's Qwen2-1.5B (±10 %),
+    with tiny's KV bytes per token; `tiny` itself is 8× more attention-heavy."""
+    ref = _linear_vs_pair_macs(PRESETS["qwen2-1.5b"])
+    assert abs(_linear_vs_pair_macs(PRESETS["tiny-bat"]) / ref - 1) < 0.1
+    assert _linear_vs_pair_macs(PRESETS["tiny"]) < ref / 7
+    assert PRESETS["tiny-bat"].kv_bytes_per_token(4) == PRESETS["tiny"].kv_bytes_per_token(4)
 
 
 @pytest.mark.parametrize("name", sorted(PRESET_SHAPES))

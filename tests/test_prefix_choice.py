@@ -109,3 +109,8 @@ def test_workload_has_the_papers_statistics():
     assert min(lens) >= 10 and max(lens) <= 18
     assert st["profile_max"] <= 8192 and st["profile_mean"] > st["profile_median"]  # right-skewed
     assert [r.time_s for r in trace] == sorted(r.time_s for r in trace)
+    # the cacheable ceiling: at least the item share (IP for every request), at most everything; a trace whose
+    # every user is new can cache its items only
+    assert st["item_token_share"] - 1e-9 <= st["cacheable_share_ceiling"] <= 1.0
+    _, _, once = generate_workload(WorkloadSpec(num_items=2000, num_users=10, once_fraction=1.0, seed=3), 32000)
+    assert abs(once["cacheable_share_ceiling"] - once["item_token_share"]) < 1e-9

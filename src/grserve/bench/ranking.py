@@ -45,7 +45,8 @@ def parse_args(argv):
     p = argparse.ArgumentParser(prog="grserve bench ranking",
                                 description="BAT ranking throughput: hotness-aware prefix choice vs UP, IP, "
                                             "greedy-by-size and recompute on a synthetic trace.")
-    p.add_argument("--model", default="tiny", help="preset or HF directory (default: tiny)")
+    p.add_argument("--model", default="tiny-bat",
+                   help="preset or HF directory (default: tiny-bat, Qwen2-1.5B's linear-vs-attention FLOP mix at tiny cost)")
     p.add_argument("--dtype", default="float32", choices=sorted(BENCH_DTYPES))
     p.add_argument("--scale", type=float, default=1.0,
                    help="profile-length scale (default 1.0 = the paper's lengths; candidates stay 100)")
@@ -137,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"{st['user_hit_rate']:.3f}", f"{st['item_hit_rate']:.3f}", f"{st['up_share']:.2f}",
                       str(st["user_evictions"]))
     console.print(table)
+    console.print(f"cacheable ceiling of this trace (unbounded user cache, every request its larger prefix): "
+                  f"{wstats['cacheable_share_ceiling']:.3f} of user + item tokens")
 
     out = {
         "scale": scale, "requests": len(reqs), "batch": a.batch, "threads": a.threads, "timing": "process_cpu", "user_cache_bytes": budget,

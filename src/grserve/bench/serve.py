@@ -24,7 +24,7 @@ from pathlib import Path
 
 from grserve.bench.llm_workloads import DATASETS, attainment, effective_throughput, make_trace
 
-SYSTEMS = ("fcfs", "chunked", "aptserve")
+SYSTEMS = ("fcfs", "chunked", "aptserve")  # the default comparison; --systems can add "aptserve-kv"
 TABLE3 = {"sharegpt": (1.0, 1.0), "humaneval": (0.5, 0.5), "longbench": (4.0, 1.0)}
 
 
@@ -34,6 +34,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="few requests, few rates, short decode benchmark")
     p.add_argument("--simulate", action="store_true", help="discrete-event simulator, OPT-13B on an A100")
     p.add_argument("--dataset", default="sharegpt", choices=DATASETS)
+    p.add_argument("--systems", default=",".join(SYSTEMS),
+                   help="comma list of fcfs, chunked, aptserve, aptserve-kv (Apt-Serve scheduling, KV cache only: "
+                        "the paper's ablation); fcfs and aptserve are needed for the ratios")
     p.add_argument("--model", default="tiny-mha", help="preset or HF dir (real mode)")
     p.add_argument("--num-requests", type=int, default=None, help="requests per rate (default 40 real / 500 sim)")
     p.add_argument("--rates", type=str, default=None, help="comma-separated req/s (default: auto sweep)")
@@ -142,6 +145,14 @@ def main(argv: list[str] | None = None) -> int:
     from grserve.kvcache.blocks import BlockPool
     from grserve.scheduler.llm_types import make_llm_scheduler
 
+    from grserve.scheduler.llm_types import SCHEDULERS
+
+    systems = [x.strip() for x in args.systems.split(",") if x.strip()]
+    bad = [x for x in systems if x not in SCHEDULERS]
+    if bad or not systems:
+        print(f"grserve bench serve: error: unknown system(s) {bad}; choose from {', '.join(SCHEDULERS)}",
+              file=sys.stderr)
+        return 2
     console = Console(stderr=False)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -215,20 +226,20 @@ def main(argv: list[str] | None = None) -> int:
         a.update(rate=rate, hidden_scheduled=res.stats["hidden_scheduled"], preemptions=res.stats["preemptions"])
         return a
 
-    total = len(rates) * len(SYSTEMS)
+    total = len(rates) * len(systems)
     with tqdm(total=total, desc="rate sweep", file=sys.stderr) as bar:
-        sweep = _sweep(run_one, rates, SYSTEMS, bar)
-    eff = {s: effective_throughput(rates, [r["attainment"] for r in sweep[s]]) for s in SYSTEMS}
+        sweep = _sweep(run_one, rates, systems, bar)
+    eff = {s: effective_throughput(rates, [r["attainment"] for r in sweep[s]]) for s in systems}
 
     table = Table(title=f"SLO attainment ({info['mode']}, {args.dataset}, CV {args.cv}; TTFT {ttft_slo:.3g}s, "
                         f"P99 TBT {tbt_slo:.3g}s)")
     table.add_column("rate (req/s)", justify="right")
-    for s in SYSTEMS:
+    for s in systems:
         table.add_column(s, justify="right")
     for i, r in enumerate(rates):
         table.add_row(f"{r:.3g}", *[f"{sweep[s][i]['attainment']:.0%} (ttft {sweep[s][i]['ttft_attainment']:.0%})"
-                                    for s in SYSTEMS])
-    table.add_row("effective @90%", *[f"{eff[s]:.3g}" for s in SYSTEMS])
+                                    for s in systems])
+    table.add_row("effective @90%", *[f"{eff[s]:.3g}" for s in systems])
     console.print(table)
 
     import matplotlib
@@ -237,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for s in SYSTEMS:
+    for s in systems:
         ax.plot(rates, [r["attainment"] * 100 for r in sweep[s]], marker="o", label=s)
     ax.axhline(90, ls="--", c="grey")
     ax.set_xlabel("request rate (req/s)")
@@ -254,8 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"decode batch 32 (tiny, 32k vocab, {dec['new_tokens']} new, {dec['threads']} thread(s)): "
                       f"grserve {dec['ours_tok_s']:.0f} tok/s, HF generate {dec['hf_tok_s']:.0f} tok/s -> "
                       f"{dec['speedup']:.2f}x; same tokens: {dec['same_tokens']}")
-    ratios = {"aptserve_vs_fcfs": eff["aptserve"] / eff["fcfs"] if eff["fcfs"] else None,
-              "aptserve_vs_chunked": eff["aptserve"] / eff["chunked"] if eff["chunked"] else None}
+    ratios = {f"{a.replace('-', '_')}_vs_{b}": (eff[a] / eff[b] if eff[b] else None)
+              for a in ("aptserve", "aptserve-kv") for b in ("fcfs", "chunked") if a in eff and b in eff}
     summary = {"effective_throughput": eff, **ratios, "decode_speedup_vs_hf": dec["speedup"] if dec else None,
                "png": str(png), **{k: v for k, v in info.items() if k != "rates"}}
     (out_dir / f"serve_{info['mode']}_{args.dataset}.json").write_text(json.dumps(

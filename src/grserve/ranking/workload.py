@@ -137,8 +137,16 @@ def generate_workload(spec: WorkloadSpec, vocab_size: int) -> tuple[RankingRegis
     cands = _draw_candidates(np.log(pop), users.size, k, rng)
     order = np.argsort(times, kind="stable")
     trace = [TraceRequest(float(times[j]), int(users[j]), tuple(int(i) for i in cands[j])) for j in order]
-    item_tok = np.mean([sum(len(reg.item_tokens(i)) for i in r.item_ids) for r in trace])
-    user_tok = np.mean([len(reg.user_tokens(r.user_id)) for r in trace])
+    per_item = [sum(len(reg.item_tokens(i)) for i in r.item_ids) for r in trace]
+    per_user = [len(reg.user_tokens(r.user_id)) for r in trace]
+    item_tok, user_tok = np.mean(per_item), np.mean(per_user)
+    # the most any prefix choice can serve from cache with an unbounded user cache and the whole item pool: per
+    # request the larger of its item tokens and (if the user was seen before) its profile — a trace property
+    seen: set[int] = set()
+    ceiling = 0
+    for r, it, ut in zip(trace, per_item, per_user):
+        ceiling += max(it, ut if r.user_id in seen else 0)
+        seen.add(r.user_id)
     stats = {
         "users": n_u, "requests": len(trace), "items": sp.num_items, "candidates": k,
         "users_seen_once": float(np.mean(counts == 1)),
@@ -147,6 +155,7 @@ def generate_workload(spec: WorkloadSpec, vocab_size: int) -> tuple[RankingRegis
         "profile_mean_per_request": float(user_tok),
         "item_tokens_per_request": float(item_tok),
         "item_token_share": float(item_tok / (item_tok + user_tok)),
+        "cacheable_share_ceiling": float(ceiling / (sum(per_item) + sum(per_user))),
         "users_below_item_tokens": float(np.mean(user_lens < item_tok)),
         "top10pct_access_share": realized_top_share(cands, sp.num_items),
         "top10pct_popularity_mass": float(np.sort(pop)[::-1][: max(1, sp.num_items // 10)].sum()),
