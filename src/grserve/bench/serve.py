@@ -48,6 +48,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--no-decode-bench", action="store_true", help="skip the batch-32 decode vs HF benchmark")
     p.add_argument("--decode-only", action="store_true", help="only the batch-32 decode vs HF benchmark (P7)")
+    p.add_argument("--prefix-only", action="store_true",
+                   help="only the prefix-cache benchmark: requests sharing a system prompt, with vs without the "
+                        "prompt-prefix KV cache (same engine, same requests, tokens checked identical)")
     p.add_argument("--decode-repeats", type=int, default=None, help="decode benchmark: best of N (default 1 "
                    "quick / 2)")
     p.add_argument("--threads", type=int, default=1,
@@ -122,12 +125,66 @@ def decode_vs_hf(quick: bool = False, *, new_tokens: int | None = None, batch: i
             "ours_s": ours_t, "hf_s": hf_t, "hf_attn": cfg._attn_implementation}
 
 
+def prefix_vs_none(*, requests: int = 32, system_len: int = 512, user_len: int = 32, new_tokens: int = 8,
+                   batch: int = 8, repeats: int = 2) -> dict:
+    """Prefix cache: ``requests`` prompts = one shared ``system_len``-token system prompt + ``user_len`` own tokens,
+    ``new_tokens`` greedy each, in waves of ``batch`` (FCFS, tiny, fp32), with and without the prompt-prefix KV
+    cache. Reports prefill tokens computed, wall time (best of ``repeats``) and mean TTFT of each."""
+    import torch
+
+    from grserve.engine.llm import build_model_engine
+    from grserve.engine.sampling import SamplingParams
+    from grserve.model import load_model
+    from grserve.scheduler.fcfs import FCFSScheduler
+
+    model = load_model("tiny", seed=0)
+    g = torch.Generator().manual_seed(1)
+    system = torch.randint(3, model.spec.vocab_size, (system_len,), generator=g).tolist()
+    prompts = [system + torch.randint(3, model.spec.vocab_size, (user_len,), generator=g).tolist()
+               for _ in range(requests)]
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    blocks = 2 * batch * -(-(system_len + user_len + new_tokens) // 16) + 16
+    out: dict = {"requests": requests, "system_len": system_len, "user_len": user_len, "new_tokens": new_tokens,
+                 "batch": batch}
+    tokens = {}
+    for name, cap in (("none", 0), ("prefix", 4 * (system_len + user_len))):
+        best = None
+        for _ in range(max(1, repeats)):
+            eng = build_model_engine(model, FCFSScheduler(), num_blocks=blocks, block_size=16,
+                                     prefix_cache_tokens=cap)
+            eng.keep_finished = True
+            got, t0 = [], time.perf_counter()
+            for i in range(0, requests, batch):
+                got += eng.generate(prompts[i:i + batch], params)
+            wall = time.perf_counter() - t0
+            ttft = sum(s.token_times[0] - s.arrival for s in eng.finished) / len(eng.finished)
+            if best is None or wall < best["wall_s"]:
+                best = {"wall_s": wall, "mean_ttft_s": ttft, "prefill_tokens": eng.stats["prefill_tokens"],
+                        "prefix_hit_tokens": eng.stats["prefix_hit_tokens"]}
+            tokens[name] = got
+        out[name] = best
+    out["same_tokens"] = tokens["none"] == tokens["prefix"]
+    out["speedup"] = out["none"]["wall_s"] / out["prefix"]["wall_s"]
+    out["ttft_speedup"] = out["none"]["mean_ttft_s"] / out["prefix"]["mean_ttft_s"]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     import torch
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)
+    if args.prefix_only:
+        r = prefix_vs_none()
+        print(f"prefix cache: {r['requests']} requests = {r['system_len']}-token shared system prompt + "
+              f"{r['user_len']} own tokens, {r['new_tokens']} new, waves of {r['batch']}: prefill tokens "
+              f"{r['none']['prefill_tokens']} -> {r['prefix']['prefill_tokens']}, wall {r['none']['wall_s']:.2f} -> "
+              f"{r['prefix']['wall_s']:.2f} s ({r['speedup']:.2f}x), mean TTFT {r['none']['mean_ttft_s']*1e3:.0f} -> "
+              f"{r['prefix']['mean_ttft_s']*1e3:.0f} ms ({r['ttft_speedup']:.2f}x); same tokens: {r['same_tokens']}",
+              file=sys.stderr)
+        print(json.dumps(r), flush=True)
+        return 0
     if args.decode_only:
         dec = decode_vs_hf(args.quick, repeats=args.decode_repeats or (1 if args.quick else 2))
         print(f"decode batch {dec['batch']} (tiny, 32k vocab, prompt {dec['prompt']}, {dec['new_tokens']} new, "

@@ -9,8 +9,11 @@ The executor is swappable: ``ModelExecutor`` runs the real model; ``engine.simul
 returns a cost-model duration instead (the discrete-event simulator). The clock is injectable (virtual time
 in the benchmark). ``abort()`` frees a request's blocks at once (between iterations: the engine lock).
 
-Prefix cache seam: ``prefix_cache`` (default None) is any object with ``match(token_ids) -> int`` (cached
-prefix length) — the radix prefix cache from the LCR work can plug in here; it is not used yet.
+Prefix cache: ``prefix_cache`` (default None) is a ``kvcache.prefix_kv.PrefixKVStore`` (a radix tree of cached
+prompt spans with a pluggable eviction policy, e.g. LARU). A KV request admitted to prefill first copies its
+longest cached prefix into its blocks and computes only the rest, within the tokens the scheduler planned (so
+memory stays exactly as planned); its first sampled token (the end of its prefill) saves its computed tokens'
+K/V into the store. Hidden-cache requests do not use it.
 """
 
 from __future__ import annotations
@@ -30,7 +33,9 @@ from grserve.scheduler.llm_types import LLMScheduler, PoolView, SchedulerInput, 
 
 
 class PrefixCache(Protocol):
-    def match(self, token_ids: list[int]) -> int: ...
+    def load(self, tokens: list[int], storage: HybridCacheStorage, table) -> int: ...
+
+    def save(self, tokens: list[int], storage: HybridCacheStorage, table) -> int: ...
 
 
 @dataclass
@@ -61,6 +66,7 @@ class Sequence:
     text: str = ""
     emitted: int = 0
     sampler: SamplerState | None = None
+    prefix_saved: bool = False  # this (re)prefill's tokens were offered to the prefix cache
 
     @property
     def tokens(self) -> list[int]:
@@ -154,6 +160,9 @@ class LLMEngine:
         self.clock = clock
         self.max_model_len = max_model_len
         self.prefix_cache = prefix_cache
+        self._storage = getattr(executor, "storage", None)
+        if prefix_cache is not None and self._storage is None:
+            raise ValueError("a prefix cache needs an executor with tensor storage (not the simulator)")
         self.on_iteration = on_iteration
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -164,7 +173,8 @@ class LLMEngine:
         self._next_id = 0
         self.iterations = 0
         self.last_step_progressed = False  # did the last step() schedule or preempt anything?
-        self.stats = {"preemptions": 0, "hidden_scheduled": 0, "kv_scheduled": 0, "iterations_at_limit": 0}
+        self.stats = {"preemptions": 0, "hidden_scheduled": 0, "kv_scheduled": 0, "iterations_at_limit": 0,
+                      "prefix_hit_tokens": 0, "prefill_tokens": 0}
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt_ids: list[int], params: SamplingParams, *, arrival: float | None = None,
@@ -230,7 +240,7 @@ class LLMEngine:
         for sid in reversed(plan.preempted):
             seq = self.seqs[sid]
             self.pool.free(sid)
-            seq.num_computed, seq.cache = 0, None
+            seq.num_computed, seq.cache, seq.prefix_saved = 0, None, False
             seq.num_preemptions += 1
             self.stats["preemptions"] += 1
             if seq in self.running:
@@ -238,21 +248,29 @@ class LLMEngine:
                 self.waiting.appendleft(seq)
         if not plan.scheduled:
             return []
-        if self.pool.num_free < sum(self.pool.extra_blocks_for(x.seq_id, self.seqs[x.seq_id].num_computed
-                                                                 + x.num_tokens, x.cache) for x in plan.scheduled):
+        planned = sum(self.pool.extra_blocks_for(x.seq_id, self.seqs[x.seq_id].num_computed + x.num_tokens, x.cache)
+                      for x in plan.scheduled)
+        if self.pool.num_free < planned:
             self.stats["iterations_at_limit"] += 1
+        spare = max(0, self.pool.num_free - planned)  # blocks no planned item needs (a cached prefix may use them)
         # 2. admit + grow block tables
         items: list[ExecItem] = []
         for x in plan.scheduled:
             seq = self.seqs[x.seq_id]
             if seq.cache is not None and seq.cache != x.cache:  # a policy switching kinds without preempting
                 raise RuntimeError(f"seq {x.seq_id}: cache switch {seq.cache}->{x.cache} must be a preemption")
-            if seq.cache is None:
+            admitted = seq.cache is None
+            if admitted:
                 self.waiting.remove(seq)
                 self.running.append(seq)
                 seq.cache = x.cache
             n = min(x.num_tokens, seq.num_tokens - seq.num_computed)
-            self.pool.reserve(x.seq_id, seq.num_computed + n, x.cache)
+            if admitted and x.cache == "kv" and self.prefix_cache is not None and seq.num_computed == 0:
+                n, used = self._load_prefix(seq, n, spare)
+                spare -= used
+            table = self.pool.reserve(x.seq_id, seq.num_computed + n, x.cache)
+            if admitted or seq.num_computed + n < seq.num_tokens or n > 1:  # not a decode step
+                self.stats["prefill_tokens"] += n
             self.stats["hidden_scheduled" if x.cache == "hidden" else "kv_scheduled"] += 1
             items.append(ExecItem(seq, seq.num_computed, n, x.cache, seq.num_computed + n == seq.num_tokens))
         # 3. forward
@@ -265,7 +283,11 @@ class LLMEngine:
             self.on_iteration(plan, now - t0)
         for it in items:
             it.seq.num_computed += it.num_new
-            self.pool.table(it.seq.seq_id).num_tokens = it.seq.num_computed
+            table = self.pool.table(it.seq.seq_id)
+            table.num_tokens = it.seq.num_computed
+            if self.prefix_cache is not None and it.kind == "kv" and it.sample and not it.seq.prefix_saved:
+                it.seq.prefix_saved = True  # the end of this (re)prefill: offer its tokens to the cache
+                self.prefix_cache.save(it.seq.tokens[:it.seq.num_computed], self._storage, table)
         # 4. sample + stop conditions
         samplers = [it for it in items if it.sample]
         if logits is not None:
@@ -276,6 +298,29 @@ class LLMEngine:
         for it, tok in zip(samplers, toks):
             events.append(self._append_token(it.seq, tok, now))
         return [e for e in events if e is not None]
+
+    def _load_prefix(self, seq: Sequence, n: int, spare: int) -> tuple[int, int]:
+        """Copy ``seq``'s longest cached prefix (m ≤ num_tokens − 1 tokens) into its blocks; return how many
+        tokens to compute now and how many blocks beyond its plan it took. The cached prefix is free, so the
+        request still computes its planned n tokens after it (fewer at the end of the prompt) if ``spare``
+        blocks (ones no other planned item needs) allow; otherwise it stays within the blocks planned for n
+        tokens (m ≤ n − 1, computing n − m)."""
+        pc = self.prefix_cache
+        slots = pc.match(seq.tokens)
+        m = len(slots)
+        if m == 0:
+            return n, 0
+        n_after = min(n, seq.num_tokens - m)
+        pool = self.pool
+        extra = pool.extra_blocks_for(seq.seq_id, m + n_after, "kv") - pool.extra_blocks_for(seq.seq_id, n, "kv")
+        if extra > spare:
+            m = min(m, n - 1)
+            n_after, extra = n - m, 0
+        pool.reserve(seq.seq_id, m + n_after, "kv")
+        pc.copy_in(slots[:m], self._storage, pool.table(seq.seq_id))
+        seq.num_computed = m
+        self.stats["prefix_hit_tokens"] += m
+        return n_after, max(0, extra)
 
     def clock_advance(self, dt: float) -> None:
         adv = getattr(self.clock, "advance", None)
@@ -352,13 +397,18 @@ class LLMEngine:
 
 
 def build_model_engine(model, scheduler: LLMScheduler, *, num_blocks: int, block_size: int = 16,
-                       **kw) -> LLMEngine:
-    """Engine over a real model: pool + storage sized from the model spec (planes of K/V width)."""
+                       prefix_cache_tokens: int = 0, prefix_cache_policy: str = "lru", **kw) -> LLMEngine:
+    """Engine over a real model: pool + storage sized from the model spec (planes of K/V width); with
+    ``prefix_cache_tokens`` > 0 a prompt-prefix KV store of that many tokens, evicting by ``prefix_cache_policy``."""
     spec = model.spec
     pool = BlockPool.for_model(num_blocks, block_size, spec.hidden_size, spec.kv_size)
     storage = HybridCacheStorage(pool, spec.num_hidden_layers, spec.kv_size, spec.hidden_size, dtype=model.dtype,
                                  device=model.device)
     kw.setdefault("max_model_len", spec.max_position_embeddings)
+    if prefix_cache_tokens > 0:
+        from grserve.kvcache.prefix_kv import PrefixKVStore
+
+        kw["prefix_cache"] = PrefixKVStore.for_storage(storage, prefix_cache_tokens, prefix_cache_policy)
     return LLMEngine(scheduler, pool, ModelExecutor(model, storage), **kw)
 
 

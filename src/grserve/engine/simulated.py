@@ -78,6 +78,7 @@ class TimedExecutor:
 
     def __init__(self, inner):
         self.inner = inner
+        self.storage = getattr(inner, "storage", None)
 
     def execute(self, items, pool):
         t0 = time.perf_counter()

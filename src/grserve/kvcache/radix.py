@@ -173,16 +173,21 @@ class RadixCache:
             self.clock = max(self.clock, now + 1)
         return now
 
-    def insert(self, tokens: Sequence[int] | np.ndarray, values: Sequence[Any] | np.ndarray | None = None,
+    def insert(self, tokens: Sequence[int] | np.ndarray,
+               values: Sequence[Any] | np.ndarray | Callable[[int, int], np.ndarray] | None = None,
                now: int | None = None) -> int:
         """Cache ``tokens`` (values[i] belongs to tokens[i]); returns how many leading tokens were already cached.
 
-        If the new part cannot fit even after evicting every evictable leaf, only the prefix that fits is
-        inserted (nothing is ever evicted from the path being extended: it is locked during the insert)."""
+        ``values`` may be a function ``(start, stop) -> values of tokens[start:stop]``, called once, after any
+        eviction, for the part actually inserted (a store whose values are slots freed by ``on_evict`` allocates
+        them there). If the new part cannot fit even after evicting every evictable leaf, only the prefix that
+        fits is inserted (nothing is ever evicted from the path being extended: it is locked during the insert)."""
         tokens = np.asarray(tokens, dtype=np.int64)
-        values = np.arange(len(tokens), dtype=np.int64) if values is None else np.asarray(values)
-        if len(values) != len(tokens):
-            raise ValueError("one value per token")
+        make = values if callable(values) else None
+        if make is None:
+            values = np.arange(len(tokens), dtype=np.int64) if values is None else np.asarray(values)
+            if len(values) != len(tokens):
+                raise ValueError("one value per token")
         now = self.clock - 1 if now is None else now
         h = prefix_hashes(tokens)
         node, pos, _ = self._walk(tokens, h, now, touch=False)
@@ -200,7 +205,10 @@ class RadixCache:
         if room <= 0:
             return pos
         end = pos + min(need, room)
-        leaf = TreeNode(tokens[pos:end], values[pos:end], node, pos, _span_key(pos, h[pos + 1]))
+        vals = np.asarray(make(pos, end)) if make is not None else values[pos:end]
+        if len(vals) != end - pos:
+            raise ValueError("one value per token")
+        leaf = TreeNode(tokens[pos:end], vals, node, pos, _span_key(pos, h[pos + 1]))
         node.children[int(tokens[pos])] = leaf
         self.nodes[leaf.ident] = leaf
         self.size += end - pos

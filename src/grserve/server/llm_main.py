@@ -27,6 +27,10 @@ def build_app(loop: EngineLoop, tokenizer, model_name: str, max_model_len: int, 
         lambda: engine.pool.num_free)
     Gauge("grserve_llm_preemptions", "Preemptions so far (recompute).", registry=reg).set_function(
         lambda: engine.stats["preemptions"])
+    Gauge("grserve_llm_prefix_hit_tokens", "Prompt tokens copied from the prefix cache instead of computed.",
+          registry=reg).set_function(lambda: engine.stats["prefix_hit_tokens"])
+    Gauge("grserve_llm_prefill_tokens", "Prompt tokens computed.", registry=reg).set_function(
+        lambda: engine.stats["prefill_tokens"])
     requests = Counter("grserve_llm_http_requests_total", "HTTP requests by path and status.",
                        ["path", "status"], registry=reg)
 
@@ -68,6 +72,8 @@ def build_engine(args: argparse.Namespace):
                              token_budget=args.token_budget, max_num_batched_tokens=args.max_batched_tokens,
                              max_num_seqs=args.max_num_seqs)
     engine = build_model_engine(model, pol, num_blocks=args.num_blocks, block_size=args.block_size,
+                                prefix_cache_tokens=args.prefix_cache_tokens,
+                                prefix_cache_policy=args.prefix_cache_policy,
                                 eos_token_id=tok.eos_token_id, detokenize=tok.decode)
     return engine, tok, model
 
@@ -92,6 +98,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--token-budget", type=int, default=512, help="tokens per iteration (chunked)")
     p.add_argument("--max-batched-tokens", type=int, default=2048, help="prefill tokens per iteration")
     p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--prefix-cache-tokens", type=int, default=0,
+                   help="prompt-prefix KV cache size in tokens (0 = off): requests sharing a prompt prefix copy "
+                        "its K/V instead of computing it (KV-cache requests only)")
+    p.add_argument("--prefix-cache-policy", default="lru", choices=("lru", "lfu", "laru"),
+                   help="eviction policy of the prefix cache (laru: learning-augmented LRU, online LightGBM)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
@@ -102,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.num_blocks < 2 or args.block_size < 1:
         print("grserve serve llm: error: --num-blocks must be >= 2 and --block-size >= 1", file=sys.stderr)
+        return 2
+    if args.prefix_cache_tokens < 0:
+        print("grserve serve llm: error: --prefix-cache-tokens must be >= 0", file=sys.stderr)
         return 2
     import uvicorn
 
