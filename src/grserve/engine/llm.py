@@ -93,11 +93,17 @@ class ExecItem:
 class ModelExecutor:
     """Runs one packed forward over the hybrid cache; returns logits for the requests that sample."""
 
-    def __init__(self, model, storage: HybridCacheStorage):
+    def __init__(self, model, storage: HybridCacheStorage, screened_greedy: bool = True):
         self.model = model
         self.storage = storage
         spec = model.spec
         self.hkv, self.d = spec.num_key_value_heads, spec.head_dim
+        # exact greedy argmax through a bf16 screen of the LM head (engine/greedy_head.py), fp32 models only
+        self.greedy_head = None
+        if screened_greedy and model.lm_head.weight.dtype == torch.float32:
+            from grserve.engine.greedy_head import ScreenedGreedyHead
+
+            self.greedy_head = ScreenedGreedyHead(model.lm_head.weight)
 
     def execute(self, items: list[ExecItem], pool: BlockPool) -> tuple[torch.Tensor | None, float | None]:
         ids: list[int] = []
@@ -120,8 +126,12 @@ class ModelExecutor:
         ctx = HybridPagedContext(self.storage, slices, self.model.kv_from_hidden, self.hkv, self.d)
         with torch.inference_mode():
             h = self.model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), ctx)
-            logits = self.model.logits(h[torch.tensor(rows, device=dev)]) if rows else None
-        return logits, None
+            if not rows:
+                return None, None
+            last = h[torch.tensor(rows, device=dev)]
+            if self.greedy_head is not None and all(it.seq.params.temperature == 0 for it in items if it.sample):
+                return self.greedy_head.argmax(last).tolist(), None  # token ids, not logits
+            return self.model.logits(last), None
 
 
 def calibrate_rho(model, token_counts=(32, 128, 512), repeats: int = 3) -> float:
@@ -290,7 +300,9 @@ class LLMEngine:
                 self.prefix_cache.save(it.seq.tokens[:it.seq.num_computed], self._storage, table)
         # 4. sample + stop conditions
         samplers = [it for it in items if it.sample]
-        if logits is not None:
+        if isinstance(logits, list):  # the executor already chose (greedy)
+            toks = logits
+        elif logits is not None:
             toks = sample(logits, [it.seq.sampler for it in samplers])
         else:
             toks = [self.executor.dummy_token(it.seq) for it in samplers]
