@@ -19,7 +19,8 @@ from grserve.engine.simulated import (
 )
 from grserve.kvcache.blocks import BlockPool
 from grserve.scheduler.fcfs import FCFSScheduler
-from grserve.scheduler.llm_types import SchedulerOutput, make_llm_scheduler
+from grserve.scheduler.llm_factory import make_llm_scheduler
+from grserve.scheduler.llm_types import SchedulerOutput
 
 
 class _Guard:

@@ -16,7 +16,7 @@ from grserve.engine.llm import build_model_engine  # noqa: E402
 from grserve.engine.sampling import SamplingParams  # noqa: E402
 from grserve.kvcache.prefix_kv import PrefixKVStore  # noqa: E402
 from grserve.model import load_model  # noqa: E402
-from grserve.scheduler.llm_types import make_llm_scheduler  # noqa: E402
+from grserve.scheduler.llm_factory import make_llm_scheduler  # noqa: E402
 
 VOCAB, NEW = 300, 6
 

@@ -144,7 +144,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    from grserve.bench.movielens import default_cache_dir  # the command's default data source (lazy: CLI wiring)
+    from grserve.catalog.movielens_data import default_cache_dir  # the command's default data source
 
     cache = Path(a.cache_dir) if a.cache_dir else default_cache_dir()
     out = Path(a.out) if a.out else cache / "catalog.jsonl"
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.items:
             ids, texts = _read_items_file(Path(a.items))
         else:
-            from grserve.bench.movielens import load_movielens
+            from grserve.catalog.movielens_data import load_movielens
 
             ids, texts = load_movielens(cache, a.widedeep_wheel, log=print).item_texts()
         cfg = BuildConfig(codebook_sizes=a.codebook_sizes, seed=a.seed, kmeans_iters=a.kmeans_iters)

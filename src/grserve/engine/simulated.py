@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from grserve.engine.llm import LLMEngine
 from grserve.engine.sampling import SamplingParams
 from grserve.kvcache.blocks import BlockPool
-from grserve.scheduler.llm_types import make_llm_scheduler
+from grserve.scheduler.llm_factory import make_llm_scheduler
 
 
 class VirtualClock:

@@ -100,23 +100,3 @@ def preempt_until_fits(running: list[SeqView], pool: PoolView, need: dict[int, i
         free += victim.held_blocks
         preempted.append(victim.seq_id)
     return kept, preempted, free - total
-
-
-SCHEDULERS = ("fcfs", "chunked", "aptserve", "aptserve-kv")
-
-
-def make_llm_scheduler(name: str, **kw) -> LLMScheduler:
-    """Build a policy by name (config): fcfs | chunked | aptserve | aptserve-kv (Apt-Serve's scheduling with the
-    KV cache only: the paper's "Apt-Serve KV-only" ablation); ``kw`` go to its constructor."""
-    if name == "fcfs":
-        from grserve.scheduler.fcfs import FCFSScheduler
-        return FCFSScheduler(**kw)
-    if name == "chunked":
-        from grserve.scheduler.chunked import ChunkedPrefillScheduler
-        return ChunkedPrefillScheduler(**kw)
-    if name in ("aptserve", "aptserve-kv"):
-        from grserve.scheduler.aptserve import AptServeScheduler
-        if name == "aptserve-kv":
-            kw = {**kw, "hybrid": False}
-        return AptServeScheduler(**kw)
-    raise ValueError(f"unknown scheduler {name!r}; choose from {', '.join(SCHEDULERS)}")

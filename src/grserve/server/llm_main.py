@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
 from grserve.engine.llm import EngineLoop, LLMEngine, build_model_engine, calibrate_rho
-from grserve.scheduler.llm_types import SCHEDULERS, make_llm_scheduler
+from grserve.scheduler.llm_factory import SCHEDULERS, make_llm_scheduler
 from grserve.server.openai_routes import create_openai_router, openai_error
 
 
