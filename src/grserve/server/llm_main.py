@@ -127,8 +127,11 @@ def main(argv: list[str] | None = None) -> int:
     name = args.served_model_name or args.model
     loop = EngineLoop(engine).start()
     app = build_app(loop, tok, name, model.spec.max_position_embeddings, model.spec.vocab_size)
+    pc = engine.prefix_cache
+    prefix = (f", prefix cache {pc.capacity} tokens ({pc.bytes / 2**20:.0f} MiB, {args.prefix_cache_policy})"
+              if pc is not None else "")
     print(f"grserve: LLM {name} ({args.dtype}), scheduler {args.scheduler}, {args.num_blocks} blocks x "
-          f"{args.block_size} tokens -> http://{args.host}:{args.port}/v1", flush=True)
+          f"{args.block_size} tokens{prefix} -> http://{args.host}:{args.port}/v1", flush=True)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     except SystemExit as exc:
