@@ -64,6 +64,12 @@ def parse_args(argv):
     p.add_argument("--kv-workers", type=int, default=0, help="N >= 2: also compare HRCS / replicate / hash bytes")
     p.add_argument("--alpha", type=float, default=0.1, help="HRCS tolerable communication/computation ratio")
     p.add_argument("--link-gbps", type=float, default=10.0, help="HRCS link bandwidth (default 10 Gbps)")
+    p.add_argument("--hrcs-prefill-s", type=float, default=None,
+                   help="HRCS's t (seconds per IP prefill) in Algorithm 1 (default: measured in this run); e.g. 0.1 "
+                        "to model a GPU prefill")
+    p.add_argument("--hrcs-kv-bytes-per-token", type=int, default=None,
+                   help="KV bytes per token for HRCS's link rate B in tokens/s (default: this model's); e.g. 28672 "
+                        "for Qwen2-1.5B fp16 (bytes moved are still this model's real tensors)")
     p.add_argument("--ray", action="store_true", help="cluster mode with Ray actors (default: in-process workers)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
@@ -164,16 +170,23 @@ def main(argv: list[str] | None = None) -> int:
     if a.kv_workers >= 2:
         from grserve.cluster.hrcs import compare_placements
 
+        measured = wall.get("item_prefix", 0) / max(len(reqs), 1)
+        if a.hrcs_prefill_s is None and not measured:
+            print("grserve bench ranking: note: item_prefix was not run, so HRCS's prefill time t is 0 "
+                  "(everything replicated); pass --hrcs-prefill-s", file=sys.stderr)
         cl = compare_placements(trace, reg, pool, workers=a.kv_workers, alpha=a.alpha, link_gbps=a.link_gbps,
-                                kv_bytes_per_token=bpt, prefill_s=wall.get("item_prefix", 0) / max(len(reqs), 1),
+                                kv_bytes_per_token=a.hrcs_kv_bytes_per_token or bpt,
+                                prefill_s=a.hrcs_prefill_s if a.hrcs_prefill_s is not None else measured,
                                 use_ray=a.ray)
         out["cluster"] = cl
         ct = Table(title=f"item KV placement over {a.kv_workers} KV-cache workers (IP requests of the trace)")
-        for col in ("placement", "replication ratio", "item KV bytes / worker", "bytes moved", "moved / request"):
+        for col in ("placement", "replication ratio", "item KV bytes / worker", "remote items", "bytes moved",
+                    "moved / request"):
             ct.add_column(col, justify="right")
         for name, r in cl["placements"].items():
             ct.add_row(name, f"{r['replication_ratio']:.3f}", f"{r['bytes_per_worker'] / 2**20:.1f} MiB",
-                       f"{r['bytes_moved'] / 2**20:.1f} MiB", f"{r['bytes_moved_per_request'] / 2**10:.1f} KiB")
+                       f"{r['remote_item_fraction']:.3f}", f"{r['bytes_moved'] / 2**20:.1f} MiB",
+                       f"{r['bytes_moved_per_request'] / 2**10:.1f} KiB")
         console.print(ct)
     print(json.dumps(out))
     return 0
