@@ -40,6 +40,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="tiny-mha", help="preset or HF dir (real mode)")
     p.add_argument("--num-requests", type=int, default=None, help="requests per rate (default 40 real / 500 sim)")
     p.add_argument("--rates", type=str, default=None, help="comma-separated req/s (default: auto sweep)")
+    p.add_argument("--refine", type=int, default=3,
+                   help="bisection steps on each system's 90%% crossing after the grid (0 = grid only)")
     p.add_argument("--cv", type=float, default=1.0, help="arrival CV (1 = Poisson, >1 Gamma bursts)")
     p.add_argument("--scale", type=float, default=0.25, help="length scale of the workload (real mode)")
     p.add_argument("--mem-requests", type=float, default=4.0, help="pool size in mean-request KV footprints")
@@ -59,6 +61,26 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default="bench-results")
     return p
+
+
+def _refine(run_one, system: str, pts: list, steps: int, progress, level: float = 0.9) -> list:
+    """Bisect ``steps`` times between the last grid rate at ≥ ``level`` attainment and the next one below it
+    (the bracket ``effective_throughput`` interpolates in); returns the points with the new ones, sorted."""
+    pts = sorted(pts, key=lambda x: x[0])
+    for i in range(len(pts) - 1):
+        if pts[i][1]["attainment"] >= level > pts[i + 1][1]["attainment"]:
+            lo, hi = pts[i][0], pts[i + 1][0]
+            break
+    else:
+        progress.update(steps)
+        return pts
+    for _ in range(steps):
+        mid = round((lo + hi) / 2, 6)
+        res = run_one(system, mid)
+        pts.append((mid, res))
+        lo, hi = (mid, hi) if res["attainment"] >= level else (lo, mid)
+        progress.update(1)
+    return sorted(pts, key=lambda x: x[0])
 
 
 def _sweep(run_one, rates, systems, progress) -> dict[str, list[dict]]:
@@ -286,7 +308,15 @@ def main(argv: list[str] | None = None) -> int:
     total = len(rates) * len(systems)
     with tqdm(total=total, desc="rate sweep", file=sys.stderr) as bar:
         sweep = _sweep(run_one, rates, systems, bar)
-    eff = {s: effective_throughput(rates, [r["attainment"] for r in sweep[s]]) for s in systems}
+    # each system's own points: the grid, then bisection of its 90 % crossing (a coarse grid's linear
+    # interpolation can misplace a cliff by most of a grid step)
+    points = {s: sorted(zip(rates, sweep[s]), key=lambda x: x[0]) for s in systems}
+    if args.refine > 0:
+        with tqdm(total=args.refine * len(systems), desc="refine crossing", file=sys.stderr) as bar:
+            for s in systems:
+                points[s] = _refine(run_one, s, points[s], args.refine, bar)
+    eff = {s: effective_throughput([r for r, _ in points[s]], [x["attainment"] for _, x in points[s]])
+           for s in systems}
 
     table = Table(title=f"SLO attainment ({info['mode']}, {args.dataset}, CV {args.cv}; TTFT {ttft_slo:.3g}s, "
                         f"P99 TBT {tbt_slo:.3g}s)")
@@ -296,6 +326,9 @@ def main(argv: list[str] | None = None) -> int:
     for i, r in enumerate(rates):
         table.add_row(f"{r:.3g}", *[f"{sweep[s][i]['attainment']:.0%} (ttft {sweep[s][i]['ttft_attainment']:.0%})"
                                     for s in systems])
+    if args.refine > 0:
+        table.add_row("refined points", *[", ".join(f"{r:.3g}: {x['attainment']:.0%}" for r, x in points[s]
+                                                   if r not in rates) for s in systems])
     table.add_row("effective @90%", *[f"{eff[s]:.3g}" for s in systems])
     console.print(table)
 
@@ -306,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for s in systems:
-        ax.plot(rates, [r["attainment"] * 100 for r in sweep[s]], marker="o", label=s)
+        ax.plot([r for r, _ in points[s]], [x["attainment"] * 100 for _, x in points[s]], marker="o", label=s)
     ax.axhline(90, ls="--", c="grey")
     ax.set_xlabel("request rate (req/s)")
     ax.set_ylabel("SLO attainment (%)")
@@ -327,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = {"effective_throughput": eff, **ratios, "decode_speedup_vs_hf": dec["speedup"] if dec else None,
                "png": str(png), **{k: v for k, v in info.items() if k != "rates"}}
     (out_dir / f"serve_{info['mode']}_{args.dataset}.json").write_text(json.dumps(
-        {"summary": summary, "sweep": sweep, "decode": dec}, indent=2))
+        {"summary": summary, "sweep": sweep, "points": {k: [[r, x] for r, x in v] for k, v in points.items()},
+         "decode": dec}, indent=2))
     print(json.dumps(summary), flush=True)
     return 0
 
