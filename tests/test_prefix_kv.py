@@ -160,7 +160,7 @@ def test_store_slot_accounting_random():
         store.save(toks, storage, t)
         store.check()
         t2 = pool.reserve(("probe", step), len(toks), "kv")
-        m = store.load(toks + [0], storage, t2)
+        m = store.copy_in(store.match(toks + [0]), storage, t2)
         assert m <= len(toks)
         if m:  # what was just saved is (at least partly) there and copies back identically
             a = storage.data[:, storage.row_index(t, 0, m).flatten()]

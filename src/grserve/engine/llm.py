@@ -24,6 +24,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
+import numpy as np
 import torch
 
 from grserve.attention.hybrid import HybridPagedContext, SeqSlice
@@ -33,7 +34,11 @@ from grserve.scheduler.llm_types import LLMScheduler, PoolView, SchedulerInput, 
 
 
 class PrefixCache(Protocol):
-    def load(self, tokens: list[int], storage: HybridCacheStorage, table) -> int: ...
+    """What the engine calls on its prefix cache (``kvcache.prefix_kv.PrefixKVStore``)."""
+
+    def match(self, tokens: list[int]) -> np.ndarray: ...
+
+    def copy_in(self, slots: np.ndarray, storage: HybridCacheStorage, table) -> int: ...
 
     def save(self, tokens: list[int], storage: HybridCacheStorage, table) -> int: ...
 
@@ -91,7 +96,8 @@ class ExecItem:
 
 
 class ModelExecutor:
-    """Runs one packed forward over the hybrid cache; returns logits for the requests that sample."""
+    """Runs one packed forward over the hybrid cache; for the requests that sample it returns their logits, or,
+    when every one of them is greedy, their token ids (list) chosen by the screened greedy head."""
 
     def __init__(self, model, storage: HybridCacheStorage, screened_greedy: bool = True):
         self.model = model
@@ -105,7 +111,7 @@ class ModelExecutor:
 
             self.greedy_head = ScreenedGreedyHead(model.lm_head.weight)
 
-    def execute(self, items: list[ExecItem], pool: BlockPool) -> tuple[torch.Tensor | None, float | None]:
+    def execute(self, items: list[ExecItem], pool: BlockPool) -> tuple[torch.Tensor | list[int] | None, None]:
         ids: list[int] = []
         pos: list[int] = []
         slices, rows = [], []
@@ -278,7 +284,7 @@ class LLMEngine:
             if admitted and x.cache == "kv" and self.prefix_cache is not None and seq.num_computed == 0:
                 n, used = self._load_prefix(seq, n, spare)
                 spare -= used
-            table = self.pool.reserve(x.seq_id, seq.num_computed + n, x.cache)
+            self.pool.reserve(x.seq_id, seq.num_computed + n, x.cache)
             if admitted or seq.num_computed + n < seq.num_tokens or n > 1:  # not a decode step
                 self.stats["prefill_tokens"] += n
             self.stats["hidden_scheduled" if x.cache == "hidden" else "kv_scheduled"] += 1

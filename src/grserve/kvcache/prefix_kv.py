@@ -69,7 +69,7 @@ class PrefixKVStore:
         del self._free[-n:]
         return out
 
-    # ---- the two engine hooks ------------------------------------------------------------------------------
+    # ---- the engine's hooks: match + copy_in at admission, save at the end of a prefill -----------------------
     def match(self, tokens: list[int]) -> np.ndarray:
         """The store slots of the longest cached prefix of ``tokens[:-1]`` (at least one token is left to
         compute: its logits are sampled). Counts as an access for the eviction policy."""
@@ -90,10 +90,6 @@ class PrefixKVStore:
                 storage.data[:, rows[plane]] = self.kv[:, plane].index_select(1, src)
             self.stats["hit_tokens"] += m
         return m
-
-    def load(self, tokens: list[int], storage: HybridCacheStorage, table: BlockTable) -> int:
-        """``match`` + ``copy_in`` of the whole match."""
-        return self.copy_in(self.match(tokens), storage, table)
 
     def save(self, tokens: list[int], storage: HybridCacheStorage, table: BlockTable) -> int:
         """Cache ``tokens`` (all computed into ``table``): the part beyond the cached prefix is copied from the
