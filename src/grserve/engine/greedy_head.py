@@ -53,28 +53,18 @@ class ScreenedGreedyHead:
         floor = vals[:, 0] - 2.0 * bound
         cand = vals >= floor[:, None]  # [B, k]; column 0 always
         out = idx[:, 0].clone()  # rows whose band holds one candidate: the screen's top is the answer
-        wide = cand[:, -1]  # the band may extend past the top k: scan that whole row (rare)
-        multi = cand[:, 1] & ~wide
-        if bool(multi.any()):  # a few candidates: exact fp32 logits of the top k, best in band, lowest index
-            rows = torch.nonzero(multi).flatten()
-            ii = idx.index_select(0, rows)  # [R, k]
-            exact = torch.einsum("rkd,rd->rk", self.weight[ii], h.index_select(0, rows))
-            exact = exact.masked_fill(~cand.index_select(0, rows), float("-inf"))
-            best = exact.max(dim=1, keepdim=True).values
-            pick = torch.where(exact == best, ii, torch.iinfo(torch.int64).max).min(dim=1).values
-            out[rows] = pick
-        for r in torch.nonzero(wide).flatten().tolist():
-            cols = torch.nonzero(lo[r].float() >= floor[r]).flatten()
-            out[r] = self._best(h[r], cols)
         self.stats["rows"] += h.shape[0]
-        self.stats["candidates"] += int(cand[~wide].sum())
+        self.stats["candidates"] += int((~cand[:, 1]).sum())
+        # rows with more candidates (rare): exact fp32 logits of the band, from the top k or, when the band may
+        # extend past it, from a scan of the whole row
+        for r in torch.nonzero(cand[:, 1]).flatten().tolist():
+            cols = torch.nonzero(lo[r].float() >= floor[r]).flatten() if cand[r, -1] else idx[r][cand[r]]
+            out[r] = self._best(h[r], cols)
         return out
 
     def _best(self, h: torch.Tensor, cols: torch.Tensor) -> int:
-        """The exact fp32 argmax among ``cols`` (ties: the lowest index)."""
+        """The exact fp32 argmax among ``cols`` (≥ 2 candidates; ties: the lowest index)."""
         self.stats["candidates"] += int(cols.numel())
-        if cols.numel() == 1:
-            return int(cols[0])
         cols, _ = cols.sort()
         exact = self.weight.index_select(0, cols) @ h
         return int(cols[int(exact.argmax())])
