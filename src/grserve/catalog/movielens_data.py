@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
+from grserve.catalog.io import file_sha256
+
 if TYPE_CHECKING:
     import pandas as pd
 
@@ -55,16 +57,8 @@ class DataUnavailable(RuntimeError):
     """The MovieLens files could not be found or fetched; the message says what was tried."""
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _have_all(data_dir: Path) -> bool:
-    return all((data_dir / n).is_file() and _sha256(data_dir / n) == h for n, h in FILES.items())
+    return all((data_dir / n).is_file() and file_sha256(data_dir / n) == h for n, h in FILES.items())
 
 
 def _install_file(src: Callable[[], bytes], name: str, data_dir: Path) -> None:

@@ -21,7 +21,6 @@ at ``epochs`` or when ``time_budget_s`` runs out, whichever comes first (the bud
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import time
@@ -34,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from grserve.catalog import Catalog
+from grserve.catalog.io import file_sha256
 from grserve.model.decoder import Decoder
 from grserve.model.loader import save_pretrained
 from grserve.model.spec import ModelSpec
@@ -283,12 +283,6 @@ def _train(sequences, catalog, cfg, valid, progress, log) -> TrainResult:
                        threads=torch.get_num_threads(), history=history)
 
 
-def file_sha256(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def save_trained(result: TrainResult, out: str | Path, *, catalog_path: str | Path | None = None,
