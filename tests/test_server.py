@@ -493,6 +493,25 @@ def test_cli_bench_forwards_argv(monkeypatch):
     assert seen["argv"] == ["--batch", "8", "--help"]
 
 
+def test_serve_until_exit_stops_the_engine_and_passes_uvicorns_exit_code(monkeypatch):
+    """The one run-and-stop used by `grserve serve`, `serve ranking` and `serve llm`: uvicorn exits 1 when it
+    cannot bind; the engine is stopped either way."""
+    import uvicorn
+
+    from grserve.server.app import serve_until_exit
+
+    stopped = []
+
+    def cannot_bind(app, host, port, log_level):
+        raise SystemExit(1)
+
+    monkeypatch.setattr(uvicorn, "run", cannot_bind)
+    assert serve_until_exit(None, "127.0.0.1", 1, "info", lambda: stopped.append(1)) == 1
+    monkeypatch.setattr(uvicorn, "run", lambda app, host, port, log_level: None)
+    assert serve_until_exit(None, "127.0.0.1", 1, "info", lambda: stopped.append(2)) == 0
+    assert stopped == [1, 2]
+
+
 def test_cli_serve_builds_and_runs(monkeypatch, capsys, tmp_path):
     """serve wires config → engine.build(on_batch=metrics.on_batch) → create_app → uvicorn.run, then stops."""
     import uvicorn

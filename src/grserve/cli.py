@@ -207,10 +207,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
 def _serve(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
 
-    import uvicorn
-
     from grserve.engine.engine import RetrievalEngine
-    from grserve.server.app import create_app
+    from grserve.server.app import create_app, serve_until_exit
     from grserve.server.metrics import Metrics
 
     metrics = Metrics()
@@ -225,13 +223,7 @@ def _serve(args: argparse.Namespace) -> int:
           f"(depth {cat.depth}, codebooks {list(cat.codebook_sizes)}), default beam width {cfg.search.beam_width} "
           f"-> http://{host}:{cfg.server.port}", flush=True)
     engine.start()
-    try:
-        uvicorn.run(app, host=cfg.server.host, port=cfg.server.port, log_level=cfg.server.log_level)
-    except SystemExit as exc:  # uvicorn exits 1 when it cannot bind
-        return int(exc.code or 0) if isinstance(exc.code, int) else 1
-    finally:
-        engine.stop()
-    return 0
+    return serve_until_exit(app, cfg.server.host, cfg.server.port, cfg.server.log_level, engine.stop)
 
 
 # Subcommands whose flags belong to the module that implements them: (group, name) → (module, one-line help).

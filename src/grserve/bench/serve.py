@@ -222,9 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     from grserve.engine.llm import LLMEngine, build_model_engine, calibrate_rho
     from grserve.engine.simulated import CostModel, SimulatedExecutor, TimedExecutor, VirtualClock, run_trace
     from grserve.kvcache.blocks import BlockPool
-    from grserve.scheduler.llm_factory import make_llm_scheduler
-
-    from grserve.scheduler.llm_factory import SCHEDULERS
+    from grserve.scheduler.llm_factory import SCHEDULERS, make_llm_scheduler
 
     systems = [x.strip() for x in args.systems.split(",") if x.strip()]
     bad = [x for x in systems if x not in SCHEDULERS]

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 from fastapi import FastAPI, Request
@@ -65,6 +65,20 @@ class ApiError(Exception):
         self.field = field
         self.type = type
         self.headers = headers
+
+
+def serve_until_exit(app: FastAPI, host: str, port: int, log_level: str, stop: Callable[[], None]) -> int:
+    """Run uvicorn until it exits, then ``stop()`` the engine behind the app (always). Returns the exit code:
+    0, or uvicorn's (it exits 1 when it cannot bind)."""
+    import uvicorn
+
+    try:
+        uvicorn.run(app, host=host, port=port, log_level=log_level)
+    except SystemExit as exc:
+        return int(exc.code or 0) if isinstance(exc.code, int) else 1
+    finally:
+        stop()
+    return 0
 
 
 def error_response(status: int, message: str, field: str | None, type: str,

@@ -11,6 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from grserve.engine.llm import EngineLoop, LLMEngine, build_model_engine, calibrate_rho
 from grserve.scheduler.llm_factory import SCHEDULERS, make_llm_scheduler
+from grserve.server.app import serve_until_exit
 from grserve.server.openai_routes import create_openai_router, openai_error
 
 
@@ -117,8 +118,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.prefix_cache_tokens < 0:
         print("grserve serve llm: error: --prefix-cache-tokens must be >= 0", file=sys.stderr)
         return 2
-    import uvicorn
-
     try:
         engine, tok, model = build_engine(args)
     except (ValueError, OSError) as exc:
@@ -132,10 +131,4 @@ def main(argv: list[str] | None = None) -> int:
               if pc is not None else "")
     print(f"grserve: LLM {name} ({args.dtype}), scheduler {args.scheduler}, {args.num_blocks} blocks x "
           f"{args.block_size} tokens{prefix} -> http://{args.host}:{args.port}/v1", flush=True)
-    try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
-    except SystemExit as exc:
-        return int(exc.code or 0) if isinstance(exc.code, int) else 1
-    finally:
-        loop.stop()
-    return 0
+    return serve_until_exit(app, args.host, args.port, args.log_level, loop.stop)

@@ -20,7 +20,7 @@ from grserve.model import load_model
 from grserve.ranking.registry import RankingRegistry, RegistryError
 from grserve.ranking.workload import WorkloadSpec, generate_workload
 from grserve.scheduler.prefix_choice import POLICIES
-from grserve.server.app import _MetricsMiddleware, install_error_handlers
+from grserve.server.app import _MetricsMiddleware, install_error_handlers, serve_until_exit
 from grserve.server.metrics import Metrics
 from grserve.server.ranking_routes import RankingLimits, build_router
 
@@ -98,8 +98,6 @@ def build_registry(a, vocab_size: int) -> RankingRegistry:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    import uvicorn
-
     model = load_model(a.model, dtype=a.dtype, seed=a.seed)
     try:
         reg = build_registry(a, model.spec.vocab_size)
@@ -116,10 +114,4 @@ def main(argv: list[str] | None = None) -> int:
                                                    max_profile_tokens=a.max_profile_tokens))
     print(f"grserve ranking -> http://{a.host}:{a.port}  (POST /v1/rank)", flush=True)
     engine.start()
-    try:
-        uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level)
-    except SystemExit as exc:
-        return int(exc.code or 0) if isinstance(exc.code, int) else 1
-    finally:
-        engine.stop()
-    return 0
+    return serve_until_exit(app, a.host, a.port, a.log_level, engine.stop)
