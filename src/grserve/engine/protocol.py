@@ -1,0 +1,137 @@
+"""The Engine contract: what every mode (retrieval, ranking, LLM) offers the layer above.
+
+The servers (``server/``) and the cluster router talk to engines through this contract only:
+
+- ``submit(request) -> RequestHandle``: queue one request; the handle carries the request id, a
+  ``concurrent.futures.Future`` of the final result, and an async stream of events (an LLM streams one event per
+  token; retrieval and ranking stream a single final event). Raises ``EngineOverloaded`` when the bounded queue
+  is full and ``EngineStopped`` after ``drain()``/``stop()``.
+- ``cancel(request_id) -> bool``: stop working on a request and free what it holds; its future fails with
+  ``RequestCancelled``. False when it is unknown or already done.
+- ``stats() -> dict``: counters for ``/metrics`` and benchmarks (flat ``name -> number``).
+- ``health() -> EngineHealth``: ``ok`` / ``draining`` / ``stopped``, queue depth, running requests.
+- ``drain(timeout_s) -> bool``: take no new work, finish what is queued and running; True when all finished.
+- ``start()`` / ``stop()``: threads up / down; ``stop()`` fails whatever is still queued with ``EngineStopped``.
+
+Every engine is also a context manager (start on enter, stop on exit).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Generic, Literal, Protocol, TypeVar, runtime_checkable
+
+Req = TypeVar("Req")
+Res = TypeVar("Res")
+
+
+class EngineError(RuntimeError):
+    """Base of the engine's own refusals (not a failure of the request's computation)."""
+
+
+class EngineOverloaded(EngineError):
+    """The bounded waiting queue is full; retry later (HTTP 503/429 with Retry-After)."""
+
+
+class EngineStopped(EngineError):
+    """The engine is draining or stopped and takes no new requests (HTTP 503)."""
+
+
+class RequestCancelled(EngineError):
+    """The request was cancelled (its client went away, or ``cancel()`` was called)."""
+
+
+@dataclass(frozen=True)
+class EngineHealth:
+    status: Literal["ok", "draining", "stopped"]
+    queue_depth: int  # requests waiting
+    running: int  # requests being computed
+    detail: dict[str, Any] = field(default_factory=dict)  # mode-specific facts (policy, catalog version, ...)
+
+
+class RequestHandle(Generic[Res]):
+    """One submitted request: ``future`` (final result or exception) and ``events()`` (async stream).
+
+    The engine thread calls ``push(event)`` for intermediate events and completes ``future`` at the end;
+    completing the future also ends the event stream. One consumer reads ``events()``; it may start reading
+    before or after events arrive (nothing is lost), from any asyncio loop.
+    """
+
+    def __init__(self, request_id: str, on_cancel: Callable[[str], bool] | None = None):
+        self.request_id = request_id
+        self.future: Future[Res] = Future()
+        self._events: deque[Any] = deque()
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wakeup: asyncio.Event | None = None
+        self._on_cancel = on_cancel
+        self.future.add_done_callback(lambda _f: self._wake())
+
+    # ---- engine side ---------------------------------------------------------------------------------------
+    def push(self, event: Any) -> None:
+        with self._lock:
+            self._events.append(event)
+        self._wake()
+
+    def _wake(self) -> None:
+        with self._lock:
+            loop, wakeup = self._loop, self._wakeup
+        if loop is not None and wakeup is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(wakeup.set)
+
+    # ---- consumer side -------------------------------------------------------------------------------------
+    def cancel(self) -> bool:
+        """Ask the engine to cancel this request (frees its resources)."""
+        return self._on_cancel(self.request_id) if self._on_cancel is not None else False
+
+    async def result(self) -> Res:
+        """Await the final result (the future's exception is raised here)."""
+        return await asyncio.wrap_future(self.future)
+
+    async def events(self) -> AsyncIterator[Any]:
+        """Intermediate events in order; ends when the future completes (read ``result()`` after for the end)."""
+        while True:
+            with self._lock:
+                if self._events:
+                    event = self._events.popleft()
+                elif self.future.done():
+                    return
+                else:
+                    if self._wakeup is None:
+                        self._loop, self._wakeup = asyncio.get_running_loop(), asyncio.Event()
+                    self._wakeup.clear()
+                    event = _NOTHING
+            if event is _NOTHING:
+                await self._wakeup.wait()  # type: ignore[union-attr]
+                continue
+            yield event
+
+
+_NOTHING = object()
+
+
+@runtime_checkable
+class Engine(Protocol[Req, Res]):
+    """The contract every engine implements (see the module docstring)."""
+
+    def start(self) -> "Engine[Req, Res]": ...
+
+    def submit(self, request: Req) -> RequestHandle[Res]: ...
+
+    def cancel(self, request_id: str) -> bool: ...
+
+    def stats(self) -> dict[str, float]: ...
+
+    def health(self) -> EngineHealth: ...
+
+    def drain(self, timeout_s: float | None = None) -> bool: ...
+
+    def stop(self) -> None: ...
+
+    @property
+    def queue_depth(self) -> int: ...
