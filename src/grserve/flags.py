@@ -32,6 +32,11 @@ from typing import Any
 Check = Callable[[Any], str | None]  # returns an error message ("must be >= 1") or None when the value is fine
 
 
+class UsageError(Exception):
+    """A bad argument found after parsing (missing file, unknown preset, no GPU...): the CLI prints
+    ``grserve: error: <message>`` on stderr and exits 2."""
+
+
 class ConfigError(ValueError):
     """A config value failed its check; ``field`` names the field (the CLI shows it as a flag)."""
 
