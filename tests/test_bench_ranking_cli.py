@@ -9,7 +9,7 @@ import json
 
 import torch
 
-from grserve.bench.ranking import main
+from grserve.cli import main
 from grserve.model import PRESETS, Decoder, save_pretrained
 
 
@@ -18,7 +18,8 @@ def test_bench_ranking_prints_the_summary_and_placements(tmp_path, capsys):
                                num_attention_heads=1, num_key_value_heads=1, head_dim=16)
     torch.manual_seed(0)
     save_pretrained(Decoder(spec), tmp_path / "micro")
-    rc = main(["--model", str(tmp_path / "micro"), "--users", "12", "--items", "300", "--scale", "0.2",
+    rc = main(["bench", "ranking", "--model", str(tmp_path / "micro"), "--users", "12", "--items", "300",
+               "--scale", "0.2",
                "--systems", "bat,user_prefix,recompute", "--kv-workers", "2", "--hrcs-prefill-s", "0.1",
                "--hrcs-kv-bytes-per-token", "28672"])
     assert rc == 0

@@ -17,7 +17,7 @@ from grserve.engine.llm import EngineLoop, build_model_engine  # noqa: E402
 from grserve.engine.tokenizer import ByteTokenizer  # noqa: E402
 from grserve.model import ModelSpec, load_model  # noqa: E402
 from grserve.scheduler.aptserve import AptServeScheduler  # noqa: E402
-from grserve.server.llm_main import build_app  # noqa: E402
+from grserve.server.llm_app import build_app  # noqa: E402
 
 SPEC = ModelSpec(family="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=4, head_dim=16, max_position_embeddings=1024)

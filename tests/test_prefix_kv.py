@@ -171,14 +171,17 @@ def test_store_slot_accounting_random():
 
 
 def test_serve_llm_flags_build_a_prefix_cache():
-    from grserve.server.llm_main import build_engine, main, parser
+    from grserve.cli import build_parser
+    from grserve.cli import main as cli_main
+    from grserve.server.llm_main import build_engine, config_from_args
 
-    args = parser().parse_args(["--model", "tiny", "--scheduler", "fcfs", "--num-blocks", "64",
-                                "--prefix-cache-tokens", "256", "--prefix-cache-policy", "laru"])
-    engine, _, _ = build_engine(args)
+    cfg = config_from_args(build_parser().parse_args(["serve", "llm", "--model", "tiny", "--scheduler", "fcfs",
+                                                      "--num-blocks", "64", "--prefix-cache-tokens", "256",
+                                                      "--prefix-cache-policy", "laru"]))
+    engine, _, _ = build_engine(cfg)
     assert engine.prefix_cache is not None and engine.prefix_cache.capacity == 256
     assert engine.prefix_cache.tree.policy.name == "laru"
-    assert main(["--prefix-cache-tokens", "-1"]) == 2
+    assert cli_main(["serve", "llm", "--prefix-cache-tokens", "-1"]) == 2
 
 
 def test_prefix_bench_reports_the_saving():

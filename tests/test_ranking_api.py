@@ -15,7 +15,10 @@ from grserve.model import load_model
 from grserve.ranking.layouts import build_prompt
 from grserve.ranking.registry import synthetic_registry
 from grserve.ranking.scoring import score_candidates
-from grserve.server.ranking_main import create_ranking_app, main, parse_args
+from grserve.cli import build_parser
+from grserve.cli import main as cli_main
+from grserve.server.ranking_app import create_ranking_app
+from grserve.server.ranking_main import config_from_args
 from grserve.server.ranking_routes import RankingLimits
 
 
@@ -105,11 +108,21 @@ def test_rank_errors_name_the_field(setup):
 
 
 def test_main_help_and_files(tmp_path, capsys):
-    with pytest.raises(SystemExit) as e:
-        main(["--help"])
-    assert e.value.code == 0 and "--policy" in capsys.readouterr().out
+    assert cli_main(["serve", "ranking", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--policy" in out and "(default: 8001)" in out  # the port default was missing from this --help
     items = tmp_path / "items.jsonl"
     items.write_text(json.dumps({"item_id": 1, "tokens": [5, 6]}) + "\n" + '{"item_id": 2}\n')
-    assert main(["--items-file", str(items), "--port", "0"]) == 2
+    assert cli_main(["serve", "ranking", "--items-file", str(items), "--port", "0"]) == 2
     assert "items.jsonl:2" in capsys.readouterr().err
-    assert parse_args(["--policy", "recompute"]).policy == "recompute"
+
+
+def test_flags_build_the_ranking_config():
+    """The user-facing names --user-cache-mb (MiB) and --window-s map onto user_cache_bytes and user_window_s."""
+    cfg = config_from_args(build_parser().parse_args(["serve", "ranking", "--policy", "recompute"]))
+    assert cfg.ranking.policy == "recompute"
+    assert cfg.ranking.user_cache_bytes == 64 << 20 and cfg.ranking.user_window_s == 1800 and cfg.server.port == 8001
+    cfg = config_from_args(build_parser().parse_args(["serve", "ranking", "--user-cache-mb", "1.5", "--window-s", "60",
+                                                      "--max-candidates", "7", "--num-users", "3", "--seed", "2"]))
+    assert cfg.ranking.user_cache_bytes == int(1.5 * 2**20) and cfg.ranking.user_window_s == 60
+    assert cfg.limits.max_candidates == 7 and cfg.data.num_users == 3 and cfg.data.seed == cfg.model.seed == 2

@@ -20,6 +20,7 @@ from grserve.flags import (
     Checked,
     ConfigError,
     at_least,
+    comma_list,
     device_name,
     flag,
     fraction,
@@ -53,11 +54,9 @@ class CatalogConfig(Checked):
     path: str | None = flag(None, "item catalog file (.jsonl, .csv or .grcat; see 'grserve catalog'); default: "
                                   "generate one with --num-items/--depth/--codebook-size", name="catalog",
                             metavar="FILE")
-    num_items: int = flag(20_000, "items in the generated catalog (ignored with --catalog)", check=positive_int)
-    depth: int = flag(3, "SID tokens per item in the generated catalog (ignored with --catalog)",
-                      check=positive_int)
-    codebook_size: int = flag(256, "codes per SID level in the generated catalog (ignored with --catalog)",
-                              check=positive_int)
+    num_items: int = flag(20_000, "items in the generated catalog", check=positive_int)
+    depth: int = flag(3, "SID tokens per item in the generated catalog", check=positive_int)
+    codebook_size: int = flag(256, "codes per SID level in the generated catalog", check=positive_int)
     token_offset: int = flag(16, "first SID token id in the model vocabulary", check=non_negative, cli=False)
     seed: int = flag(0, "seed of the generated catalog", check=non_negative)
 
@@ -73,7 +72,8 @@ class SearchConfig(Checked):
 
     beam_width: int = flag(128, "beam width used when a request does not give one", check=positive_int,
                            metavar="BW")
-    max_beam_width: int = flag(512, "largest beam width a request may ask for", check=positive_int)
+    max_beam_width: int = flag(512, "largest beam width a request may ask for ('grserve serve' raises it to "
+                                    "--beam-width)", check=positive_int)
     top_k: int | None = flag(None, "per-beam top-k (default: min(beam width, codebook size))", check=positive_int,
                              cli=False)
     # "renormalized" (xGR): the item mask is added before the softmax, so log-probs renormalise over valid
@@ -145,7 +145,7 @@ class RankingConfig(Checked):
                                      check=at_least(0))
     page_size: int = flag(16, "tokens per KV page", check=positive_int)
     user_window_s: float = flag(1800.0, "W, the window of the users' decayed sliding-window frequency (seconds)",
-                                check=positive)
+                                check=positive, name="window_s")
     item_window_s: float = flag(3600.0, "window of the items' hotness (seconds; HRCS re-replication)",
                                 check=positive)
     bat_item_tokens: str = flag("all", "BAT rule's item tokens: all candidate tokens or only the cached ones",
@@ -166,7 +166,8 @@ class RankingDataConfig(Checked):
     items_file: str | None = flag(None, "JSON lines {item_id, tokens} (the last token is the identifier token)",
                                   metavar="FILE")
     users_file: str | None = flag(None, "JSON lines {user_id, tokens}", metavar="FILE")
-    instruction: str | None = flag(None, "comma-separated instruction token ids (default: generated)")
+    instruction: str | None = flag(None, "comma-separated instruction token ids (default: generated)",
+                                   check=comma_list(int, each=non_negative))
     num_items: int = flag(2000, "generated catalog size", check=positive_int)
     num_users: int = flag(200, "generated users", check=positive_int)
     scale: float = flag(0.25, "generated profile-length scale", check=positive)

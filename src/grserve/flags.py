@@ -6,7 +6,8 @@ A config field becomes a flag when it is declared with :func:`flag`::
     class ServerConfig(Checked):
         port: int = flag(8000, "TCP port to listen on", check=port_number)
 
-- the default lives in the field (one place); ``--help`` prints it for every flag;
+- the default lives in the field (one place); ``--help`` prints it for every flag; a field with no default is a
+  required flag;
 - the flag name is ``--`` + the field name with ``_`` → ``-`` (``name=`` overrides it);
 - ``check`` validates the value in one place: :class:`Checked` runs every field's check in ``__post_init__``, so a
   config built in code is validated exactly like one built from the command line; the CLI turns the
@@ -85,6 +86,31 @@ def device_name(v: str) -> str | None:
 
 def one_of(*allowed: str) -> Check:
     return lambda v: None if v in allowed else f"must be one of {', '.join(allowed)}, got {v!r}"
+
+
+def split_commas(text: str, convert: Callable[[str], Any] = str) -> list[Any]:
+    """``"16, 64,128"`` → ``[16, 64, 128]`` (empty items dropped); a bad item raises ValueError."""
+    return [convert(x.strip()) for x in text.split(",") if x.strip()]
+
+
+def comma_list(convert: Callable[[str], Any] = str, *, allowed: typing.Collection[Any] | None = None,
+               each: Check | None = None) -> Check:
+    """Check for a comma-separated list flag: every item converts, is in ``allowed`` and passes ``each``; not empty."""
+    def check(text: str | None) -> str | None:
+        if text is None:
+            return None
+        try:
+            items = split_commas(text, convert)
+        except ValueError:
+            return f"expected a comma-separated list, got {text!r}"
+        if not items:
+            return "must not be empty"
+        bad = [x for x in items if allowed is not None and x not in allowed]
+        if bad:
+            return f"unknown {', '.join(map(str, bad))}; choose from {', '.join(map(str, allowed or ()))}"
+        return next((msg for x in items if each is not None and (msg := each(x))), None)
+
+    return check
 
 
 class Checked:
@@ -190,11 +216,14 @@ def add_flags(parser: argparse.ArgumentParser | Any, cls: type | Any, *, title: 
             continue
         default = f.default if f.default is not dataclasses.MISSING else (
             f.default_factory() if f.default_factory is not dataclasses.MISSING else None)  # type: ignore[misc]
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING  # type: ignore[misc]
         if f.name in defaults:
-            default = defaults[f.name]
+            default, required = defaults[f.name], False
         tp = hints[f.name]
         base = _base_type(tp)
         kw: dict[str, Any] = {"dest": _dest(f), "default": default, "help": meta.get("help") or None}
+        if required:
+            kw["required"] = True
         if base is bool:
             kw["action"] = argparse.BooleanOptionalAction
         else:
@@ -219,5 +248,7 @@ def from_args(cls: type, ns: argparse.Namespace, **overrides: Any) -> Any:
 
 
 def command_parser(sub: Any, name: str, help: str, description: str | None = None) -> argparse.ArgumentParser:
-    """A subcommand parser with the house formatter (every default shown)."""
-    return sub.add_parser(name, help=help, description=description or help, formatter_class=HelpFormatter)
+    """A subcommand parser with the house formatter (every default shown); ``description`` may be the command
+    module's docstring (its reST ``literal`` quotes are dropped)."""
+    return sub.add_parser(name, help=help, description=(description or help).replace("``", ""),
+                          formatter_class=HelpFormatter)

@@ -13,7 +13,6 @@ Writes ``hit_rate_vs_p.png`` under ``--out-dir``. The last stdout line is one JS
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -29,29 +28,44 @@ from tqdm import tqdm
 from grserve.bench import traces as T
 from grserve.eviction import AccessListOracle, NoisyPredictor, PredictorConfig, make_policy, simulate
 from grserve.eviction.predictor import LearnedPredictor
+from grserve.flags import Checked, add_flags, command_parser, comma_list, flag, fraction, from_args, non_negative, \
+    positive_int, split_commas
 
 LEARNED = ("fpb", "hf", "laru")
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="grserve bench cache",
-        description="Cache eviction hit rates (LRU, OPT, FPB, HF, LARU) on replayed traces, under oracle predictions "
-                    "with inversion noise p and under the online LightGBM predictor.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--traces", default="zipf,zipf-drift,loop,scan-hot,conversations,dlrm",
-                   help="comma-separated subset of: zipf, zipf-drift, loop, scan-hot, conversations, dlrm")
-    p.add_argument("--noise", default="0,0.25,0.5,1", help="comma-separated noise levels p")
-    p.add_argument("--policies", default="lru,opt,fpb,hf,laru", help="comma-separated policies (lfu also available)")
-    p.add_argument("--no-learned", action="store_true", help="skip the LightGBM-predictor rows")
-    p.add_argument("--quick", action="store_true", help="small traces and one cache size per trace (~30 s)")
-    p.add_argument("--out-dir", default="bench-results", help="where the PNG and the JSON are written")
-    p.add_argument("--laru-decay", default="1",
-                   help="LARU λ ← λ/b every N prediction-induced misses: 1 (Algorithm 1, DLRM setting) or 'auto' "
-                        "(the LLM setting, ⌈k/32⌉ for k > 64: better with a decent predictor, weaker when adversarial)")
-    p.add_argument("--async-batch", type=int, default=64, help="ASYNC prediction batch for the learned predictor")
-    p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+TRACES = ("zipf", "zipf-drift", "loop", "scan-hot", "conversations", "dlrm")
+POLICIES = ("lru", "opt", "fpb", "hf", "laru", "lfu")
+
+
+def _laru_decay(v: str) -> str | None:
+    return None if v == "auto" or (v.isdigit() and int(v) > 0) else f"must be a positive integer or 'auto', got {v!r}"
+
+
+@dataclass(frozen=True)
+class CacheBenchConfig(Checked):
+    """The knobs of ``grserve bench cache``."""
+
+    traces: str = flag(",".join(TRACES), f"comma-separated subset of: {', '.join(TRACES)}",
+                       check=comma_list(allowed=TRACES))
+    noise: str = flag("0,0.25,0.5,1", "comma-separated noise levels p", check=comma_list(float, each=fraction))
+    policies: str = flag("lru,opt,fpb,hf,laru", "comma-separated policies (lfu also available)",
+                         check=comma_list(str.lower, allowed=POLICIES))
+    learned: bool = flag(True, "the LightGBM-predictor rows (--no-learned: skip them)")
+    quick: bool = flag(False, "small traces and one cache size per trace (~30 s)")
+    out_dir: str = flag("bench-results", "where the PNG and the JSON are written", metavar="DIR")
+    laru_decay: str = flag("1", "LARU λ ← λ/b every N prediction-induced misses: 1 (Algorithm 1, DLRM setting) or "
+                                "'auto' (the LLM setting, ⌈k/32⌉ for k > 64: better with a decent predictor, weaker "
+                                "when adversarial)", check=_laru_decay, metavar="N|auto")
+    async_batch: int = flag(64, "ASYNC prediction batch for the learned predictor", check=positive_int)
+    seed: int = flag(0, "seed of the traces and of the prediction noise", check=non_negative)
+
+
+def add_command(sub) -> None:
+    p = command_parser(sub, "cache", help="cache eviction hit rates (LRU, OPT, FPB, HF, LARU) on replayed traces",
+                       description=__doc__)
+    add_flags(p, CacheBenchConfig)
+    p.set_defaults(handler=lambda ns: run(from_args(CacheBenchConfig, ns)))
 
 
 @dataclass
@@ -88,7 +102,7 @@ def build_workloads(names: list[str], quick: bool, seed: int) -> list[Workload]:
             batches = T.dlrm_batches(8 if q else 16, batch_size=128, pooling=50, n_ids=100_000, seed=seed + 4)
             out.append(Workload(n, [2048], "dlrm", batches, unit="rows"))
         else:
-            raise SystemExit(f"grserve bench cache: unknown trace {n!r}")
+            raise ValueError(f"unknown trace {n!r}; choose from {', '.join(TRACES)}")
     return out
 
 
@@ -99,7 +113,7 @@ def _learned(k: int, static: Callable | None = None) -> LearnedPredictor:
     return LearnedPredictor(cfg, static_feature=static)
 
 
-def _policy_kw(policy: str, args: argparse.Namespace, predictor_kind: str) -> dict:
+def _policy_kw(policy: str, args: CacheBenchConfig, predictor_kind: str) -> dict:
     kw: dict = {}
     if predictor_kind == "lgbm":
         kw.update(mode="async", async_batch=args.async_batch)
@@ -245,26 +259,11 @@ def plot(rows: list[dict], path: str) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    try:
-        noise = [float(x) for x in args.noise.split(",") if x.strip()]
-    except ValueError:
-        print(f"grserve bench cache: bad --noise {args.noise!r}", file=sys.stderr)
-        return 2
-    if any(not 0 <= p <= 1 for p in noise):
-        print("grserve bench cache: noise levels must be in [0, 1]", file=sys.stderr)
-        return 2
-    policies = [x.strip().lower() for x in args.policies.split(",") if x.strip()]
-    known = {"lru", "opt", "fpb", "hf", "laru", "lfu"}
-    if not policies or any(pn not in known for pn in policies):
-        print(f"grserve bench cache: --policies must be within {sorted(known)}", file=sys.stderr)
-        return 2
-    if args.laru_decay != "auto" and not args.laru_decay.isdigit():
-        print("grserve bench cache: --laru-decay must be a positive integer or 'auto'", file=sys.stderr)
-        return 2
-    workloads = build_workloads([x.strip() for x in args.traces.split(",") if x.strip()], args.quick, args.seed)
-    jobs = list(plan(workloads, policies, noise, not args.no_learned))
+def run(cfg: CacheBenchConfig) -> int:
+    noise = split_commas(cfg.noise, float)
+    policies = split_commas(cfg.policies, str.lower)
+    workloads = build_workloads(split_commas(cfg.traces), cfg.quick, cfg.seed)
+    jobs = list(plan(workloads, policies, noise, cfg.learned))
     rows: list[dict] = []
     caches: dict[str, dict] = {}
     t_all = time.perf_counter()
@@ -274,11 +273,11 @@ def main(argv: list[str] | None = None) -> int:
             if pol == "lfu":
                 res = _run_lfu(w.data, size)
             else:
-                res = run_paging(w.data, size, pol_run, predictor, p, args)
+                res = run_paging(w.data, size, pol_run, predictor, p, cfg)
         elif w.kind == "prefix":
-            res = run_prefix(w.data, size, pol_run, predictor, p, args, caches.setdefault(w.name, {}))
+            res = run_prefix(w.data, size, pol_run, predictor, p, cfg, caches.setdefault(w.name, {}))
         else:
-            res = run_dlrm(w.data, size, pol_run, predictor, p, args, caches.setdefault(w.name, {}))
+            res = run_dlrm(w.data, size, pol_run, predictor, p, cfg, caches.setdefault(w.name, {}))
         preds = res["stats"].get("predictions", 0) + res.get("jobs", 0)
         rows.append(dict(trace=w.name, cache_size=size, policy=pol, predictor=predictor, p=p,
                          hit_rate=round(res["hit_rate"], 6), unit=w.unit,
@@ -301,12 +300,12 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r['hit_rate']:.4f}", gap, f"{r['predictions_per_request']:.2f}",
                       f"{r['policy_us_per_request']:.1f}")
     console.print(table)
-    os.makedirs(args.out_dir, exist_ok=True)
-    png = os.path.join(args.out_dir, "hit_rate_vs_p.png")
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    png = os.path.join(cfg.out_dir, "hit_rate_vs_p.png")
     plot(rows, png)
-    summary = {"rows": rows, "png": png, "seconds": round(elapsed, 1), "quick": args.quick,
-               "laru_decay": args.laru_decay}
-    with open(os.path.join(args.out_dir, "cache.json"), "w") as f:
+    summary = {"rows": rows, "png": png, "seconds": round(elapsed, 1), "quick": cfg.quick,
+               "laru_decay": cfg.laru_decay}
+    with open(os.path.join(cfg.out_dir, "cache.json"), "w") as f:
         json.dump(summary, f, indent=1)
     print(f"wrote {png}", file=sys.stderr)
     print(json.dumps(summary))
@@ -318,6 +317,3 @@ def _run_lfu(keys: list[int], k: int) -> dict:
     res = simulate(keys, pol)
     return dict(hit_rate=res.hit_rate, requests=res.requests, policy_s=res.policy_seconds, stats=pol.stats, jobs=0)
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

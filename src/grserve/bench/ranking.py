@@ -20,72 +20,77 @@ The last output line is one JSON object: ``speedup_vs_up``, ``speedup_vs_recompu
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
+from dataclasses import dataclass
 
-import torch
-from rich.console import Console
-from rich.table import Table
-from tqdm import tqdm
+from grserve.config import RANKING_POLICIES, RankingConfig
+from grserve.flags import Checked, add_flags, command_parser, comma_list, flag, from_args, non_negative, positive, \
+    positive_int, split_commas
 
-from grserve.engine.ranking import RankingConfig, RankingRequest, RankingRunner, precompute_item_kv, _kv_store
-from grserve.kvcache.item_pool import ItemKVPool
-from grserve.model import load_model
-from grserve.ranking.workload import WorkloadSpec, generate_workload
-
-SYSTEMS = ("bat", "user_prefix", "item_prefix", "greedy_size", "recompute")
+SYSTEMS = RANKING_POLICIES  # bat, user_prefix, item_prefix, greedy_size, recompute
 LABELS = {"bat": "BAT", "user_prefix": "UP", "item_prefix": "IP", "greedy_size": "greedy-by-size",
           "recompute": "recompute"}
 BENCH_DTYPES = ("bfloat16", "float32")  # choices on the command line
 
 
-def parse_args(argv):
-    p = argparse.ArgumentParser(prog="grserve bench ranking",
-                                description="BAT ranking throughput: hotness-aware prefix choice vs UP, IP, "
-                                            "greedy-by-size and recompute on a synthetic trace.")
-    p.add_argument("--model", default="tiny-bat",
-                   help="preset or HF directory (default: tiny-bat, Qwen2-1.5B's linear-vs-attention FLOP mix at tiny cost)")
-    p.add_argument("--dtype", default="float32", choices=sorted(BENCH_DTYPES))
-    p.add_argument("--scale", type=float, default=1.0,
-                   help="profile-length scale (default 1.0 = the paper's lengths; candidates stay 100)")
-    p.add_argument("--full-scale", action="store_true", help="same as --scale 1.0")
-    p.add_argument("--users", type=int, default=25, help="distinct users in the one-hour trace (default 25)")
-    p.add_argument("--items", type=int, default=4000, help="catalog size (default 4000)")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
-    p.add_argument("--user-cache-frac", type=float, default=0.1,
-                   help="user-cache budget as a fraction of the distinct users' KV bytes (default 0.1)")
-    p.add_argument("--user-cache-mb", type=float, default=None, help="user-cache budget in MiB (overrides frac)")
-    p.add_argument("--window-s", type=float, default=1800.0, help="user frequency window W, seconds (default 1800)")
-    p.add_argument("--batch", type=int, default=4, help="requests per batch (default 4)")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list of {', '.join(SYSTEMS)}")
-    p.add_argument("--kv-workers", type=int, default=0, help="N >= 2: also compare HRCS / replicate / hash bytes")
-    p.add_argument("--alpha", type=float, default=0.1, help="HRCS tolerable communication/computation ratio")
-    p.add_argument("--link-gbps", type=float, default=10.0, help="HRCS link bandwidth (default 10 Gbps)")
-    p.add_argument("--hrcs-prefill-s", type=float, default=None,
-                   help="HRCS's t (seconds per IP prefill) in Algorithm 1 (default: measured in this run); e.g. 0.1 "
-                        "to model a GPU prefill")
-    p.add_argument("--hrcs-kv-bytes-per-token", type=int, default=None,
-                   help="KV bytes per token for HRCS's link rate B in tokens/s (default: this model's); e.g. 28672 "
-                        "for Qwen2-1.5B fp16 (bytes moved are still this model's real tensors)")
-    p.add_argument("--ray", action="store_true", help="cluster mode with Ray actors (default: in-process workers)")
-    p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+@dataclass(frozen=True)
+class RankingBenchConfig(Checked):
+    """The knobs of ``grserve bench ranking``."""
+
+    model: str = flag("tiny-bat", "preset or HF directory (tiny-bat: Qwen2-1.5B's linear-vs-attention FLOP mix at "
+                                  "tiny cost)", metavar="PRESET_OR_DIR")
+    dtype: str = flag("float32", "model dtype", choices=BENCH_DTYPES)
+    scale: float = flag(1.0, "profile-length scale (1.0 = the paper's lengths; candidates stay 100)", check=positive)
+    full_scale: bool = flag(False, "same as --scale 1.0")
+    users: int = flag(25, "distinct users in the one-hour trace", check=positive_int)
+    items: int = flag(4000, "catalog size", check=positive_int)
+    threads: int = flag(1, "torch intra-op threads", check=positive_int)
+    user_cache_frac: float = flag(0.1, "user-cache budget as a fraction of the distinct users' KV bytes",
+                                  check=non_negative)
+    user_cache_mb: float | None = flag(None, "user-cache budget in MiB (default: --user-cache-frac)",
+                                       check=non_negative)
+    window_s: float = flag(RankingConfig().user_window_s, "user frequency window W, seconds", check=positive)
+    batch: int = flag(4, "requests per batch", check=positive_int)
+    page_size: int = flag(RankingConfig().page_size, "tokens per KV page", check=positive_int)
+    systems: str = flag(",".join(SYSTEMS), f"comma list of {', '.join(SYSTEMS)}", check=comma_list(allowed=SYSTEMS))
+    kv_workers: int = flag(0, "N >= 2: also compare HRCS / replicate / hash bytes", check=non_negative)
+    alpha: float = flag(0.1, "HRCS tolerable communication/computation ratio", check=non_negative)
+    link_gbps: float = flag(10.0, "HRCS link bandwidth (Gbps)", check=positive)
+    hrcs_prefill_s: float | None = flag(None, "HRCS's t (seconds per IP prefill) in Algorithm 1 (default: measured "
+                                              "in this run); e.g. 0.1 to model a GPU prefill", check=non_negative)
+    hrcs_kv_bytes_per_token: int | None = flag(None, "KV bytes per token for HRCS's link rate B in tokens/s "
+                                                     "(default: this model's); e.g. 28672 for Qwen2-1.5B fp16 (bytes "
+                                                     "moved are still this model's real tensors)",
+                                               check=positive_int)
+    ray: bool = flag(False, "cluster mode with Ray actors (default: in-process workers)")
+    seed: int = flag(0, "seed of the weights and the trace", check=non_negative)
 
 
-def main(argv: list[str] | None = None) -> int:
-    a = parse_args(argv)
+def add_command(sub) -> None:
+    p = command_parser(sub, "ranking", help="BAT ranking throughput: hotness-aware prefix choice vs UP, IP, greedy, "
+                                            "recompute", description=__doc__)
+    add_flags(p, RankingBenchConfig)
+    p.set_defaults(handler=lambda ns: run(from_args(RankingBenchConfig, ns)))
+
+
+def run(a: RankingBenchConfig) -> int:
+    import torch
+    from rich.console import Console
+    from rich.table import Table
+    from tqdm import tqdm
+
+    from grserve.engine.ranking import RankingRequest, RankingRunner, _kv_store, precompute_item_kv
+    from grserve.kvcache.item_pool import ItemKVPool
+    from grserve.model import load_model
+    from grserve.ranking.workload import WorkloadSpec, generate_workload
+
     scale = 1.0 if a.full_scale else a.scale
-    systems = [s.strip() for s in a.systems.split(",") if s.strip()]
-    bad = [s for s in systems if s not in SYSTEMS]
-    if bad:
-        print(f"grserve bench ranking: error: unknown system(s) {bad}; choose from {SYSTEMS}", file=sys.stderr)
-        return 2
+    systems = split_commas(a.systems)
     console = Console(stderr=False)
     torch.manual_seed(a.seed)
-    torch.set_num_threads(max(1, a.threads))
+    torch.set_num_threads(a.threads)
     model = load_model(a.model, dtype=a.dtype, seed=a.seed)
     spec = WorkloadSpec(num_items=a.items, num_users=a.users, scale=scale, seed=a.seed)
     reg, trace, wstats = generate_workload(spec, model.spec.vocab_size)
@@ -191,6 +196,3 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(out))
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

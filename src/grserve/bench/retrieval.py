@@ -7,52 +7,55 @@ JSON object (``speedup_vs_hf``, ``kv_bytes_per_request``, ``kv_bytes_formula``, 
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 import time
 from concurrent.futures import wait
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-from rich.console import Console
-from rich.table import Table
-from tqdm import tqdm
 
-from grserve.bench.workload import history_prompts
-from grserve.catalog import CatalogStore, generate_catalog
-from grserve.config import SchedulerConfig, SearchConfig
-from grserve.engine.engine import RetrievalEngine
-from grserve.engine.retrieval import RetrievalRunner
-from grserve.engine.types import RetrievalRequest
-from grserve.model import DTYPES, load_model
+from grserve.config import DTYPES
+from grserve.flags import Checked, add_flags, command_parser, comma_list, device_name, flag, from_args, \
+    non_negative, positive_int, split_commas
+
+if TYPE_CHECKING:
+    from grserve.engine.engine import RetrievalEngine
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="grserve bench retrieval",
-        description="GR retrieval throughput/latency/KV memory: grserve vs HF transformers vs naive per-beam KV copies.",
-    )
-    p.add_argument("--model", default="tiny", help="preset or HF-format directory (default: tiny)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="model dtype (default: float32)")
-    p.add_argument("--prompt-len", type=int, default=512, help="prompt tokens per request (default: 512)")
-    p.add_argument("--beam-widths", default="16,64,128", help="comma-separated beam widths (default: 16,64,128)")
-    p.add_argument("--headline-bw", type=int, default=None, help="beam width reported in the JSON headline (default: the largest)")
-    p.add_argument("--num-items", type=int, default=20_000, help="generated catalog size (default: 20000)")
-    p.add_argument("--codebook-size", type=int, default=256, help="codes per SID level (default: 256)")
-    p.add_argument("--depth", type=int, default=3, help="SID tokens per item (default: 3)")
-    p.add_argument("--requests", type=int, default=16, help="requests through grserve per beam width (default: 16)")
-    p.add_argument("--batch", type=int, default=8, help="requests per grserve batch (token capacity = batch × prompt) (default: 8)")
-    p.add_argument("--hf-requests", type=int, default=2, help="requests through HF per beam width (default: 2; ~6 s each at BW 128 on 2 cores)")
-    p.add_argument("--naive-requests", type=int, default=2, help="requests through the copy-per-beam baseline (default: 2)")
-    p.add_argument("--top-n", type=int, default=10, help="items returned per request (default: 10)")
-    p.add_argument("--scoring", default="renormalized", choices=["renormalized", "hf"], help="grserve scoring convention")
-    p.add_argument("--skip-hf", action="store_true", help="do not run HF transformers (e.g. for GPU-scale shapes)")
-    p.add_argument("--skip-naive", action="store_true", help="do not run the copy-per-beam baseline")
-    p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+@dataclass(frozen=True)
+class RetrievalBenchConfig(Checked):
+    """The knobs of ``grserve bench retrieval``."""
+
+    model: str = flag("tiny", "preset or HF-format directory", metavar="PRESET_OR_DIR")
+    device: str = flag("cpu", "where the model runs", check=device_name, metavar="cpu|cuda|cuda:N")
+    dtype: str = flag("float32", "model dtype", choices=DTYPES)
+    prompt_len: int = flag(512, "prompt tokens per request", check=positive_int)
+    beam_widths: str = flag("16,64,128", "comma-separated beam widths", check=comma_list(int, each=positive_int))
+    headline_bw: int | None = flag(None, "beam width reported in the JSON headline (default: the largest)",
+                                   check=positive_int)
+    num_items: int = flag(20_000, "generated catalog size", check=positive_int)
+    codebook_size: int = flag(256, "codes per SID level", check=positive_int)
+    depth: int = flag(3, "SID tokens per item", check=positive_int)
+    requests: int = flag(16, "requests through grserve per beam width", check=positive_int)
+    batch: int = flag(8, "requests per grserve batch (token capacity = batch × prompt)", check=positive_int)
+    hf_requests: int = flag(2, "requests through HF per beam width (~6 s each at BW 128 on 2 cores)",
+                            check=positive_int)
+    naive_requests: int = flag(2, "requests through the copy-per-beam baseline", check=positive_int)
+    top_n: int = flag(10, "items returned per request", check=positive_int)
+    scoring: str = flag("renormalized", "grserve scoring convention", choices=("renormalized", "hf"))
+    skip_hf: bool = flag(False, "do not run HF transformers (e.g. for GPU-scale shapes)")
+    skip_naive: bool = flag(False, "do not run the copy-per-beam baseline")
+    seed: int = flag(0, "seed of the weights, the catalog and the prompts", check=non_negative)
+
+
+def add_command(sub) -> None:
+    p = command_parser(sub, "retrieval", help="GR retrieval throughput / latency / KV memory vs HF transformers",
+                       description=__doc__)
+    add_flags(p, RetrievalBenchConfig)
+    p.set_defaults(handler=lambda ns: run(from_args(RetrievalBenchConfig, ns)))
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -60,6 +63,8 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def run_grserve(engine: RetrievalEngine, prompts, bw: int, top_n: int) -> dict:
+    from grserve.engine.types import RetrievalRequest
+
     reqs = [RetrievalRequest(prompt_tokens=p, beam_width=bw, top_n=top_n) for p in prompts]
     t0 = time.perf_counter()
     done_at: dict[str, float] = {}
@@ -95,37 +100,48 @@ def run_sequential(fn, prompts) -> dict:
     return {"req_per_s": len(prompts) / wall, "p50_ms": pct(lat, 50), "p99_ms": pct(lat, 99), "outs": outs}
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def run(cfg: RetrievalBenchConfig) -> int:
+    import torch
+    from rich.console import Console
+    from rich.table import Table
+    from tqdm import tqdm
+
+    from grserve.bench.workload import history_prompts
+    from grserve.catalog import CatalogStore, generate_catalog
+    from grserve.config import SchedulerConfig, SearchConfig
+    from grserve.engine.engine import RetrievalEngine
+    from grserve.engine.retrieval import RetrievalRunner
+    from grserve.model import load_model
+
     console = Console(stderr=False)
-    torch.manual_seed(args.seed)
-    bws = [int(x) for x in args.beam_widths.split(",") if x]
-    headline = args.headline_bw or max(bws)
+    torch.manual_seed(cfg.seed)
+    bws = split_commas(cfg.beam_widths, int)
+    headline = cfg.headline_bw or max(bws)
     if headline not in bws:
         bws.append(headline)
-    model = load_model(args.model, dtype=args.dtype, device=args.device, seed=args.seed)
+    model = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, seed=cfg.seed)
     spec = model.spec
-    catalog = generate_catalog(args.num_items, args.depth, args.codebook_size, args.seed)
+    catalog = generate_catalog(cfg.num_items, cfg.depth, cfg.codebook_size, cfg.seed)
     catalog.layout.check_vocab(spec.vocab_size)
     b_tok = spec.kv_bytes_per_token(torch.empty((), dtype=model.dtype).element_size())
-    prompts = history_prompts(catalog, max(args.requests, args.hf_requests, args.naive_requests), args.prompt_len, args.seed)
+    prompts = history_prompts(catalog, max(cfg.requests, cfg.hf_requests, cfg.naive_requests), cfg.prompt_len, cfg.seed)
     console.print(
-        f"[bold]grserve bench retrieval[/]: model={args.model} ({spec.num_parameters() / 1e6:.1f}M params, {args.dtype}, "
-        f"{args.device}), catalog={len(catalog)} items × {args.depth} SID tokens, prompt={args.prompt_len}, "
+        f"[bold]grserve bench retrieval[/]: model={cfg.model} ({spec.num_parameters() / 1e6:.1f}M params, {cfg.dtype}, "
+        f"{cfg.device}), catalog={len(catalog)} items × {cfg.depth} SID tokens, prompt={cfg.prompt_len}, "
         f"beam widths={bws}, torch threads={torch.get_num_threads()}"
     )
-    sched = SchedulerConfig(token_capacity=args.batch * args.prompt_len, max_batch_requests=args.batch, max_inflight_batches=1)
-    engine = RetrievalEngine(model, CatalogStore(catalog), SearchConfig(scoring=args.scoring), sched).start()
+    sched = SchedulerConfig(token_capacity=cfg.batch * cfg.prompt_len, max_batch_requests=cfg.batch, max_inflight_batches=1)
+    engine = RetrievalEngine(model, CatalogStore(catalog), SearchConfig(scoring=cfg.scoring), sched).start()
     hf = naive = None
-    if not args.skip_hf:
+    if not cfg.skip_hf:
         from grserve.bench.baselines import HFConstrainedBeamSearch
 
         hf = HFConstrainedBeamSearch(model)
-    if not args.skip_naive:
+    if not cfg.skip_naive:
         from grserve.bench.baselines import NaiveCopyBeamSearch
 
         naive = NaiveCopyBeamSearch(model)
-    runner = RetrievalRunner(model, SearchConfig(scoring=args.scoring))  # one batch, timed alone
+    runner = RetrievalRunner(model, SearchConfig(scoring=cfg.scoring))  # one batch, timed alone
     hf_runner = RetrievalRunner(model, SearchConfig(scoring="hf"))  # exactness check against HF
 
     sweep = []
@@ -133,29 +149,29 @@ def main(argv: list[str] | None = None) -> int:
     bar = tqdm(total=steps, desc="bench", file=sys.stderr, leave=False)
     try:
         for bw in bws:
-            top_n = min(args.top_n, bw)
-            run_grserve(engine, prompts[: args.batch], bw, top_n)  # warm-up
+            top_n = min(cfg.top_n, bw)
+            run_grserve(engine, prompts[: cfg.batch], bw, top_n)  # warm-up
             row: dict = {"beam_width": bw}
-            g = run_grserve(engine, prompts[: args.requests], bw, top_n)
+            g = run_grserve(engine, prompts[: cfg.requests], bw, top_n)
             bar.update()
             t = time.perf_counter()
-            runner.run(prompts[: args.batch], bw, [top_n] * args.batch, catalog)
+            runner.run(prompts[: cfg.batch], bw, [top_n] * cfg.batch, catalog)
             row["ms_per_batch"] = (time.perf_counter() - t) * 1e3
             row["grserve"] = {k: v for k, v in g.items() if k != "items"}
-            row["kv_bytes_formula"] = (args.prompt_len + bw * args.depth) * b_tok
+            row["kv_bytes_formula"] = (cfg.prompt_len + bw * cfg.depth) * b_tok
             if naive is not None:
-                n = run_sequential(lambda p: naive.run(p, bw, top_n, catalog), prompts[: args.naive_requests])
+                n = run_sequential(lambda p: naive.run(p, bw, top_n, catalog), prompts[: cfg.naive_requests])
                 row["naive"] = {k: n[k] for k in ("req_per_s", "p50_ms", "p99_ms")}
                 row["naive"]["kv_bytes_per_request"] = int(max(o[1] for o in n["outs"]))
                 row["speedup_vs_naive"] = g["req_per_s"] / n["req_per_s"]
                 bar.update()
             if hf is not None:
-                h = run_sequential(lambda p: hf.run(p, bw, top_n, catalog), prompts[: args.hf_requests])
+                h = run_sequential(lambda p: hf.run(p, bw, top_n, catalog), prompts[: cfg.hf_requests])
                 row["hf"] = {k: h[k] for k in ("req_per_s", "p50_ms", "p99_ms")}
-                row["hf"]["kv_bytes_per_request"] = bw * (args.prompt_len + args.depth) * b_tok  # one cache row per beam
+                row["hf"]["kv_bytes_per_request"] = bw * (cfg.prompt_len + cfg.depth) * b_tok  # one cache row per beam
                 row["speedup_vs_hf"] = g["req_per_s"] / h["req_per_s"]
                 # exactness: grserve under HF's scoring convention returns HF's items
-                same = hf_runner.run(prompts[: args.hf_requests], bw, [top_n] * args.hf_requests, catalog)
+                same = hf_runner.run(prompts[: cfg.hf_requests], bw, [top_n] * cfg.hf_requests, catalog)
                 agree = [[x.item_id for x in a] == [x.item_id for x in b] for a, b in zip(same.hits, h["outs"])]
                 row["hf_agreement"] = sum(agree) / len(agree)
                 bar.update()
@@ -182,18 +198,18 @@ def main(argv: list[str] | None = None) -> int:
     for row in sweep:
         extra = f", HF agreement (scoring=hf) {row['hf_agreement']:.0%}" if "hf_agreement" in row else ""
         console.print(
-            f"BW {row['beam_width']}: {row['ms_per_batch']:.1f} ms per batch of {args.batch}; KV/request "
+            f"BW {row['beam_width']}: {row['ms_per_batch']:.1f} ms per batch of {cfg.batch}; KV/request "
             f"{row['grserve']['kv_bytes_per_request']:,} B = (L + BW·ND)·{b_tok} = {row['kv_bytes_formula']:,} B; "
             f"top-BW candidates visited {row['grserve']['candidates_visited']:,}{extra}"
         )
     head = next(r for r in sweep if r["beam_width"] == headline)
     summary = {
         "benchmark": "retrieval",
-        "model": args.model,
-        "device": args.device,
-        "prompt_len": args.prompt_len,
+        "model": cfg.model,
+        "device": cfg.device,
+        "prompt_len": cfg.prompt_len,
         "beam_width": headline,
-        "sid_tokens": args.depth,
+        "sid_tokens": cfg.depth,
         "catalog_items": len(catalog),
         "speedup_vs_hf": head.get("speedup_vs_hf"),
         "speedup_vs_naive": head.get("speedup_vs_naive"),
@@ -214,6 +230,3 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(summary))
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

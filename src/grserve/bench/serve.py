@@ -16,51 +16,63 @@ JSON line.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from grserve.bench.llm_workloads import DATASETS, attainment, effective_throughput, make_trace
+from grserve.config import LLM_SCHEDULERS, LLMConfig
+from grserve.flags import Checked, add_flags, command_parser, comma_list, flag, from_args, non_negative, positive, \
+    positive_int, split_commas
 
 SYSTEMS = ("fcfs", "chunked", "aptserve")  # the default comparison; --systems can add "aptserve-kv"
 TABLE3 = {"sharegpt": (1.0, 1.0), "humaneval": (0.5, 0.5), "longbench": (4.0, 1.0)}
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="grserve bench serve", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="few requests, few rates, short decode benchmark")
-    p.add_argument("--simulate", action="store_true", help="discrete-event simulator, OPT-13B on an A100")
-    p.add_argument("--dataset", default="sharegpt", choices=DATASETS)
-    p.add_argument("--systems", default=",".join(SYSTEMS),
-                   help="comma list of fcfs, chunked, aptserve, aptserve-kv (Apt-Serve scheduling, KV cache only: "
-                        "the paper's ablation); fcfs and aptserve are needed for the ratios")
-    p.add_argument("--model", default="tiny-mha", help="preset or HF dir (real mode)")
-    p.add_argument("--num-requests", type=int, default=None, help="requests per rate (default 40 real / 500 sim)")
-    p.add_argument("--rates", type=str, default=None, help="comma-separated req/s (default: auto sweep)")
-    p.add_argument("--refine", type=int, default=3,
-                   help="bisection steps on each system's 90%% crossing after the grid (0 = grid only)")
-    p.add_argument("--cv", type=float, default=1.0, help="arrival CV (1 = Poisson, >1 Gamma bursts)")
-    p.add_argument("--scale", type=float, default=0.25, help="length scale of the workload (real mode)")
-    p.add_argument("--mem-requests", type=float, default=4.0, help="pool size in mean-request KV footprints")
-    p.add_argument("--ttft-mult", type=float, default=10.0, help="TTFT SLO = mult × single-request prefill")
-    p.add_argument("--tbt-mult", type=float, default=10.0, help="TBT SLO = mult × single-request decode step")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--no-decode-bench", action="store_true", help="skip the batch-32 decode vs HF benchmark")
-    p.add_argument("--decode-only", action="store_true", help="only the batch-32 decode vs HF benchmark (P7)")
-    p.add_argument("--prefix-only", action="store_true",
-                   help="only the prefix-cache benchmark: requests sharing a system prompt, with vs without the "
-                        "prompt-prefix KV cache (same engine, same requests, tokens checked identical)")
-    p.add_argument("--decode-repeats", type=int, default=None, help="decode benchmark: best of N (default 1 "
-                   "quick / 2)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch intra-op threads (0 = torch default). 1 by default: the per-iteration GEMMs are "
-                        "tiny and two OpenMP threads on a shared 2-core machine stall on a busy core")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out-dir", default="bench-results")
-    return p
+@dataclass(frozen=True)
+class ServeBenchConfig(Checked):
+    """The knobs of ``grserve bench serve``."""
+
+    quick: bool = flag(False, "few requests, few rates, short decode benchmark")
+    simulate: bool = flag(False, "discrete-event simulator, OPT-13B on an A100")
+    dataset: str = flag("sharegpt", "workload lengths", choices=DATASETS)
+    systems: str = flag(",".join(SYSTEMS), "comma list of fcfs, chunked, aptserve, aptserve-kv (Apt-Serve "
+                                           "scheduling, KV cache only: the paper's ablation); fcfs and aptserve are "
+                                           "needed for the ratios", check=comma_list(allowed=LLM_SCHEDULERS))
+    model: str = flag("tiny-mha", "preset or HF dir (real mode)", metavar="PRESET_OR_DIR")
+    num_requests: int | None = flag(None, "requests per rate (default: 40 real / 500 sim; 24 / 200 with --quick)",
+                                    check=positive_int)
+    rates: str | None = flag(None, "comma-separated req/s (default: auto sweep)",
+                             check=comma_list(float, each=positive))
+    refine: int = flag(3, "bisection steps on each system's 90%% crossing after the grid (0 = grid only)",
+                       check=non_negative)
+    cv: float = flag(1.0, "arrival CV (1 = Poisson, >1 Gamma bursts)", check=positive)
+    scale: float = flag(0.25, "length scale of the workload (real mode)", check=positive)
+    mem_requests: float = flag(4.0, "pool size in mean-request KV footprints", check=positive)
+    ttft_mult: float = flag(10.0, "TTFT SLO = mult × single-request prefill", check=positive)
+    tbt_mult: float = flag(10.0, "TBT SLO = mult × single-request decode step", check=positive)
+    block_size: int = flag(LLMConfig().block_size, "tokens per block", check=positive_int)
+    decode_bench: bool = flag(True, "the batch-32 decode vs HF benchmark (--no-decode-bench: skip it)")
+    decode_only: bool = flag(False, "only the batch-32 decode vs HF benchmark (P7)")
+    prefix_only: bool = flag(False, "only the prefix-cache benchmark: requests sharing a system prompt, with vs "
+                                    "without the prompt-prefix KV cache (same engine, same requests, tokens checked "
+                                    "identical)")
+    decode_repeats: int | None = flag(None, "decode benchmark: best of N (default: 1 with --quick, else 2)",
+                                      check=positive_int)
+    threads: int = flag(1, "torch intra-op threads (0 = torch default). 1 by default: the per-iteration GEMMs are "
+                           "tiny and two OpenMP threads on a shared 2-core machine stall on a busy core",
+                        check=non_negative)
+    seed: int = flag(0, "seed of the traces and the weights", check=non_negative)
+    out_dir: str = flag("bench-results", "where the PNG and the JSON are written", metavar="DIR")
+
+
+def add_command(sub) -> None:
+    p = command_parser(sub, "serve", help="LLM serving: SLO attainment and effective throughput, FCFS vs chunked vs "
+                                          "Apt-Serve", description=__doc__)
+    add_flags(p, ServeBenchConfig)
+    p.set_defaults(handler=lambda ns: run(from_args(ServeBenchConfig, ns)))
 
 
 def _refine(run_one, system: str, pts: list, steps: int, progress, level: float = 0.9) -> list:
@@ -191,13 +203,12 @@ def prefix_vs_none(*, requests: int = 32, system_len: int = 512, user_len: int =
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+def run(cfg: ServeBenchConfig) -> int:
     import torch
 
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
-    if args.prefix_only:
+    if cfg.threads > 0:
+        torch.set_num_threads(cfg.threads)
+    if cfg.prefix_only:
         r = prefix_vs_none()
         print(f"prefix cache: {r['requests']} requests = {r['system_len']}-token shared system prompt + "
               f"{r['user_len']} own tokens, {r['new_tokens']} new, waves of {r['batch']}: prefill tokens "
@@ -207,8 +218,8 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         print(json.dumps(r), flush=True)
         return 0
-    if args.decode_only:
-        dec = decode_vs_hf(args.quick, repeats=args.decode_repeats or (1 if args.quick else 2))
+    if cfg.decode_only:
+        dec = decode_vs_hf(cfg.quick, repeats=cfg.decode_repeats or (1 if cfg.quick else 2))
         print(f"decode batch {dec['batch']} (tiny, 32k vocab, prompt {dec['prompt']}, {dec['new_tokens']} new, "
               f"{dec['threads']} thread(s)): grserve {dec['ours_tok_s']:.0f} tok/s, HF generate "
               f"{dec['hf_tok_s']:.0f} tok/s -> {dec['speedup']:.2f}x; same tokens: {dec['same_tokens']}",
@@ -222,28 +233,23 @@ def main(argv: list[str] | None = None) -> int:
     from grserve.engine.llm import LLMEngine, build_model_engine, calibrate_rho
     from grserve.engine.simulated import CostModel, SimulatedExecutor, TimedExecutor, VirtualClock, run_trace
     from grserve.kvcache.blocks import BlockPool
-    from grserve.scheduler.llm_factory import SCHEDULERS, make_llm_scheduler
+    from grserve.scheduler.llm_factory import make_llm_scheduler
 
-    systems = [x.strip() for x in args.systems.split(",") if x.strip()]
-    bad = [x for x in systems if x not in SCHEDULERS]
-    if bad or not systems:
-        print(f"grserve bench serve: error: unknown system(s) {bad}; choose from {', '.join(SCHEDULERS)}",
-              file=sys.stderr)
-        return 2
+    systems = split_commas(cfg.systems)
     console = Console(stderr=False)
-    out_dir = Path(args.out_dir)
+    out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    n_req = args.num_requests or ((24 if args.quick else 40) if not args.simulate else (200 if args.quick else 500))
-    probe = make_trace(args.dataset, n_req, 1.0, cv=args.cv, seed=args.seed,
-                       scale=1.0 if args.simulate else args.scale)
+    n_req = cfg.num_requests or ((24 if cfg.quick else 40) if not cfg.simulate else (200 if cfg.quick else 500))
+    probe = make_trace(cfg.dataset, n_req, 1.0, cv=cfg.cv, seed=cfg.seed,
+                       scale=1.0 if cfg.simulate else cfg.scale)
     mean_p = sum(r.prompt_len for r in probe) / n_req
     mean_o = sum(r.output_len for r in probe) / n_req
-    info: dict = {"mode": "simulate" if args.simulate else "real", "dataset": args.dataset, "cv": args.cv,
+    info: dict = {"mode": "simulate" if cfg.simulate else "real", "dataset": cfg.dataset, "cv": cfg.cv,
                   "num_requests": n_req, "mean_prompt": mean_p, "mean_output": mean_o}
 
-    if args.simulate:
+    if cfg.simulate:
         cost = CostModel.opt13b_a100()
-        ttft_slo, tbt_slo = TABLE3[args.dataset]
+        ttft_slo, tbt_slo = TABLE3[cfg.dataset]
         num_blocks, hidden_planes = 1625, 1
         rho = cost.rho_h
         single = cost.iteration_time([_Item(0, int(mean_p), "kv")]) + mean_o * cost.iteration_time(
@@ -252,12 +258,12 @@ def main(argv: list[str] | None = None) -> int:
     else:
         from grserve.model import load_model
 
-        model = load_model(args.model, seed=args.seed)
+        model = load_model(cfg.model, seed=cfg.seed)
         spec = model.spec
         rho = calibrate_rho(model)
         hidden_planes = -(-spec.hidden_size // spec.kv_size)
         # single-request latencies (engine, FCFS, one request alone)
-        eng = build_model_engine(model, make_llm_scheduler("fcfs"), num_blocks=4096, block_size=args.block_size)
+        eng = build_model_engine(model, make_llm_scheduler("fcfs"), num_blocks=4096, block_size=cfg.block_size)
         from grserve.engine.sampling import SamplingParams
 
         eng.generate([[5] * 16], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))  # warm-up
@@ -271,32 +277,32 @@ def main(argv: list[str] | None = None) -> int:
                 s.token_times) - 1)))
         prefill_lat = min(t[0] for t in ts)
         step_lat = min(t[1] for t in ts)
-        ttft_slo, tbt_slo = args.ttft_mult * prefill_lat, args.tbt_mult * step_lat
-        per_tok_kv = 2 * args.block_size
-        num_blocks = int(args.mem_requests * (mean_p + mean_o) / args.block_size * 2) + per_tok_kv
+        ttft_slo, tbt_slo = cfg.ttft_mult * prefill_lat, cfg.tbt_mult * step_lat
+        per_tok_kv = 2 * cfg.block_size
+        num_blocks = int(cfg.mem_requests * (mean_p + mean_o) / cfg.block_size * 2) + per_tok_kv
         single = prefill_lat + mean_o * step_lat
-        info.update(single_prefill_s=prefill_lat, single_step_s=step_lat, model=args.model)
+        info.update(single_prefill_s=prefill_lat, single_step_s=step_lat, model=cfg.model)
     mu = 1.0 / single  # single-request service rate
-    if args.rates:
-        rates = [float(x) for x in args.rates.split(",")]
+    if cfg.rates:
+        rates = split_commas(cfg.rates, float)
     else:
-        mults = [2, 4, 6, 8] if args.quick else [1, 2, 3, 4, 6, 8, 10, 12]  # x single-request service rate
-        rates = [round(mu * m, 3) for m in mults] if not args.simulate else \
-            ([0.5, 1, 2, 3, 4, 6] if args.quick else [0.5, 1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 7, 8])
+        mults = [2, 4, 6, 8] if cfg.quick else [1, 2, 3, 4, 6, 8, 10, 12]  # x single-request service rate
+        rates = [round(mu * m, 3) for m in mults] if not cfg.simulate else \
+            ([0.5, 1, 2, 3, 4, 6] if cfg.quick else [0.5, 1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 7, 8])
     info.update(ttft_slo=ttft_slo, tbt_slo=tbt_slo, num_blocks=num_blocks, rho=rho, rates=rates)
 
     def run_one(system: str, rate: float) -> dict:
-        trace = make_trace(args.dataset, n_req, rate, cv=args.cv, seed=args.seed,
-                           scale=1.0 if args.simulate else args.scale)
+        trace = make_trace(cfg.dataset, n_req, rate, cv=cfg.cv, seed=cfg.seed,
+                           scale=1.0 if cfg.simulate else cfg.scale)
         clock = VirtualClock()
-        pool = BlockPool(num_blocks, args.block_size, kv_planes=2, hidden_planes=hidden_planes)
+        pool = BlockPool(num_blocks, cfg.block_size, kv_planes=2, hidden_planes=hidden_planes)
         pol = make_llm_scheduler(system, ttft_slo=ttft_slo, tbt_slo=tbt_slo, rho=rho,
-                                 token_budget=512 if args.simulate else 128,
-                                 max_num_batched_tokens=2048 if args.simulate else 512)
-        if args.simulate:
+                                 token_budget=512 if cfg.simulate else 128,
+                                 max_num_batched_tokens=2048 if cfg.simulate else 512)
+        if cfg.simulate:
             eng = LLMEngine(pol, pool, SimulatedExecutor(cost), clock=clock)
         else:
-            real = build_model_engine(model, pol, num_blocks=num_blocks, block_size=args.block_size)
+            real = build_model_engine(model, pol, num_blocks=num_blocks, block_size=cfg.block_size)
             eng = LLMEngine(pol, real.pool, TimedExecutor(real.executor), clock=clock)
         res = run_trace(eng, trace, clock)
         a = attainment(res.requests, ttft_slo, tbt_slo)
@@ -309,14 +315,14 @@ def main(argv: list[str] | None = None) -> int:
     # each system's own points: the grid, then bisection of its 90 % crossing (a coarse grid's linear
     # interpolation can misplace a cliff by most of a grid step)
     points = {s: sorted(zip(rates, sweep[s]), key=lambda x: x[0]) for s in systems}
-    if args.refine > 0:
-        with tqdm(total=args.refine * len(systems), desc="refine crossing", file=sys.stderr) as bar:
+    if cfg.refine > 0:
+        with tqdm(total=cfg.refine * len(systems), desc="refine crossing", file=sys.stderr) as bar:
             for s in systems:
-                points[s] = _refine(run_one, s, points[s], args.refine, bar)
+                points[s] = _refine(run_one, s, points[s], cfg.refine, bar)
     eff = {s: effective_throughput([r for r, _ in points[s]], [x["attainment"] for _, x in points[s]])
            for s in systems}
 
-    table = Table(title=f"SLO attainment ({info['mode']}, {args.dataset}, CV {args.cv}; TTFT {ttft_slo:.3g}s, "
+    table = Table(title=f"SLO attainment ({info['mode']}, {cfg.dataset}, CV {cfg.cv}; TTFT {ttft_slo:.3g}s, "
                         f"P99 TBT {tbt_slo:.3g}s)")
     table.add_column("rate (req/s)", justify="right")
     for s in systems:
@@ -324,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     for i, r in enumerate(rates):
         table.add_row(f"{r:.3g}", *[f"{sweep[s][i]['attainment']:.0%} (ttft {sweep[s][i]['ttft_attainment']:.0%})"
                                     for s in systems])
-    if args.refine > 0:
+    if cfg.refine > 0:
         table.add_row("refined points", *[", ".join(f"{r:.3g}: {x['attainment']:.0%}" for r, x in points[s]
                                                    if r not in rates) for s in systems])
     table.add_row("effective @90%", *[f"{eff[s]:.3g}" for s in systems])
@@ -341,15 +347,15 @@ def main(argv: list[str] | None = None) -> int:
     ax.axhline(90, ls="--", c="grey")
     ax.set_xlabel("request rate (req/s)")
     ax.set_ylabel("SLO attainment (%)")
-    ax.set_title(f"{args.dataset} ({info['mode']})")
+    ax.set_title(f"{cfg.dataset} ({info['mode']})")
     ax.legend()
     fig.tight_layout()
-    png = out_dir / f"attainment_vs_rate_{info['mode']}_{args.dataset}.png"
+    png = out_dir / f"attainment_vs_rate_{info['mode']}_{cfg.dataset}.png"
     fig.savefig(png, dpi=120)
 
     dec = None
-    if not args.no_decode_bench:
-        dec = decode_vs_hf(args.quick, repeats=args.decode_repeats or (1 if args.quick else 2))
+    if cfg.decode_bench:
+        dec = decode_vs_hf(cfg.quick, repeats=cfg.decode_repeats or (1 if cfg.quick else 2))
         console.print(f"decode batch 32 (tiny, 32k vocab, {dec['new_tokens']} new, {dec['threads']} thread(s)): "
                       f"grserve {dec['ours_tok_s']:.0f} tok/s, HF generate {dec['hf_tok_s']:.0f} tok/s -> "
                       f"{dec['speedup']:.2f}x; same tokens: {dec['same_tokens']}")
@@ -357,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
               for a in ("aptserve", "aptserve-kv") for b in ("fcfs", "chunked") if a in eff and b in eff}
     summary = {"effective_throughput": eff, **ratios, "decode_speedup_vs_hf": dec["speedup"] if dec else None,
                "png": str(png), **{k: v for k, v in info.items() if k != "rates"}}
-    (out_dir / f"serve_{info['mode']}_{args.dataset}.json").write_text(json.dumps(
+    (out_dir / f"serve_{info['mode']}_{cfg.dataset}.json").write_text(json.dumps(
         {"summary": summary, "sweep": sweep, "points": {k: [[r, x] for r, x in v] for k, v in points.items()},
          "decode": dec}, indent=2))
     print(json.dumps(summary), flush=True)

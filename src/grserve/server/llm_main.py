@@ -1,134 +1,67 @@
-"""``grserve serve llm``: an LLM behind an OpenAI-compatible API, on the hybrid-cache continuous-batching engine."""
+"""``grserve serve llm``: an LLM behind an OpenAI-compatible API (/v1/completions, /v1/chat/completions,
+/v1/models) plus /health and /metrics, on the continuous-batching engine with Apt-Serve's hybrid KV/hidden cache."""
 
 from __future__ import annotations
 
 import argparse
-import sys
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
-
-from grserve.engine.llm import EngineLoop, LLMEngine, build_model_engine, calibrate_rho
-from grserve.scheduler.llm_factory import SCHEDULERS, make_llm_scheduler
-from grserve.server.app import serve_until_exit
-from grserve.server.openai_routes import create_openai_router, openai_error
+from grserve.config import LLMConfig, LLMServeConfig, ModelConfig, ServerConfig
+from grserve.flags import UsageError, add_flags, command_parser, from_args
+from grserve.server.startup import check_model
 
 
-def build_app(loop: EngineLoop, tokenizer, model_name: str, max_model_len: int, vocab_size: int) -> FastAPI:
-    engine: LLMEngine = loop.engine
-    app = FastAPI(title="grserve LLM", docs_url=None, redoc_url=None)
-    app.include_router(create_openai_router(loop, tokenizer, model_name, max_model_len, vocab_size))
-    reg = CollectorRegistry(auto_describe=True)
-    Gauge("grserve_llm_running", "Requests holding cache blocks.", registry=reg).set_function(
-        lambda: len(engine.running))
-    Gauge("grserve_llm_waiting", "Requests waiting (new or preempted).", registry=reg).set_function(
-        lambda: len(engine.waiting))
-    Gauge("grserve_llm_free_blocks", "Free blocks in the unified pool.", registry=reg).set_function(
-        lambda: engine.pool.num_free)
-    Gauge("grserve_llm_preemptions", "Preemptions so far (recompute).", registry=reg).set_function(
-        lambda: engine.stats["preemptions"])
-    Gauge("grserve_llm_prefix_hit_tokens", "Prompt tokens copied from the prefix cache instead of computed.",
-          registry=reg).set_function(lambda: engine.stats["prefix_hit_tokens"])
-    Gauge("grserve_llm_prefill_tokens", "Prompt tokens computed.", registry=reg).set_function(
-        lambda: engine.stats["prefill_tokens"])
-    requests = Counter("grserve_llm_http_requests_total", "HTTP requests by path and status.",
-                       ["path", "status"], registry=reg)
-
-    @app.middleware("http")
-    async def count(request: Request, call_next):
-        resp = await call_next(request)
-        requests.labels(request.url.path, str(resp.status_code)).inc()
-        return resp
-
-    @app.exception_handler(404)
-    async def not_found(request: Request, exc):
-        return openai_error(404, f"no route {request.url.path}", None, "not_found")
-
-    @app.exception_handler(Exception)
-    async def internal(request: Request, exc: Exception):
-        return openai_error(500, "internal error", None, "internal_error")
-
-    @app.get("/health")
-    async def health():
-        return JSONResponse({"status": "ok", "model": model_name, "running": len(engine.running),
-                             "waiting": len(engine.waiting), "free_blocks": engine.pool.num_free,
-                             "total_blocks": engine.pool.num_blocks})
-
-    @app.get("/metrics")
-    async def metrics():
-        return Response(generate_latest(reg), media_type=CONTENT_TYPE_LATEST)
-
-    return app
+def add_command(sub) -> None:
+    p = command_parser(sub, "llm", help="serve an LLM with an OpenAI-compatible API (hybrid KV/hidden cache, "
+                                        "Apt-Serve)", description=__doc__)
+    d = LLMServeConfig()
+    add_flags(p, d.model, title="model")
+    add_flags(p, d.llm, title="engine")
+    add_flags(p, d.server, title="HTTP", skip=("max_prompt_tokens", "max_top_n"))
+    p.set_defaults(handler=lambda ns: run(config_from_args(ns)))
 
 
-def build_engine(args: argparse.Namespace):
+def config_from_args(ns: argparse.Namespace) -> LLMServeConfig:
+    return LLMServeConfig(model=from_args(ModelConfig, ns), llm=from_args(LLMConfig, ns),
+                          server=from_args(ServerConfig, ns))
+
+
+def build_engine(cfg: LLMServeConfig):
+    from grserve.engine.llm import build_model_engine, calibrate_rho
     from grserve.engine.tokenizer import load_tokenizer
     from grserve.model import load_model
+    from grserve.scheduler.llm_factory import make_llm_scheduler
 
-    model = load_model(args.model, dtype=args.dtype, device=args.device, seed=args.seed)
-    tok = load_tokenizer(args.model, model.spec.vocab_size)
-    rho = args.rho if args.rho is not None else (calibrate_rho(model) if args.scheduler == "aptserve" else 0.0)
-    pol = make_llm_scheduler(args.scheduler, ttft_slo=args.ttft_slo, tbt_slo=args.tbt_slo, rho=rho,
-                             token_budget=args.token_budget, max_num_batched_tokens=args.max_batched_tokens,
-                             max_num_seqs=args.max_num_seqs)
-    engine = build_model_engine(model, pol, num_blocks=args.num_blocks, block_size=args.block_size,
-                                prefix_cache_tokens=args.prefix_cache_tokens,
-                                prefix_cache_policy=args.prefix_cache_policy,
+    m, c = cfg.model, cfg.llm
+    model = load_model(m.source, dtype=m.dtype, device=m.device, seed=m.seed)
+    tok = load_tokenizer(m.source, model.spec.vocab_size)
+    rho = c.rho if c.rho is not None else (calibrate_rho(model) if c.scheduler == "aptserve" else 0.0)
+    pol = make_llm_scheduler(c.scheduler, ttft_slo=c.ttft_slo, tbt_slo=c.tbt_slo, rho=rho,
+                             token_budget=c.token_budget, max_num_batched_tokens=c.max_batched_tokens,
+                             max_num_seqs=c.max_num_seqs)
+    engine = build_model_engine(model, pol, num_blocks=c.num_blocks, block_size=c.block_size,
+                                prefix_cache_tokens=c.prefix_cache_tokens, prefix_cache_policy=c.prefix_cache_policy,
                                 eos_token_id=tok.eos_token_id, detokenize=tok.decode)
     return engine, tok, model
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="grserve serve llm", description=(
-        "Serve an LLM over an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models) plus "
-        "/health and /metrics, on the continuous-batching engine with Apt-Serve's hybrid KV/hidden cache."),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default="tiny-mha", help="preset name (tiny, tiny-mha, qwen3-0.6b, ...) or HF dir")
-    p.add_argument("--served-model-name", default=None, help="model id in the API (default: --model)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--seed", type=int, default=0, help="seed of a preset's random weights")
-    p.add_argument("--scheduler", default="aptserve", choices=SCHEDULERS)
-    p.add_argument("--num-blocks", type=int, default=4096, help="blocks in the unified KV/hidden pool")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per block")
-    p.add_argument("--ttft-slo", type=float, default=5.0, help="TTFT SLO in seconds (aptserve)")
-    p.add_argument("--tbt-slo", type=float, default=1.0, help="P99 TBT SLO in seconds (aptserve)")
-    p.add_argument("--rho", type=float, default=None, help="hidden-cache cost per cached token in seconds "
-                                                           "(default: profiled at start-up)")
-    p.add_argument("--token-budget", type=int, default=512, help="tokens per iteration (chunked)")
-    p.add_argument("--max-batched-tokens", type=int, default=2048, help="prefill tokens per iteration")
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--prefix-cache-tokens", type=int, default=0,
-                   help="prompt-prefix KV cache size in tokens (0 = off): requests sharing a prompt prefix copy "
-                        "its K/V instead of computing it (KV-cache requests only)")
-    p.add_argument("--prefix-cache-policy", default="lru", choices=("lru", "lfu", "laru"),
-                   help="eviction policy of the prefix cache (laru: learning-augmented LRU, online LightGBM)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
-    return p
+def run(cfg: LLMServeConfig) -> int:
+    check_model(cfg.model)
 
+    from grserve.engine.llm import EngineLoop
+    from grserve.server.app import serve_until_exit
+    from grserve.server.llm_app import build_app
 
-def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    if args.num_blocks < 2 or args.block_size < 1:
-        print("grserve serve llm: error: --num-blocks must be >= 2 and --block-size >= 1", file=sys.stderr)
-        return 2
-    if args.prefix_cache_tokens < 0:
-        print("grserve serve llm: error: --prefix-cache-tokens must be >= 0", file=sys.stderr)
-        return 2
     try:
-        engine, tok, model = build_engine(args)
+        engine, tok, model = build_engine(cfg)
     except (ValueError, OSError) as exc:
-        print(f"grserve serve llm: error: {exc}", file=sys.stderr)
-        return 2
-    name = args.served_model_name or args.model
+        raise UsageError(str(exc)) from None
+    c, s = cfg.llm, cfg.server
+    name = c.served_model_name or cfg.model.source
     loop = EngineLoop(engine).start()
     app = build_app(loop, tok, name, model.spec.max_position_embeddings, model.spec.vocab_size)
     pc = engine.prefix_cache
-    prefix = (f", prefix cache {pc.capacity} tokens ({pc.bytes / 2**20:.0f} MiB, {args.prefix_cache_policy})"
+    prefix = (f", prefix cache {pc.capacity} tokens ({pc.bytes / 2**20:.0f} MiB, {c.prefix_cache_policy})"
               if pc is not None else "")
-    print(f"grserve: LLM {name} ({args.dtype}), scheduler {args.scheduler}, {args.num_blocks} blocks x "
-          f"{args.block_size} tokens{prefix} -> http://{args.host}:{args.port}/v1", flush=True)
-    return serve_until_exit(app, args.host, args.port, args.log_level, loop.stop)
+    print(f"grserve: LLM {name} ({cfg.model.dtype}), scheduler {c.scheduler}, {c.num_blocks} blocks x "
+          f"{c.block_size} tokens{prefix} -> http://{s.host}:{s.port}/v1", flush=True)
+    return serve_until_exit(app, s.host, s.port, s.log_level, loop.stop)

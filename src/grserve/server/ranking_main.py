@@ -9,109 +9,93 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import numpy as np
-from fastapi import FastAPI
-from fastapi.responses import Response
+from grserve.config import ModelConfig, RankingConfig, RankingDataConfig, RankingLimits, RankingServeConfig, \
+    ServerConfig
+from grserve.flags import Checked, UsageError, add_flags, command_parser, flag, from_args, non_negative, \
+    split_commas
+from grserve.server.startup import check_model
 
-from grserve.engine.ranking import RankingConfig, RankingEngine, RankingRunner
-from grserve.model import load_model
-from grserve.ranking.registry import RankingRegistry, RegistryError
-from grserve.ranking.workload import WorkloadSpec, generate_workload
-from grserve.scheduler.prefix_choice import POLICIES
-from grserve.server.app import _MetricsMiddleware, install_error_handlers, serve_until_exit
-from grserve.server.metrics import Metrics
-from grserve.server.ranking_routes import RankingLimits, build_router
+if TYPE_CHECKING:
+    from grserve.ranking.registry import RankingRegistry
 
-RANKING_DTYPES = ("float16", "float32", "bfloat16")  # choices on the command line
+MiB = 1 << 20
 
 
-def create_ranking_app(engine: Any, limits: RankingLimits | None = None, metrics: Metrics | None = None) -> FastAPI:
-    metrics = metrics if metrics is not None else Metrics()
-    metrics.bind_queue_depth(lambda: engine.queue_depth)
-    engine.on_batch = metrics.on_batch
-    app = FastAPI(title="grserve ranking", version="0.1.0",
-                  description="GR ranking with Bipartite Attention (BAT): user + candidates in, ranked candidates out.")
-    app.state.engine = engine
-    app.add_middleware(_MetricsMiddleware, metrics=metrics)
+@dataclass(frozen=True)
+class UserCacheMiB(Checked):
+    """``--user-cache-mb``: :attr:`RankingConfig.user_cache_bytes` on the command line, in MiB."""
 
-    install_error_handlers(app, groups=("user", "candidates"))
-    app.include_router(build_router(engine, limits))
-
-    @app.get("/health")
-    async def health() -> Any:
-        r = engine.runner
-        return {"status": "ok", "policy": r.policy.name, "users": r.registry.num_users,
-                "items": r.registry.num_items, "queue_depth": engine.queue_depth,
-                "vocab_size": r.registry.vocab_size}
-
-    @app.get("/metrics")
-    async def metrics_route() -> Response:
-        payload, content_type = metrics.render()
-        return Response(content=payload, media_type=content_type)
-
-    return app
+    user_cache_mb: float = flag(RankingConfig().user_cache_bytes / MiB, "user-prefix KV cache capacity in MiB "
+                                                                         "(whole pages)", check=non_negative)
 
 
-def parse_args(argv):
-    p = argparse.ArgumentParser(prog="grserve serve ranking",
-                                description="Serve GR ranking with Bipartite Attention (BAT): POST /v1/rank.")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8001)
-    p.add_argument("--model", default="tiny", help="preset or HF-format directory (default: tiny)")
-    p.add_argument("--dtype", default="float32", choices=sorted(RANKING_DTYPES))
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--policy", default="bat", choices=sorted(POLICIES), help="prefix-choice policy (default: bat)")
-    p.add_argument("--user-cache-mb", type=float, default=64.0, help="user-prefix KV cache budget (MiB)")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--window-s", type=float, default=1800.0, help="user frequency window W (seconds)")
-    p.add_argument("--items-file", default=None, help="JSON lines {item_id, tokens} (last token = identifier)")
-    p.add_argument("--users-file", default=None, help="JSON lines {user_id, tokens}")
-    p.add_argument("--instruction", default=None, help="comma-separated instruction token ids (default: generated)")
-    p.add_argument("--num-items", type=int, default=2000, help="generated catalog size (default 2000)")
-    p.add_argument("--num-users", type=int, default=200, help="generated users (default 200)")
-    p.add_argument("--scale", type=float, default=0.25, help="generated profile-length scale (default 0.25)")
-    p.add_argument("--max-candidates", type=int, default=256)
-    p.add_argument("--max-profile-tokens", type=int, default=8192)
-    p.add_argument("--max-batch-requests", type=int, default=8)
-    p.add_argument("--log-level", default="info")
-    return p.parse_args(argv)
+def add_command(sub) -> None:
+    p = command_parser(sub, "ranking", help="serve GR ranking (BAT): POST /v1/rank", description=__doc__)
+    d = RankingServeConfig()
+    add_flags(p, d.model, title="model")
+    engine = p.add_argument_group("ranking engine")
+    add_flags(engine, d.ranking, skip=("user_cache_bytes",))
+    add_flags(engine, UserCacheMiB())
+    add_flags(p, d.data, title="users and items")
+    add_flags(p, d.limits, title="request limits")
+    add_flags(p, d.server, title="HTTP", skip=("max_prompt_tokens", "max_top_n"))
+    p.set_defaults(handler=lambda ns: run(config_from_args(ns)))
 
 
-def build_registry(a, vocab_size: int) -> RankingRegistry:
-    if a.items_file or a.users_file:
-        if a.instruction:
-            instr = [int(x) for x in a.instruction.split(",")]
+def config_from_args(ns: argparse.Namespace) -> RankingServeConfig:
+    cache_bytes = int(from_args(UserCacheMiB, ns).user_cache_mb * MiB)
+    return RankingServeConfig(model=from_args(ModelConfig, ns),
+                              ranking=from_args(RankingConfig, ns, user_cache_bytes=cache_bytes),
+                              data=from_args(RankingDataConfig, ns), limits=from_args(RankingLimits, ns),
+                              server=from_args(ServerConfig, ns))
+
+
+def build_registry(data: RankingDataConfig, vocab_size: int) -> RankingRegistry:
+    import numpy as np
+
+    from grserve.ranking.registry import RankingRegistry
+    from grserve.ranking.workload import WorkloadSpec, generate_workload
+
+    if data.items_file or data.users_file:
+        if data.instruction:
+            instr = split_commas(data.instruction, int)
         else:
-            instr = np.random.default_rng(a.seed).integers(16, vocab_size, size=4).tolist()
+            instr = np.random.default_rng(data.seed).integers(16, vocab_size, size=4).tolist()
         reg = RankingRegistry(vocab_size, instr)
-        if a.items_file:
-            reg.load_jsonl(a.items_file, "item")
-        if a.users_file:
-            reg.load_jsonl(a.users_file, "user")
+        if data.items_file:
+            reg.load_jsonl(data.items_file, "item")
+        if data.users_file:
+            reg.load_jsonl(data.users_file, "user")
         return reg
-    reg, _, _ = generate_workload(WorkloadSpec(num_items=a.num_items, num_users=a.num_users, scale=a.scale,
-                                               seed=a.seed), vocab_size)
+    reg, _, _ = generate_workload(WorkloadSpec(num_items=data.num_items, num_users=data.num_users, scale=data.scale,
+                                               seed=data.seed), vocab_size)
     return reg
 
 
-def main(argv: list[str] | None = None) -> int:
-    a = parse_args(argv)
-    model = load_model(a.model, dtype=a.dtype, seed=a.seed)
+def run(cfg: RankingServeConfig) -> int:
+    check_model(cfg.model)
+
+    from grserve.engine.ranking import RankingEngine, RankingRunner
+    from grserve.model import load_model
+    from grserve.ranking.registry import RegistryError
+    from grserve.server.app import serve_until_exit
+    from grserve.server.ranking_app import create_ranking_app
+
+    m = cfg.model
+    model = load_model(m.source, dtype=m.dtype, device=m.device, seed=m.seed)
     try:
-        reg = build_registry(a, model.spec.vocab_size)
+        reg = build_registry(cfg.data, model.spec.vocab_size)
     except (RegistryError, OSError) as e:
-        print(f"grserve serve ranking: error: {e}", file=sys.stderr)
-        return 2
-    cfg = RankingConfig(policy=a.policy, user_cache_bytes=int(a.user_cache_mb * 2**20), page_size=a.page_size,
-                        user_window_s=a.window_s, max_batch_requests=a.max_batch_requests)
-    print(f"grserve ranking: {reg.num_items} items, {reg.num_users} users, policy {a.policy}; precomputing item KV",
-          file=sys.stderr, flush=True)
-    runner = RankingRunner(model, reg, cfg, progress=True)
+        raise UsageError(str(e)) from None
+    print(f"grserve ranking: {reg.num_items} items, {reg.num_users} users, policy {cfg.ranking.policy}; "
+          "precomputing item KV", file=sys.stderr, flush=True)
+    runner = RankingRunner(model, reg, cfg.ranking, progress=True)
     engine = RankingEngine(runner)
-    app = create_ranking_app(engine, RankingLimits(max_candidates=a.max_candidates,
-                                                   max_profile_tokens=a.max_profile_tokens))
-    print(f"grserve ranking -> http://{a.host}:{a.port}  (POST /v1/rank)", flush=True)
+    app = create_ranking_app(engine, cfg.limits)
+    s = cfg.server
+    print(f"grserve ranking -> http://{s.host}:{s.port}  (POST /v1/rank)", flush=True)
     engine.start()
-    return serve_until_exit(app, a.host, a.port, a.log_level, engine.stop)
+    return serve_until_exit(app, s.host, s.port, s.log_level, engine.stop)

@@ -1,0 +1,63 @@
+"""``grserve serve retrieval`` (also plain ``grserve serve``): GR retrieval over HTTP.
+
+Builds the retrieval engine (model + catalog + batching scheduler) from a ServeConfig and serves it over HTTP:
+POST /v1/recommend, GET /health, GET /metrics, POST /v1/catalog (admin reload). With no flags: preset ``tiny``
+(random weights, seeded), a generated 20,000-item catalog, http://127.0.0.1:8000.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from grserve.config import CatalogConfig, ModelConfig, SchedulerConfig, SearchConfig, ServeConfig, ServerConfig
+from grserve.flags import UsageError, add_flags, command_parser, from_args
+from grserve.server.startup import check_model
+
+
+def add_command(sub) -> None:
+    p = command_parser(sub, "retrieval", help="serve GR retrieval: POST /v1/recommend (the default mode)",
+                       description=__doc__)
+    d = ServeConfig()
+    add_flags(p, d.model, title="model")
+    add_flags(p, d.catalog, title="catalog")
+    add_flags(p, d.search, title="search")
+    add_flags(p, d.scheduler, title="batching")
+    add_flags(p, d.server, title="HTTP")
+    p.set_defaults(handler=lambda ns: run(config_from_args(ns)))
+
+
+def config_from_args(ns: argparse.Namespace) -> ServeConfig:
+    """The ServeConfig of parsed ``serve retrieval`` flags; a request may always ask for the default beam width, so
+    ``--max-beam-width`` is raised to ``--beam-width``."""
+    return ServeConfig(
+        model=from_args(ModelConfig, ns),
+        catalog=from_args(CatalogConfig, ns),
+        search=from_args(SearchConfig, ns, max_beam_width=max(ns.max_beam_width, ns.beam_width)),
+        scheduler=from_args(SchedulerConfig, ns),
+        server=from_args(ServerConfig, ns),
+    )
+
+
+def run(cfg: ServeConfig) -> int:
+    if cfg.catalog.path is not None and not os.path.isfile(cfg.catalog.path):
+        raise UsageError(f"catalog file not found: {cfg.catalog.path}")
+    check_model(cfg.model)
+
+    from grserve.engine.engine import RetrievalEngine
+    from grserve.server.app import create_app, serve_until_exit
+    from grserve.server.metrics import Metrics
+
+    metrics = Metrics()
+    try:
+        engine = RetrievalEngine.build(cfg, on_batch=metrics.on_batch)
+    except (ValueError, KeyError, OSError) as exc:  # CatalogError is a ValueError: bad file, vocab mismatch...
+        raise UsageError(exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)) from None
+    app = create_app(engine, cfg.server, metrics)
+    cat = engine.catalogs.current()
+    host = f"[{cfg.server.host}]" if ":" in cfg.server.host else cfg.server.host
+    print(f"grserve: model {cfg.model.source} ({cfg.model.dtype}, {cfg.model.device}), catalog {len(cat):,} items "
+          f"(depth {cat.depth}, codebooks {list(cat.codebook_sizes)}), default beam width {cfg.search.beam_width} "
+          f"-> http://{host}:{cfg.server.port}", flush=True)
+    engine.start()
+    return serve_until_exit(app, cfg.server.host, cfg.server.port, cfg.server.log_level, engine.stop)
