@@ -208,8 +208,9 @@ def _serve(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
 
     from grserve.engine.engine import RetrievalEngine
-    from grserve.server.app import create_app, serve_until_exit
+    from grserve.server.core import serve_until_exit
     from grserve.server.metrics import Metrics
+    from grserve.server.retrieval_app import create_app
 
     metrics = Metrics()
     try:

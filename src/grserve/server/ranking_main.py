@@ -9,49 +9,19 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
 
 import numpy as np
-from fastapi import FastAPI
-from fastapi.responses import Response
 
+from grserve.config import RankingLimits
 from grserve.engine.ranking import RankingConfig, RankingEngine, RankingRunner
 from grserve.model import load_model
 from grserve.ranking.registry import RankingRegistry, RegistryError
 from grserve.ranking.workload import WorkloadSpec, generate_workload
 from grserve.scheduler.prefix_choice import POLICIES
-from grserve.server.app import _MetricsMiddleware, install_error_handlers, serve_until_exit
-from grserve.server.metrics import Metrics
-from grserve.server.ranking_routes import RankingLimits, build_router
+from grserve.server.core import serve_until_exit
+from grserve.server.ranking_app import create_ranking_app
 
 RANKING_DTYPES = ("float16", "float32", "bfloat16")  # choices on the command line
-
-
-def create_ranking_app(engine: Any, limits: RankingLimits | None = None, metrics: Metrics | None = None) -> FastAPI:
-    metrics = metrics if metrics is not None else Metrics()
-    metrics.bind_queue_depth(lambda: engine.queue_depth)
-    engine.on_batch = metrics.on_batch
-    app = FastAPI(title="grserve ranking", version="0.1.0",
-                  description="GR ranking with Bipartite Attention (BAT): user + candidates in, ranked candidates out.")
-    app.state.engine = engine
-    app.add_middleware(_MetricsMiddleware, metrics=metrics)
-
-    install_error_handlers(app, groups=("user", "candidates"))
-    app.include_router(build_router(engine, limits))
-
-    @app.get("/health")
-    async def health() -> Any:
-        r = engine.runner
-        return {"status": "ok", "policy": r.policy.name, "users": r.registry.num_users,
-                "items": r.registry.num_items, "queue_depth": engine.queue_depth,
-                "vocab_size": r.registry.vocab_size}
-
-    @app.get("/metrics")
-    async def metrics_route() -> Response:
-        payload, content_type = metrics.render()
-        return Response(content=payload, media_type=content_type)
-
-    return app
 
 
 def parse_args(argv):

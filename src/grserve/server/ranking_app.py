@@ -1,0 +1,26 @@
+"""The BAT ranking app: the ranking routes (``ranking_routes.py``) on the server core's app (house errors,
+metrics, ``/health`` with the prefix policy and registry sizes, ``/metrics``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+
+from grserve.config import RankingLimits
+from grserve.server.core import new_app
+from grserve.server.metrics import Metrics
+from grserve.server.ranking_routes import build_router
+
+
+def create_ranking_app(engine: Any, limits: RankingLimits | None = None, metrics: Metrics | None = None) -> FastAPI:
+    """The ranking app around a started (or to-be-started) ``RankingEngine``; the caller owns start/stop."""
+    runner = engine.runner
+    app = new_app(engine, metrics, title="grserve ranking",
+                  description="GR ranking with Bipartite Attention (BAT): user + candidates in, ranked candidates out.",
+                  groups=("user", "candidates"),
+                  detail=lambda: {"policy": runner.policy.name, "users": runner.registry.num_users,
+                                  "items": runner.registry.num_items, "vocab_size": runner.registry.vocab_size})
+    engine.on_batch = app.state.metrics.on_batch
+    app.include_router(build_router(engine, limits or RankingLimits()))
+    return app
