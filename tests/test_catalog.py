@@ -283,3 +283,37 @@ def test_store_replace_and_snapshots(tmp_path):
     assert store.version == 2 and store.current() is new
     save_catalog(new, tmp_path / "n.grcat")
     assert store.load(tmp_path / "n.grcat") == 3 and len(store.current()) == 2000
+
+
+# --- declared layouts (codebook sizes / token offset carried by the file) ---------------------------------
+
+def test_text_formats_declare_their_layout(tmp_path):
+    """A file that declares its codebook sizes loads with them even when its codes do not reach the top of each
+    codebook (inference would shrink the layout and shift every SID token of the later levels)."""
+    jl = _write(tmp_path, "d.jsonl", '{"codebook_sizes": [8, 8, 8], "token_offset": 16}\n'
+                                     '{"item_id": 7, "sid": [2, 0, 5]}\n{"item_id": -3, "sid": [0, 4, 1]}\n')
+    cv = _write(tmp_path, "d.csv", "# written by a tool\n# codebook_sizes=8,8,8\n# token_offset=16\n"
+                                   "item_id,c1,c2,c3\n7,2,0,5\n-3,0,4,1\n")
+    for p in (jl, cv):
+        cat = load_catalog(p)
+        assert cat.codebook_sizes == (8, 8, 8) and cat.layout.token_offset == 16
+        assert load_catalog(p, token_offset=16).layout == cat.layout  # agreeing caller values are fine
+        with pytest.raises(CatalogError, match="differ"):
+            load_catalog(p, codebook_sizes=(3, 5, 6))
+        with pytest.raises(CatalogError, match="token_offset 16 differs"):
+            load_catalog(p, token_offset=20)
+    bad = _write(tmp_path, "e.csv", "# codebook_sizes=8,8,8\nitem_id,sid\n1,0-0-0\n2,0-9-0\n")
+    with pytest.raises(CatalogError, match="line 4: code 9 at level 1"):  # line numbers count the comments
+        load_catalog(bad)
+    with pytest.raises(CatalogError, match="line 1"):
+        load_catalog(_write(tmp_path, "f.jsonl", '{"codebook_sizes": "8,8"}\n{"item_id": 1, "sid": [0]}\n'))
+    with pytest.raises(CatalogError, match="levels"):
+        load_catalog(_write(tmp_path, "g.jsonl", '{"codebook_sizes": [8, 8]}\n{"item_id": 1, "sid": [0, 0, 0]}\n'))
+
+
+@pytest.mark.parametrize("name", ["s.jsonl", "s.csv", "s.grcat"])
+def test_save_declares_layout_so_a_roundtrip_keeps_it(tmp_path, name):
+    cat = Catalog.from_arrays([1, 2], [[0, 1], [2, 0]], (16, 16), token_offset=20)  # codes far below 16
+    save_catalog(cat, tmp_path / name)
+    back = load_catalog(tmp_path / name)
+    assert back.layout == cat.layout and np.array_equal(back.sids, cat.sids)

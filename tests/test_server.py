@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
+import random
+import string
 import sys
 import types
 
@@ -12,15 +16,11 @@ from fastapi.testclient import TestClient
 from grserve.catalog import CatalogStore, generate_catalog, save_catalog
 from grserve.cli import main as cli_main
 from grserve.config import SchedulerConfig, SearchConfig, ServerConfig
+from grserve.engine.protocol import EngineHealth, EngineOverloaded, EngineStopped, RequestHandle
 from grserve.engine.types import RetrievalRequest, RetrievalResult, RetrievedItem
-from grserve.server.app import create_app, field_path
+from grserve.server.core import field_path
 from grserve.server.metrics import Metrics
-
-try:  # the real exception type when the engine exists; the server matches it by name either way
-    from grserve.engine.engine import EngineOverloaded
-except Exception:  # noqa: BLE001
-    class EngineOverloaded(RuntimeError):  # type: ignore[no-redef]
-        pass
+from grserve.server.retrieval_app import create_app
 
 
 DEPTH, CODEBOOK, OFFSET, VOCAB = 3, 8, 16, 64  # SID tokens occupy [16, 40)
@@ -28,15 +28,18 @@ N_ITEMS = 200
 
 
 class FakeEngine:
-    """Same surface as RetrievalEngine; answers with the first top_n catalog items, scores 0, -1, -2, ..."""
+    """The Engine protocol with RetrievalEngine's extras (catalogs, search, vocab_size); answers at once with the
+    first top_n catalog items, scores 0, -1, -2, ... ("hang": never answers, until cancelled)."""
 
     def __init__(self, catalog, vocab_size: int = VOCAB, search: SearchConfig | None = None) -> None:
         self.catalogs = CatalogStore(catalog, vocab_size=vocab_size)
         self.vocab_size = vocab_size
         self.search = search or SearchConfig(beam_width=16, max_beam_width=64)
         self.scheduler = SchedulerConfig()
-        self.mode = "ok"  # "ok" | "overload" | "error"
+        self.mode = "ok"  # "ok" | "overload" | "stopped" | "error" | "hang"
         self.requests: list[RetrievalRequest] = []
+        self.cancelled: list[str] = []
+        self.handles: dict[str, RequestHandle] = {}
         self.started = self.stopped = False
         self._depth = 0
 
@@ -46,25 +49,50 @@ class FakeEngine:
         eng.on_batch = on_batch
         return eng
 
-    def start(self) -> None:
+    def start(self) -> FakeEngine:
         self.started = True
+        return self
 
     def stop(self) -> None:
         self.stopped = True
+
+    def drain(self, timeout_s=None) -> bool:
+        return True
 
     @property
     def queue_depth(self) -> int:
         return self._depth
 
-    def submit(self, req):  # pragma: no cover - the server uses recommend()
-        raise NotImplementedError
+    def health(self) -> EngineHealth:
+        return EngineHealth("ok", self._depth, len(self.handles))
 
-    async def recommend(self, req: RetrievalRequest) -> RetrievalResult:
+    def stats(self) -> dict:
+        return {"requests": len(self.requests)}
+
+    def cancel(self, request_id: str) -> bool:
+        handle = self.handles.pop(request_id, None)
+        self.cancelled.append(request_id)
+        if handle is None:
+            return False
+        handle.future.cancel()
+        return True
+
+    def submit(self, req: RetrievalRequest) -> RequestHandle:
         self.requests.append(req)
         if self.mode == "overload":
             raise EngineOverloaded("queue full (4096 waiting)")
+        if self.mode == "stopped":
+            raise EngineStopped("draining")
+        handle: RequestHandle = RequestHandle(req.request_id, on_cancel=self.cancel)
         if self.mode == "error":
-            raise RuntimeError("kaboom")
+            handle.future.set_exception(RuntimeError("kaboom"))
+        elif self.mode == "hang":
+            self.handles[req.request_id] = handle
+        else:
+            handle.future.set_result(self.answer(req))
+        return handle
+
+    def answer(self, req: RetrievalRequest) -> RetrievalResult:
         cat = self.catalogs.current()
         n = min(req.top_n, len(cat))
         items = [RetrievedItem(int(cat.item_ids[i]), tuple(int(c) for c in cat.sids[i]), -float(i)) for i in range(n)]
@@ -156,31 +184,31 @@ BAD_REQUESTS = [
     ("no-history", {"top_n": 3}, 422, "history", "history_missing"),
     ("no-history-nulls", {"history_items": None}, 422, "history", "history_missing"),
     ("two-histories", {"history_items": [1], "history_tokens": [1]}, 422, "history", "history_ambiguous"),
-    ("empty-items", {"history_items": []}, 422, "history_items", "too_short"),
-    ("empty-sids", {"history_sids": []}, 422, "history_sids", "too_short"),
-    ("empty-tokens", {"history_tokens": []}, 422, "history_tokens", "too_short"),
-    ("unknown-items", {"history_items": [1, 5000, 2, 7000]}, 422, "history_items[1]", "unknown_items"),
-    ("negative-item", {"history_items": [-3]}, 422, "history_items[0]", "unknown_items"),
-    ("huge-item", {"history_items": [1, 2 ** 70]}, 422, "history_items[1]", "unknown_items"),
-    ("sid-short", {"history_sids": [[1, 2, 3], [1, 2]]}, 422, "history_sids[1]", "wrong_depth"),
-    ("sid-long", {"history_sids": [[1, 2, 3, 4]]}, 422, "history_sids[0]", "wrong_depth"),
-    ("sid-empty", {"history_sids": [[]]}, 422, "history_sids[0]", "wrong_depth"),
-    ("sid-code-high", {"history_sids": [[0, 0, 0], [1, 8, 0]]}, 422, "history_sids[1][1]", "out_of_range"),
-    ("sid-code-neg", {"history_sids": [[0, 0, -1]]}, 422, "history_sids[0][2]", "out_of_range"),
-    ("sid-code-huge", {"history_sids": [[2 ** 80, 0, 0]]}, 422, "history_sids[0][0]", "out_of_range"),
-    ("token-high", {"history_tokens": [5, 64]}, 422, "history_tokens[1]", "out_of_range"),
-    ("token-neg", {"history_tokens": [-1, 5]}, 422, "history_tokens[0]", "out_of_range"),
-    ("token-huge", {"history_tokens": [3, 2 ** 90]}, 422, "history_tokens[1]", "out_of_range"),
+    ("empty-items", {"history_items": []}, 400, "history_items", "too_short"),
+    ("empty-sids", {"history_sids": []}, 400, "history_sids", "too_short"),
+    ("empty-tokens", {"history_tokens": []}, 400, "history_tokens", "too_short"),
+    ("unknown-items", {"history_items": [1, 5000, 2, 7000]}, 404, "history_items[1]", "unknown_items"),
+    ("negative-item", {"history_items": [-3]}, 404, "history_items[0]", "unknown_items"),
+    ("huge-item", {"history_items": [1, 2 ** 70]}, 404, "history_items[1]", "unknown_items"),
+    ("sid-short", {"history_sids": [[1, 2, 3], [1, 2]]}, 400, "history_sids[1]", "wrong_depth"),
+    ("sid-long", {"history_sids": [[1, 2, 3, 4]]}, 400, "history_sids[0]", "wrong_depth"),
+    ("sid-empty", {"history_sids": [[]]}, 400, "history_sids[0]", "wrong_depth"),
+    ("sid-code-high", {"history_sids": [[0, 0, 0], [1, 8, 0]]}, 400, "history_sids[1][1]", "out_of_range"),
+    ("sid-code-neg", {"history_sids": [[0, 0, -1]]}, 400, "history_sids[0][2]", "out_of_range"),
+    ("sid-code-huge", {"history_sids": [[2 ** 80, 0, 0]]}, 400, "history_sids[0][0]", "out_of_range"),
+    ("token-high", {"history_tokens": [5, 64]}, 400, "history_tokens[1]", "out_of_range"),
+    ("token-neg", {"history_tokens": [-1, 5]}, 400, "history_tokens[0]", "out_of_range"),
+    ("token-huge", {"history_tokens": [3, 2 ** 90]}, 400, "history_tokens[1]", "out_of_range"),
     ("too-long-tokens", {"history_tokens": [1] * 31}, 413, "history_tokens", "prompt_too_long"),
     ("too-long-items", {"history_items": [0] * 11}, 413, "history_items", "prompt_too_long"),
     ("too-long-sids", {"history_sids": [[0, 0, 0]] * 11}, 413, "history_sids", "prompt_too_long"),
-    ("beam-zero", {"history_tokens": [1], "beam_width": 0}, 422, "beam_width", "greater_than_equal"),
-    ("beam-neg", {"history_tokens": [1], "beam_width": -5}, 422, "beam_width", "greater_than_equal"),
-    ("beam-too-big", {"history_tokens": [1], "beam_width": 65}, 422, "beam_width", "out_of_range"),
-    ("top-n-zero", {"history_tokens": [1], "top_n": 0}, 422, "top_n", "greater_than_equal"),
-    ("top-n-over-beam", {"history_tokens": [1], "beam_width": 4, "top_n": 5}, 422, "top_n", "out_of_range"),
-    ("top-n-over-default-beam", {"history_tokens": [1], "top_n": 17}, 422, "top_n", "out_of_range"),
-    ("top-n-over-server-max", {"history_tokens": [1], "beam_width": 64, "top_n": 13}, 422, "top_n",
+    ("beam-zero", {"history_tokens": [1], "beam_width": 0}, 400, "beam_width", "greater_than_equal"),
+    ("beam-neg", {"history_tokens": [1], "beam_width": -5}, 400, "beam_width", "greater_than_equal"),
+    ("beam-too-big", {"history_tokens": [1], "beam_width": 65}, 400, "beam_width", "out_of_range"),
+    ("top-n-zero", {"history_tokens": [1], "top_n": 0}, 400, "top_n", "greater_than_equal"),
+    ("top-n-over-beam", {"history_tokens": [1], "beam_width": 4, "top_n": 5}, 400, "top_n", "out_of_range"),
+    ("top-n-over-default-beam", {"history_tokens": [1], "top_n": 17}, 400, "top_n", "out_of_range"),
+    ("top-n-over-server-max", {"history_tokens": [1], "beam_width": 64, "top_n": 13}, 400, "top_n",
      "out_of_range"),
     ("items-str", {"history_items": [1, "2"]}, 422, "history_items[1]", "int_type"),
     ("items-float", {"history_items": [1.0]}, 422, "history_items[0]", "int_type"),
@@ -192,7 +220,7 @@ BAD_REQUESTS = [
     ("beam-str", {"history_tokens": [1], "beam_width": "8"}, 422, "beam_width", "int_type"),
     ("top-n-float", {"history_tokens": [1], "top_n": 2.5}, 422, "top_n", "int_type"),
     ("request-id-int", {"history_tokens": [1], "request_id": 5}, 422, "request_id", "string_type"),
-    ("request-id-empty", {"history_tokens": [1], "request_id": ""}, 422, "request_id", "string_too_short"),
+    ("request-id-empty", {"history_tokens": [1], "request_id": ""}, 400, "request_id", "string_too_short"),
     ("unknown-field", {"history_item": [1]}, 422, "history_item", "extra_forbidden"),
     ("body-list", [1, 2], 422, None, "model_attributes_type"),
     ("body-str", "hello", 422, None, "model_attributes_type"),
@@ -208,13 +236,13 @@ def test_bad_request_errors(client, engine, body, status, field, type_):
 
 
 def test_unknown_item_message_lists_ids(client):
-    err = _err(client.post("/v1/recommend", json={"history_items": [1, 5000, 2, 7000, 5000]}), 422,
+    err = _err(client.post("/v1/recommend", json={"history_items": [1, 5000, 2, 7000, 5000]}), 404,
                "history_items[1]", "unknown_items")
     assert "5000" in err["message"] and "7000" in err["message"] and "2 unknown" in err["message"]
 
 
 def test_sid_error_message_names_level_range(client):
-    err = _err(client.post("/v1/recommend", json={"history_sids": [[0, 9, 0]]}), 422, "history_sids[0][1]")
+    err = _err(client.post("/v1/recommend", json={"history_sids": [[0, 9, 0]]}), 400, "history_sids[0][1]")
     assert "[0, 8)" in err["message"]
 
 
@@ -255,6 +283,52 @@ def test_overload_is_503_then_recovers(client, engine):
     assert client.post("/v1/recommend", json={"history_tokens": [1]}).status_code == 200
 
 
+def test_stopping_engine_is_503(client, engine):
+    engine.mode = "stopped"
+    r = client.post("/v1/recommend", json={"history_tokens": [1]})
+    _err(r, 503, None, "stopped")
+    assert r.headers["retry-after"] == "1"
+
+
+def test_client_disconnect_cancels_the_request(engine, metrics):
+    """A client that leaves before its answer has its request cancelled in the engine (its resources freed);
+    the metrics record 499. Driven as raw ASGI: the body, then a disconnect while the engine still works."""
+    app = create_app(engine, ServerConfig(), metrics)
+    engine.mode = "hang"
+    body = json.dumps({"history_tokens": [1, 2], "request_id": "gone-1"}).encode()
+    inbox = [{"type": "http.request", "body": body, "more_body": False}]
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        if inbox:
+            return inbox.pop(0)
+        await asyncio.sleep(0.05)  # the client leaves while the engine works
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/recommend", "raw_path": b"/v1/recommend",
+             "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
+    asyncio.run(asyncio.wait_for(app(scope, receive, send), 10))
+    assert engine.cancelled == ["gone-1"] and engine.handles == {}
+    assert sent[0]["status"] == 499
+    assert 'grserve_requests_total{route="/v1/recommend",status="499"} 1.0' in metrics.render()[0].decode()
+
+
+def test_unknown_paths_share_one_metrics_label(client, metrics):
+    """The request counter is labelled by route template: random unknown paths add no label values."""
+    rng = random.Random(0)
+    paths = ["/" + "".join(rng.choices(string.ascii_lowercase, k=12)) for _ in range(20)]
+    for path in paths:
+        _err(client.get(path), 404, None, "not_found")
+    text = metrics.render()[0].decode()
+    assert 'grserve_requests_total{route="unmatched",status="404"} 20.0' in text
+    assert not any(path in text for path in paths)
+
+
 def test_engine_exception_is_500_then_recovers(client, engine):
     engine.mode = "error"
     for _ in range(3):
@@ -283,9 +357,12 @@ def test_health(client, engine):
     engine._depth = 7
     r = client.get("/health")
     assert r.status_code == 200
-    assert r.json() == {"status": "ok", "queue_depth": 7, "vocab_size": VOCAB,
+    assert r.json() == {"status": "ok", "queue_depth": 7, "running": 0, "vocab_size": VOCAB,
                         "catalog": {"num_items": N_ITEMS, "version": 1, "depth": DEPTH,
                                     "codebook_sizes": [CODEBOOK] * DEPTH}}
+    engine.health = lambda: EngineHealth("draining", 0, 2)
+    r = client.get("/health")  # not taking requests: a load balancer must see it
+    assert r.status_code == 503 and r.json()["status"] == "draining" and r.json()["running"] == 2
 
 
 def test_metrics_after_requests(client, engine, metrics):
@@ -299,7 +376,7 @@ def test_metrics_after_requests(client, engine, metrics):
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     text = r.text
     assert 'grserve_requests_total{route="/v1/recommend",status="200"} 2.0' in text
-    assert 'grserve_requests_total{route="/v1/recommend",status="422"} 1.0' in text
+    assert 'grserve_requests_total{route="/v1/recommend",status="400"} 1.0' in text
     assert 'grserve_requests_total{route="unmatched",status="404"} 1.0' in text
     assert 'grserve_request_latency_seconds_bucket{le="0.001",route="/v1/recommend"}' in text
     assert 'grserve_request_latency_seconds_count{route="/v1/recommend"} 3.0' in text
@@ -357,8 +434,13 @@ def test_catalog_reload_bad_files_keep_old_catalog(client, engine, tmp_path):
     assert "line 1" in _err(client.post("/v1/catalog", json={"path": str(garbage)}), 400, "path")["message"]
 
     out_of_layout = tmp_path / "wide.jsonl"
-    out_of_layout.write_text('{"item_id": 1, "sid": [0, 0, 9]}\n')  # code 9 in a codebook of 8
-    _err(client.post("/v1/catalog", json={"path": str(out_of_layout)}), 400, "path")
+    out_of_layout.write_text('{"codebook_sizes": [8, 8, 8]}\n{"item_id": 1, "sid": [0, 0, 9]}\n')  # 9 of 8 codes
+    assert "code 9" in _err(client.post("/v1/catalog", json={"path": str(out_of_layout)}), 400, "path",
+                            "catalog_load_failed")["message"]
+    inferred = tmp_path / "inferred.jsonl"  # no declared layout: sizes inferred as (1, 1, 10), not the served one
+    inferred.write_text('{"item_id": 1, "sid": [0, 0, 9]}\n')
+    err = _err(client.post("/v1/catalog", json={"path": str(inferred)}), 400, "path", "catalog_incompatible")
+    assert "[1, 1, 10]" in err["message"] and "[8, 8, 8]" in err["message"]
 
     deeper = tmp_path / "deep.grcat"
     save_catalog(generate_catalog(50, 4, CODEBOOK, 0, OFFSET), deeper)
@@ -382,7 +464,7 @@ def test_catalog_reload_vocab_too_small(catalog, tmp_path):
     path = tmp_path / "big.jsonl"
     save_catalog(generate_catalog(50, DEPTH, CODEBOOK, 1, OFFSET), path)
     assert client.post("/v1/catalog", json={"path": str(path)}).status_code == 200  # same layout fits
-    err = _err(client.post("/v1/recommend", json={"history_tokens": [40]}), 422, "history_tokens[0]")
+    err = _err(client.post("/v1/recommend", json={"history_tokens": [40]}), 400, "history_tokens[0]")
     assert "[0, 40)" in err["message"]
 
 
@@ -392,14 +474,14 @@ def test_in_flight_conversion_uses_one_snapshot(client, engine, catalog, tmp_pat
     save_catalog(generate_catalog(100, DEPTH, CODEBOOK, 3, OFFSET), path)
     ids = [int(catalog.item_ids[0])]
     seen = {}
-    real = engine.recommend
+    real = engine.submit
 
-    async def swap_then_answer(req):
+    def swap_then_answer(req):
         seen["tokens"] = req.prompt_tokens.tolist()
         engine.catalogs.load(path)  # the swap happens while this request is in flight
-        return await real(req)
+        return real(req)
 
-    engine.recommend = swap_then_answer
+    engine.submit = swap_then_answer
     r = client.post("/v1/recommend", json={"history_items": ids, "top_n": 1})
     assert r.status_code == 200 and r.json()["catalog_version"] == 2
     assert seen["tokens"] == catalog.layout.sids_to_tokens(catalog.sids_of_items(np.array(ids))).tolist()
@@ -492,7 +574,7 @@ def test_serve_until_exit_stops_the_engine_and_passes_uvicorns_exit_code(monkeyp
     cannot bind; the engine is stopped either way."""
     import uvicorn
 
-    from grserve.server.app import serve_until_exit
+    from grserve.server.core import serve_until_exit
 
     stopped = []
 
@@ -577,8 +659,8 @@ def test_real_engine_end_to_end(tmp_path):
             assert scores == sorted(scores, reverse=True)
             answers.append([it["item_id"] for it in out["items"]])
         assert answers[0] == answers[1] == answers[2]  # three spellings of the same history
-        _err(client.post("/v1/recommend", json={"history_sids": [[0, 16, 0]]}), 422, "history_sids[0][1]")
-        _err(client.post("/v1/recommend", json={"history_tokens": [engine.vocab_size]}), 422, "history_tokens[0]")
+        _err(client.post("/v1/recommend", json={"history_sids": [[0, 16, 0]]}), 400, "history_sids[0][1]")
+        _err(client.post("/v1/recommend", json={"history_tokens": [engine.vocab_size]}), 400, "history_tokens[0]")
 
         path = tmp_path / "v2.grcat"
         save_catalog(generate_catalog(300, 3, 16, 9), path)

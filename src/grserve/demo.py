@@ -73,7 +73,7 @@ def _serving(cfg: Any, console: Any) -> Iterator[tuple[_Http, Any, dict]]:
     import uvicorn
 
     from grserve.engine.engine import RetrievalEngine
-    from grserve.server.app import create_app
+    from grserve.server.retrieval_app import create_app
     from grserve.server.metrics import Metrics
 
     metrics = Metrics()

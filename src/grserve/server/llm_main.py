@@ -48,7 +48,7 @@ def run(cfg: LLMServeConfig) -> int:
     check_model(cfg.model)
 
     from grserve.engine.llm import EngineLoop
-    from grserve.server.app import serve_until_exit
+    from grserve.server.core import serve_until_exit
     from grserve.server.llm_app import build_app
 
     try:

@@ -1,4 +1,12 @@
-"""Prometheus metrics. Each ``Metrics`` owns its own registry, so many apps can live in one process (tests)."""
+"""Prometheus metrics of every grserve server. Each ``Metrics`` owns its own registry, so many apps can live in
+one process (tests).
+
+All modes: ``grserve_requests_total{route,status}`` and ``grserve_request_latency_seconds{route}`` (route
+templates only; "unmatched" for unknown paths), ``grserve_queue_depth``. Retrieval/ranking: the batch
+histograms (``on_batch``) and ``grserve_items_returned``. LLM (``bind_llm_stats``): ``grserve_llm_running``,
+``_waiting``, ``_free_blocks``, ``_preemptions``, ``_prefix_hit_tokens``, ``_prefill_tokens``, read from the
+engine's ``stats()`` at scrape time.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +19,22 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 BATCH_TOKEN_BUCKETS = (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 ITEMS_BUCKETS = (0, 1, 5, 10, 20, 50, 100, 200, 500, 1000)
+LLM_GAUGES = (  # engine.stats() key → help; exported as grserve_llm_<key>
+    ("running", "Requests holding cache blocks."),
+    ("waiting", "Requests waiting (new or preempted)."),
+    ("free_blocks", "Free blocks in the unified pool."),
+    ("preemptions", "Preemptions so far (recompute)."),
+    ("prefix_hit_tokens", "Prompt tokens copied from the prefix cache instead of computed."),
+    ("prefill_tokens", "Prompt tokens computed."),
+)
+
+
+def _read(fn: Callable[[], float]) -> float:
+    """A scrape must never fail because the engine is shutting down: NaN instead."""
+    try:
+        return float(fn())
+    except Exception:  # noqa: BLE001
+        return float("nan")
 
 
 class Metrics:
@@ -34,8 +58,9 @@ class Metrics:
         self.items_returned = Histogram(
             "grserve_items_returned", "Items returned per successful recommendation.",
             buckets=ITEMS_BUCKETS, registry=self.registry)
-        self._queue_depth_fn: Callable[[], int] | None = None
-        self.queue_depth.set_function(self._read_queue_depth)
+        self._queue_depth_fn: Callable[[], int] = lambda: 0
+        self.queue_depth.set_function(lambda: _read(self._queue_depth_fn))
+        self._llm_stats: Callable[[], dict] | None = None
         if queue_depth is not None:
             self.bind_queue_depth(queue_depth)
 
@@ -44,14 +69,14 @@ class Metrics:
         """Read the queue depth from ``fn`` at every scrape (the engine is usually built after the metrics)."""
         self._queue_depth_fn = fn
 
-    def _read_queue_depth(self) -> float:
-        fn = self._queue_depth_fn
-        if fn is None:
-            return 0.0
-        try:
-            return float(fn())
-        except Exception:  # a scrape must never fail because the engine is shutting down
-            return float("nan")
+    def bind_llm_stats(self, stats: Callable[[], dict]) -> None:
+        """Export the LLM engine's gauges (``LLM_GAUGES``), read from ``stats()`` at every scrape."""
+        first = self._llm_stats is None
+        self._llm_stats = stats
+        if first:
+            for key, help_text in LLM_GAUGES:
+                Gauge(f"grserve_llm_{key}", help_text, registry=self.registry).set_function(
+                    lambda k=key: _read(lambda: self._llm_stats()[k]))  # type: ignore[misc]
 
     def on_batch(self, num_requests: int, num_tokens: int) -> None:
         """Engine callback, once per executed batch (called from the engine's threads; prometheus is thread-safe)."""

@@ -81,7 +81,7 @@ def run(cfg: RankingServeConfig) -> int:
     from grserve.engine.ranking import RankingEngine, RankingRunner
     from grserve.model import load_model
     from grserve.ranking.registry import RegistryError
-    from grserve.server.app import serve_until_exit
+    from grserve.server.core import serve_until_exit
     from grserve.server.ranking_app import create_ranking_app
 
     m = cfg.model

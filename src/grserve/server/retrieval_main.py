@@ -45,8 +45,9 @@ def run(cfg: ServeConfig) -> int:
     check_model(cfg.model)
 
     from grserve.engine.engine import RetrievalEngine
-    from grserve.server.app import create_app, serve_until_exit
+    from grserve.server.core import serve_until_exit
     from grserve.server.metrics import Metrics
+    from grserve.server.retrieval_app import create_app
 
     metrics = Metrics()
     try:

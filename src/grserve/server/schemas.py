@@ -1,8 +1,10 @@
-"""Wire types of the HTTP API (pydantic v2).
+"""Wire types of the house HTTP API (pydantic v2): retrieval (``/v1/recommend``, ``/v1/catalog``) and ranking
+(``/v1/rank``, ``/v1/users``, ``/v1/items``). The OpenAI API's types are in ``openai_schemas.py``.
 
 Numbers are strict: ``"5"``, ``5.0`` and ``true`` are rejected where an integer is expected, so a client bug
 shows up as a 422 naming the field instead of being silently coerced. Unknown top-level fields are rejected
-too (a typo such as ``history_item`` would otherwise look like a missing history).
+too (a typo such as ``history_item`` would otherwise look like a missing history). Range checks that pydantic
+does (``ge=1``, ``min_length=1``) answer 400, like every other bad value (``server/core.py``).
 """
 
 from __future__ import annotations
@@ -91,13 +93,6 @@ class CatalogReloadResponse(BaseModel):
     previous_version: int
 
 
-class HealthResponse(BaseModel):
-    status: str
-    catalog: CatalogInfo
-    queue_depth: int
-    vocab_size: int
-
-
 class ErrorDetail(BaseModel):
     message: str
     field: str | None = None  # e.g. "history_sids[3][1]"; None when the error is not about one field
@@ -106,3 +101,75 @@ class ErrorDetail(BaseModel):
 
 class ErrorBody(BaseModel):
     error: ErrorDetail
+
+
+# ---- ranking (BAT) ------------------------------------------------------------------------------------------
+class RankRequest(BaseModel):
+    """A user (``user_id`` of a registered user, or raw ``user_tokens``) and candidates (registered
+    ``candidates`` item ids, or raw ``candidate_tokens`` lists whose last token is the identifier token)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    user_id: StrictInt | None = None
+    user_tokens: list[StrictInt] | None = None
+    candidates: list[StrictInt] | None = None
+    candidate_tokens: list[list[StrictInt]] | None = None
+    top_k: Annotated[StrictInt, Field(ge=1)] = 10
+    request_id: Annotated[StrictStr, Field(min_length=1, max_length=128)] | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> "RankRequest":
+        for a, b, what in (("user_id", "user_tokens", "user"), ("candidates", "candidate_tokens", "candidates")):
+            given = [n for n in (a, b) if getattr(self, n) is not None]
+            if len(given) != 1:
+                raise PydanticCustomError(
+                    f"{what}_missing" if not given else f"{what}_ambiguous",
+                    "exactly one of {a}, {b} is required" if not given else "exactly one of {a}, {b} may be given",
+                    {"a": a, "b": b})
+        return self
+
+
+class RankedItem(BaseModel):
+    index: int  # position in the request's candidate list
+    item_id: int | None  # None for raw candidates
+    score: float  # softmax probability over the candidates
+
+
+class RankResponse(BaseModel):
+    request_id: str
+    items: list[RankedItem]  # best first
+    layout: str  # "user_prefix" | "item_prefix"
+    total_tokens: int
+    computed_tokens: int
+    cached_tokens: int
+    user_cache_hit: bool
+    batch_size: int
+    timing: Timing
+
+
+class UserIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    user_id: StrictInt
+    tokens: Annotated[list[StrictInt], Field(min_length=1)]
+
+
+class ItemIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    item_id: StrictInt
+    tokens: Annotated[list[StrictInt], Field(min_length=1)]  # the last token is the identifier token
+
+
+class UsersRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    users: Annotated[list[UserIn], Field(min_length=1)]
+
+
+class ItemsRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    items: Annotated[list[ItemIn], Field(min_length=1)]
+
+
+class RegisterResponse(BaseModel):
+    registered: int
+    replaced: int
+    total: int

@@ -1,0 +1,209 @@
+"""The GR retrieval app: ``POST /v1/recommend`` (a history in, the top items by SID beam search out) and the
+admin route ``POST /v1/catalog`` (hot catalog reload); ``/health`` and ``/metrics`` come from the server core.
+
+A history is given in one of three forms and laid out as prompt tokens here, against one catalog snapshot, so
+the engine receives valid ``RetrievalRequest``\\ s only. Errors: the house convention (``server/core.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any
+
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.concurrency import run_in_threadpool
+
+from grserve.config import ServerConfig
+from grserve.engine.types import RetrievalRequest, RetrievalResult
+from grserve.server.core import (
+    INT64_MAX,
+    INT64_MIN,
+    ApiError,
+    check_length,
+    int64_in_range,
+    new_app,
+    run_on_engine,
+    token_ids,
+    unknown_ids,
+)
+from grserve.server.metrics import Metrics
+from grserve.server.schemas import (
+    CatalogInfo,
+    CatalogReloadRequest,
+    CatalogReloadResponse,
+    ItemOut,
+    RecommendRequest,
+    RecommendResponse,
+    Timing,
+)
+
+log = logging.getLogger("grserve.server")
+_ERRORS: dict[int | str, dict[str, Any]] = {k: {} for k in (400, 404, 413, 415, 422, 500, 503)}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# history -> prompt tokens
+# ----------------------------------------------------------------------------------------------------------
+def _too_long(n_tokens: int, max_tokens: int, field: str) -> None:
+    check_length(n_tokens, max_tokens, field, "the history (laid out as prompt tokens)", "prompt_too_long")
+
+
+def items_to_tokens(catalog: Any, items: list[int], max_tokens: int) -> np.ndarray:
+    """Catalog item ids → their SIDs' tokens; 404 listing the ids the catalog does not know."""
+    _too_long(len(items) * catalog.depth, max_tokens, "history_items")
+    beyond = [k for k, v in enumerate(items) if not INT64_MIN <= v <= INT64_MAX]
+    if beyond:  # ids beyond int64 cannot be in the catalog
+        raise unknown_ids("history_items", items, beyond, "item id", "unknown_items")
+    ids = np.asarray(items, dtype=np.int64)
+    try:
+        sids = catalog.sids_of_items(ids)
+    except KeyError:
+        raise unknown_ids("history_items", items, _unknown_positions(catalog, ids), "item id",
+                          "unknown_items") from None
+    return catalog.layout.sids_to_tokens(np.asarray(sids, dtype=np.int64))
+
+
+def _unknown_positions(catalog: Any, ids: np.ndarray) -> list[int]:
+    """Positions in ``ids`` of the ids the catalog does not know (error path only: one lookup per distinct id)."""
+    unknown: set[int] = set()
+    for v in np.unique(ids).tolist():
+        try:
+            catalog.sids_of_items(np.asarray([v], dtype=np.int64))
+        except KeyError:
+            unknown.add(int(v))
+    return [k for k, v in enumerate(ids.tolist()) if v in unknown]
+
+
+def sids_to_tokens(catalog: Any, sids: list[list[int]], max_tokens: int) -> np.ndarray:
+    """SIDs → tokens; 400 for a SID of the wrong depth or a code outside its level's codebook."""
+    depth = int(catalog.depth)
+    sizes = tuple(int(c) for c in catalog.codebook_sizes)
+    for i, sid in enumerate(sids):
+        if len(sid) != depth:
+            raise ApiError(400, f"history_sids[{i}]: a SID has {depth} codes (catalog depth), got {len(sid)}",
+                           f"history_sids[{i}]", "wrong_depth")
+    _too_long(len(sids) * depth, max_tokens, "history_sids")
+    arr, bad = int64_in_range(sids, 0, np.asarray(sizes, dtype=np.int64))
+    if bad is not None:
+        i, j = bad
+        raise ApiError(400, f"history_sids[{i}][{j}]: code {sids[i][j]} is out of range for level {j} "
+                            f"[0, {sizes[j]})", f"history_sids[{i}][{j}]", "out_of_range")
+    return catalog.layout.sids_to_tokens(arr)
+
+
+def history_tokens(body: RecommendRequest, catalog: Any, vocab_size: int, max_tokens: int) -> np.ndarray:
+    """The request's history, whichever form it takes, as int64 prompt tokens inside the model vocabulary."""
+    kind = body.history_kind
+    if kind == "history_items":
+        prompt = items_to_tokens(catalog, body.history_items, max_tokens)  # type: ignore[arg-type]
+    elif kind == "history_sids":
+        prompt = sids_to_tokens(catalog, body.history_sids, max_tokens)  # type: ignore[arg-type]
+    else:
+        _too_long(len(body.history_tokens), max_tokens, "history_tokens")  # type: ignore[arg-type]
+        prompt = token_ids(body.history_tokens, vocab_size, "history_tokens")  # type: ignore[arg-type]
+    prompt = np.ascontiguousarray(prompt, dtype=np.int64).reshape(-1)
+    if prompt.size > 0 and int(prompt.max()) >= vocab_size:  # catalog layout vs model vocab
+        raise ApiError(400, f"{kind}: the history maps to token {int(prompt.max())}, outside the model "
+                            f"vocabulary of {vocab_size}", kind, "out_of_range")
+    return prompt
+
+
+def _search_knobs(body: RecommendRequest, search: Any, server_cfg: ServerConfig) -> int:
+    """The request's beam width (its own or the server default), range-checked with its top_n."""
+    beam_width = body.beam_width if body.beam_width is not None else int(search.beam_width)
+    if not 1 <= beam_width <= int(search.max_beam_width):
+        raise ApiError(400, f"beam_width: {beam_width} is out of range [1, {search.max_beam_width}]",
+                       "beam_width", "out_of_range")
+    max_top_n = min(beam_width, int(server_cfg.max_top_n))
+    if not 1 <= body.top_n <= max_top_n:
+        raise ApiError(400, f"top_n: {body.top_n} is out of range [1, {max_top_n}] (at most beam_width "
+                            f"{beam_width} and the server limit {server_cfg.max_top_n})", "top_n", "out_of_range")
+    return beam_width
+
+
+def catalog_info(catalog: Any) -> CatalogInfo:
+    return CatalogInfo(num_items=len(catalog), version=int(catalog.version), depth=int(catalog.depth),
+                       codebook_sizes=[int(c) for c in catalog.codebook_sizes])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# catalog reload
+# ----------------------------------------------------------------------------------------------------------
+def load_for_serving(path: str, served: Any, vocab_size: int) -> Any:
+    """Load a catalog file exactly as start-up does (``load_catalog``: the file's declared layout, else the
+    layout inferred from it; the served token offset) and check it fits the served model: same layout — depth,
+    codebook sizes, token offset — as the catalog being served, whose token ids the model was trained on."""
+    from grserve.catalog import load_catalog  # lazy: the server imports without the catalog package
+
+    try:
+        catalog = load_catalog(path, token_offset=int(served.layout.token_offset))
+    except (ValueError, KeyError, OSError) as exc:  # CatalogError is a ValueError
+        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
+        if isinstance(exc, OSError) and not str(exc):
+            message = f"cannot read {path}"
+        raise ApiError(400, f"cannot load catalog {path!r}: {message}", "path", "catalog_load_failed") from None
+    new, old = catalog.layout, served.layout
+    if (new.depth, new.codebook_sizes) != (old.depth, old.codebook_sizes):
+        raise ApiError(400, f"catalog {path!r} has depth {new.depth} and codebook sizes {list(new.codebook_sizes)}"
+                            f", the served model's layout is depth {old.depth}, codebook sizes "
+                            f"{list(old.codebook_sizes)} (declare the sizes in the file if they were inferred: "
+                            f"see 'grserve catalog')", "path", "catalog_incompatible")
+    if new.num_tokens > vocab_size:
+        raise ApiError(400, f"catalog {path!r} needs {new.num_tokens} SID tokens but the model vocabulary has "
+                            f"{vocab_size}", "path", "catalog_incompatible")
+    return catalog
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the app
+# ----------------------------------------------------------------------------------------------------------
+def create_app(engine: Any, server_cfg: ServerConfig, metrics: Metrics | None = None) -> FastAPI:
+    """The retrieval app around a started (or to-be-started) ``RetrievalEngine``; the caller owns start/stop."""
+    app = new_app(engine, metrics, title="grserve",
+                  description="Generative-recommender retrieval: history in, top items by SID beam search out.",
+                  groups=("history",), detail=lambda: {"catalog": catalog_info(engine.catalogs.current()).model_dump(),
+                                                       "vocab_size": int(engine.vocab_size)})
+    metrics = app.state.metrics
+    app.state.server_cfg = server_cfg
+
+    @app.post("/v1/recommend", response_model=RecommendResponse, responses=_ERRORS)
+    async def recommend(body: RecommendRequest, request: Request) -> Any:
+        t0 = time.perf_counter()
+        catalog = engine.catalogs.current()  # one snapshot for the whole conversion
+        beam_width = _search_knobs(body, engine.search, server_cfg)
+        prompt = history_tokens(body, catalog, int(engine.vocab_size), int(server_cfg.max_prompt_tokens))
+        kwargs = {"request_id": body.request_id} if body.request_id is not None else {}
+        req = RetrievalRequest(prompt_tokens=prompt, beam_width=beam_width, top_n=body.top_n, **kwargs)
+        result: RetrievalResult = await run_on_engine(request, engine, req)
+        items = [ItemOut(item_id=int(it.item_id), sid=[int(c) for c in it.sid],
+                         score=float(it.score) if math.isfinite(float(it.score)) else -1e30)
+                 for it in result.items]
+        metrics.observe_items(len(items))
+        return RecommendResponse(
+            request_id=result.request_id or req.request_id, items=items, beam_width=beam_width,
+            catalog_version=int(result.catalog_version),
+            timing=Timing(queue_ms=float(result.queue_ms), compute_ms=float(result.compute_ms),
+                          total_ms=(time.perf_counter() - t0) * 1000.0),
+            batch_size=int(result.batch_size))
+
+    @app.post("/v1/catalog", response_model=CatalogReloadResponse, responses=_ERRORS)
+    async def reload_catalog(body: CatalogReloadRequest) -> Any:
+        """Admin: load a catalog file and swap it in while serving (``load_for_serving``).
+
+        Requests already converted keep their snapshot; a file that fails to load or does not fit leaves the old
+        catalog serving. NOTE: this reads any path the server process can read; expose it only to trusted clients.
+        """
+        current = engine.catalogs.current()
+        previous = int(current.version)
+        catalog = await run_in_threadpool(load_for_serving, body.path, current, int(engine.vocab_size))
+        try:
+            engine.catalogs.replace(catalog)
+        except ValueError as exc:
+            raise ApiError(400, f"catalog {body.path!r} rejected: {exc}", "path", "catalog_incompatible") from None
+        log.info("catalog reloaded from %s: version %s -> %s", body.path, previous, engine.catalogs.current().version)
+        return CatalogReloadResponse(catalog=catalog_info(engine.catalogs.current()), previous_version=previous)
+
+    return app
