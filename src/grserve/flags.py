@@ -252,3 +252,12 @@ def command_parser(sub: Any, name: str, help: str, description: str | None = Non
     module's docstring (its reST ``literal`` quotes are dropped)."""
     return sub.add_parser(name, help=help, description=(description or help).replace("``", ""),
                           formatter_class=HelpFormatter)
+
+
+def config_command(sub: Any, name: str, help: str, cls: type, run: Callable[[Any], int],
+                   description: str | None = None) -> argparse.ArgumentParser:
+    """A subcommand whose flags are the fields of one config class and whose handler is ``run(cls(...flags))``."""
+    p = command_parser(sub, name, help, description)
+    add_flags(p, cls)
+    p.set_defaults(handler=lambda ns: run(from_args(cls, ns)))
+    return p

@@ -28,8 +28,7 @@ from tqdm import tqdm
 from grserve.bench import traces as T
 from grserve.eviction import AccessListOracle, NoisyPredictor, PredictorConfig, make_policy, simulate
 from grserve.eviction.predictor import LearnedPredictor
-from grserve.flags import Checked, add_flags, command_parser, comma_list, flag, fraction, from_args, non_negative, \
-    positive_int, split_commas
+from grserve.flags import Checked, comma_list, config_command, flag, fraction, non_negative, positive_int, split_commas
 
 LEARNED = ("fpb", "hf", "laru")
 
@@ -62,10 +61,8 @@ class CacheBenchConfig(Checked):
 
 
 def add_command(sub) -> None:
-    p = command_parser(sub, "cache", help="cache eviction hit rates (LRU, OPT, FPB, HF, LARU) on replayed traces",
-                       description=__doc__)
-    add_flags(p, CacheBenchConfig)
-    p.set_defaults(handler=lambda ns: run(from_args(CacheBenchConfig, ns)))
+    config_command(sub, "cache", help="cache eviction hit rates (LRU, OPT, FPB, HF, LARU) on replayed traces",
+                   cls=CacheBenchConfig, run=run, description=__doc__)
 
 
 @dataclass

@@ -26,8 +26,7 @@ import time
 from dataclasses import dataclass
 
 from grserve.config import RANKING_POLICIES, RankingConfig
-from grserve.flags import Checked, add_flags, command_parser, comma_list, flag, from_args, non_negative, positive, \
-    positive_int, split_commas
+from grserve.flags import Checked, comma_list, config_command, flag, non_negative, positive, positive_int, split_commas
 
 SYSTEMS = RANKING_POLICIES  # bat, user_prefix, item_prefix, greedy_size, recompute
 LABELS = {"bat": "BAT", "user_prefix": "UP", "item_prefix": "IP", "greedy_size": "greedy-by-size",
@@ -69,10 +68,9 @@ class RankingBenchConfig(Checked):
 
 
 def add_command(sub) -> None:
-    p = command_parser(sub, "ranking", help="BAT ranking throughput: hotness-aware prefix choice vs UP, IP, greedy, "
-                                            "recompute", description=__doc__)
-    add_flags(p, RankingBenchConfig)
-    p.set_defaults(handler=lambda ns: run(from_args(RankingBenchConfig, ns)))
+    config_command(sub, "ranking", help="BAT ranking throughput: hotness-aware prefix choice vs UP, IP, greedy, "
+                                        "recompute",
+                   cls=RankingBenchConfig, run=run, description=__doc__)
 
 
 def run(a: RankingBenchConfig) -> int:

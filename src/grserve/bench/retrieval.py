@@ -18,8 +18,16 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from grserve.config import DTYPES
-from grserve.flags import Checked, add_flags, command_parser, comma_list, device_name, flag, from_args, \
-    non_negative, positive_int, split_commas
+from grserve.flags import (
+    Checked,
+    comma_list,
+    config_command,
+    device_name,
+    flag,
+    non_negative,
+    positive_int,
+    split_commas,
+)
 
 if TYPE_CHECKING:
     from grserve.engine.engine import RetrievalEngine
@@ -52,10 +60,8 @@ class RetrievalBenchConfig(Checked):
 
 
 def add_command(sub) -> None:
-    p = command_parser(sub, "retrieval", help="GR retrieval throughput / latency / KV memory vs HF transformers",
-                       description=__doc__)
-    add_flags(p, RetrievalBenchConfig)
-    p.set_defaults(handler=lambda ns: run(from_args(RetrievalBenchConfig, ns)))
+    config_command(sub, "retrieval", help="GR retrieval throughput / latency / KV memory vs HF transformers",
+                   cls=RetrievalBenchConfig, run=run, description=__doc__)
 
 
 def pct(xs: list[float], q: float) -> float:

@@ -24,8 +24,7 @@ from pathlib import Path
 
 from grserve.bench.llm_workloads import DATASETS, attainment, effective_throughput, make_trace
 from grserve.config import LLM_SCHEDULERS, LLMConfig
-from grserve.flags import Checked, add_flags, command_parser, comma_list, flag, from_args, non_negative, positive, \
-    positive_int, split_commas
+from grserve.flags import Checked, comma_list, config_command, flag, non_negative, positive, positive_int, split_commas
 
 SYSTEMS = ("fcfs", "chunked", "aptserve")  # the default comparison; --systems can add "aptserve-kv"
 TABLE3 = {"sharegpt": (1.0, 1.0), "humaneval": (0.5, 0.5), "longbench": (4.0, 1.0)}
@@ -69,10 +68,9 @@ class ServeBenchConfig(Checked):
 
 
 def add_command(sub) -> None:
-    p = command_parser(sub, "serve", help="LLM serving: SLO attainment and effective throughput, FCFS vs chunked vs "
-                                          "Apt-Serve", description=__doc__)
-    add_flags(p, ServeBenchConfig)
-    p.set_defaults(handler=lambda ns: run(from_args(ServeBenchConfig, ns)))
+    config_command(sub, "serve", help="LLM serving: SLO attainment and effective throughput, FCFS vs chunked vs "
+                                      "Apt-Serve",
+                   cls=ServeBenchConfig, run=run, description=__doc__)
 
 
 def _refine(run_one, system: str, pts: list, steps: int, progress, level: float = 0.9) -> list:

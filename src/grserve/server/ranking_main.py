@@ -12,10 +12,15 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from grserve.config import ModelConfig, RankingConfig, RankingDataConfig, RankingLimits, RankingServeConfig, \
-    ServerConfig
-from grserve.flags import Checked, UsageError, add_flags, command_parser, flag, from_args, non_negative, \
-    split_commas
+from grserve.config import (
+    ModelConfig,
+    RankingConfig,
+    RankingDataConfig,
+    RankingLimits,
+    RankingServeConfig,
+    ServerConfig,
+)
+from grserve.flags import Checked, UsageError, add_flags, command_parser, flag, from_args, non_negative, split_commas
 from grserve.server.startup import check_model
 
 if TYPE_CHECKING:
