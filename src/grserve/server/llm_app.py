@@ -1,0 +1,29 @@
+"""The LLM app: the OpenAI-compatible routes (``openai_routes.py``) on the server core's app (OpenAI-shaped
+errors, the shared metrics with the LLM engine's gauges, ``/health`` with the pool state, ``/metrics``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+
+from grserve.server.core import new_app
+from grserve.server.metrics import Metrics
+from grserve.server.openai_routes import create_openai_router
+
+HEALTH_STATS = ("waiting", "free_blocks", "total_blocks")  # engine.stats() keys /health shows
+
+
+def create_llm_app(engine: Any, tokenizer: Any, model_name: str, max_model_len: int, vocab_size: int,
+                   metrics: Metrics | None = None) -> FastAPI:
+    """The LLM app around a started (or to-be-started) LLM engine; the caller owns start/stop."""
+
+    def detail() -> dict:
+        stats = engine.stats()
+        return {"model": model_name, **{k: stats[k] for k in HEALTH_STATS if k in stats}}
+
+    app = new_app(engine, metrics, title="grserve LLM", openai=True, detail=detail,
+                  description="An LLM behind an OpenAI-compatible API, on the hybrid-cache continuous-batching engine.")
+    app.state.metrics.bind_llm_stats(engine.stats)
+    app.include_router(create_openai_router(engine, tokenizer, model_name, max_model_len, vocab_size))
+    return app
