@@ -17,7 +17,7 @@ from grserve.engine.llm import EngineLoop, build_model_engine  # noqa: E402
 from grserve.engine.tokenizer import ByteTokenizer  # noqa: E402
 from grserve.model import ModelSpec, load_model  # noqa: E402
 from grserve.scheduler.aptserve import AptServeScheduler  # noqa: E402
-from grserve.server.llm_app import build_app  # noqa: E402
+from grserve.server.llm_app import create_llm_app  # noqa: E402
 
 SPEC = ModelSpec(family="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=4, head_dim=16, max_position_embeddings=1024)
@@ -34,7 +34,7 @@ def server(tmp_path_factory):
     eng = build_model_engine(model, AptServeScheduler(ttft_slo=10, tbt_slo=10, rho=1e-6), num_blocks=256,
                              block_size=8, eos_token_id=None, detokenize=tok.decode)
     loop = EngineLoop(eng).start()
-    app = build_app(loop, tok, "test-model", SPEC.max_position_embeddings, SPEC.vocab_size)
+    app = create_llm_app(loop, tok, "test-model", SPEC.max_position_embeddings, SPEC.vocab_size)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -10,16 +10,16 @@ import torch
 from fastapi.testclient import TestClient
 
 from grserve.attention.bipartite import reference_forward
+from grserve.cli import build_parser
+from grserve.cli import main as cli_main
+from grserve.config import RankingLimits
 from grserve.engine.ranking import RankingConfig, RankingEngine, RankingRunner
 from grserve.model import load_model
 from grserve.ranking.layouts import build_prompt
 from grserve.ranking.registry import synthetic_registry
 from grserve.ranking.scoring import score_candidates
-from grserve.cli import build_parser
-from grserve.cli import main as cli_main
 from grserve.server.ranking_app import create_ranking_app
 from grserve.server.ranking_main import config_from_args
-from grserve.server.ranking_routes import RankingLimits
 
 
 @pytest.fixture(scope="module")
@@ -76,18 +76,18 @@ def test_rank_raw_tokens_and_registration(setup):
 
 def test_rank_errors_name_the_field(setup):
     _, _, client = setup
-    _err(client.post("/v1/rank", json={"user_id": 12345, "candidates": [1]}), 422, "unknown_user", "user_id")
-    e = _err(client.post("/v1/rank", json={"user_id": 1, "candidates": [1, 777, 2, 888]}), 422, "unknown_items",
+    _err(client.post("/v1/rank", json={"user_id": 12345, "candidates": [1]}), 404, "unknown_user", "user_id")
+    e = _err(client.post("/v1/rank", json={"user_id": 1, "candidates": [1, 777, 2, 888]}), 404, "unknown_items",
              "candidates[1]")
     assert "777" in e["message"] and "888" in e["message"]
-    _err(client.post("/v1/rank", json={"user_id": 1, "candidates": []}), 422, "empty_candidates", "candidates")
+    _err(client.post("/v1/rank", json={"user_id": 1, "candidates": []}), 400, "empty_candidates", "candidates")
     _err(client.post("/v1/rank", json={"user_id": 1, "candidates": list(range(21))}), 413, "too_many_candidates",
          "candidates")
     _err(client.post("/v1/rank", json={"user_tokens": list(range(16, 117)), "candidates": [1]}), 413,
          "profile_too_long", "user_tokens")
-    _err(client.post("/v1/rank", json={"user_id": 1, "candidates": [3, 3]}), 422, "duplicate_candidates",
+    _err(client.post("/v1/rank", json={"user_id": 1, "candidates": [3, 3]}), 400, "duplicate_candidates",
          "candidates[1]")
-    _err(client.post("/v1/rank", json={"user_tokens": [1, 10**9], "candidates": [1]}), 422, "out_of_range",
+    _err(client.post("/v1/rank", json={"user_tokens": [1, 10**9], "candidates": [1]}), 400, "out_of_range",
          "user_tokens[1]")
     _err(client.post("/v1/rank", json={"candidates": [1]}), 422, "user_missing", "user")
     _err(client.post("/v1/rank", json={"user_id": 1, "user_tokens": [5], "candidates": [1]}), 422,
@@ -95,13 +95,14 @@ def test_rank_errors_name_the_field(setup):
     _err(client.post("/v1/rank", json={"user_id": "1", "candidates": [1]}), 422, "int_type", "user_id")
     _err(client.post("/v1/rank", content=b"{nope", headers={"content-type": "application/json"}), 400,
          "invalid_json")
-    _err(client.post("/v1/users", json={"users": [{"user_id": 5, "tokens": [-1]}]}), 422, "out_of_range",
+    _err(client.post("/v1/users", json={"users": [{"user_id": 5, "tokens": [-1]}]}), 400, "out_of_range",
          "users[0].tokens[0]")
     _err(client.post("/v1/items", json={"items": [{"item_id": 5, "tokens": list(range(17))}]}), 413,
          "item_too_long", "items[0].tokens")
     r = client.post("/v1/rank", json={"user_id": 0, "candidates": [1, 2]})  # still serving
     assert r.status_code == 200
     m = client.get("/metrics").text
+    assert 'grserve_requests_total{route="/v1/rank",status="404"}' in m
     assert 'grserve_requests_total{route="/v1/rank",status="422"}' in m
     assert client.get("/health").json()["status"] == "ok"
     assert client.get("/v1/ranking/stats").json()["requests"] >= 1

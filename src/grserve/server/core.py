@@ -3,8 +3,8 @@
 ``new_app`` builds an app around an engine (the ``Engine`` protocol of ``grserve.engine.protocol``): the error
 handlers of its API family, the metrics middleware (pure ASGI, so it sees every final status and hides nothing
 from the routes — a client disconnect included), ``GET /health`` (``engine.health()`` plus the app's detail;
-503 unless ``ok``) and ``GET /metrics``. ``run_on_engine`` submits one request and awaits its result, cancelling
-it when the client goes away. The validators turn user values into int64 arrays or a 4xx naming the field.
+503 unless ``ok``) and ``GET /metrics``. ``submit`` and ``finish`` take one request through the engine, cancelling it when
+the client goes away. The validators turn user values into int64 arrays or a 4xx naming the field.
 
 Error conventions — one per API family, each applied to every route of that family
 =====================================================================================
@@ -286,8 +286,10 @@ def new_app(engine: Any, metrics: Metrics | None, *, title: str, description: st
 # ----------------------------------------------------------------------------------------------------------
 # one request through the engine
 # ----------------------------------------------------------------------------------------------------------
-def submit(engine: Any, request: Any) -> RequestHandle:
-    """``engine.submit``; a full queue or a stopping engine is a 503 with ``Retry-After``."""
+def submit(engine: Any, request: Any, invalid_field: str | None = None) -> RequestHandle:
+    """``engine.submit``: a full queue or a stopping engine is a 503 with ``Retry-After``; a request the engine
+    can never serve (``ValueError``, e.g. an LLM prompt that never fits the KV pool) a 400 naming
+    ``invalid_field``."""
     try:
         return engine.submit(request)
     except EngineOverloaded as exc:
@@ -295,6 +297,8 @@ def submit(engine: Any, request: Any) -> RequestHandle:
                        "overloaded", {"Retry-After": "1"}) from None
     except EngineStopped as exc:
         raise _stopped(exc) from None
+    except ValueError as exc:
+        raise ApiError(400, str(exc), invalid_field, "invalid_value") from None
 
 
 def _stopped(exc: BaseException) -> ApiError:
@@ -310,10 +314,10 @@ async def _disconnect(request: Request) -> None:
             return
 
 
-async def until_done(request: Request, engine: Any, handle: RequestHandle, work: Awaitable[Any] | None = None) -> Any:
-    """Await ``work`` (default: the handle's result). If the client disconnects first — or this task is
-    cancelled — cancel the request in the engine, which frees what it holds, and raise ``ClientDisconnected``."""
-    task = asyncio.ensure_future(work if work is not None else handle.result())
+async def _first(request: Request, engine: Any, handle: RequestHandle, work: Awaitable[Any]) -> Any:
+    """Await ``work``; if the client disconnects first — or this task is cancelled — cancel the request in the
+    engine, which frees what it holds, and raise ``ClientDisconnected``."""
+    task = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(_disconnect(request))
     try:
         done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -330,13 +334,13 @@ async def until_done(request: Request, engine: Any, handle: RequestHandle, work:
     return task.result()
 
 
-async def run_on_engine(request: Request, engine: Any, req: Any, work: Callable[[RequestHandle], Awaitable[Any]]
-                        | None = None) -> Any:
-    """Submit ``req`` and await its result (or ``work(handle)``): 503 when refused or stopped, 500 (logged) when
-    the engine fails it, ``ClientDisconnected`` (request cancelled) when the client leaves first."""
-    handle = submit(engine, req)
+async def finish(request: Request, engine: Any, handle: RequestHandle,
+                 work: Awaitable[Any] | None = None) -> Any:
+    """Await a submitted request's result (or ``work``, e.g. collecting its events): 503 when the engine stops
+    before it is done, 500 (logged) when it fails, ``ClientDisconnected`` (request cancelled, resources freed)
+    when the client leaves first."""
     try:
-        return await until_done(request, engine, handle, work(handle) if work is not None else None)
+        return await _first(request, engine, handle, work if work is not None else handle.result())
     except (ApiError, ClientDisconnected):
         raise
     except (EngineStopped, RequestCancelled) as exc:

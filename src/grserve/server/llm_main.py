@@ -49,7 +49,7 @@ def run(cfg: LLMServeConfig) -> int:
 
     from grserve.engine.llm import EngineLoop
     from grserve.server.core import serve_until_exit
-    from grserve.server.llm_app import build_app
+    from grserve.server.llm_app import create_llm_app
 
     try:
         engine, tok, model = build_engine(cfg)
@@ -58,7 +58,7 @@ def run(cfg: LLMServeConfig) -> int:
     c, s = cfg.llm, cfg.server
     name = c.served_model_name or cfg.model.source
     loop = EngineLoop(engine).start()
-    app = build_app(loop, tok, name, model.spec.max_position_embeddings, model.spec.vocab_size)
+    app = create_llm_app(loop, tok, name, model.spec.max_position_embeddings, model.spec.vocab_size)
     pc = engine.prefix_cache
     prefix = (f", prefix cache {pc.capacity} tokens ({pc.bytes / 2**20:.0f} MiB, {c.prefix_cache_policy})"
               if pc is not None else "")

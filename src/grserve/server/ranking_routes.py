@@ -20,7 +20,7 @@ from fastapi.concurrency import run_in_threadpool
 from grserve.config import RankingLimits
 from grserve.engine.ranking import RankingRequest
 from grserve.ranking.registry import RegistryError
-from grserve.server.core import ApiError, check_length, run_on_engine, token_ids, unknown_ids
+from grserve.server.core import ApiError, check_length, finish, submit, token_ids, unknown_ids
 from grserve.server.schemas import (
     ItemsRequest,
     RankedItem,
@@ -110,7 +110,7 @@ def build_router(engine: Any, limits: RankingLimits) -> APIRouter:
     async def rank(body: RankRequest, request: Request) -> Any:
         t0 = time.perf_counter()
         req = rank_request(body, engine.registry, limits)
-        res = await run_on_engine(request, engine, req)
+        res = await finish(request, engine, submit(engine, req))
         ranked = [RankedItem(index=k, item_id=req.item_ids[k], score=s)  # type: ignore[index]
                   for k, s in zip(res.order, res.scores)]
         return RankResponse(

@@ -23,9 +23,10 @@ from grserve.server.core import (
     INT64_MIN,
     ApiError,
     check_length,
+    finish,
     int64_in_range,
     new_app,
-    run_on_engine,
+    submit,
     token_ids,
     unknown_ids,
 )
@@ -177,7 +178,7 @@ def create_app(engine: Any, server_cfg: ServerConfig, metrics: Metrics | None = 
         prompt = history_tokens(body, catalog, int(engine.vocab_size), int(server_cfg.max_prompt_tokens))
         kwargs = {"request_id": body.request_id} if body.request_id is not None else {}
         req = RetrievalRequest(prompt_tokens=prompt, beam_width=beam_width, top_n=body.top_n, **kwargs)
-        result: RetrievalResult = await run_on_engine(request, engine, req)
+        result: RetrievalResult = await finish(request, engine, submit(engine, req))
         items = [ItemOut(item_id=int(it.item_id), sid=[int(c) for c in it.sid],
                          score=float(it.score) if math.isfinite(float(it.score)) else -1e30)
                  for it in result.items]
