@@ -9,7 +9,7 @@ import torch
 
 from grserve.bench.llm_workloads import TraceItem, make_trace
 from grserve.engine.llm import LLMEngine, build_model_engine
-from grserve.engine.simulated import (
+from grserve.bench.simulator import (
     CostModel,
     SchedulerStalled,
     SimulatedExecutor,

