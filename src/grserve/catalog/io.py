@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import csv
-import hashlib
 import json
 import os
 import struct
@@ -12,12 +11,6 @@ from pathlib import Path
 import numpy as np
 
 from .catalog import Catalog, CatalogError
-
-
-def file_sha256(path: str | Path) -> str:
-    """SHA-256 of a file's bytes, hex (catalogs, downloaded data files)."""
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 MAGIC = b"GRCAT1"
 _HLEN = struct.Struct("<I")  # header length after the magic
