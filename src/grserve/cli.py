@@ -231,16 +231,16 @@ def _serve(args: argparse.Namespace) -> int:
 DELEGATED = {
     ("bench", "retrieval"): ("grserve.bench.retrieval", "GR retrieval throughput / latency / KV memory vs HF transformers"),
     ("bench", "cache"): ("grserve.bench.cache", "cache eviction hit rates (LRU, OPT, FPB, HF, LARU) on replayed traces"),
-    ("bench", "quality"): ("grserve.bench.quality", "Recall@10 / NDCG@10 of the served MovieLens model vs baselines"),
+    ("bench", "quality"): ("grserve.movielens.quality", "Recall@10 / NDCG@10 of the served MovieLens model vs baselines"),
     ("bench", "ranking"): ("grserve.bench.ranking", "BAT ranking throughput: hotness-aware prefix choice vs UP, IP, greedy, recompute"),
     ("serve", "ranking"): ("grserve.server.ranking_main", "serve GR ranking (BAT): POST /v1/rank"),
     ("bench", "serve"): ("grserve.bench.serve", "LLM serving: SLO attainment and effective throughput, FCFS vs chunked vs Apt-Serve"),
     ("serve", "llm"): ("grserve.server.llm_main", "serve an LLM with an OpenAI-compatible API (hybrid KV/hidden cache, Apt-Serve)"),
-    ("catalog", "build"): ("grserve.catalog.build", "build a SID catalog from item text (RQ-KMeans over embeddings)"),
+    ("catalog", "build"): ("grserve.movielens.build", "build a SID catalog from item text (RQ-KMeans over embeddings)"),
 }
 
 
-def _delegate(module_name: str, argv: list[str]) -> int:
+def _delegate(module_name: str, argv: list[str], group: str = "") -> int:
     import importlib
 
     try:
@@ -252,10 +252,25 @@ def _delegate(module_name: str, argv: list[str]) -> int:
         return 2
 
     try:
-        rc = module.main(argv)
+        rc = module.main(argv) if hasattr(module, "main") else _run_command(module, argv, group)
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     return int(rc or 0)
+
+
+def _run_command(module, argv: list[str], group: str) -> int:
+    """A module of the add_command/run convention, until this file is one argparse tree."""
+    from grserve.flags import ConfigError
+
+    parser = argparse.ArgumentParser(prog=f"grserve {group}")
+    sub = parser.add_subparsers()
+    module.add_command(sub)
+    (name,) = sub.choices
+    ns = parser.parse_args([name, *argv])
+    try:
+        return ns.handler(ns)
+    except ConfigError as exc:
+        sub.choices[name].error(str(exc))
 
 
 def _catalog_generate(args: argparse.Namespace) -> int:
@@ -294,7 +309,7 @@ def _catalog_validate(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) >= 2 and (argv[0], argv[1]) in DELEGATED:
-        return _delegate(DELEGATED[(argv[0], argv[1])][0], argv[2:])  # the rest belongs to that module's parser
+        return _delegate(DELEGATED[(argv[0], argv[1])][0], argv[2:], argv[0])  # the rest belongs to that module's parser
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

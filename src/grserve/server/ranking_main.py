@@ -17,7 +17,7 @@ from grserve.engine.ranking import RankingConfig, RankingEngine, RankingRunner
 from grserve.model import load_model
 from grserve.ranking.registry import RankingRegistry, RegistryError
 from grserve.ranking.workload import WorkloadSpec, generate_workload
-from grserve.scheduler.prefix_choice import POLICIES
+from grserve.scheduler.prefix_choice import PREFIX_POLICIES
 from grserve.server.core import serve_until_exit
 from grserve.server.ranking_app import create_ranking_app
 
@@ -32,7 +32,8 @@ def parse_args(argv):
     p.add_argument("--model", default="tiny", help="preset or HF-format directory (default: tiny)")
     p.add_argument("--dtype", default="float32", choices=sorted(RANKING_DTYPES))
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--policy", default="bat", choices=sorted(POLICIES), help="prefix-choice policy (default: bat)")
+    p.add_argument("--policy", default="bat", choices=sorted(PREFIX_POLICIES.names()),
+                   help="prefix-choice policy (default: bat)")
     p.add_argument("--user-cache-mb", type=float, default=64.0, help="user-prefix KV cache budget (MiB)")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--window-s", type=float, default=1800.0, help="user frequency window W (seconds)")
