@@ -58,20 +58,16 @@ def test_rejects_non_fp32_weights():
         ScreenedGreedyHead(torch.zeros(4, 4, dtype=torch.bfloat16))
 
 
-def test_engine_uses_it_only_for_all_greedy_passes():
+def test_engine_uses_it_only_for_all_greedy_passes(random_decoder):
     from grserve.engine.llm import build_model_engine
     from grserve.engine.sampling import SamplingParams
-    from grserve.model import Decoder, ModelSpec
+    from grserve.model import ModelSpec
     from grserve.scheduler.fcfs import FCFSScheduler
 
     spec = ModelSpec(family="qwen3", vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6, rope_theta=1e4,
                      tie_word_embeddings=True, attention_bias=False, qk_norm=True, max_position_embeddings=256)
-    torch.manual_seed(3)
-    model = Decoder(spec)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.3)
+    model = random_decoder(spec, seed=3, std=0.3)
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
     runs = {}
     for screened in (True, False):

@@ -12,51 +12,30 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
 from grserve.attention.context import SequenceKVContext  # noqa: E402
 from grserve.attention.hybrid import HybridPagedContext, ReferenceHybridContext, SeqSlice  # noqa: E402
 from grserve.engine.llm import build_model_engine  # noqa: E402
 from grserve.engine.sampling import SamplingParams  # noqa: E402
 from grserve.kvcache.blocks import BlockPool, HybridCacheStorage  # noqa: E402
-from grserve.model import load_model  # noqa: E402
 from grserve.scheduler.aptserve import AptServeScheduler  # noqa: E402
 from grserve.scheduler.fcfs import FCFSScheduler  # noqa: E402
 from grserve.scheduler.llm_types import ScheduledSeq, SchedulerInput, SchedulerOutput  # noqa: E402
 
 TOL = 1e-4
-VOCAB = 300
-
-
-def _hf(kv_heads: int, seed: int = 7):
-    torch.manual_seed(seed)
-    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=16, max_position_embeddings=512,
-                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False,
-                      initializer_range=0.1)
-    cfg._attn_implementation = "eager"
-    m = Qwen3ForCausalLM(cfg).float().eval()
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-    return m
+VOCAB = 300  # the hf_qwen3 fixture's vocabulary (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
-def mha(tmp_path_factory):
-    hf = _hf(kv_heads=4)  # MHA: hidden 64 == K width 4·16 → hidden cache is half of K+V
-    d = tmp_path_factory.mktemp("mha")
-    hf.save_pretrained(d)
-    return hf, load_model(str(d))
+def mha(hf_qwen3):
+    """MHA: hidden 64 == K width 4·16 → the hidden cache is half of K+V."""
+    return hf_qwen3(kv_heads=4, seed=7, perturb_norms=True)
 
 
 @pytest.fixture(scope="module")
-def gqa(tmp_path_factory):
-    hf = _hf(kv_heads=1)  # GQA: hidden 64 > K+V 2·16
-    d = tmp_path_factory.mktemp("gqa")
-    hf.save_pretrained(d)
-    return hf, load_model(str(d))
+def gqa(hf_qwen3):
+    """GQA: hidden 64 > K+V 2·16."""
+    return hf_qwen3(kv_heads=1, seed=7, perturb_norms=True)
 
 
 def _hf_logits(hf, ids: list[int]) -> torch.Tensor:

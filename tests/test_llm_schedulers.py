@@ -112,7 +112,7 @@ def test_chunked_respects_token_budget_and_decodes_first():
 @pytest.mark.parametrize("name", ["fcfs", "chunked", "aptserve"])
 def test_liveness_in_simulator(name):
     from grserve.bench.llm_workloads import make_trace
-    from grserve.engine.simulated import CostModel, simulate
+    from grserve.bench.simulator import CostModel, simulate
 
     trace = make_trace("sharegpt", 60, rate=4.0, seed=1, max_len=2048)
     res = simulate(trace, name, CostModel.opt13b_a100(), num_blocks=1200, block_size=16, ttft_slo=1.0,

@@ -9,7 +9,7 @@ import torch
 
 from grserve.bench.llm_workloads import TraceItem, make_trace
 from grserve.engine.llm import LLMEngine, build_model_engine
-from grserve.engine.simulated import (
+from grserve.bench.simulator import (
     CostModel,
     SchedulerStalled,
     SimulatedExecutor,
@@ -106,17 +106,13 @@ def one_thread():
 
 
 @pytest.mark.parametrize("name", ["fcfs", "chunked", "aptserve"])
-def test_real_model_trace_terminates(name, one_thread):
+def test_real_model_trace_terminates(name, one_thread, random_decoder):
     import dataclasses
 
-    from grserve.model import PRESETS, Decoder
+    from grserve.model import PRESETS
 
-    spec = dataclasses.replace(PRESETS["tiny-mha"], vocab_size=512, num_hidden_layers=2)
-    model = Decoder(spec).eval().requires_grad_(False)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.05)
+    model = random_decoder(dataclasses.replace(PRESETS["tiny-mha"], vocab_size=512, num_hidden_layers=2), seed=0,
+                           std=0.05)
     trace = make_trace("sharegpt", 6, rate=50.0, seed=3, scale=0.05)
     clock = VirtualClock()
     pol = make_llm_scheduler(name, ttft_slo=0.05, tbt_slo=0.01, rho=1e-7, token_budget=32)

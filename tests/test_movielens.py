@@ -6,8 +6,8 @@ import pytest
 
 pd = pytest.importorskip("pandas")
 
-from grserve.bench import movielens as ml  # noqa: E402
-from grserve.catalog import movielens_data as mld  # noqa: E402
+from grserve.movielens import data as mld  # noqa: E402
+from grserve.movielens.split import leave_one_out  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -21,7 +21,7 @@ def test_leave_one_out_orders_by_time_and_holds_out_last_two():
         (7, 10, 5, 300), (7, 11, 3, 100), (7, 12, 4, 200), (7, 13, 1, 400),  # user 7: 11, 12, 10, 13
         (2, 20, 5, 50), (2, 21, 5, 10), (2, 22, 5, 30),  # user 2: 21, 22, 20
     ])
-    s = ml.leave_one_out(df)
+    s = leave_one_out(df)
     assert s.users.tolist() == [2, 7]
     assert [t.tolist() for t in s.train] == [[21], [11, 12]]
     assert s.valid.tolist() == [22, 10]
@@ -34,7 +34,7 @@ def test_leave_one_out_breaks_timestamp_ties_by_item_id_and_drops_short_users():
         (1, 9, 5, 100), (1, 3, 5, 100), (1, 5, 5, 100), (1, 1, 5, 50),  # ties at t=100 → 3, 5, 9
         (4, 1, 5, 1), (4, 2, 5, 2),  # only 2 interactions: dropped
     ])
-    s = ml.leave_one_out(df.sample(frac=1.0, random_state=0))  # input order must not matter
+    s = leave_one_out(df.sample(frac=1.0, random_state=0))  # input order must not matter
     assert s.users.tolist() == [1]
     assert s.train[0].tolist() == [1, 3] and s.valid.tolist() == [5] and s.test.tolist() == [9]
 
@@ -71,7 +71,7 @@ def test_real_movielens_files_and_split(real):
     assert len(r) == 100_000 and r["user_id"].nunique() == 943 and r["movie_id"].nunique() == 1682
     assert len(real.items) == 1682 and real.titles[1] == "Toy Story (1995)"
     assert "Animation" in real.items.set_index("movie_id").loc[1, "genres"]
-    s = ml.leave_one_out(r)
+    s = leave_one_out(r)
     assert len(s.users) == 943
     assert sum(len(t) for t in s.train) + 2 * len(s.users) == 100_000
     ts = r.set_index(["user_id", "movie_id"])["timestamp"]

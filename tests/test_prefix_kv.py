@@ -10,29 +10,18 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
 from grserve.engine.llm import build_model_engine  # noqa: E402
 from grserve.engine.sampling import SamplingParams  # noqa: E402
 from grserve.kvcache.prefix_kv import PrefixKVStore  # noqa: E402
-from grserve.model import load_model  # noqa: E402
 from grserve.scheduler.llm_factory import make_llm_scheduler  # noqa: E402
 
-VOCAB, NEW = 300, 6
+VOCAB, NEW = 300, 6  # VOCAB: the hf_qwen3 fixture's vocabulary (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    torch.manual_seed(11)
-    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False,
-                      initializer_range=0.1)
-    cfg._attn_implementation = "eager"
-    hf = Qwen3ForCausalLM(cfg).float().eval()
-    d = tmp_path_factory.mktemp("pfx")
-    hf.save_pretrained(d)
-    return hf, load_model(str(d))
+def models(hf_qwen3):
+    return hf_qwen3(kv_heads=2, seed=11)
 
 
 def _prompts(seed: int = 0) -> list[list[int]]:

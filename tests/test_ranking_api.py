@@ -14,7 +14,6 @@ from grserve.cli import build_parser
 from grserve.cli import main as cli_main
 from grserve.config import RankingLimits
 from grserve.engine.ranking import RankingConfig, RankingEngine, RankingRunner
-from grserve.model import load_model
 from grserve.ranking.layouts import build_prompt
 from grserve.ranking.registry import synthetic_registry
 from grserve.ranking.scoring import score_candidates
@@ -23,8 +22,8 @@ from grserve.server.ranking_main import config_from_args
 
 
 @pytest.fixture(scope="module")
-def setup():
-    model = load_model("tiny", seed=4)
+def setup(tiny_model):
+    model = tiny_model(seed=4)
     reg = synthetic_registry(model.spec.vocab_size, 60, (3, 6), [30, 50, 12, 80], seed=5)
     runner = RankingRunner(model, reg, RankingConfig(policy="bat", user_cache_bytes=1 << 20))
     engine = RankingEngine(runner).start()

@@ -15,7 +15,6 @@ from grserve.engine.ranking import RankingConfig, RankingEngine, RankingRequest,
 from grserve.kvcache.meta import CacheMetaService, DecayedWindowFrequency
 from grserve.kvcache.paged import PagedKVStore
 from grserve.kvcache.user_cache import UserKVCache
-from grserve.model import load_model
 from grserve.ranking.layouts import ITEM_PREFIX, USER_PREFIX, build_prompt
 from grserve.ranking.registry import RegistryError, synthetic_registry
 from grserve.ranking.scoring import score_candidates
@@ -87,8 +86,8 @@ def test_kv_size_formula():
 
 # ---------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def model():
-    return load_model("tiny", seed=2)
+def model(tiny_model):
+    return tiny_model(seed=2)
 
 
 def _registry(vocab, n_users=6):

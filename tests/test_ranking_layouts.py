@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from grserve.attention.bipartite import BipartiteBatchContext, BipartiteRequest, reference_forward
-from grserve.model import load_model
 from grserve.ranking.layouts import ITEM_PREFIX, USER_PREFIX, build_prompt
 from grserve.ranking.scoring import score_candidates
 
@@ -17,9 +16,8 @@ TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    return load_model("tiny", seed=1)
+def model(tiny_model):
+    return tiny_model(seed=1)
 
 
 def _rand(rng, n):
@@ -176,7 +174,7 @@ def test_batch_equals_alone(model):
 
 
 def test_scoring_softmax_topk(model):
-    h = torch.randn(model.spec.hidden_size)
+    h = torch.randn(model.spec.hidden_size, generator=torch.Generator().manual_seed(0))
     w = model.lm_head.weight
     ident = torch.tensor([100, 200, 300, 400])
     r = score_candidates(h, w, ident, 2)

@@ -13,15 +13,14 @@ from grserve.config import SchedulerConfig, SearchConfig
 from grserve.engine.engine import RetrievalEngine
 from grserve.engine.retrieval import RetrievalRunner
 from grserve.engine.types import RetrievalRequest
-from grserve.model import load_model
 from grserve.search.beam_search import BeamSearch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 
 @pytest.fixture(scope="module")
-def model():
-    return load_model("tiny", seed=3)
+def model(tiny_model):
+    return tiny_model(seed=3)
 
 
 @pytest.fixture(scope="module")

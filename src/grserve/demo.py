@@ -3,7 +3,7 @@
 Default (MovieLens):
   1. builds, once, the artifacts under ``--cache-dir`` (default ``$GRSERVE_CACHE_DIR/movielens`` or
      ``.grserve-cache/movielens``): the MovieLens-100k files, the RQ-KMeans SID catalog, the trained model
-     (a few minutes on 2 cores, progress bars); later runs reuse them (see ``grserve.bench.movielens``);
+     (a few minutes on 2 cores, progress bars); later runs reuse them (see ``grserve.movielens.artifacts``);
   2. starts the real engine with that model and catalog behind the real HTTP app on 127.0.0.1 and a free port,
      in a background thread, and waits for /health;
   3. for a few real users, sends their history (every item but their last, the held-out one) as
@@ -28,7 +28,11 @@ import time
 import urllib.error
 import urllib.request
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any, Iterator
+
+from grserve.flags import Checked, HelpFormatter, add_flags, flag, from_args
+from grserve.movielens.artifacts import ArtifactsConfig
 
 BEAM_WIDTH = 64
 TOP_N = 5
@@ -194,30 +198,31 @@ def _default_users(split: Any, n: int = 4) -> list[int]:
     return [int(u) for u, tr in zip(split.users, split.train) if 20 <= len(tr) + 2 <= 60][:n]
 
 
-def _movielens_demo(args: argparse.Namespace, console: Any) -> int:
-    from grserve.bench.movielens import ensure_artifacts, leave_one_out
-    from grserve.catalog.movielens_data import load_movielens
+def _movielens_demo(cfg: DemoConfig, console: Any) -> int:
     from grserve.config import CatalogConfig, ModelConfig, SearchConfig, ServeConfig
+    from grserve.movielens.artifacts import ensure_artifacts
+    from grserve.movielens.data import load_movielens
+    from grserve.movielens.split import leave_one_out
 
     t0 = time.perf_counter()
     console.print(f"[bold]grserve demo[/bold]: MovieLens-100k → RQ-KMeans semantic IDs → GR model trained on CPU, "
-                  f"artifacts in {args.cache_dir or '.grserve-cache/movielens'}")
-    art = ensure_artifacts(args.cache_dir, rebuild=args.rebuild, log=console.print)
+                  f"artifacts in {cfg.artifacts.cache_dir or '.grserve-cache/movielens'}")
+    art = ensure_artifacts(cfg.artifacts, log=console.print)
     meta = json.loads(art.train_meta.read_text())
     max_items = int(meta.get("config", {}).get("max_items", 50))
     ml = load_movielens(art.root)
     titles = ml.titles
     split = leave_one_out(ml.ratings)
     row_of = {int(u): i for i, u in enumerate(split.users)}
-    users = [u for u in (args.users or _default_users(split)) if u in row_of]
+    users = [u for u in (cfg.user_ids or _default_users(split)) if u in row_of]
     if not users:
-        console.print(f"[red]none of the users {args.users} is in MovieLens-100k (ids 1..943)[/red]")
+        console.print(f"[red]none of the users {list(cfg.user_ids)} is in MovieLens-100k (ids 1..943)[/red]")
         return 2
-    cfg = ServeConfig(model=ModelConfig(source=str(art.model)), catalog=CatalogConfig(path=str(art.catalog)),
+    serve_cfg = ServeConfig(model=ModelConfig(source=str(art.model)), catalog=CatalogConfig(path=str(art.catalog)),
                       search=SearchConfig(beam_width=ML_BEAM_WIDTH))
     console.print(f"artifacts ready in {time.perf_counter() - t0:.1f} s (model trained {meta.get('seconds')} s, "
                   f"{meta.get('num_parameters', 0):,} parameters); starting the server ...")
-    with _serving(cfg, console) as (http, engine, h):
+    with _serving(serve_cfg, console) as (http, engine, h):
         console.print(f"server up at {http.base}: catalog {h['catalog']['num_items']:,} movies (depth "
                       f"{h['catalog']['depth']}, codebooks {h['catalog']['codebook_sizes']}), vocab "
                       f"{h['vocab_size']:,}\n")
@@ -296,35 +301,47 @@ def _random_demo(console: Any) -> int:
     return 0
 
 
-def _users(text: str) -> tuple[int, ...]:
+def _user_list(text: str | None) -> str | None:
     try:
-        return tuple(int(u) for u in text.split(",") if u.strip())
+        [int(u) for u in (text or "").split(",") if u.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated user ids, got {text!r}") from None
+        return f"expected comma-separated user ids, got {text!r}"
+    return None
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m grserve.demo",
-                                description="Serve a GR model trained on MovieLens-100k (built once, cached) and "
-                                            "print real recommendations; --random for the random-weights demo.")
-    p.add_argument("--random", action="store_true",
-                   help="the quick demo: preset 'tiny' with random weights and a generated catalog")
-    p.add_argument("--cache-dir", default=None,
-                   help="MovieLens artifact directory (default: $GRSERVE_CACHE_DIR/movielens or "
-                        ".grserve-cache/movielens)")
-    p.add_argument("--rebuild", action="store_true", help="rebuild the catalog and retrain the model")
-    p.add_argument("--users", type=_users, default=None, metavar="U1,U2,...",
-                   help="MovieLens user ids (1..943) to recommend for (default: the first 4 with 20-60 ratings)")
-    args = p.parse_args(argv)
+@dataclass(frozen=True)
+class DemoConfig(Checked):
+    """``python -m grserve.demo``: which demo, for which users, with which MovieLens artifacts."""
 
+    random: bool = flag(False, "the quick demo: preset 'tiny' with random weights and a generated catalog")
+    users: str | None = flag(None, "MovieLens user ids (1..943) to recommend for (default: the first 4 with 20-60 "
+                                   "ratings)", check=_user_list, metavar="U1,U2,...")
+    artifacts: ArtifactsConfig = field(default_factory=ArtifactsConfig)
+
+    @property
+    def user_ids(self) -> tuple[int, ...]:
+        return tuple(int(u) for u in (self.users or "").split(",") if u.strip())
+
+
+def run(cfg: DemoConfig) -> int:
     from rich.console import Console
 
     console = Console()
     try:
-        return _random_demo(console) if args.random else _movielens_demo(args, console)
+        return _random_demo(console) if cfg.random else _movielens_demo(cfg, console)
     except RuntimeError as exc:  # server did not come up, data could not be fetched, ...
         console.print(f"[red]demo failed: {exc}[/red]")
         return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m grserve.demo", formatter_class=HelpFormatter,
+                                description="Serve a GR model trained on MovieLens-100k (built once, cached) and "
+                                            "print real recommendations; --random for the random-weights demo.")
+    add_flags(p, DemoConfig)
+    add_flags(p, ArtifactsConfig, title="MovieLens artifacts")
+    ns = p.parse_args(argv)
+    return run(from_args(DemoConfig, ns, artifacts=from_args(ArtifactsConfig, ns)))
 
 
 if __name__ == "__main__":

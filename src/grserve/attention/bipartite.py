@@ -119,6 +119,101 @@ class _Slots:
     cached: list[tuple[int, torch.Tensor]]  # (buffer offset, cached [L, 2, n, Hkv, D]) copied in per layer
 
 
+class _Packing:
+    """Lays out the computed tokens of a batch request by request: packed ids/positions, the per-layer prefix
+    buffer ranges and the copies of computed head/item K/V into it (``BipartiteBatchContext`` reads the result)."""
+
+    def __init__(self) -> None:
+        self.ids: list[np.ndarray] = []
+        self.pos: list[np.ndarray] = []
+        self.cursor = 0  # packed tokens so far
+        self.flat = 0  # computed item tokens so far (the batch's flat item list)
+        self.pre = 0  # cursor in the prefix-KV buffer
+        self.item_rows: list[tuple[int, int]] = []  # computed items of the whole batch, (packed start, length)
+        self.copy_src: list[np.ndarray] = []
+        self.copy_dst: list[np.ndarray] = []
+
+    def _take(self, tokens: np.ndarray, positions: np.ndarray) -> tuple[int, int]:
+        start = self.cursor
+        self.ids.append(tokens)
+        self.pos.append(positions)
+        self.cursor += len(tokens)
+        return start, self.cursor
+
+    def add(self, req: BipartiteRequest) -> _Slots:
+        p = req.prompt
+        n_items = len(p.items)
+        item_kv = req.item_kv if req.item_kv is not None else [None] * n_items
+        if len(item_kv) != n_items:
+            raise ValueError(f"item_kv has {len(item_kv)} entries for {n_items} candidates")
+        n_head = len(p.head)
+        head_computed = req.head_kv is None and n_head > 0
+        if req.head_kv is not None and req.head_kv.shape[2] != n_head:
+            raise ValueError(f"cached head KV has {req.head_kv.shape[2]} tokens, the head has {n_head}")
+        p0, h0 = self.pre, self.cursor
+        cached: list[tuple[int, torch.Tensor]] = []
+        if head_computed:
+            self._take(p.head, p.head_positions())
+        elif req.head_kv is not None and n_head > 0:
+            cached.append((p0, req.head_kv))
+        head = (h0, self.cursor)
+        i0, f0 = self.cursor, self.flat
+        items, cached_parts, concat_tokens = self._items(p, item_kv)
+        n_cat = 0 if req.cached_items_kv is None else int(req.cached_items_kv.shape[2])
+        if concat_tokens != n_cat:
+            raise ValueError(f"cached_items_kv has {n_cat} tokens, the candidates marked cached have {concat_tokens}")
+        item_range = (i0, self.cursor)
+        # prefix buffer: [head | computed items (packed order) | cached_items_kv | other cached items]
+        n_comp = self.cursor - i0
+        if self.cursor > h0:  # computed head and items are contiguous in the packed order and in the buffer
+            self.copy_src.append(np.arange(h0, self.cursor, dtype=np.int64))
+            d0 = p0 + (0 if head_computed else n_head)  # a cached head's rows are filled from cache
+            self.copy_dst.append(np.arange(d0, d0 + (self.cursor - h0), dtype=np.int64))
+        off = p0 + n_head + n_comp
+        if req.cached_items_kv is not None and n_cat:
+            cached.append((off, req.cached_items_kv))
+            off += n_cat
+        for kv in cached_parts:
+            cached.append((off, kv))
+            off += int(kv.shape[2])
+        self.pre = off
+        tail = self._take(p.tail, p.tail_positions())
+        return _Slots(head, items, item_range, tail, (f0, self.flat), (p0, self.pre), n_head, cached)
+
+    def _items(self, p, item_kv) -> tuple[list[tuple[int, int] | None], list[torch.Tensor], int]:
+        """Computed candidates go into the packed order; cached ones are listed (explicit KV) or counted (True)."""
+        items: list[tuple[int, int] | None] = []
+        cached_parts: list[torch.Tensor] = []
+        concat_tokens = 0
+        for i, kv in enumerate(item_kv):
+            if kv is None:
+                items.append(self._take(p.items[i], p.item_positions(i)))
+                self.item_rows.append((items[-1][0], len(p.items[i])))
+                self.flat += len(p.items[i])
+            elif kv is True:
+                items.append(None)
+                concat_tokens += len(p.items[i])
+            else:
+                if kv.shape[2] != len(p.items[i]):
+                    raise ValueError(f"cached KV of candidate {i} has {kv.shape[2]} tokens, the item has "
+                                     f"{len(p.items[i])}")
+                items.append(None)
+                cached_parts.append(kv)
+        return items, cached_parts, concat_tokens
+
+
+def _item_padding(item_rows: list[tuple[int, int]], device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Padded gather indices [NI, Lmax] of all computed items and their validity mask (flattened)."""
+    if not item_rows:
+        return None, None
+    lmax = max(n for _, n in item_rows)
+    starts = torch.tensor([s for s, _ in item_rows], dtype=torch.int64)
+    lens = torch.tensor([n for _, n in item_rows], dtype=torch.int64)
+    ar = torch.arange(lmax, dtype=torch.int64)
+    valid = ar[None, :] < lens[:, None]
+    return torch.where(valid, starts[:, None] + ar[None, :], starts[:, None]).to(device), valid.reshape(-1).to(device)
+
+
 class BipartiteBatchContext:
     """The fast path: one packed forward over the computed tokens of several Bipartite prompts.
 
@@ -132,98 +227,17 @@ class BipartiteBatchContext:
 
     def __init__(self, requests: list[BipartiteRequest], device: torch.device | str = "cpu", exact: bool = False):
         self.exact = exact
-        ids: list[np.ndarray] = []
-        pos: list[np.ndarray] = []
-        self.slots: list[_Slots] = []
-        cursor = 0
-        item_rows: list[tuple[int, int]] = []  # computed items of the whole batch, (packed start, length)
-        flat = 0
-        pre = 0  # cursor in the prefix-KV buffer
-        copy_src: list[np.ndarray] = []
-        copy_dst: list[np.ndarray] = []
-        for req in requests:
-            p = req.prompt
-            n_items = len(p.items)
-            item_kv = req.item_kv if req.item_kv is not None else [None] * n_items
-            if len(item_kv) != n_items:
-                raise ValueError(f"item_kv has {len(item_kv)} entries for {n_items} candidates")
-            n_head = len(p.head)
-            head_computed = req.head_kv is None and n_head > 0
-            if req.head_kv is not None and req.head_kv.shape[2] != n_head:
-                raise ValueError(f"cached head KV has {req.head_kv.shape[2]} tokens, the head has {n_head}")
-            p0 = pre
-            cached: list[tuple[int, torch.Tensor]] = []
-            h0 = cursor
-            if head_computed:
-                ids.append(p.head)
-                pos.append(p.head_positions())
-                cursor += n_head
-            elif req.head_kv is not None and n_head > 0:
-                cached.append((p0, req.head_kv))
-            head = (h0, cursor)
-            items: list[tuple[int, int] | None] = []
-            i0, f0 = cursor, flat
-            cached_parts = []
-            concat_tokens = 0
-            for i, kv in enumerate(item_kv):
-                if kv is None:
-                    n = len(p.items[i])
-                    ids.append(p.items[i])
-                    pos.append(p.item_positions(i))
-                    items.append((cursor, cursor + n))
-                    item_rows.append((cursor, n))
-                    cursor += n
-                    flat += n
-                elif kv is True:
-                    items.append(None)
-                    concat_tokens += len(p.items[i])
-                else:
-                    if kv.shape[2] != len(p.items[i]):
-                        raise ValueError(f"cached KV of candidate {i} has {kv.shape[2]} tokens, the item has "
-                                         f"{len(p.items[i])}")
-                    items.append(None)
-                    cached_parts.append(kv)
-            n_cat = 0 if req.cached_items_kv is None else int(req.cached_items_kv.shape[2])
-            if concat_tokens != n_cat:
-                raise ValueError(f"cached_items_kv has {n_cat} tokens, the candidates marked cached have {concat_tokens}")
-            item_range = (i0, cursor)
-            # prefix buffer: [head | computed items (packed order) | cached_items_kv | other cached items]
-            n_comp = cursor - i0
-            if cursor > h0:  # computed head and items are contiguous in the packed order and in the buffer
-                copy_src.append(np.arange(h0, cursor, dtype=np.int64))
-                d0 = p0 + (0 if head_computed else n_head)  # a cached head's rows are filled from cache
-                copy_dst.append(np.arange(d0, d0 + (cursor - h0), dtype=np.int64))
-            off = p0 + n_head + n_comp
-            if req.cached_items_kv is not None and n_cat:
-                cached.append((off, req.cached_items_kv))
-                off += n_cat
-            for kv in cached_parts:
-                cached.append((off, kv))
-                off += int(kv.shape[2])
-            pre = off
-            t0 = cursor
-            ids.append(p.tail)
-            pos.append(p.tail_positions())
-            cursor += len(p.tail)
-            self.slots.append(_Slots(head, items, item_range, (t0, cursor), (f0, flat), (p0, pre), n_head, cached))
-        self.input_ids = torch.from_numpy(np.concatenate(ids)).to(device)
-        self.positions = torch.from_numpy(np.concatenate(pos)).to(device)
-        self.num_tokens = cursor
-        self.prefix_tokens = pre
-        self._copy_src = torch.from_numpy(np.concatenate(copy_src)).to(device) if copy_src else None
-        self._copy_dst = torch.from_numpy(np.concatenate(copy_dst)).to(device) if copy_dst else None
+        pack = _Packing()
+        self.slots: list[_Slots] = [pack.add(req) for req in requests]
+        self.input_ids = torch.from_numpy(np.concatenate(pack.ids)).to(device)
+        self.positions = torch.from_numpy(np.concatenate(pack.pos)).to(device)
+        self.num_tokens = pack.cursor
+        self.prefix_tokens = pack.pre
+        self._copy_src = torch.from_numpy(np.concatenate(pack.copy_src)).to(device) if pack.copy_src else None
+        self._copy_dst = torch.from_numpy(np.concatenate(pack.copy_dst)).to(device) if pack.copy_dst else None
         # padded gather of all computed items: [NI, Lmax]; padding repeats the item's first index (ignored)
-        self.num_item_tokens = flat
-        if item_rows:
-            lmax = max(n for _, n in item_rows)
-            starts = torch.tensor([s for s, _ in item_rows], dtype=torch.int64)
-            lens = torch.tensor([n for _, n in item_rows], dtype=torch.int64)
-            ar = torch.arange(lmax, dtype=torch.int64)
-            valid = ar[None, :] < lens[:, None]
-            self._item_pad = torch.where(valid, starts[:, None] + ar[None, :], starts[:, None]).to(device)
-            self._item_valid = valid.reshape(-1).to(device)
-        else:
-            self._item_pad = self._item_valid = None
+        self.num_item_tokens = pack.flat
+        self._item_pad, self._item_valid = _item_padding(pack.item_rows, device)
         self.k: list[torch.Tensor | None] = []
         self.v: list[torch.Tensor | None] = []
 

@@ -16,7 +16,28 @@ from dataclasses import dataclass
 
 import numpy as np
 
-DATASETS = ("sharegpt", "humaneval", "longbench")
+from grserve.registry import Registry
+
+# Prompt and output lengths per dataset: ``(n, rng) -> (prompt lengths, output lengths)`` before scaling.
+LENGTH_DISTRIBUTIONS: Registry[tuple[np.ndarray, np.ndarray]] = Registry("dataset")
+
+
+@LENGTH_DISTRIBUTIONS.register("sharegpt")
+def _sharegpt(n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    return rng.lognormal(np.log(180), 0.9, n), rng.lognormal(np.log(200), 0.9, n)
+
+
+@LENGTH_DISTRIBUTIONS.register("humaneval")
+def _humaneval(n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    return rng.normal(140, 40, n), rng.normal(90, 30, n)
+
+
+@LENGTH_DISTRIBUTIONS.register("longbench")
+def _longbench(n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    return rng.lognormal(np.log(1200), 0.4, n), rng.lognormal(np.log(150), 0.6, n)
+
+
+DATASETS = LENGTH_DISTRIBUTIONS.names()
 
 
 @dataclass(frozen=True)
@@ -24,21 +45,6 @@ class TraceItem:
     arrival: float
     prompt_len: int
     output_len: int
-
-
-def _lengths(dataset: str, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-    if dataset == "sharegpt":
-        p = rng.lognormal(np.log(180), 0.9, n)
-        o = rng.lognormal(np.log(200), 0.9, n)
-    elif dataset == "humaneval":
-        p = rng.normal(140, 40, n)
-        o = rng.normal(90, 30, n)
-    elif dataset == "longbench":
-        p = rng.lognormal(np.log(1200), 0.4, n)
-        o = rng.lognormal(np.log(150), 0.6, n)
-    else:
-        raise ValueError(f"unknown dataset {dataset!r}; choose from {', '.join(DATASETS)}")
-    return p, o
 
 
 def arrivals(n: int, rate: float, cv: float = 1.0, seed: int = 0) -> np.ndarray:
@@ -55,7 +61,7 @@ def make_trace(dataset: str, n: int, rate: float, *, cv: float = 1.0, seed: int 
                scale: float = 1.0) -> list[TraceItem]:
     """``n`` requests; the same seed gives the same lengths at every rate (only arrivals stretch)."""
     rng = np.random.default_rng(seed + 7919)
-    p, o = _lengths(dataset, n, rng)
+    p, o = LENGTH_DISTRIBUTIONS.create(dataset, n, rng)
     p = np.clip(np.round(p * scale), 4, None).astype(int)
     o = np.clip(np.round(o * scale), 4, None).astype(int)
     cap = int(max_len * scale)

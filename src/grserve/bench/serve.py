@@ -2,7 +2,7 @@
 
 Two modes, one engine (same schedulers, same block pool):
 - default: the real model (``--model``, default the MHA preset ``tiny-mha``) on CPU; the clock advances by each
-  iteration's measured time and jumps idle gaps (``engine.simulated.TimedExecutor``). SLOs are multiples of the
+  iteration's measured time and jumps idle gaps (``bench.simulator.TimedExecutor``). SLOs are multiples of the
   measured single-request latencies (TTFT: prefill of the mean prompt; TBT: one decode step); the pool holds
   ``--mem-requests`` mean-size requests' KV, so memory binds as on a GPU.
 - ``--simulate``: the discrete-event simulator with the OPT-13B / A100-40GB cost model (Table 3 SLOs,
@@ -229,7 +229,7 @@ def run(cfg: ServeBenchConfig) -> int:
     from tqdm import tqdm
 
     from grserve.engine.llm import LLMEngine, build_model_engine, calibrate_rho
-    from grserve.engine.simulated import CostModel, SimulatedExecutor, TimedExecutor, VirtualClock, run_trace
+    from grserve.bench.simulator import CostModel, SimulatedExecutor, TimedExecutor, VirtualClock, run_trace
     from grserve.kvcache.blocks import BlockPool
     from grserve.scheduler.llm_factory import make_llm_scheduler
 

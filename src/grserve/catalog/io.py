@@ -21,7 +21,6 @@ the caller gives, else the file's, else 16. A caller's value that contradicts th
 from __future__ import annotations
 
 import csv
-import hashlib
 import json
 import os
 import struct
@@ -35,12 +34,6 @@ DEFAULT_TOKEN_OFFSET = 16
 MAGIC = b"GRCAT1"
 _HLEN = struct.Struct("<I")  # header length after the magic
 _LAYOUT_KEYS = ("codebook_sizes", "token_offset")
-
-
-def file_sha256(path: str | Path) -> str:
-    """SHA-256 of a file's bytes, hex (catalogs, downloaded data files)."""
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _int(value, where: str) -> int:

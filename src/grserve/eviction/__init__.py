@@ -1,5 +1,7 @@
 """Cache eviction policies behind one interface (LCR paper): LRU, window-LFU, Belady, FPB, HF, LARU; the online
-LightGBM next-access-time predictor; oracle / noisy prediction sources; the reference paging simulator."""
+LightGBM next-access-time predictor; oracle / noisy prediction sources; the reference paging simulator.
+
+Importing the package registers every policy in ``EVICTION_POLICIES`` (``make_policy(name, capacity, ...)``)."""
 
 from grserve.eviction.belady import BeladyPolicy
 from grserve.eviction.config import EvictionConfig, LARUConfig, PredictorConfig
@@ -10,6 +12,7 @@ from grserve.eviction.lfu import WindowLFUPolicy
 from grserve.eviction.lru import LRUPolicy
 from grserve.eviction.oracle import AccessListOracle, ConstantPredictor, NoisyPredictor, RandomPredictor
 from grserve.eviction.policy import (
+    EVICTION_POLICIES,
     EvictionPolicy,
     NextAccessPredictor,
     NoEvictableKey,
@@ -20,7 +23,7 @@ from grserve.eviction.policy import (
 from grserve.eviction.simulate import SimResult, simulate
 
 __all__ = [
-    "AccessListOracle", "BeladyPolicy", "ConstantPredictor", "EvictionConfig", "EvictionPolicy", "FPBPolicy",
+    "EVICTION_POLICIES", "AccessListOracle", "BeladyPolicy", "ConstantPredictor", "EvictionConfig", "EvictionPolicy", "FPBPolicy",
     "HFPolicy", "LARUConfig", "LARUPolicy", "LRUPolicy", "NextAccessPredictor", "NoEvictableKey", "NoisyPredictor",
     "PredictorConfig", "RandomPredictor", "SimResult", "WindowLFUPolicy", "make_policy", "make_policy_from_config",
     "policy_names", "simulate",

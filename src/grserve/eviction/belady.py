@@ -11,9 +11,10 @@ import heapq
 import itertools
 from typing import Any, Hashable
 
-from grserve.eviction.policy import EvictionPolicy, NoEvictableKey
+from grserve.eviction.policy import EVICTION_POLICIES, EvictionPolicy, NoEvictableKey
 
 
+@EVICTION_POLICIES.register("belady", aliases=("opt",))
 class BeladyPolicy(EvictionPolicy):
     name = "belady"
 

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from typing import Hashable
 
+from grserve.eviction.policy import EVICTION_POLICIES
 from grserve.eviction.predictive import PredictivePolicy
 
 
+@EVICTION_POLICIES.register("fpb")
 class FPBPolicy(PredictivePolicy):
     name = "fpb"
 

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 from typing import Any, Hashable
 
+from grserve.eviction.policy import EVICTION_POLICIES
 from grserve.eviction.predictive import PredictivePolicy
 
 
+@EVICTION_POLICIES.register("hf")
 class HFPolicy(PredictivePolicy):
     name = "hf"
 

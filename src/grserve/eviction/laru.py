@@ -30,9 +30,11 @@ from __future__ import annotations
 import math
 from typing import Any, Hashable
 
+from grserve.eviction.policy import EVICTION_POLICIES
 from grserve.eviction.predictive import PredictivePolicy
 
 
+@EVICTION_POLICIES.register("laru")
 class LARUPolicy(PredictivePolicy):
     name = "laru"
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 from collections import deque
 from typing import Hashable
 
-from grserve.eviction.policy import IndexedPolicy, NoEvictableKey
+from grserve.eviction.policy import EVICTION_POLICIES, IndexedPolicy, NoEvictableKey
 
 
+@EVICTION_POLICIES.register("lfu")
 class WindowLFUPolicy(IndexedPolicy):
     name = "lfu"
 

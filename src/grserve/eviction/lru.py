@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Hashable
 
-from grserve.eviction.policy import IndexedPolicy, NoEvictableKey
+from grserve.eviction.policy import EVICTION_POLICIES, IndexedPolicy, NoEvictableKey
 
 
+@EVICTION_POLICIES.register("lru")
 class LRUPolicy(IndexedPolicy):
     name = "lru"
 

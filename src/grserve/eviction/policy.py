@@ -1,4 +1,5 @@
-"""The one eviction interface every grserve cache uses, the predictor protocol, and the by-name registry.
+"""The one eviction interface every grserve cache uses, the predictor protocol, and the by-name registry
+(``EVICTION_POLICIES``; every policy module registers its class, the package imports them all).
 
 A cache drives its policy with a small event protocol (``now`` is the cache's logical clock, one tick per
 request; several events may share a tick):
@@ -17,11 +18,11 @@ Policies never touch cached values or tensors; they only see keys.
 
 from __future__ import annotations
 
-import importlib
 from abc import ABC, abstractmethod
 from typing import Any, Hashable, Protocol, Sequence, runtime_checkable
 
 from grserve.eviction.recency import RecencyIndex
+from grserve.registry import Registry
 
 
 class NoEvictableKey(RuntimeError):
@@ -121,31 +122,18 @@ class IndexedPolicy(EvictionPolicy):
         return self.index.n_evictable
 
 
-# name -> (module, class). Modules are imported lazily so each policy file stays independent.
-_REGISTRY: dict[str, tuple[str, str]] = {
-    "lru": ("grserve.eviction.lru", "LRUPolicy"),
-    "lfu": ("grserve.eviction.lfu", "WindowLFUPolicy"),
-    "belady": ("grserve.eviction.belady", "BeladyPolicy"),
-    "opt": ("grserve.eviction.belady", "BeladyPolicy"),
-    "fpb": ("grserve.eviction.fpb", "FPBPolicy"),
-    "hf": ("grserve.eviction.hf", "HFPolicy"),
-    "laru": ("grserve.eviction.laru", "LARUPolicy"),
-}
+EVICTION_POLICIES: Registry[EvictionPolicy] = Registry("eviction policy")  # each policy file registers its class
 
 
-def policy_names() -> list[str]:
-    return sorted(_REGISTRY)
+def policy_names() -> tuple[str, ...]:
+    return EVICTION_POLICIES.names()
 
 
 def make_policy(name: str, capacity: int, **kw: Any) -> EvictionPolicy:
     """Build a policy by name. Learned policies need ``predictor=``; Belady needs ``oracle=``.
 
     Extra keywords go to the policy's constructor (e.g. ``mode``, ``b``, ``decay_every``, ``candidates``)."""
-    try:
-        module, cls = _REGISTRY[name.lower()]
-    except KeyError:
-        raise ValueError(f"unknown eviction policy {name!r}; choose from {', '.join(policy_names())}") from None
-    return getattr(importlib.import_module(module), cls)(capacity, **kw)
+    return EVICTION_POLICIES.create(name, capacity, **kw)
 
 
 def make_policy_from_config(cfg: Any, capacity: int, **kw: Any) -> EvictionPolicy:

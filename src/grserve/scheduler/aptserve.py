@@ -22,9 +22,10 @@ Per iteration (digest §5.7; our decisions are in docs/llm.md):
 from __future__ import annotations
 
 from grserve.scheduler.knapsack import Candidate, greedy
-from grserve.scheduler.llm_types import ScheduledSeq, SchedulerInput, SchedulerOutput, SeqView
+from grserve.scheduler.llm_types import LLM_SCHEDULERS, ScheduledSeq, SchedulerInput, SchedulerOutput, SeqView
 
 
+@LLM_SCHEDULERS.register("aptserve")
 class AptServeScheduler:
     name = "aptserve"
 
@@ -124,3 +125,9 @@ class AptServeScheduler:
                 plan.append(ScheduledSeq(s.seq_id, s.num_tokens - s.num_computed, s.cache or "kv"))
         return SchedulerOutput("decode", plan, preempted,
                                info={"value": sol.value, "broke": sol.broke, "single_won": sol.single_won})
+
+
+@LLM_SCHEDULERS.register("aptserve-kv")
+def aptserve_kv(**kw) -> AptServeScheduler:
+    """Apt-Serve's scheduling with the KV cache only (the paper's "Apt-Serve KV-only" ablation)."""
+    return AptServeScheduler(**{**kw, "hybrid": False})

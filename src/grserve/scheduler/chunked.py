@@ -8,6 +8,7 @@ unfinished prefills first, then waiting requests in FCFS order — as long as th
 from __future__ import annotations
 
 from grserve.scheduler.llm_types import (
+    LLM_SCHEDULERS,
     ScheduledSeq,
     SchedulerInput,
     SchedulerOutput,
@@ -15,6 +16,7 @@ from grserve.scheduler.llm_types import (
 )
 
 
+@LLM_SCHEDULERS.register("chunked")
 class ChunkedPrefillScheduler:
     name = "chunked"
 

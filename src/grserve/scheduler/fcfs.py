@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from grserve.kvcache.blocks import CacheKind
 from grserve.scheduler.llm_types import (
+    LLM_SCHEDULERS,
     ScheduledSeq,
     SchedulerInput,
     SchedulerOutput,
@@ -15,6 +16,7 @@ from grserve.scheduler.llm_types import (
 )
 
 
+@LLM_SCHEDULERS.register("fcfs")
 class FCFSScheduler:
     name = "fcfs"
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from grserve.kvcache.blocks import CacheKind
+from grserve.registry import Registry
 
 IterationKind = Literal["prefill", "decode", "mixed", "idle"]
 
@@ -85,6 +86,10 @@ class LLMScheduler(Protocol):
     name: str
 
     def schedule(self, inp: SchedulerInput) -> SchedulerOutput: ...
+
+
+# the policies by name: each policy module registers itself; ``scheduler.llm_factory`` imports them all
+LLM_SCHEDULERS: Registry[LLMScheduler] = Registry("LLM scheduler")
 
 
 def preempt_until_fits(running: list[SeqView], pool: PoolView, need: dict[int, int],

@@ -1,8 +1,8 @@
 """Prefix-choice policies (BAT §5.3): which side of a ranking request is the cached prefix.
 
 Every policy answers one ``PrefixQuery`` (sizes, cache state, hotness; no tensors) with a ``PrefixDecision``.
-Policies are chosen by name (``make_policy``); the baselines are policies too, so every comparison runs in the
-same engine:
+Policies are chosen by name (``PREFIX_POLICIES``, ``make_policy``; aliases up, ip, greedy, re); the baselines are
+policies too, so every comparison runs in the same engine:
 
 | name          | layout                                   | user cache                      | item cache |
 |---------------|------------------------------------------|---------------------------------|------------|
@@ -27,6 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Protocol
+
+from grserve.registry import Registry
 
 USER_PREFIX = "user_prefix"  # same strings as grserve.ranking.layouts (the scheduler sits above ranking)
 ITEM_PREFIX = "item_prefix"
@@ -65,6 +67,8 @@ class PrefixPolicy(Protocol):
     def choose(self, q: PrefixQuery) -> PrefixDecision: ...
 
 
+PREFIX_POLICIES: Registry[PrefixPolicy] = Registry("prefix policy")  # each policy class below registers itself
+
 _IP = PrefixDecision(ITEM_PREFIX, read_item_cache=True)
 
 
@@ -74,6 +78,7 @@ def _up(q: PrefixQuery, admit: bool = True) -> PrefixDecision:
     return PrefixDecision(USER_PREFIX, admit_user=admit and q.cacheable_user and (q.user_fits_free or q.user_evictable))
 
 
+@PREFIX_POLICIES.register("bat")
 class BatPolicy:
     """BAT's hotness-aware prompt scheduler (§5.3)."""
 
@@ -99,6 +104,7 @@ class BatPolicy:
         return _IP
 
 
+@PREFIX_POLICIES.register("user_prefix", aliases=("up",))
 class UserPrefixPolicy:
     """UP-only: user-as-prefix for every request, LRU user cache (the layout of existing GR systems)."""
 
@@ -110,6 +116,7 @@ class UserPrefixPolicy:
         return _up(q)
 
 
+@PREFIX_POLICIES.register("item_prefix", aliases=("ip",))
 class ItemPrefixPolicy:
     """IP-only: item-as-prefix for every request."""
 
@@ -121,6 +128,7 @@ class ItemPrefixPolicy:
         return _IP
 
 
+@PREFIX_POLICIES.register("greedy_size", aliases=("greedy",))
 class GreedySizePolicy:
     """Cache-agnostic (BAT §5.3): the larger side is the prefix; LRU user cache."""
 
@@ -134,6 +142,7 @@ class GreedySizePolicy:
         return _IP
 
 
+@PREFIX_POLICIES.register("recompute", aliases=("re",))
 class RecomputePolicy:
     """RE: no prefix caching; the UP prompt is computed in full."""
 
@@ -145,13 +154,5 @@ class RecomputePolicy:
         return PrefixDecision(USER_PREFIX)
 
 
-POLICIES = {"bat": BatPolicy, "user_prefix": UserPrefixPolicy, "item_prefix": ItemPrefixPolicy,
-            "greedy_size": GreedySizePolicy, "recompute": RecomputePolicy}
-ALIASES = {"up": "user_prefix", "ip": "item_prefix", "greedy": "greedy_size", "re": "recompute"}
-
-
 def make_policy(name: str, **kw) -> PrefixPolicy:
-    key = ALIASES.get(name, name)
-    if key not in POLICIES:
-        raise ValueError(f"unknown prefix policy {name!r}; choose one of {sorted(POLICIES)}")
-    return POLICIES[key](**kw)
+    return PREFIX_POLICIES.create(name, **kw)

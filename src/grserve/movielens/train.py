@@ -33,10 +33,10 @@ import torch
 import torch.nn.functional as F
 
 from grserve.catalog import Catalog
-from grserve.catalog.io import file_sha256
 from grserve.model.decoder import Decoder
 from grserve.model.loader import save_pretrained
 from grserve.model.spec import ModelSpec
+from grserve.movielens.data import file_sha256
 
 IGNORE = -100
 
@@ -200,6 +200,26 @@ def train_gr(sequences: Sequence[np.ndarray], catalog: Catalog, cfg: TrainConfig
         torch.set_num_threads(threads_before)
 
 
+def _optimizer(model: Decoder, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW; weight decay on matrices only (not on norms and biases)."""
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.98))
+
+
+def _lr_schedule(cfg: TrainConfig, total_steps: int) -> Callable[[int], float]:
+    """Linear warm-up over ``warmup_steps``, then cosine decay to ``min_lr_ratio`` × lr at ``total_steps``."""
+
+    def lr_at(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return cfg.lr * (step + 1) / cfg.warmup_steps
+        frac = (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
+        return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+
+    return lr_at
+
+
 def _train(sequences, catalog, cfg, valid, progress, log) -> TrainResult:
     from tqdm import tqdm
 
@@ -218,17 +238,8 @@ def _train(sequences, catalog, cfg, valid, progress, log) -> TrainResult:
     steps_per_epoch = math.ceil(len(tokens) / cfg.batch_size)
     total_steps = steps_per_epoch * cfg.epochs
 
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.98))
-
-    def lr_at(step: int) -> float:
-        if step < cfg.warmup_steps:
-            return cfg.lr * (step + 1) / cfg.warmup_steps
-        frac = (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
-        return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
-
+    opt = _optimizer(model, cfg)
+    lr_at = _lr_schedule(cfg, total_steps)
     log(f"model: {spec.num_parameters():,} parameters (hidden {spec.hidden_size}, {spec.num_hidden_layers} layers, "
         f"vocab {spec.vocab_size}); {len(tokens)} windows of <= {cfg.max_items} items, {steps_per_epoch} steps/epoch")
     history: list[dict] = []
@@ -281,8 +292,6 @@ def _train(sequences, catalog, cfg, valid, progress, log) -> TrainResult:
     return TrainResult(model=model.eval().requires_grad_(False), config=cfg, steps=step, epochs_done=epochs_done,
                        seconds=seconds, stopped_by_budget=stopped, best_epoch=best[1],
                        threads=torch.get_num_threads(), history=history)
-
-
 
 
 def save_trained(result: TrainResult, out: str | Path, *, catalog_path: str | Path | None = None,

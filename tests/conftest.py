@@ -1,0 +1,79 @@
+"""Shared fixtures: the small models several test files build.
+
+Each fixture is session-scoped and returns a factory; a factory builds one model per argument set, seeded, and
+hands the same object to every test that asks for the same arguments. The models are read-only: a test must not
+change their weights, dtype or device (build its own model for that).
+
+- ``tiny_model(seed)``: the ``tiny`` preset with seeded random weights (``load_model("tiny", seed=seed)``);
+- ``random_decoder(spec, seed, std)``: a ``Decoder`` of any shape with every parameter drawn from N(0, std²)
+  after ``torch.manual_seed(seed)`` (weights far from a preset's, so paths that must agree are tested away
+  from ties);
+- ``hf_qwen3(kv_heads, seed, perturb_norms)``: a small HF transformers ``Qwen3ForCausalLM`` and the same weights
+  loaded by grserve, the pair every "grserve = HF" LLM test compares.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    """``tiny_model(seed=0)`` → the ``tiny`` preset (fp32, CPU) with seeded random weights."""
+    from grserve.model import load_model
+
+    return functools.cache(lambda seed=0: load_model("tiny", seed=seed))
+
+
+@pytest.fixture(scope="session")
+def random_decoder():
+    """``random_decoder(spec, seed, std)`` → ``Decoder(spec)`` (fp32, CPU, eval, no grad), every parameter
+    N(0, std²) drawn in ``parameters()`` order after ``torch.manual_seed(seed)``."""
+    from grserve.model import Decoder
+
+    @functools.cache
+    def build(spec, seed: int, std: float):
+        model = Decoder(spec).eval().requires_grad_(False)
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0.0, std)
+        return model
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def hf_qwen3(tmp_path_factory):
+    """``hf_qwen3(kv_heads, seed, perturb_norms=False)`` → (hf, ours).
+
+    hf: ``Qwen3ForCausalLM`` (fp32, eager attention; vocab 300, hidden 64, intermediate 128, 2 layers, 4 query
+    heads of 16, ``kv_heads`` K/V heads, untied, init std 0.1) built after ``torch.manual_seed(seed)``; with
+    ``perturb_norms`` every norm weight is then 1 + 0.2·N(0, 1), so that each norm matters. ours: the same
+    weights saved by HF and loaded by ``grserve.model.load_model``."""
+    transformers = pytest.importorskip("transformers")
+    from grserve.model import load_model
+
+    @functools.cache
+    def build(kv_heads: int, seed: int, perturb_norms: bool = False):
+        torch.manual_seed(seed)
+        cfg = transformers.Qwen3Config(
+            vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=kv_heads, head_dim=16, max_position_embeddings=512,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False,
+            initializer_range=0.1)
+        cfg._attn_implementation = "eager"
+        hf = transformers.Qwen3ForCausalLM(cfg).float().eval()
+        if perturb_norms:
+            with torch.no_grad():
+                for name, p in hf.named_parameters():
+                    if name.endswith("norm.weight"):
+                        p.copy_(1.0 + 0.2 * torch.randn_like(p))
+        d = tmp_path_factory.mktemp(f"hf-qwen3-kv{kv_heads}-seed{seed}")
+        hf.save_pretrained(d)
+        return hf, load_model(str(d))
+
+    return build
