@@ -13,7 +13,8 @@ import uvicorn
 
 openai = pytest.importorskip("openai")
 
-from grserve.engine.llm import EngineLoop, build_model_engine  # noqa: E402
+from grserve.engine.async_llm import AsyncLLMEngine  # noqa: E402
+from grserve.engine.llm import build_model_engine  # noqa: E402
 from grserve.engine.tokenizer import ByteTokenizer  # noqa: E402
 from grserve.model import ModelSpec, load_model  # noqa: E402
 from grserve.scheduler.aptserve import AptServeScheduler  # noqa: E402
@@ -33,7 +34,7 @@ def server(tmp_path_factory):
     tok = ByteTokenizer(SPEC.vocab_size)
     eng = build_model_engine(model, AptServeScheduler(ttft_slo=10, tbt_slo=10, rho=1e-6), num_blocks=256,
                              block_size=8, eos_token_id=None, detokenize=tok.decode)
-    loop = EngineLoop(eng).start()
+    loop = AsyncLLMEngine(eng, tok).start()
     app = create_llm_app(loop, tok, "test-model", SPEC.max_position_embeddings, SPEC.vocab_size)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

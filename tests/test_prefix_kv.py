@@ -162,12 +162,13 @@ def test_store_slot_accounting_random():
 def test_serve_llm_flags_build_a_prefix_cache():
     from grserve.cli import build_parser
     from grserve.cli import main as cli_main
-    from grserve.server.llm_main import build_engine, config_from_args
+    from grserve.engine.async_llm import AsyncLLMEngine
+    from grserve.server.llm_main import config_from_args
 
     cfg = config_from_args(build_parser().parse_args(["serve", "llm", "--model", "tiny", "--scheduler", "fcfs",
                                                       "--num-blocks", "64", "--prefix-cache-tokens", "256",
                                                       "--prefix-cache-policy", "laru"]))
-    engine, _, _ = build_engine(cfg)
+    engine = AsyncLLMEngine.build(cfg)
     assert engine.prefix_cache is not None and engine.prefix_cache.capacity == 256
     assert engine.prefix_cache.tree.policy.name == "laru"
     assert cli_main(["serve", "llm", "--prefix-cache-tokens", "-1"]) == 2

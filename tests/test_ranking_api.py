@@ -13,7 +13,9 @@ from grserve.attention.bipartite import reference_forward
 from grserve.cli import build_parser
 from grserve.cli import main as cli_main
 from grserve.config import RankingLimits
-from grserve.engine.ranking import RankingConfig, RankingEngine, RankingRunner
+from grserve.config import RankingConfig
+from grserve.engine.ranking_engine import RankingEngine
+from grserve.engine.ranking_runner import RankingRunner
 from grserve.ranking.layouts import build_prompt
 from grserve.ranking.registry import synthetic_registry
 from grserve.ranking.scoring import score_candidates

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from grserve.attention.bipartite import reference_forward
-from grserve.engine.ranking import RankingConfig, RankingEngine, RankingRequest, RankingRunner
+from grserve.config import RankingConfig
+from grserve.engine.ranking_engine import RankingEngine
+from grserve.engine.ranking_runner import RankingRequest, RankingRunner
 from grserve.kvcache.meta import CacheMetaService, DecayedWindowFrequency
 from grserve.kvcache.paged import PagedKVStore
 from grserve.kvcache.user_cache import UserKVCache
@@ -186,7 +188,7 @@ def test_engine_threads_return_every_result(model):
     runner = RankingRunner(model, reg, RankingConfig(policy="bat", max_batch_requests=4))
     with RankingEngine(runner) as eng:
         reqs = [_req(reg, k % 4, [k, k + 1, k + 2], float(k)) for k in range(9)]
-        futs = [eng.submit(r) for r in reqs]
+        futs = [eng.submit(r).future for r in reqs]
         res = [f.result(timeout=120) for f in futs]
     assert [r.request_id for r in res] == [q.request_id for q in reqs]
     assert runner.stats.requests == 9 and runner.stats.batches >= 3

@@ -10,7 +10,7 @@ import torch
 from grserve.attention.context import SequenceKVContext
 from grserve.catalog import Catalog, CatalogStore, generate_catalog
 from grserve.config import SchedulerConfig, SearchConfig
-from grserve.engine.engine import RetrievalEngine
+from grserve.engine.retrieval_engine import RetrievalEngine
 from grserve.engine.retrieval import RetrievalRunner
 from grserve.engine.types import RetrievalRequest
 from grserve.search.beam_search import BeamSearch
@@ -228,9 +228,9 @@ def test_engine_serves_through_catalog_replacement(model):
     store = CatalogStore(cat_a, vocab_size=model.spec.vocab_size)
     engine = RetrievalEngine(model, store, SearchConfig(), SchedulerConfig(max_inflight_batches=2)).start()
     try:
-        futs = [engine.submit(RetrievalRequest(prompt(60, s), 16, 8)) for s in range(6)]
+        futs = [engine.submit(RetrievalRequest(prompt(60, s), 16, 8)).future for s in range(6)]
         store.replace(cat_b)
-        futs += [engine.submit(RetrievalRequest(prompt(60, s), 16, 8)) for s in range(6, 9)]
+        futs += [engine.submit(RetrievalRequest(prompt(60, s), 16, 8)).future for s in range(6, 9)]
         results = [f.result(timeout=120) for f in futs]
     finally:
         engine.stop()
@@ -247,7 +247,7 @@ def test_more_than_one_batch_in_flight(model):
     engine = RetrievalEngine(model, CatalogStore(catalog), SearchConfig(), SchedulerConfig(max_inflight_batches=2)).start()
     try:
         # two beam widths cannot share a batch: both batches are dispatched to the two idle slots
-        futs = [engine.submit(RetrievalRequest(prompt(400, s), bw, 4)) for s, bw in enumerate([64, 32, 64, 32])]
+        futs = [engine.submit(RetrievalRequest(prompt(400, s), bw, 4)).future for s, bw in enumerate([64, 32, 64, 32])]
         results = [f.result(timeout=120) for f in futs]
     finally:
         engine.stop()

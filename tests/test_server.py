@@ -601,10 +601,10 @@ def test_cli_serve_builds_and_runs(monkeypatch, capsys, tmp_path):
             built.update(cfg=cfg, engine=eng, on_batch=on_batch)
             return eng
 
-    fake_mod = types.ModuleType("grserve.engine.engine")
+    fake_mod = types.ModuleType("grserve.engine.retrieval_engine")
     fake_mod.RetrievalEngine = Recorder
     fake_mod.EngineOverloaded = EngineOverloaded
-    monkeypatch.setitem(sys.modules, "grserve.engine.engine", fake_mod)
+    monkeypatch.setitem(sys.modules, "grserve.engine.retrieval_engine", fake_mod)
     ran = {}
 
     def fake_run(app, host, port, log_level):
@@ -632,7 +632,7 @@ def test_cli_serve_builds_and_runs(monkeypatch, capsys, tmp_path):
 # the real engine behind the app (small catalog, preset "tiny")
 # ----------------------------------------------------------------------------------------------------------
 def test_real_engine_end_to_end(tmp_path):
-    engine_mod = pytest.importorskip("grserve.engine.engine")
+    engine_mod = pytest.importorskip("grserve.engine.retrieval_engine")
     from grserve.config import CatalogConfig, ServeConfig
 
     cfg = ServeConfig(catalog=CatalogConfig(num_items=500, depth=3, codebook_size=16),
@@ -676,7 +676,7 @@ def test_real_engine_end_to_end(tmp_path):
 def test_catalog_file_scores_the_same_at_start_up_and_after_reload(tmp_path):
     """One loader for both paths: a catalog file served from start-up and the same file hot-reloaded answer a
     request identically; a file whose inferred layout is not the served one is refused, not silently re-laid."""
-    engine_mod = pytest.importorskip("grserve.engine.engine")
+    engine_mod = pytest.importorskip("grserve.engine.retrieval_engine")
     from grserve.config import CatalogConfig, ServeConfig
 
     declared = tmp_path / "declared.jsonl"  # save_catalog writes the layout line: codebook_sizes [16, 16, 16]

@@ -76,7 +76,7 @@ def _serving(cfg: Any, console: Any) -> Iterator[tuple[_Http, Any, dict]]:
     """Engine + HTTP app on 127.0.0.1:<free port> in a thread; yields (client, engine, /health body)."""
     import uvicorn
 
-    from grserve.engine.engine import RetrievalEngine
+    from grserve.engine.retrieval_engine import RetrievalEngine
     from grserve.server.retrieval_app import create_app
     from grserve.server.metrics import Metrics
 

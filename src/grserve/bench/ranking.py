@@ -79,7 +79,7 @@ def run(a: RankingBenchConfig) -> int:
     from rich.table import Table
     from tqdm import tqdm
 
-    from grserve.engine.ranking import RankingRequest, RankingRunner, _kv_store, precompute_item_kv
+    from grserve.engine.ranking_runner import RankingRequest, RankingRunner, _kv_store, precompute_item_kv
     from grserve.kvcache.item_pool import ItemKVPool
     from grserve.model import load_model
     from grserve.ranking.workload import WorkloadSpec, generate_workload

@@ -30,7 +30,7 @@ from grserve.flags import (
 )
 
 if TYPE_CHECKING:
-    from grserve.engine.engine import RetrievalEngine
+    from grserve.engine.retrieval_engine import RetrievalEngine
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ def run_grserve(engine: RetrievalEngine, prompts, bw: int, top_n: int) -> dict:
     futs = []
     for r in reqs:
         r.arrival = time.perf_counter()
-        f = engine.submit(r)
+        f = engine.submit(r).future
         f.add_done_callback(lambda _f, rid=r.request_id: done_at.__setitem__(rid, time.perf_counter()))
         futs.append(f)
     wait(futs)
@@ -115,7 +115,7 @@ def run(cfg: RetrievalBenchConfig) -> int:
     from grserve.bench.workload import history_prompts
     from grserve.catalog import CatalogStore, generate_catalog
     from grserve.config import SchedulerConfig, SearchConfig
-    from grserve.engine.engine import RetrievalEngine
+    from grserve.engine.retrieval_engine import RetrievalEngine
     from grserve.engine.retrieval import RetrievalRunner
     from grserve.model import load_model
 

@@ -250,7 +250,7 @@ class LLMEngine:
         plan = self.scheduler.schedule(inp)
         self.iterations += 1
         # An idle plan (nothing scheduled, nothing preempted) changes no state: the driver must let time pass
-        # (run_trace jumps to the next arrival; EngineLoop waits) or it would spin forever.
+        # (run_trace jumps to the next arrival; AsyncLLMEngine waits) or it would spin forever.
         self.last_step_progressed = bool(plan.scheduled or plan.preempted)
         # 1. preemption (recompute): free, back to the front of W in their original order
         for sid in reversed(plan.preempted):
@@ -428,48 +428,3 @@ def build_model_engine(model, scheduler: LLMScheduler, *, num_blocks: int, block
 
         kw["prefix_cache"] = PrefixKVStore.for_storage(storage, prefix_cache_tokens, prefix_cache_policy)
     return LLMEngine(scheduler, pool, ModelExecutor(model, storage), **kw)
-
-
-class EngineLoop:
-    """Runs ``engine.step()`` on a background thread while there is work (the server's driver)."""
-
-    def __init__(self, engine: LLMEngine):
-        self.engine = engine
-        self._cv = threading.Condition()
-        self._stop = False
-        self._thread = threading.Thread(target=self._run, name="grserve-llm-engine", daemon=True)
-        self.errors = 0
-
-    def start(self) -> "EngineLoop":
-        self._thread.start()
-        return self
-
-    def wake(self) -> None:
-        with self._cv:
-            self._cv.notify()
-
-    def stop(self) -> None:
-        self._stop = True
-        self.wake()
-        self._thread.join(timeout=5)
-
-    def _run(self) -> None:
-        while not self._stop:
-            with self._cv:
-                while not self._stop and not self.engine.has_work():
-                    self._cv.wait(timeout=0.5)
-            if self._stop:
-                return
-            try:
-                self.engine.step()
-                if not self.engine.last_step_progressed:  # the policy is idle: let time pass, don't spin
-                    with self._cv:
-                        self._cv.wait(timeout=0.002)
-            except Exception:  # never die: fail the in-flight requests, keep serving
-                import logging
-
-                logging.getLogger("grserve.engine").exception("engine step failed")
-                self.errors += 1
-                with self.engine.lock:
-                    for s in list(self.engine.running) + list(self.engine.waiting):
-                        self.engine._finish(s, "error")

@@ -9,8 +9,12 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from grserve.engine.sampling import SamplingParams
 
 
 @dataclass
@@ -43,3 +47,24 @@ class RetrievalResult:
     candidates_visited: int = 0  # top-BW candidates an early-terminated scan touched, summed over steps
     catalog_version: int = 0
     kv_bytes: int = 0  # KV cache bytes this request held: (L + BW·ND) · bytes_per_token
+
+
+@dataclass
+class LLMRequest:
+    """One LLM generation request: prompt token ids (already validated) and its sampling parameters."""
+
+    prompt_ids: list[int]
+    params: "SamplingParams"
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
+
+
+@dataclass
+class LLMResult:
+    """The end of an LLM request: every generated token, the text, and why it stopped ("stop" | "length")."""
+
+    request_id: str
+    output_ids: list[int]
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    num_preemptions: int = 0

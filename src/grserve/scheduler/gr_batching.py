@@ -97,3 +97,20 @@ class GRBatcher(Generic[R]):
             count += 1
             tokens += req.num_tokens
         return count, tokens
+
+    def remove(self, match) -> R | None:
+        """Take the first queued request for which ``match(req)`` is true out of its queue (a cancel)."""
+        for q in self._queues.values():
+            for i, req in enumerate(q):
+                if match(req):
+                    del q[i]
+                    self._size -= 1
+                    return req
+        return None
+
+    def pop_all(self) -> list[R]:
+        """Every queued request, oldest queue first; the batcher is empty after."""
+        out = [r for q in self._queues.values() for r in q]
+        self._queues.clear()
+        self._size = 0
+        return out

@@ -83,7 +83,8 @@ def build_registry(data: RankingDataConfig, vocab_size: int) -> RankingRegistry:
 def run(cfg: RankingServeConfig) -> int:
     check_model(cfg.model)
 
-    from grserve.engine.ranking import RankingEngine, RankingRunner
+    from grserve.engine.ranking_engine import RankingEngine
+    from grserve.engine.ranking_runner import RankingRunner
     from grserve.model import load_model
     from grserve.ranking.registry import RegistryError
     from grserve.server.core import serve_until_exit

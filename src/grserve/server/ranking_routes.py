@@ -18,7 +18,7 @@ from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 
 from grserve.config import RankingLimits
-from grserve.engine.ranking import RankingRequest
+from grserve.engine.ranking_runner import RankingRequest
 from grserve.ranking.registry import RegistryError
 from grserve.server.core import ApiError, check_length, finish, submit, token_ids, unknown_ids
 from grserve.server.schemas import (

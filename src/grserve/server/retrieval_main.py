@@ -44,7 +44,7 @@ def run(cfg: ServeConfig) -> int:
         raise UsageError(f"catalog file not found: {cfg.catalog.path}")
     check_model(cfg.model)
 
-    from grserve.engine.engine import RetrievalEngine
+    from grserve.engine.retrieval_engine import RetrievalEngine
     from grserve.server.core import serve_until_exit
     from grserve.server.metrics import Metrics
     from grserve.server.retrieval_app import create_app

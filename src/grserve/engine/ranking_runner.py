@@ -1,4 +1,4 @@
-"""The BAT ranking engine: per-request prefix choice, one packed prefill per batch, user/item KV caches.
+"""The BAT ranking runner: per-request prefix choice, one packed prefill per batch, user/item KV caches.
 
 scheduler (a ``PrefixPolicy``: which side is the cached prefix) → this engine (gathers cached KV, packs the
 computed tokens of a batch into one forward through ``BipartiteBatchContext``, scores, writes caches back) →
@@ -16,24 +16,22 @@ Per request (``RankingRunner.run``):
    softmax → top-k.
 
 A cached token is never recomputed: ``computed_tokens`` counts exactly the tokens that entered the forward.
-Batches run one at a time on one executor thread: cache decisions and writes are sequential, so each request
+Batches run one at a time (``engine/ranking_engine.py`` gives the runner one executor thread): cache decisions and writes are sequential, so each request
 sees the cache state left by the previous batch (on 2 CPU cores one forward already uses every core).
 """
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
 
+from grserve.config import RankingConfig
 from grserve.attention.bipartite import BipartiteBatchContext, BipartiteRequest
 from grserve.kvcache.item_pool import ItemKVPool, ItemKVSource
 from grserve.kvcache.meta import CacheMetaService
@@ -44,27 +42,6 @@ from grserve.ranking.layouts import ITEM_PREFIX, USER_PREFIX, BipartitePrompt, b
 from grserve.ranking.registry import RankingRegistry
 from grserve.ranking.scoring import score_candidates
 from grserve.scheduler.prefix_choice import PrefixDecision, PrefixPolicy, PrefixQuery, make_policy
-
-
-class EngineOverloaded(RuntimeError):
-    """The waiting queue is full (HTTP 503)."""
-
-
-@dataclass(frozen=True)
-class RankingConfig:
-    policy: str = "bat"  # bat | user_prefix | item_prefix | greedy_size | recompute
-    user_cache_bytes: int = 256 << 20  # user-prefix KV cache capacity (whole pages)
-    item_pool_bytes: int | None = None  # None → sized for the registered catalog + ``item_pool_headroom``
-    item_pool_headroom: float = 0.25  # spare fraction for items registered later
-    page_size: int = 16  # tokens per KV page
-    user_window_s: float = 300.0  # W of the users' decayed sliding-window frequency
-    item_window_s: float = 3600.0  # window of the items' hotness (HRCS re-replication)
-    bat_item_tokens: str = "all"  # BAT rule's τ_i: "all" candidate tokens or only the "cached" ones
-    write_back_items: bool = True  # IP: items computed inline (cache miss) are stored in the local pool
-    max_batch_requests: int = 8
-    token_capacity: int = 16384  # prompt tokens per batch; a larger single request runs alone
-    max_queue: int = 1024
-    precompute_batch_tokens: int = 8192  # item tokens per forward when precomputing the item pool
 
 
 @dataclass
@@ -373,90 +350,3 @@ class RankingRunner:
         st.forward_s += forward_s
         st.busy_s += time.perf_counter() - t0
         return results
-
-
-class RankingEngine:
-    """Batching thread + one executor thread + futures around a ``RankingRunner``."""
-
-    def __init__(self, runner: RankingRunner, on_batch: Callable[[int, int], None] | None = None):
-        self.runner = runner
-        self.cfg = runner.cfg
-        self.on_batch = on_batch
-        self._queue: deque[tuple[RankingRequest, Future]] = deque()
-        self._cond = threading.Condition()
-        self._running = False
-        self._thread: threading.Thread | None = None
-
-    @property
-    def registry(self) -> RankingRegistry:
-        return self.runner.registry
-
-    @property
-    def queue_depth(self) -> int:
-        return len(self._queue)
-
-    def start(self) -> "RankingEngine":
-        if not self._running:
-            self._running = True
-            self._thread = threading.Thread(target=self._loop, name="grserve-ranking", daemon=True)
-            self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        with self._cond:
-            self._running = False
-            self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-            self._thread = None
-        for _, fut in self._queue:
-            if not fut.done():
-                fut.set_exception(RuntimeError("engine stopped"))
-        self._queue.clear()
-
-    def __enter__(self) -> "RankingEngine":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-    def submit(self, req: RankingRequest) -> Future[RankingResult]:
-        fut: Future[RankingResult] = Future()
-        with self._cond:
-            if len(self._queue) >= self.cfg.max_queue:
-                raise EngineOverloaded(f"{len(self._queue)} requests waiting (max_queue={self.cfg.max_queue})")
-            self._queue.append((req, fut))
-            self._cond.notify_all()
-        return fut
-
-    async def rank(self, req: RankingRequest) -> RankingResult:
-        return await asyncio.wrap_future(self.submit(req))
-
-    def _pop_batch(self) -> list[tuple[RankingRequest, Future]]:
-        batch, tokens = [], 0
-        while self._queue and len(batch) < self.cfg.max_batch_requests:
-            n = self._queue[0][0].num_tokens
-            if batch and tokens + n > self.cfg.token_capacity:
-                break
-            batch.append(self._queue.popleft())
-            tokens += n
-        return batch
-
-    def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while self._running and not self._queue:
-                    self._cond.wait()
-                if not self._running:
-                    return
-                batch = self._pop_batch()
-            try:
-                results = self.runner.run([r for r, _ in batch])
-                for (_, fut), res in zip(batch, results):
-                    fut.set_result(res)
-                if self.on_batch is not None:
-                    self.on_batch(len(batch), sum(r.num_tokens for r, _ in batch))
-            except BaseException as exc:  # a failing batch fails its own requests only
-                for _, fut in batch:
-                    if not fut.done():
-                        fut.set_exception(exc)

@@ -1,0 +1,187 @@
+"""The LLM engine behind the Engine contract: a background thread steps the continuous-batching core.
+
+``engine/llm.py``'s ``LLMEngine`` is the step-level core (one ``step()`` = one scheduled iteration over the hybrid
+KV/hidden block pool); this class is what the server and the cluster talk to (``engine.protocol.Engine``):
+``submit(LLMRequest)`` → a handle whose ``events()`` yields one ``TokenEvent`` per sampled token and whose future
+resolves to an ``LLMResult``. A request that is cancelled fails with ``RequestCancelled``; a request caught in a
+failing engine step fails with ``EngineStepFailed`` — an error never looks like a normal finish.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from grserve.config import LLMServeConfig
+from grserve.engine.llm import LLMEngine, Sequence, TokenEvent
+from grserve.engine.protocol import (
+    EngineError,
+    EngineHealth,
+    EngineStopped,
+    RequestCancelled,
+    RequestHandle,
+)
+from grserve.engine.types import LLMRequest, LLMResult
+
+log = logging.getLogger("grserve.engine")
+
+
+class EngineStepFailed(EngineError):
+    """An engine iteration raised; the requests it held are failed (the engine keeps serving)."""
+
+
+class AsyncLLMEngine:
+    def __init__(self, core: LLMEngine, tokenizer: Any = None, model: Any = None):
+        self.core = core
+        self.tokenizer = tokenizer
+        self.model = model
+        self._cv = threading.Condition()
+        self._status = "stopped"
+        self._thread: threading.Thread | None = None
+        self._live: dict[str, tuple[int, Sequence, RequestHandle]] = {}
+        self.errors = 0
+
+    @classmethod
+    def build(cls, cfg: LLMServeConfig) -> "AsyncLLMEngine":
+        """Model (preset or HF dir), tokenizer, scheduling policy (ρ profiled at start-up for Apt-Serve unless
+        given), block pool and optional prefix cache, from one config."""
+        from grserve.engine.llm import build_model_engine, calibrate_rho
+        from grserve.engine.tokenizer import load_tokenizer
+        from grserve.model import load_model
+        from grserve.scheduler.llm_factory import make_llm_scheduler
+
+        m, c = cfg.model, cfg.llm
+        model = load_model(m.source, dtype=m.dtype, device=m.device, seed=m.seed)
+        tok = load_tokenizer(m.source, model.spec.vocab_size)
+        rho = c.rho if c.rho is not None else (calibrate_rho(model) if c.scheduler == "aptserve" else 0.0)
+        pol = make_llm_scheduler(c.scheduler, ttft_slo=c.ttft_slo, tbt_slo=c.tbt_slo, rho=rho,
+                                 token_budget=c.token_budget, max_num_batched_tokens=c.max_batched_tokens,
+                                 max_num_seqs=c.max_num_seqs)
+        core = build_model_engine(model, pol, num_blocks=c.num_blocks, block_size=c.block_size,
+                                  prefix_cache_tokens=c.prefix_cache_tokens,
+                                  prefix_cache_policy=c.prefix_cache_policy,
+                                  eos_token_id=tok.eos_token_id, detokenize=tok.decode)
+        return cls(core, tok, model)
+
+    # ---- lifecycle ----------------------------------------------------------------------------------------
+    def start(self) -> "AsyncLLMEngine":
+        with self._cv:
+            if self._status == "ok":
+                return self
+            self._status = "ok"
+        self._thread = threading.Thread(target=self._run, name="grserve-llm-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def drain(self, timeout_s: float | None = None) -> bool:
+        deadline = None if timeout_s is None else time.perf_counter() + timeout_s
+        with self._cv:
+            if self._status == "ok":
+                self._status = "draining"
+        while self.core.has_work():
+            if deadline is not None and time.perf_counter() >= deadline:
+                return False
+            time.sleep(0.005)
+        return True
+
+    def stop(self) -> None:
+        with self._cv:
+            self._status = "stopped"
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._thread = None
+        with self.core.lock:
+            for seq_id, _seq, handle in list(self._live.values()):
+                self.core.abort(seq_id)
+                _fail(handle, EngineStopped("engine stopped"))
+
+    def __enter__(self) -> "AsyncLLMEngine":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # ---- requests -----------------------------------------------------------------------------------------
+    def submit(self, req: LLMRequest) -> RequestHandle[LLMResult]:
+        """Queue a request; ``ValueError`` if it can never fit (model length or pool size)."""
+        if self._status != "ok":
+            raise EngineStopped(f"engine is {self._status}")
+        handle: RequestHandle[LLMResult] = RequestHandle(req.request_id, self.cancel)
+        with self.core.lock:
+            seq_id = self.core.add_request(req.prompt_ids, req.params,
+                                           on_event=lambda ev, r=req.request_id: self._on_event(r, ev))
+            self._live[req.request_id] = (seq_id, self.core.seqs[seq_id], handle)
+        with self._cv:
+            self._cv.notify_all()
+        return handle
+
+    def cancel(self, request_id: str) -> bool:
+        with self.core.lock:
+            entry = self._live.get(request_id)
+            return entry is not None and self.core.abort(entry[0])
+
+    def _on_event(self, request_id: str, ev: TokenEvent) -> None:
+        """Called by the core (engine thread, core lock held) for every token and every end."""
+        entry = self._live.get(request_id)
+        if entry is None:
+            return
+        _, seq, handle = entry
+        if not ev.finished or ev.token_ids:
+            handle.push(ev)
+        if not ev.finished:
+            return
+        del self._live[request_id]
+        if ev.finish_reason in ("stop", "length"):
+            handle.future.set_result(LLMResult(request_id, list(seq.output_ids), seq.text, ev.finish_reason,
+                                               len(seq.prompt_ids), seq.num_preemptions))
+        elif ev.finish_reason == "abort":
+            _fail(handle, RequestCancelled(f"request {request_id} cancelled"))
+        else:
+            _fail(handle, EngineStepFailed(f"request {request_id} failed in an engine step"))
+
+    # ---- state ---------------------------------------------------------------------------------------------
+    @property
+    def queue_depth(self) -> int:
+        return len(self.core.waiting)
+
+    @property
+    def prefix_cache(self):
+        return self.core.prefix_cache
+
+    def health(self) -> EngineHealth:
+        c = self.core
+        return EngineHealth(self._status, len(c.waiting), len(c.running),  # type: ignore[arg-type]
+                            {"free_blocks": c.pool.num_free, "total_blocks": c.pool.num_blocks})
+
+    def stats(self) -> dict[str, float]:
+        c = self.core
+        return {**c.stats, "running": len(c.running), "waiting": len(c.waiting), "free_blocks": c.pool.num_free,
+                "total_blocks": c.pool.num_blocks, "iterations": c.iterations, "errors": self.errors}
+
+    # ---- the loop --------------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while self._status != "stopped" and not self.core.has_work():
+                    self._cv.wait(timeout=0.5)
+                if self._status == "stopped":
+                    return
+            try:
+                self.core.step()
+                if not self.core.last_step_progressed:  # the policy is idle: let time pass, don't spin
+                    with self._cv:
+                        self._cv.wait(timeout=0.002)
+            except Exception:  # never die: fail the in-flight requests with an error, keep serving
+                log.exception("engine step failed")
+                self.errors += 1
+                with self.core.lock:
+                    for s in list(self.core.running) + list(self.core.waiting):
+                        self.core._finish(s, "error")
+
+
+def _fail(handle: RequestHandle, exc: BaseException) -> None:
+    if not handle.future.done():
+        handle.future.set_exception(exc)

@@ -1,0 +1,79 @@
+"""The BAT ranking engine: the batching core (``engine/batching.py``) around one ``RankingRunner``.
+
+Batches are formed FIFO by ``GRBatcher`` (one queue: up to ``max_batch_requests`` requests and
+``token_capacity`` prompt tokens, a single larger request alone, dispatched at once when the executor is idle)
+and run one at a time on one executor thread, so cache decisions and writes stay sequential. Implements
+``engine.protocol.Engine``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from grserve.config import RankingConfig, SchedulerConfig
+from grserve.engine.batching import BatchingCore
+from grserve.engine.protocol import EngineHealth, RequestHandle
+from grserve.engine.ranking_runner import RankingRequest, RankingResult, RankingRunner
+from grserve.ranking.registry import RankingRegistry
+
+
+def batching_config(cfg: RankingConfig) -> SchedulerConfig:
+    """The ranking engine's batch formation: one executor, no waiting quota (a batch leaves when the executor
+    is idle or the batch is full)."""
+    return SchedulerConfig(token_capacity=cfg.token_capacity, max_batch_requests=cfg.max_batch_requests,
+                           wait_quota_fraction=0.0, max_inflight_batches=1, max_queue=cfg.max_queue)
+
+
+class RankingEngine:
+    def __init__(self, runner: RankingRunner, on_batch: Callable[[int, int], None] | None = None):
+        self.runner = runner
+        self.cfg = runner.cfg
+        self._core = BatchingCore(runner.run, batching_config(runner.cfg), "grserve-ranking", on_batch)
+
+    @property
+    def registry(self) -> RankingRegistry:
+        return self.runner.registry
+
+    # ---- the Engine contract -----------------------------------------------------------------------------
+    def start(self) -> "RankingEngine":
+        self._core.start()
+        return self
+
+    def stop(self) -> None:
+        self._core.stop()
+
+    def drain(self, timeout_s: float | None = None) -> bool:
+        return self._core.drain(timeout_s)
+
+    def submit(self, req: RankingRequest) -> RequestHandle[RankingResult]:
+        return self._core.submit(req, self.cancel)
+
+    def cancel(self, request_id: str) -> bool:
+        return self._core.cancel(request_id)
+
+    def health(self) -> EngineHealth:
+        r = self.runner
+        return self._core.health({"policy": r.policy.name, "users": r.registry.num_users,
+                                  "items": r.registry.num_items})
+
+    def stats(self) -> dict[str, float]:
+        return {**self._core.stats(), **{k: v for k, v in self.runner.stats.summary().items()
+                                         if isinstance(v, (int, float))}}
+
+    @property
+    def queue_depth(self) -> int:
+        return self._core.queue_depth
+
+    @property
+    def on_batch(self) -> Callable[[int, int], None] | None:
+        return self._core.on_batch
+
+    @on_batch.setter
+    def on_batch(self, fn: Callable[[int, int], None] | None) -> None:
+        self._core.on_batch = fn
+
+    def __enter__(self) -> "RankingEngine":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,116 @@
+"""The GR retrieval engine: the batching core (``engine/batching.py``) around a ``RetrievalRunner``.
+
+scheduler (``GRBatcher``: which requests form the next batch) → batching core (queue, executor threads, handles)
+→ runner (``RetrievalRunner``: prefill + decode steps). Up to ``max_inflight_batches`` batches execute at once,
+each on its own thread (torch ops release the GIL; on a GPU each executor would own a stream). Every batch takes
+the catalog snapshot current at its start, so replacing the catalog never disturbs requests already running. A
+failing batch fails only its own requests; the engine keeps serving. Implements ``engine.protocol.Engine``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from grserve.catalog import Catalog, CatalogStore, generate_catalog, load_catalog
+from grserve.config import SchedulerConfig, SearchConfig, ServeConfig
+from grserve.engine.batching import BatchingCore
+from grserve.engine.protocol import EngineHealth, RequestHandle
+from grserve.engine.retrieval import RetrievalRunner
+from grserve.engine.types import RetrievalRequest, RetrievalResult, RetrievedItem
+from grserve.model import Decoder, load_model
+
+
+class RetrievalEngine:
+    def __init__(
+        self,
+        model: Decoder,
+        catalogs: CatalogStore,
+        search: SearchConfig | None = None,
+        scheduler: SchedulerConfig | None = None,
+        on_batch: Callable[[int, int], None] | None = None,
+    ):
+        self.model = model
+        self.catalogs = catalogs
+        self.search = search or SearchConfig()
+        self.scheduler = scheduler or SchedulerConfig()
+        self.vocab_size = model.spec.vocab_size
+        self.runner = RetrievalRunner(model, self.search)
+        self._core = BatchingCore(self._execute, self.scheduler, "grserve-retrieval", on_batch)
+
+    @classmethod
+    def build(cls, cfg: ServeConfig, on_batch: Callable[[int, int], None] | None = None) -> "RetrievalEngine":
+        m = cfg.model
+        model = load_model(m.source, dtype=m.dtype, device=m.device, seed=m.seed)
+        store = CatalogStore(build_catalog(cfg), vocab_size=model.spec.vocab_size)
+        return cls(model, store, cfg.search, cfg.scheduler, on_batch)
+
+    # ---- the Engine contract -----------------------------------------------------------------------------
+    def start(self) -> "RetrievalEngine":
+        self._core.start()
+        return self
+
+    def stop(self) -> None:
+        self._core.stop()
+        self.runner.close()
+
+    def drain(self, timeout_s: float | None = None) -> bool:
+        return self._core.drain(timeout_s)
+
+    def submit(self, req: RetrievalRequest) -> RequestHandle[RetrievalResult]:
+        return self._core.submit(req, self.cancel)
+
+    def cancel(self, request_id: str) -> bool:
+        return self._core.cancel(request_id)
+
+    def health(self) -> EngineHealth:
+        return self._core.health({"catalog_version": self.catalogs.current().version})
+
+    def stats(self) -> dict[str, float]:
+        return self._core.stats()
+
+    @property
+    def queue_depth(self) -> int:
+        return self._core.queue_depth
+
+    @property
+    def on_batch(self) -> Callable[[int, int], None] | None:
+        return self._core.on_batch
+
+    @on_batch.setter
+    def on_batch(self, fn: Callable[[int, int], None] | None) -> None:
+        self._core.on_batch = fn
+
+    @property
+    def batches_run(self) -> int:
+        return self._core.batches_run
+
+    @property
+    def peak_inflight(self) -> int:
+        return self._core.peak_inflight
+
+    def __enter__(self) -> "RetrievalEngine":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # ---- one batch ---------------------------------------------------------------------------------------
+    def _execute(self, requests: list[RetrievalRequest]) -> list[RetrievalResult]:
+        catalog = self.catalogs.current()
+        start = time.perf_counter()
+        out = self.runner.run([r.prompt_tokens for r in requests], requests[0].beam_width,
+                              [r.top_n for r in requests], catalog)
+        done = time.perf_counter()
+        return [RetrievalResult(request_id=r.request_id, items=[RetrievedItem(h.item_id, h.sid, h.score) for h in hits],
+                                queue_ms=(start - r.arrival) * 1e3, compute_ms=(done - start) * 1e3,
+                                batch_size=len(requests), candidates_visited=out.candidates_visited,
+                                catalog_version=catalog.version, kv_bytes=kv_bytes)
+                for r, hits, kv_bytes in zip(requests, out.hits, out.kv_bytes_per_request)]
+
+
+def build_catalog(cfg: ServeConfig) -> Catalog:
+    c = cfg.catalog
+    if c.path:
+        return load_catalog(c.path, token_offset=c.token_offset)
+    return generate_catalog(c.num_items, c.depth, c.codebook_size, c.seed, c.token_offset)
