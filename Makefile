@@ -22,6 +22,7 @@ demo: $(STAMP)
 	$(PY) -m grserve.demo
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check src tests
 	$(PY) -m pytest tests
 
 bench: $(STAMP)

@@ -1,7 +1,6 @@
 """End-to-end exactness of GR retrieval on the tiny model: exhaustive scoring, HF generate, naive per-beam KV."""
 
 import itertools
-import time
 
 import numpy as np
 import pytest
