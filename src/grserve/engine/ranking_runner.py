@@ -256,6 +256,26 @@ class RankingRunner:
         )
         return self.policy.choose(q)
 
+    def _write_back(self, req: RankingRequest, plan: BipartiteRequest, d: PrefixDecision,
+                    ctx: BipartiteBatchContext, r: int, hit: bool, f_u: float) -> None:
+        """Cache writes after the forward: admit the user's KV (UP) or store items computed inline (IP)."""
+        st, p = self.stats, plan.prompt
+        if d.layout == USER_PREFIX and d.admit_user and not hit and self.user_cache is not None:
+            victims = self.user_cache.plan_admission(len(p.head), f_u)
+            if victims is not None:
+                ok = self.user_cache.admit(req.user_id, ctx.head_kv(r), victims)
+                st.user_admissions += ok
+                st.user_admission_failures += not ok
+                st.user_evictions += len(victims) if ok else 0
+            else:
+                st.user_admission_failures += 1
+        if d.layout == ITEM_PREFIX and self.item_pool is not None and self.cfg.write_back_items \
+                and req.item_ids is not None:
+            for k, x in enumerate(plan.item_kv):
+                iid = req.item_ids[k]
+                if x is None and iid is not None and self.item_pool.put(iid, ctx.item_kv(r, k)):
+                    st.items_written_back += 1
+
     @torch.no_grad()
     def run(self, requests: Sequence[RankingRequest]) -> list[RankingResult]:
         with self._lock:
@@ -311,22 +331,7 @@ class RankingRunner:
             cached_item = sum(len(p.items[k]) for k, x in enumerate(plan.item_kv) if x is not None)
             total = p.num_tokens - (len(p.head) if d.layout == ITEM_PREFIX else 0)  # notation is not request data
             computed = total - cached_user - cached_item
-            # cache writes
-            if d.layout == USER_PREFIX and d.admit_user and not hits[r] and self.user_cache is not None:
-                victims = self.user_cache.plan_admission(len(p.head), freqs[r])
-                if victims is not None:
-                    ok = self.user_cache.admit(req.user_id, ctx.head_kv(r), victims)
-                    st.user_admissions += ok
-                    st.user_admission_failures += not ok
-                    st.user_evictions += len(victims) if ok else 0
-                else:
-                    st.user_admission_failures += 1
-            if d.layout == ITEM_PREFIX and self.item_pool is not None and self.cfg.write_back_items \
-                    and req.item_ids is not None:
-                for k, x in enumerate(plan.item_kv):
-                    iid = req.item_ids[k]
-                    if x is None and iid is not None and self.item_pool.put(iid, ctx.item_kv(r, k)):
-                        st.items_written_back += 1
+            self._write_back(req, plan, d, ctx, r, hits[r], freqs[r])
             # stats
             st.requests += 1
             st.total_tokens += total
