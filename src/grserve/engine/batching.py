@@ -197,3 +197,53 @@ class BatchingCore:
 def _fail(handle: RequestHandle, exc: BaseException) -> None:
     if not handle.future.done():
         handle.future.set_exception(exc)
+
+
+class BatchedEngine:
+    """The Engine contract for an engine built on a ``BatchingCore`` (``self._core``): retrieval and ranking
+    subclass it and add only their mode: the batch execution, the health detail, extra stats."""
+
+    _core: BatchingCore
+
+    def start(self):
+        self._core.start()
+        return self
+
+    def stop(self) -> None:
+        self._core.stop()
+
+    def drain(self, timeout_s: float | None = None) -> bool:
+        return self._core.drain(timeout_s)
+
+    def submit(self, req: Any) -> RequestHandle:
+        return self._core.submit(req, self.cancel)
+
+    def cancel(self, request_id: str) -> bool:
+        return self._core.cancel(request_id)
+
+    def health(self) -> EngineHealth:
+        return self._core.health(self.health_detail())
+
+    def health_detail(self) -> dict:
+        return {}
+
+    def stats(self) -> dict[str, float]:
+        return self._core.stats()
+
+    @property
+    def queue_depth(self) -> int:
+        return self._core.queue_depth
+
+    @property
+    def on_batch(self) -> Callable[[int, int], None] | None:
+        return self._core.on_batch
+
+    @on_batch.setter
+    def on_batch(self, fn: Callable[[int, int], None] | None) -> None:
+        self._core.on_batch = fn
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

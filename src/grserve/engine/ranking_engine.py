@@ -11,9 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from grserve.config import RankingConfig, SchedulerConfig
-from grserve.engine.batching import BatchingCore
-from grserve.engine.protocol import EngineHealth, RequestHandle
-from grserve.engine.ranking_runner import RankingRequest, RankingResult, RankingRunner
+from grserve.engine.batching import BatchedEngine, BatchingCore
+from grserve.engine.ranking_runner import RankingRunner
 from grserve.ranking.registry import RankingRegistry
 
 
@@ -24,7 +23,7 @@ def batching_config(cfg: RankingConfig) -> SchedulerConfig:
                            wait_quota_fraction=0.0, max_inflight_batches=1, max_queue=cfg.max_queue)
 
 
-class RankingEngine:
+class RankingEngine(BatchedEngine):
     def __init__(self, runner: RankingRunner, on_batch: Callable[[int, int], None] | None = None):
         self.runner = runner
         self.cfg = runner.cfg
@@ -34,46 +33,11 @@ class RankingEngine:
     def registry(self) -> RankingRegistry:
         return self.runner.registry
 
-    # ---- the Engine contract -----------------------------------------------------------------------------
-    def start(self) -> "RankingEngine":
-        self._core.start()
-        return self
-
-    def stop(self) -> None:
-        self._core.stop()
-
-    def drain(self, timeout_s: float | None = None) -> bool:
-        return self._core.drain(timeout_s)
-
-    def submit(self, req: RankingRequest) -> RequestHandle[RankingResult]:
-        return self._core.submit(req, self.cancel)
-
-    def cancel(self, request_id: str) -> bool:
-        return self._core.cancel(request_id)
-
-    def health(self) -> EngineHealth:
+    # ---- the mode's part of the Engine contract ------------------------------------------------------------
+    def health_detail(self) -> dict:
         r = self.runner
-        return self._core.health({"policy": r.policy.name, "users": r.registry.num_users,
-                                  "items": r.registry.num_items})
+        return {"policy": r.policy.name, "users": r.registry.num_users, "items": r.registry.num_items}
 
     def stats(self) -> dict[str, float]:
         return {**self._core.stats(), **{k: v for k, v in self.runner.stats.summary().items()
                                          if isinstance(v, (int, float))}}
-
-    @property
-    def queue_depth(self) -> int:
-        return self._core.queue_depth
-
-    @property
-    def on_batch(self) -> Callable[[int, int], None] | None:
-        return self._core.on_batch
-
-    @on_batch.setter
-    def on_batch(self, fn: Callable[[int, int], None] | None) -> None:
-        self._core.on_batch = fn
-
-    def __enter__(self) -> "RankingEngine":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()

@@ -14,14 +14,13 @@ from collections.abc import Callable
 
 from grserve.catalog import Catalog, CatalogStore, generate_catalog, load_catalog
 from grserve.config import SchedulerConfig, SearchConfig, ServeConfig
-from grserve.engine.batching import BatchingCore
-from grserve.engine.protocol import EngineHealth, RequestHandle
+from grserve.engine.batching import BatchedEngine, BatchingCore
 from grserve.engine.retrieval import RetrievalRunner
 from grserve.engine.types import RetrievalRequest, RetrievalResult, RetrievedItem
 from grserve.model import Decoder, load_model
 
 
-class RetrievalEngine:
+class RetrievalEngine(BatchedEngine):
     def __init__(
         self,
         model: Decoder,
@@ -45,41 +44,13 @@ class RetrievalEngine:
         store = CatalogStore(build_catalog(cfg), vocab_size=model.spec.vocab_size)
         return cls(model, store, cfg.search, cfg.scheduler, on_batch)
 
-    # ---- the Engine contract -----------------------------------------------------------------------------
-    def start(self) -> "RetrievalEngine":
-        self._core.start()
-        return self
-
+    # ---- the mode's part of the Engine contract ------------------------------------------------------------
     def stop(self) -> None:
-        self._core.stop()
+        super().stop()
         self.runner.close()
 
-    def drain(self, timeout_s: float | None = None) -> bool:
-        return self._core.drain(timeout_s)
-
-    def submit(self, req: RetrievalRequest) -> RequestHandle[RetrievalResult]:
-        return self._core.submit(req, self.cancel)
-
-    def cancel(self, request_id: str) -> bool:
-        return self._core.cancel(request_id)
-
-    def health(self) -> EngineHealth:
-        return self._core.health({"catalog_version": self.catalogs.current().version})
-
-    def stats(self) -> dict[str, float]:
-        return self._core.stats()
-
-    @property
-    def queue_depth(self) -> int:
-        return self._core.queue_depth
-
-    @property
-    def on_batch(self) -> Callable[[int, int], None] | None:
-        return self._core.on_batch
-
-    @on_batch.setter
-    def on_batch(self, fn: Callable[[int, int], None] | None) -> None:
-        self._core.on_batch = fn
+    def health_detail(self) -> dict:
+        return {"catalog_version": self.catalogs.current().version}
 
     @property
     def batches_run(self) -> int:
@@ -88,12 +59,6 @@ class RetrievalEngine:
     @property
     def peak_inflight(self) -> int:
         return self._core.peak_inflight
-
-    def __enter__(self) -> "RetrievalEngine":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
     # ---- one batch ---------------------------------------------------------------------------------------
     def _execute(self, requests: list[RetrievalRequest]) -> list[RetrievalResult]:
