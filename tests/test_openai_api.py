@@ -157,3 +157,27 @@ def test_disconnect_frees_blocks(server):
             break
         time.sleep(0.05)
     assert eng.pool.num_free == eng.pool.num_blocks and not eng.has_work()
+
+
+def test_non_streaming_disconnect_frees_blocks(server):
+    """A non-streaming client that goes away mid-generation: its request is cancelled and its blocks freed (the
+    old BaseHTTPMiddleware hid the disconnect and the request decoded on to max_tokens)."""
+    url, eng = server
+    before = eng.iterations
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/completions", json={"model": "test-model", "prompt": "a long one", "max_tokens": 900,
+                                                   "temperature": 0}, timeout=0.5)
+    for _ in range(200):
+        if eng.pool.num_free == eng.pool.num_blocks and not eng.has_work():
+            break
+        time.sleep(0.05)
+    assert eng.pool.num_free == eng.pool.num_blocks and not eng.has_work()
+    assert eng.iterations - before < 900  # cancelled, not decoded to max_tokens (one iteration per token)
+
+
+def test_unknown_paths_share_one_metrics_label(server):
+    url, _ = server
+    for k in range(5):
+        assert httpx.get(f"{url}/no/such/path/{k}").status_code == 404
+    text = httpx.get(url + "/metrics").text
+    assert "/no/such/path" not in text and 'route="unmatched"' in text
