@@ -197,9 +197,9 @@ def test_flags_reach_the_configs(monkeypatch):
     import grserve.bench.cache as cache
     import grserve.bench.serve as serve
 
-    cfg = _configs_of(["serve", "--port", "9000", "--seed", "3", "--beam-width", "600", "--max-queue", "9"],
+    cfg = _configs_of(["serve", "--port", "9000", "--seed", "3", "--beam-width", "600", "--max-waiting", "9"],
                       retrieval_main, monkeypatch)
-    assert cfg.server.port == 9000 and cfg.model.seed == cfg.catalog.seed == 3 and cfg.scheduler.max_queue == 9
+    assert cfg.server.port == 9000 and cfg.model.seed == cfg.catalog.seed == 3 and cfg.edge.max_waiting == 9
     assert cfg.search.beam_width == cfg.search.max_beam_width == 600  # raised to the default beam width
     cfg = _configs_of(["serve", "llm", "--model", "tiny", "--num-blocks", "64", "--port", "0", "--rho", "0.5"],
                       llm_main, monkeypatch)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from grserve.catalog import CatalogStore, generate_catalog
-from grserve.config import RankingConfig, SchedulerConfig, SearchConfig
+from grserve.config import EdgeConfig, RankingConfig, SchedulerConfig, SearchConfig
 from grserve.engine.async_llm import AsyncLLMEngine, EngineStepFailed
 from grserve.engine.llm import build_model_engine
 from grserve.engine.protocol import Engine, EngineOverloaded, EngineStopped, RequestCancelled
@@ -28,9 +28,9 @@ def model():
     return load_model("tiny", seed=0)
 
 
-def _retrieval(model, **sched):
+def _retrieval(model, edge=None, **sched):
     store = CatalogStore(generate_catalog(500, 3, 16, seed=1), vocab_size=model.spec.vocab_size)
-    return RetrievalEngine(model, store, SearchConfig(beam_width=8), SchedulerConfig(**sched))
+    return RetrievalEngine(model, store, SearchConfig(beam_width=8), SchedulerConfig(**sched), edge=edge)
 
 
 def _prompt(n, seed):
@@ -50,7 +50,7 @@ def test_retrieval_engine_matches_the_runner(model):
 
 
 def test_overload_cancel_and_stop(model):
-    eng = _retrieval(model, max_queue=2)
+    eng = _retrieval(model, EdgeConfig(max_waiting=2))
     # not started: requests stay queued, so the bound and cancel are deterministic
     eng._core._status = "ok"
     a = eng.submit(RetrievalRequest(_prompt(10, 0), 8, 2))

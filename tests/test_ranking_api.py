@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 from grserve.attention.bipartite import reference_forward
 from grserve.cli import build_parser
 from grserve.cli import main as cli_main
-from grserve.config import RankingLimits
+from grserve.config import EdgeConfig, RankingLimits
 from grserve.config import RankingConfig
 from grserve.engine.ranking_engine import RankingEngine
 from grserve.engine.ranking_runner import RankingRunner
@@ -29,8 +29,9 @@ def setup(tiny_model):
     reg = synthetic_registry(model.spec.vocab_size, 60, (3, 6), [30, 50, 12, 80], seed=5)
     runner = RankingRunner(model, reg, RankingConfig(policy="bat", user_cache_bytes=1 << 20))
     engine = RankingEngine(runner).start()
-    app = create_ranking_app(engine, RankingLimits(max_candidates=20, max_profile_tokens=100, max_item_tokens=16))
-    with TestClient(app) as client:
+    app = create_ranking_app(engine, RankingLimits(max_candidates=20, max_profile_tokens=100, max_item_tokens=16),
+                             edge=EdgeConfig(admin_api_key="adm"))
+    with TestClient(app, headers={"Authorization": "Bearer adm"}) as client:
         yield model, reg, client
     engine.stop()
 

@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 
 from grserve.catalog import Catalog, CatalogStore, generate_catalog, save_catalog
 from grserve.cli import main as cli_main
-from grserve.config import SchedulerConfig, SearchConfig, ServerConfig
+from grserve.config import CatalogReloadConfig, EdgeConfig, SchedulerConfig, SearchConfig, ServerConfig
 from grserve.engine.protocol import EngineHealth, EngineOverloaded, EngineStopped, RequestHandle
 from grserve.engine.types import RetrievalRequest, RetrievalResult, RetrievedItem
 from grserve.server.core import field_path
@@ -274,10 +274,10 @@ def test_server_keeps_serving_after_bad_burst(client, engine):
 # ----------------------------------------------------------------------------------------------------------
 # engine failures
 # ----------------------------------------------------------------------------------------------------------
-def test_overload_is_503_then_recovers(client, engine):
+def test_overload_is_429_then_recovers(client, engine):
     engine.mode = "overload"
     r = client.post("/v1/recommend", json={"history_tokens": [1]})
-    err = _err(r, 503, None, "overloaded")
+    err = _err(r, 429, None, "overloaded")
     assert "queue full" in err["message"] and r.headers["retry-after"] == "1"
     engine.mode = "ok"
     assert client.post("/v1/recommend", json={"history_tokens": [1]}).status_code == 200
@@ -406,13 +406,23 @@ def test_field_path():
 # ----------------------------------------------------------------------------------------------------------
 # catalog reload
 # ----------------------------------------------------------------------------------------------------------
+ADMIN = {"Authorization": "Bearer adm"}
+
+
+def _reload_client(engine, catalog_dir, metrics=None) -> TestClient:
+    """A retrieval app with catalog reload on: an admin key and a catalog directory."""
+    app = create_app(engine, ServerConfig(max_prompt_tokens=30, max_top_n=12), metrics,
+                     EdgeConfig(admin_api_key="adm"), CatalogReloadConfig(catalog_dir=str(catalog_dir)))
+    return TestClient(app, raise_server_exceptions=False, headers=ADMIN)
+
+
 @pytest.mark.parametrize("ext", [".jsonl", ".csv", ".grcat"])
-def test_catalog_reload(client, engine, tmp_path, ext):
+def test_catalog_reload(engine, tmp_path, ext):
+    client = _reload_client(engine, tmp_path)
     new = generate_catalog(150, DEPTH, CODEBOOK, 7, OFFSET)
-    path = tmp_path / f"new{ext}"
-    save_catalog(new, path)
+    save_catalog(new, tmp_path / f"new{ext}")
     old_item = int(engine.catalogs.current().item_ids[0])
-    r = client.post("/v1/catalog", json={"path": str(path)})
+    r = client.post("/v1/catalog", json={"name": f"new{ext}"})
     assert r.status_code == 200, r.text
     assert r.json() == {"previous_version": 1, "catalog": {"num_items": 150, "version": 2, "depth": DEPTH,
                                                            "codebook_sizes": [CODEBOOK] * DEPTH}}
@@ -422,35 +432,34 @@ def test_catalog_reload(client, engine, tmp_path, ext):
     assert old_item is not None
 
 
-def test_catalog_reload_bad_files_keep_old_catalog(client, engine, tmp_path):
+def test_catalog_reload_bad_files_keep_old_catalog(engine, tmp_path):
+    client = _reload_client(engine, tmp_path)
     before = client.get("/health").json()["catalog"]
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"item_id": 1, "sid": [0, 0, 0]}\n{"item_id": 2, "sid": [0, 0, 0]}\n')  # duplicate SID
-    err = _err(client.post("/v1/catalog", json={"path": str(bad)}), 400, "path", "catalog_load_failed")
+    (tmp_path / "bad.jsonl").write_text('{"item_id": 1, "sid": [0, 0, 0]}\n{"item_id": 2, "sid": [0, 0, 0]}\n')
+    err = _err(client.post("/v1/catalog", json={"name": "bad.jsonl"}), 400, "name", "catalog_load_failed")
     assert "line 2" in err["message"] and "duplicate SID" in err["message"]
 
-    garbage = tmp_path / "garbage.jsonl"
-    garbage.write_text("this is not json\n")
-    assert "line 1" in _err(client.post("/v1/catalog", json={"path": str(garbage)}), 400, "path")["message"]
+    (tmp_path / "garbage.jsonl").write_text("this is not json\n")
+    assert "line 1" in _err(client.post("/v1/catalog", json={"name": "garbage.jsonl"}), 400, "name")["message"]
 
-    out_of_layout = tmp_path / "wide.jsonl"
-    out_of_layout.write_text('{"codebook_sizes": [8, 8, 8]}\n{"item_id": 1, "sid": [0, 0, 9]}\n')  # 9 of 8 codes
-    assert "code 9" in _err(client.post("/v1/catalog", json={"path": str(out_of_layout)}), 400, "path",
+    (tmp_path / "wide.jsonl").write_text('{"codebook_sizes": [8, 8, 8]}\n{"item_id": 1, "sid": [0, 0, 9]}\n')
+    assert "code 9" in _err(client.post("/v1/catalog", json={"name": "wide.jsonl"}), 400, "name",
                             "catalog_load_failed")["message"]
-    inferred = tmp_path / "inferred.jsonl"  # no declared layout: sizes inferred as (1, 1, 10), not the served one
-    inferred.write_text('{"item_id": 1, "sid": [0, 0, 9]}\n')
-    err = _err(client.post("/v1/catalog", json={"path": str(inferred)}), 400, "path", "catalog_incompatible")
+    # no declared layout: sizes inferred as (1, 1, 10), not the served one
+    (tmp_path / "inferred.jsonl").write_text('{"item_id": 1, "sid": [0, 0, 9]}\n')
+    err = _err(client.post("/v1/catalog", json={"name": "inferred.jsonl"}), 400, "name", "catalog_incompatible")
     assert "[1, 1, 10]" in err["message"] and "[8, 8, 8]" in err["message"]
 
-    deeper = tmp_path / "deep.grcat"
-    save_catalog(generate_catalog(50, 4, CODEBOOK, 0, OFFSET), deeper)
-    _err(client.post("/v1/catalog", json={"path": str(deeper)}), 400, "path")
+    save_catalog(generate_catalog(50, 4, CODEBOOK, 0, OFFSET), tmp_path / "deep.grcat")
+    _err(client.post("/v1/catalog", json={"name": "deep.grcat"}), 400, "name")
 
-    _err(client.post("/v1/catalog", json={"path": str(tmp_path / "missing.jsonl")}), 400, "path")
-    _err(client.post("/v1/catalog", json={"path": str(tmp_path / "x.parquet")}), 400, "path")
-    _err(client.post("/v1/catalog", json={"path": str(tmp_path)}), 400, "path")  # a directory
-    _err(client.post("/v1/catalog", json={}), 422, "path", "missing")
-    _err(client.post("/v1/catalog", json={"path": 3}), 422, "path", "string_type")
+    _err(client.post("/v1/catalog", json={"name": "missing.jsonl"}), 404, "name", "catalog_not_found")
+    _err(client.post("/v1/catalog", json={"name": "x.parquet"}), 400, "name", "invalid_catalog_name")
+    (tmp_path / "adir.jsonl").mkdir()
+    _err(client.post("/v1/catalog", json={"name": "adir.jsonl"}), 400, "name", "not_a_regular_file")
+    _err(client.post("/v1/catalog", json={}), 422, "name", "missing")
+    _err(client.post("/v1/catalog", json={"name": 3}), 422, "name", "string_type")
+    _err(client.post("/v1/catalog", json={"name": "a.jsonl", "path": "/etc/passwd"}), 422, "path", "extra_forbidden")
 
     assert client.get("/health").json()["catalog"] == before
     ids = [int(x) for x in engine.catalogs.current().item_ids[:3]]
@@ -460,10 +469,9 @@ def test_catalog_reload_bad_files_keep_old_catalog(client, engine, tmp_path):
 
 def test_catalog_reload_vocab_too_small(catalog, tmp_path):
     eng = FakeEngine(catalog, vocab_size=40)  # exactly the SID range
-    client = TestClient(create_app(eng, ServerConfig()), raise_server_exceptions=False)
-    path = tmp_path / "big.jsonl"
-    save_catalog(generate_catalog(50, DEPTH, CODEBOOK, 1, OFFSET), path)
-    assert client.post("/v1/catalog", json={"path": str(path)}).status_code == 200  # same layout fits
+    client = _reload_client(eng, tmp_path)
+    save_catalog(generate_catalog(50, DEPTH, CODEBOOK, 1, OFFSET), tmp_path / "big.jsonl")
+    assert client.post("/v1/catalog", json={"name": "big.jsonl"}).status_code == 200  # same layout fits
     err = _err(client.post("/v1/recommend", json={"history_tokens": [40]}), 400, "history_tokens[0]")
     assert "[0, 40)" in err["message"]
 
@@ -572,25 +580,24 @@ def test_cli_bench_builds_the_bench_config(monkeypatch):
 def test_serve_until_exit_stops_the_engine_and_passes_uvicorns_exit_code(monkeypatch):
     """The one run-and-stop used by `grserve serve`, `serve ranking` and `serve llm`: uvicorn exits 1 when it
     cannot bind; the engine is stopped either way."""
-    import uvicorn
-
+    from grserve.server import core
     from grserve.server.core import serve_until_exit
 
     stopped = []
 
-    def cannot_bind(app, host, port, log_level):
+    def cannot_bind(app, host, port, log_level, stop, shutdown_timeout_s):
         raise SystemExit(1)
 
-    monkeypatch.setattr(uvicorn, "run", cannot_bind)
+    monkeypatch.setattr(core, "run_uvicorn", cannot_bind)
     assert serve_until_exit(None, "127.0.0.1", 1, "info", lambda: stopped.append(1)) == 1
-    monkeypatch.setattr(uvicorn, "run", lambda app, host, port, log_level: None)
+    monkeypatch.setattr(core, "run_uvicorn", lambda app, host, port, log_level, stop, timeout: None)
     assert serve_until_exit(None, "127.0.0.1", 1, "info", lambda: stopped.append(2)) == 0
     assert stopped == [1, 2]
 
 
 def test_cli_serve_builds_and_runs(monkeypatch, capsys, tmp_path):
-    """serve wires config → engine.build(on_batch=metrics.on_batch) → create_app → uvicorn.run, then stops."""
-    import uvicorn
+    """serve wires config → engine.build(on_batch=metrics.on_batch) → create_app → uvicorn, then stops."""
+    from grserve.server import core
 
     built = {}
 
@@ -607,13 +614,13 @@ def test_cli_serve_builds_and_runs(monkeypatch, capsys, tmp_path):
     monkeypatch.setitem(sys.modules, "grserve.engine.retrieval_engine", fake_mod)
     ran = {}
 
-    def fake_run(app, host, port, log_level):
+    def fake_run(app, host, port, log_level, stop, shutdown_timeout_s):
         ran.update(app=app, host=host, port=port)
         client = TestClient(app)
         assert client.get("/health").status_code == 200
         assert client.post("/v1/recommend", json={"history_tokens": [1], "top_n": 1}).status_code == 200
 
-    monkeypatch.setattr(uvicorn, "run", fake_run)
+    monkeypatch.setattr(core, "run_uvicorn", fake_run)
     cat = tmp_path / "c.grcat"
     save_catalog(generate_catalog(N_ITEMS, DEPTH, CODEBOOK, 0, OFFSET), cat)
     assert cli_main(["serve", "--port", "9123", "--beam-width", "600", "--slo-ms", "50", "--catalog", str(cat),
@@ -641,7 +648,9 @@ def test_real_engine_end_to_end(tmp_path):
     engine = engine_mod.RetrievalEngine.build(cfg, on_batch=metrics.on_batch)
     engine.start()
     try:
-        client = TestClient(create_app(engine, cfg.server, metrics), raise_server_exceptions=False)
+        client = TestClient(create_app(engine, cfg.server, metrics, EdgeConfig(admin_api_key="adm"),
+                                       CatalogReloadConfig(catalog_dir=str(tmp_path))),
+                            raise_server_exceptions=False, headers=ADMIN)
         cat = engine.catalogs.current()
         ids = [int(x) for x in cat.item_ids[:4]]
         sids = cat.sids_of_items(np.array(ids)).tolist()
@@ -664,7 +673,7 @@ def test_real_engine_end_to_end(tmp_path):
 
         path = tmp_path / "v2.grcat"
         save_catalog(generate_catalog(300, 3, 16, 9), path)
-        assert client.post("/v1/catalog", json={"path": str(path)}).json()["catalog"]["version"] == 2
+        assert client.post("/v1/catalog", json={"name": path.name}).json()["catalog"]["version"] == 2
         r = client.post("/v1/recommend", json={"history_tokens": [1, 2, 3], "top_n": 3})
         assert r.status_code == 200 and r.json()["catalog_version"] == 2
         text = client.get("/metrics").text
@@ -690,7 +699,9 @@ def test_catalog_file_scores_the_same_at_start_up_and_after_reload(tmp_path):
         cfg = ServeConfig(catalog=CatalogConfig(path=path, num_items=500, depth=3, codebook_size=16),
                           search=SearchConfig(beam_width=8), scheduler=SchedulerConfig(slo_ms=5))
         engine = engine_mod.RetrievalEngine.build(cfg).start()
-        return engine, TestClient(create_app(engine, cfg.server), raise_server_exceptions=False)
+        app = create_app(engine, cfg.server, None, EdgeConfig(admin_api_key="adm"),
+                         CatalogReloadConfig(catalog_dir=str(tmp_path)))
+        return engine, TestClient(app, raise_server_exceptions=False, headers=ADMIN)
 
     def ask(client, items):
         r = client.post("/v1/recommend", json={"history_items": items, "top_n": 5})
@@ -702,14 +713,14 @@ def test_catalog_file_scores_the_same_at_start_up_and_after_reload(tmp_path):
         generated, reload_client = serve(None)
         try:
             layout = at_start.catalogs.current().layout
-            r = reload_client.post("/v1/catalog", json={"path": str(path)})
+            r = reload_client.post("/v1/catalog", json={"name": path.name})
             if layout == generated.catalogs.current().layout:
                 assert r.status_code == 200, r.text
                 assert ask(reload_client, items) == ask(start_client, items)
             else:  # the inferred [8, 8, 8] is not the served [16, 16, 16]: refused, the old catalog serves on
-                _err(r, 400, "path", "catalog_incompatible")
+                _err(r, 400, "name", "catalog_incompatible")
                 before = ask(start_client, items)
-                assert start_client.post("/v1/catalog", json={"path": str(path)}).status_code == 200
+                assert start_client.post("/v1/catalog", json={"name": path.name}).status_code == 200
                 assert ask(start_client, items) == before
         finally:
             at_start.stop()

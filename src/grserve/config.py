@@ -103,7 +103,6 @@ class SchedulerConfig(Checked):
                                 "batch to fill", check=positive)
     wait_quota_fraction: float = flag(0.1, "waiting quota as a fraction of the SLO", check=fraction, cli=False)
     max_inflight_batches: int = flag(2, "batches executing concurrently", check=positive_int)
-    max_queue: int = flag(4096, "requests waiting beyond this are refused (503)", check=positive_int)
 
     @property
     def wait_quota_ms(self) -> float:
@@ -117,6 +116,8 @@ class ServerConfig(Checked):
     max_prompt_tokens: int = flag(8192, "longest prompt a /v1/recommend history may lay out to",
                                   check=positive_int)
     max_top_n: int = flag(512, "largest top_n a request may ask for", check=positive_int)
+    max_exclude_items: int = flag(4096, "longest exclude_items list a /v1/recommend request may give (413)",
+                                  check=positive_int)
     log_level: str = flag("info", "uvicorn / grserve log level", choices=LOG_LEVELS)
 
 
@@ -129,6 +130,8 @@ class ServeConfig:
     search: SearchConfig = field(default_factory=SearchConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    edge: "EdgeConfig" = field(default_factory=lambda: EdgeConfig())
+    reload: "CatalogReloadConfig" = field(default_factory=lambda: CatalogReloadConfig())
 
 
 # ---- ranking (BAT) -------------------------------------------------------------------------------------------
@@ -154,7 +157,6 @@ class RankingConfig(Checked):
     max_batch_requests: int = flag(8, "requests per batch", check=positive_int)
     token_capacity: int = flag(16384, "prompt tokens per batch; a single longer request runs alone",
                                check=positive_int)
-    max_queue: int = flag(1024, "requests waiting beyond this are refused (503)", check=positive_int)
     precompute_batch_tokens: int = flag(8192, "item tokens per forward when precomputing the item pool",
                                         check=positive_int, cli=False)
 
@@ -180,6 +182,8 @@ class RankingLimits(Checked):
     max_profile_tokens: int = flag(8192, "longest user profile in tokens", check=positive_int)
     max_item_tokens: int = flag(64, "longest item in tokens", check=positive_int)
     max_top_k: int = flag(256, "largest top_k a request may ask for", check=positive_int)
+    max_users: int = flag(100_000, "registered users at most (POST /v1/users beyond it: 409)", check=positive_int)
+    max_items: int = flag(50_000, "registered items at most (POST /v1/items beyond it: 409)", check=positive_int)
 
 
 @dataclass(frozen=True)
@@ -191,6 +195,7 @@ class RankingServeConfig:
     data: RankingDataConfig = field(default_factory=RankingDataConfig)
     limits: RankingLimits = field(default_factory=RankingLimits)
     server: ServerConfig = field(default_factory=lambda: ServerConfig(port=8001))
+    edge: "EdgeConfig" = field(default_factory=lambda: EdgeConfig())
 
 
 # ---- LLM (Apt-Serve) -----------------------------------------------------------------------------------------
@@ -223,3 +228,52 @@ class LLMServeConfig:
     model: ModelConfig = field(default_factory=lambda: ModelConfig(source="tiny-mha"))
     llm: LLMConfig = field(default_factory=LLMConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    edge: "EdgeConfig" = field(default_factory=lambda: EdgeConfig())
+
+
+# ---- the API edge (security and limits), shared by the three servers ------------------------------------------
+API_KEY_ENV = "GRSERVE_API_KEY"
+ADMIN_API_KEY_ENV = "GRSERVE_ADMIN_API_KEY"
+
+
+def _key(v: str | None) -> str | None:
+    if v is None:
+        return None
+    if not v.strip() or v != v.strip():
+        return "must be a non-empty key without surrounding spaces"
+    return None if v.isprintable() and v.isascii() else "must be printable ASCII"
+
+
+@dataclass(frozen=True)
+class EdgeConfig(Checked):
+    """What every server checks before a request reaches its engine: authentication, admission (a bounded queue
+    with a deadline), request-body size, and how SIGTERM ends the server. ``docs/security.md`` lists them all."""
+
+    api_key: str | None = flag(None, f"require 'Authorization: Bearer KEY' on every route except /health and "
+                                     f"/metrics (default: ${API_KEY_ENV}; unset: no authentication)",
+                               check=_key, metavar="KEY")
+    admin_api_key: str | None = flag(None, f"the key of the routes that change state (POST /v1/catalog, "
+                                           f"/v1/users, /v1/items); default: ${ADMIN_API_KEY_ENV}; unset: those "
+                                           f"routes are off (403)", check=_key, metavar="KEY")
+    max_waiting: int = flag(1024, "queued (not yet running) requests at most; more are refused with 429 and "
+                                  "Retry-After", check=positive_int, metavar="N")
+    request_timeout: float = flag(60.0, "seconds a request may wait in the queue; past it, it is dropped without "
+                                        "being computed and answered 503 (queue_timeout)", check=positive,
+                                  metavar="S")
+    max_body_bytes: int = flag(8 << 20, "largest request body in bytes (413 body_too_large)", check=positive_int)
+    shutdown_timeout: float = flag(30.0, "on SIGTERM: seconds to finish queued and running requests; what is "
+                                         "left then is ended with 503 (stopped)", check=non_negative, metavar="S")
+
+
+@dataclass(frozen=True)
+class CatalogReloadConfig(Checked):
+    """``POST /v1/catalog`` (retrieval): reload a catalog by file name from one directory, bounded."""
+
+    catalog_dir: str | None = flag(None, "directory POST /v1/catalog loads catalogs from, by file name only "
+                                         "(unset: catalog reload is off)", metavar="DIR")
+    max_catalog_bytes: int = flag(256 << 20, "largest catalog file a reload may load, in bytes",
+                                  check=positive_int)
+    catalog_timeout: float = flag(60.0, "seconds a catalog reload may take; past it, it is abandoned (never "
+                                        "applied) and answered 504", check=positive, metavar="S")
+    reload_wait: float = flag(2.0, "seconds a reload waits for the one before it to end (then 429)",
+                              check=non_negative, cli=False)

@@ -5,6 +5,10 @@ KV/hidden block pool); this class is what the server and the cluster talk to (``
 ``submit(LLMRequest)`` → a handle whose ``events()`` yields one ``TokenEvent`` per sampled token and whose future
 resolves to an ``LLMResult``. A request that is cancelled fails with ``RequestCancelled``; a request caught in a
 failing engine step fails with ``EngineStepFailed`` — an error never looks like a normal finish.
+
+Admission (the server edge's ``EdgeConfig``): at most ``max_waiting`` requests wait for their first schedule
+(``submit`` raises ``EngineOverloaded`` beyond it), and a request that has not started ``request_timeout`` seconds
+after it was submitted is aborted before any of its tokens is computed (``RequestTimedOut``).
 """
 
 from __future__ import annotations
@@ -14,14 +18,16 @@ import threading
 import time
 from typing import Any
 
-from grserve.config import LLMServeConfig
+from grserve.config import EdgeConfig, LLMServeConfig
 from grserve.engine.llm import LLMEngine, Sequence, TokenEvent
 from grserve.engine.protocol import (
     EngineError,
     EngineHealth,
+    EngineOverloaded,
     EngineStopped,
     RequestCancelled,
     RequestHandle,
+    RequestTimedOut,
 )
 from grserve.engine.types import LLMRequest, LLMResult
 
@@ -33,7 +39,13 @@ class EngineStepFailed(EngineError):
 
 
 class AsyncLLMEngine:
-    def __init__(self, core: LLMEngine, tokenizer: Any = None, model: Any = None):
+    def __init__(self, core: LLMEngine, tokenizer: Any = None, model: Any = None, edge: EdgeConfig | None = None):
+        edge = edge or EdgeConfig()
+        self.max_waiting = int(edge.max_waiting)
+        self.request_timeout_s: float | None = edge.request_timeout
+        self._submitted: dict[str, float] = {}  # request id -> monotonic submit time, until it first runs
+        self._expired: set[str] = set()
+        self.requests_expired = 0
         self.core = core
         self.tokenizer = tokenizer
         self.model = model
@@ -63,7 +75,7 @@ class AsyncLLMEngine:
                                   prefix_cache_tokens=c.prefix_cache_tokens,
                                   prefix_cache_policy=c.prefix_cache_policy,
                                   eos_token_id=tok.eos_token_id, detokenize=tok.decode)
-        return cls(core, tok, model)
+        return cls(core, tok, model, cfg.edge)
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
     def start(self) -> "AsyncLLMEngine":
@@ -111,9 +123,12 @@ class AsyncLLMEngine:
             raise EngineStopped(f"engine is {self._status}")
         handle: RequestHandle[LLMResult] = RequestHandle(req.request_id, self.cancel)
         with self.core.lock:
+            if len(self.core.waiting) >= self.max_waiting:
+                raise EngineOverloaded(f"{len(self.core.waiting)} requests waiting (max_waiting={self.max_waiting})")
             seq_id = self.core.add_request(req.prompt_ids, req.params,
                                            on_event=lambda ev, r=req.request_id: self._on_event(r, ev))
             self._live[req.request_id] = (seq_id, self.core.seqs[seq_id], handle)
+            self._submitted[req.request_id] = time.monotonic()
         with self._cv:
             self._cv.notify_all()
         return handle
@@ -134,7 +149,12 @@ class AsyncLLMEngine:
         if not ev.finished:
             return
         del self._live[request_id]
-        if ev.finish_reason in ("stop", "length"):
+        self._submitted.pop(request_id, None)
+        if request_id in self._expired:
+            self._expired.discard(request_id)
+            _fail(handle, RequestTimedOut(f"request {request_id} waited more than {self.request_timeout_s:g} s in "
+                                          f"the queue"))
+        elif ev.finish_reason in ("stop", "length"):
             handle.future.set_result(LLMResult(request_id, list(seq.output_ids), seq.text, ev.finish_reason,
                                                len(seq.prompt_ids), seq.num_preemptions))
         elif ev.finish_reason == "abort":
@@ -159,9 +179,27 @@ class AsyncLLMEngine:
     def stats(self) -> dict[str, float]:
         c = self.core
         return {**c.stats, "running": len(c.running), "waiting": len(c.waiting), "free_blocks": c.pool.num_free,
+                "requests_expired": self.requests_expired,
                 "total_blocks": c.pool.num_blocks, "iterations": c.iterations, "errors": self.errors}
 
     # ---- the loop --------------------------------------------------------------------------------------------
+    def _expire(self) -> None:
+        """Abort every request still waiting for its first schedule past its deadline (nothing computed)."""
+        if self.request_timeout_s is None or not self._submitted:
+            return
+        limit = time.monotonic() - self.request_timeout_s
+        with self.core.lock:
+            for rid, t in list(self._submitted.items()):  # oldest first (insertion order)
+                if t >= limit:
+                    break
+                del self._submitted[rid]
+                seq = self._live[rid][1]
+                if seq.num_computed or seq.output_ids:  # it has run: a later preemption is not a queue wait
+                    continue
+                self._expired.add(rid)
+                self.requests_expired += 1
+                self.core.abort(self._live[rid][0])
+
     def _run(self) -> None:
         while True:
             with self._cv:
@@ -170,6 +208,7 @@ class AsyncLLMEngine:
                 if self._status == "stopped":
                     return
             try:
+                self._expire()
                 self.core.step()
                 if not self.core.last_step_progressed:  # the policy is idle: let time pass, don't spin
                     with self._cv:

@@ -3,7 +3,8 @@
 One thread forms batches with a batch-formation policy (``scheduler.gr_batching.GRBatcher``: token capacity,
 request cap, SLO waiting quota, dispatch when a slot is idle) and hands each batch to one of
 ``max_inflight_batches`` executor threads. The core owns what both engines need and nothing mode-specific:
-the bounded queue (``EngineOverloaded``), one ``RequestHandle`` per request, per-batch failure isolation (a
+the bounded queue (``max_waiting``: ``EngineOverloaded``), the queue deadline (a request still queued
+``request_timeout_s`` after its arrival is dropped, never computed: ``RequestTimedOut``), one ``RequestHandle`` per request, per-batch failure isolation (a
 failing batch fails only its own requests), cancel (a queued request leaves the queue; a running one has its
 result dropped), drain, start/stop, queue depth, health. The engine gives ``execute(batch) -> results`` (one
 result per request of the batch, in order) and the request type's ``request_id``.
@@ -24,6 +25,7 @@ from grserve.engine.protocol import (
     EngineStopped,
     RequestCancelled,
     RequestHandle,
+    RequestTimedOut,
 )
 from grserve.scheduler.gr_batching import Batch, GRBatcher
 
@@ -53,9 +55,13 @@ class BatchingCore:
     """Queue → batches → executor threads → handles. ``execute`` runs one batch of requests."""
 
     def __init__(self, execute: Callable[[list[Any]], Sequence[Any]], cfg: SchedulerConfig,
-                 name: str = "grserve", on_batch: Callable[[int, int], None] | None = None):
+                 name: str = "grserve", on_batch: Callable[[int, int], None] | None = None, *,
+                 max_waiting: int = 1024, request_timeout_s: float | None = None):
         self._execute = execute
         self.cfg = cfg
+        self.max_waiting = int(max_waiting)
+        self.request_timeout_s = request_timeout_s
+        self.requests_expired = 0
         self.name = name
         self.on_batch = on_batch
         self._batcher: GRBatcher[_Pending] = GRBatcher(cfg)
@@ -118,8 +124,8 @@ class BatchingCore:
         with self._cond:
             if self._status != "ok":
                 raise EngineStopped(f"engine is {self._status}")
-            if len(self._batcher) >= self.cfg.max_queue:
-                raise EngineOverloaded(f"{len(self._batcher)} requests waiting (max_queue={self.cfg.max_queue})")
+            if len(self._batcher) >= self.max_waiting:
+                raise EngineOverloaded(f"{len(self._batcher)} requests waiting (max_waiting={self.max_waiting})")
             self._batcher.add(_Pending(req, handle))
             self._cond.notify_all()
         return handle
@@ -142,20 +148,37 @@ class BatchingCore:
     def stats(self) -> dict[str, float]:
         return {"batches_run": self.batches_run, "batches_failed": self.batches_failed,
                 "requests_done": self.requests_done, "peak_inflight": self.peak_inflight,
+                "requests_expired": self.requests_expired,
                 "queue_depth": len(self._batcher), "running": len(self._running_ids)}
 
     # ---- internals ----------------------------------------------------------------------------------------
     def _next_batch(self) -> Batch[_Pending] | None:
         """Wait (under the lock) until a batch may run; None when the engine stops."""
         while self._status != "stopped":
+            self._expire(time.perf_counter())
             idle = self.cfg.max_inflight_batches - self._inflight
             batch = self._batcher.pop_ready(time.perf_counter(), idle)
             if batch is not None:
                 return batch
-            deadline = self._batcher.next_deadline() if idle > 0 else None
+            deadlines = [self._batcher.next_deadline() if idle > 0 else None, self._next_expiry()]
+            deadline = min((d for d in deadlines if d is not None), default=None)
             timeout = None if deadline is None else max(deadline - time.perf_counter(), 0.0005)
             self._cond.wait(timeout)
         return None
+
+    def _next_expiry(self) -> float | None:
+        oldest = self._batcher.oldest_arrival() if self.request_timeout_s is not None else None
+        return None if oldest is None else oldest + self.request_timeout_s  # type: ignore[operator]
+
+    def _expire(self, now: float) -> None:
+        """Fail (under the lock) every queued request past its deadline: it is never computed."""
+        if self.request_timeout_s is None:
+            return
+        late = self._batcher.expire(now - self.request_timeout_s)
+        self.requests_expired += len(late)
+        for p in late:
+            _fail(p.handle, RequestTimedOut(f"request {p.req.request_id} waited more than {self.request_timeout_s:g}"
+                                            f" s in the queue"))
 
     def _loop(self) -> None:
         while True:

@@ -5,7 +5,8 @@ The servers (``server/``) and the cluster router talk to engines through this co
 - ``submit(request) -> RequestHandle``: queue one request; the handle carries the request id, a
   ``concurrent.futures.Future`` of the final result, and an async stream of events (an LLM streams one event per
   token; retrieval and ranking stream a single final event). Raises ``EngineOverloaded`` when the bounded queue
-  is full and ``EngineStopped`` after ``drain()``/``stop()``.
+  is full and ``EngineStopped`` after ``drain()``/``stop()``. A request still queued past the engine's request
+  timeout is dropped, never computed: its future fails with ``RequestTimedOut``.
 - ``cancel(request_id) -> bool``: stop working on a request and free what it holds; its future fails with
   ``RequestCancelled``. False when it is unknown or already done.
 - ``stats() -> dict``: counters for ``/metrics`` and benchmarks (flat ``name -> number``).
@@ -35,7 +36,7 @@ class EngineError(RuntimeError):
 
 
 class EngineOverloaded(EngineError):
-    """The bounded waiting queue is full; retry later (HTTP 503/429 with Retry-After)."""
+    """The bounded waiting queue is full; retry later (HTTP 429 with Retry-After)."""
 
 
 class EngineStopped(EngineError):
@@ -44,6 +45,10 @@ class EngineStopped(EngineError):
 
 class RequestCancelled(EngineError):
     """The request was cancelled (its client went away, or ``cancel()`` was called)."""
+
+
+class RequestTimedOut(EngineError):
+    """The request waited in the queue past its deadline and was dropped without being computed (HTTP 503)."""
 
 
 @dataclass(frozen=True)

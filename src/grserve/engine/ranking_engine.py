@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from grserve.config import RankingConfig, SchedulerConfig
+from grserve.config import EdgeConfig, RankingConfig, SchedulerConfig
 from grserve.engine.batching import BatchedEngine, BatchingCore
 from grserve.engine.ranking_runner import RankingRunner
 from grserve.ranking.registry import RankingRegistry
@@ -20,14 +20,17 @@ def batching_config(cfg: RankingConfig) -> SchedulerConfig:
     """The ranking engine's batch formation: one executor, no waiting quota (a batch leaves when the executor
     is idle or the batch is full)."""
     return SchedulerConfig(token_capacity=cfg.token_capacity, max_batch_requests=cfg.max_batch_requests,
-                           wait_quota_fraction=0.0, max_inflight_batches=1, max_queue=cfg.max_queue)
+                           wait_quota_fraction=0.0, max_inflight_batches=1)
 
 
 class RankingEngine(BatchedEngine):
-    def __init__(self, runner: RankingRunner, on_batch: Callable[[int, int], None] | None = None):
+    def __init__(self, runner: RankingRunner, on_batch: Callable[[int, int], None] | None = None,
+                 edge: EdgeConfig | None = None):
         self.runner = runner
         self.cfg = runner.cfg
-        self._core = BatchingCore(runner.run, batching_config(runner.cfg), "grserve-ranking", on_batch)
+        edge = edge or EdgeConfig()
+        self._core = BatchingCore(runner.run, batching_config(runner.cfg), "grserve-ranking", on_batch,
+                                  max_waiting=edge.max_waiting, request_timeout_s=edge.request_timeout)
 
     @property
     def registry(self) -> RankingRegistry:

@@ -23,6 +23,7 @@ import torch
 
 from grserve.attention.beam_context import BeamDecodeContext, PrefillContext
 from grserve.catalog import Catalog
+from grserve.catalog.exclusion import ItemExclusion
 from grserve.config import SearchConfig
 from grserve.kvcache.beam import BeamKV
 from grserve.model import Decoder
@@ -50,8 +51,10 @@ class RetrievalRunner:
 
     @torch.inference_mode()
     def run(
-        self, prompts: list[np.ndarray], beam_width: int, top_n: list[int], catalog: Catalog, trace: bool = False
+        self, prompts: list[np.ndarray], beam_width: int, top_n: list[int], catalog: Catalog, trace: bool = False,
+        exclude: list[np.ndarray | None] | None = None,
     ) -> BatchOutput:
+        """One batch; ``exclude[i]``: item ids request ``i`` must never get (masked inside the search)."""
         model, spec = self.model, self.model.spec
         dev = model.device
         events: list[tuple[str, float, float]] = []
@@ -67,7 +70,8 @@ class RetrievalRunner:
             dtype=model.dtype,
             device=dev,
         )
-        beams = BeamSearch(catalog, r, beam_width, self.search.top_k, self.search.topbw, dev)
+        exclusions = [ItemExclusion(catalog, e) if e is not None and len(e) else None for e in (exclude or [])]
+        beams = BeamSearch(catalog, r, beam_width, self.search.top_k, self.search.topbw, dev, exclusions)
         hf = self.search.scoring == "hf"
 
         t0 = time.perf_counter()

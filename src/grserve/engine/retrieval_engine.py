@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 
 from grserve.catalog import Catalog, CatalogStore, generate_catalog, load_catalog
-from grserve.config import SchedulerConfig, SearchConfig, ServeConfig
+from grserve.config import EdgeConfig, SchedulerConfig, SearchConfig, ServeConfig
 from grserve.engine.batching import BatchedEngine, BatchingCore
 from grserve.engine.retrieval import RetrievalRunner
 from grserve.engine.types import RetrievalRequest, RetrievalResult, RetrievedItem
@@ -28,6 +28,7 @@ class RetrievalEngine(BatchedEngine):
         search: SearchConfig | None = None,
         scheduler: SchedulerConfig | None = None,
         on_batch: Callable[[int, int], None] | None = None,
+        edge: EdgeConfig | None = None,
     ):
         self.model = model
         self.catalogs = catalogs
@@ -35,14 +36,16 @@ class RetrievalEngine(BatchedEngine):
         self.scheduler = scheduler or SchedulerConfig()
         self.vocab_size = model.spec.vocab_size
         self.runner = RetrievalRunner(model, self.search)
-        self._core = BatchingCore(self._execute, self.scheduler, "grserve-retrieval", on_batch)
+        edge = edge or EdgeConfig()
+        self._core = BatchingCore(self._execute, self.scheduler, "grserve-retrieval", on_batch,
+                                  max_waiting=edge.max_waiting, request_timeout_s=edge.request_timeout)
 
     @classmethod
     def build(cls, cfg: ServeConfig, on_batch: Callable[[int, int], None] | None = None) -> "RetrievalEngine":
         m = cfg.model
         model = load_model(m.source, dtype=m.dtype, device=m.device, seed=m.seed)
         store = CatalogStore(build_catalog(cfg), vocab_size=model.spec.vocab_size)
-        return cls(model, store, cfg.search, cfg.scheduler, on_batch)
+        return cls(model, store, cfg.search, cfg.scheduler, on_batch, cfg.edge)
 
     # ---- the mode's part of the Engine contract ------------------------------------------------------------
     def stop(self) -> None:
@@ -65,7 +68,7 @@ class RetrievalEngine(BatchedEngine):
         catalog = self.catalogs.current()
         start = time.perf_counter()
         out = self.runner.run([r.prompt_tokens for r in requests], requests[0].beam_width,
-                              [r.top_n for r in requests], catalog)
+                              [r.top_n for r in requests], catalog, exclude=[r.exclude_items for r in requests])
         done = time.perf_counter()
         return [RetrievalResult(request_id=r.request_id, items=[RetrievedItem(h.item_id, h.sid, h.score) for h in hits],
                                 queue_ms=(start - r.arrival) * 1e3, compute_ms=(done - start) * 1e3,

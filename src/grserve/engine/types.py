@@ -24,6 +24,7 @@ class RetrievalRequest:
     top_n: int  # 1 <= top_n <= beam_width
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
     arrival: float = field(default_factory=time.perf_counter)
+    exclude_items: np.ndarray | None = None  # int64 item ids masked out inside the search (unknown ids: no-op)
 
     @property
     def num_tokens(self) -> int:

@@ -3,7 +3,9 @@ instructions are pre-encoded into tokens and stored").
 
 - A user is a profile token list 𝒰 (history + attributes), keyed by an integer user id.
 - An item is a token list whose **last token is its identifier token** v_i (fixed per item, so it sits inside
-  the cached item span and the item KV stays request-independent; digest ambiguity 3).
+  the cached item span and the item KV stays request-independent; digest ambiguity 3). Identifier tokens are
+  unique across items: candidates are scored by the softmax over their identifier tokens' logits, so two items
+  sharing one would always score the same (``IdentifierCollision``).
 - The instruction tokens (the tail's end; the last one is the discriminant token) and the optional IP notation
   tokens are fixed for the registry.
 
@@ -25,6 +27,14 @@ class RegistryError(ValueError):
     """Invalid user/item data; the message names the record."""
 
 
+class IdentifierCollision(RegistryError):
+    """An item's identifier token is already another item's."""
+
+    def __init__(self, item_id: int, token: int, other: int) -> None:
+        self.item_id, self.token, self.other = item_id, token, other
+        super().__init__(f"item {item_id}: identifier token {token} is already the identifier of item {other}")
+
+
 class RankingRegistry:
     def __init__(self, vocab_size: int, instruction: Iterable[int], notation: Iterable[int] = ()):
         self.vocab_size = int(vocab_size)
@@ -34,6 +44,7 @@ class RankingRegistry:
         self.notation = self._check(list(notation), "notation")
         self._users: dict[int, np.ndarray] = {}
         self._items: dict[int, np.ndarray] = {}
+        self._by_identifier: dict[int, int] = {}  # identifier token -> item id
         self._lock = threading.Lock()
         self._listeners: list[Callable[[str, int], None]] = []
 
@@ -86,12 +97,21 @@ class RankingRegistry:
 
     # ---- items --------------------------------------------------------------------------------------------
     def add_item(self, item_id: int, tokens) -> bool:
+        """Register or replace an item; True when it replaced different tokens. ``IdentifierCollision`` when its
+        identifier (last) token is another item's."""
         arr = self._check(tokens, f"item {item_id}")
         if arr.size == 0:
             raise RegistryError(f"item {item_id}: tokens must not be empty (the last token is the identifier)")
         with self._lock:
+            ident = int(arr[-1])
+            other = self._by_identifier.get(ident)
+            if other is not None and other != int(item_id):
+                raise IdentifierCollision(int(item_id), ident, other)
             old = self._items.get(int(item_id))
+            if old is not None:
+                self._by_identifier.pop(int(old[-1]), None)
             self._items[int(item_id)] = arr
+            self._by_identifier[ident] = int(item_id)
         changed = old is not None and not np.array_equal(old, arr)
         if changed:
             self._notify("item", int(item_id))
@@ -105,6 +125,10 @@ class RankingRegistry:
 
     def identifier(self, item_id: int) -> int:
         return int(self._items[int(item_id)][-1])
+
+    def item_with_identifier(self, token: int) -> int | None:
+        """The item whose identifier token is ``token``, or None."""
+        return self._by_identifier.get(int(token))
 
     @property
     def num_items(self) -> int:

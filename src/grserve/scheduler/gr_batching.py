@@ -108,6 +108,20 @@ class GRBatcher(Generic[R]):
                     return req
         return None
 
+    def expire(self, arrived_before: float) -> list[R]:
+        """Take out every queued request that arrived before ``arrived_before`` (past its deadline). Each queue
+        is FIFO by arrival, so only heads are looked at."""
+        out: list[R] = []
+        for q in self._queues.values():
+            while q and q[0].arrival < arrived_before:
+                out.append(q.popleft())
+        self._size -= len(out)
+        return out
+
+    def oldest_arrival(self) -> float | None:
+        heads = [q[0].arrival for q in self._queues.values() if q]
+        return min(heads) if heads else None
+
     def pop_all(self) -> list[R]:
         """Every queued request, oldest queue first; the batcher is empty after."""
         out = [r for q in self._queues.values() for r in q]

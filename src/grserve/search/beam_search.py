@@ -8,6 +8,9 @@ The engine drives it step by step (one step per SID level):
               may overlap the forward) → ``select(l)``: masked log-softmax, per-beam top-K, global top-BW,
               reorder of the beam rows by parent → returns the flat parent index for the KV reorder.
 
+A request may exclude items (``catalog.exclusion.ItemExclusion``): their dead trie branches are masked in every
+step on top of the catalog's item mask, so they are never returned and take no beam.
+
 Beams whose score is −inf (fewer valid continuations than BW) stay in their rows, are never revived (their mask
 rows are all −inf) and are dropped from the results, so a request can get fewer items, never an invalid one.
 """
@@ -20,6 +23,7 @@ import numpy as np
 import torch
 
 from grserve.catalog import Catalog
+from grserve.catalog.exclusion import ItemExclusion
 from grserve.search.scoring import masked_log_softmax_
 from grserve.search.topbw import TopBW, top_bw_heap
 
@@ -40,8 +44,10 @@ class BeamSearch:
         top_k: int | None = None,
         topbw: str = "vectorized",
         device: torch.device | str = "cpu",
+        exclusions: list[ItemExclusion | None] | None = None,
     ):
         self.catalog = catalog
+        self.exclusions = [(i, e) for i, e in enumerate(exclusions or []) if e is not None]
         self.r, self.bw = num_requests, beam_width
         self.depth = catalog.depth
         self.sizes = tuple(catalog.codebook_sizes)
@@ -84,7 +90,15 @@ class BeamSearch:
     def select_first(self, full_vocab_lse: torch.Tensor | None = None) -> None:
         """Top-BW of each request's single level-0 distribution (``logits[0]`` filled by the engine)."""
         logits = self.logits[0]
-        masked_log_softmax_(logits, self.catalog.mask.first_level, self._lse[: self.r], full_vocab_lse)
+        mask = self.catalog.mask.first_level
+        if self.exclusions:  # per-request level-0 masks: the catalog's, minus each request's dead branches
+            mask = self.masks[0]
+            mask.copy_(self.catalog.mask.first_level.expand_as(mask))
+            root = np.zeros(1, dtype=np.int64)
+            for i, ex in self.exclusions:
+                _, codes = ex.kills(0, root)
+                mask[i, torch.from_numpy(codes).to(mask.device)] = float("-inf")
+        masked_log_softmax_(logits, mask, self._lse[: self.r], full_vocab_lse)
         k = self.ks[0]
         torch.topk(logits, k, dim=1, out=(self.topk_v[0], self.topk_i[0]))
         self.scores[:, :k] = self.topk_v[0]
@@ -97,6 +111,11 @@ class BeamSearch:
     def prepare_mask(self, level: int) -> None:
         """Sparse in-place write of each beam's valid next codes into the reused mask buffer (host side)."""
         self._mask_handle = self.catalog.mask.fill(level, self.nodes, self.masks[level])
+        for i, ex in self.exclusions:  # a subset of what fill wrote, so its undo restores these too
+            rows, codes = ex.kills(level, self.nodes[i * self.bw:(i + 1) * self.bw])
+            if rows.size:
+                r = torch.from_numpy(rows + i * self.bw).to(self.masks[level].device)
+                self.masks[level][r, torch.from_numpy(codes).to(r.device)] = float("-inf")
 
     def select(self, level: int, full_vocab_lse: torch.Tensor | None = None) -> torch.Tensor:
         """One beam step at ``level`` ≥ 1; returns the flat parent rows [R·BW] for reordering the unshared KV."""

@@ -1,7 +1,8 @@
 """The server core: what the three HTTP apps (retrieval, ranking, LLM) share, and nothing mode-specific.
 
 ``new_app`` builds an app around an engine (the ``Engine`` protocol of ``grserve.engine.protocol``): the error
-handlers of its API family, the metrics middleware (pure ASGI, so it sees every final status and hides nothing
+handlers of its API family, the edge middleware (pure ASGI, before any routing or body parsing: the API key, the
+admin routes, the request-body size limit; ``EdgeConfig``), the metrics middleware (pure ASGI, so it sees every final status and hides nothing
 from the routes — a client disconnect included), ``GET /health`` (``engine.health()`` plus the app's detail;
 503 unless ``ok``) and ``GET /metrics``. ``submit`` and ``finish`` take one request through the engine, cancelling it when
 the client goes away. The validators turn user values into int64 arrays or a 4xx naming the field.
@@ -25,14 +26,24 @@ status when (``type`` values)
 404    an unknown id (``unknown_items``, ``unknown_user``: the message lists them, ``field`` names the first
        one's position) or an unknown route (``not_found``)
 405    a known route with the wrong method (``method_not_allowed``)
-413    too large (``prompt_too_long``, ``too_many_candidates``, ``profile_too_long``, ``item_too_long``)
+401    no or a wrong API key (``invalid_api_key``; with ``WWW-Authenticate: Bearer``)
+403    an admin route while ``--admin-api-key`` is unset (``admin_disabled``) or called with the plain API key
+       (``admin_key_required``); a catalog reload while ``--catalog-dir`` is unset (``reload_disabled``)
+409    a registration over a limit (``too_many_users``, ``too_many_items``) or an item whose identifier token
+       is another item's (``identifier_collision``)
+413    too large (``body_too_large``, ``prompt_too_long``, ``too_many_candidates``, ``profile_too_long``,
+       ``item_too_long``, ``too_many_excluded``, ``catalog_too_large``)
 415    a body that is not JSON (``unsupported_media_type``)
 422    only schema violations: a wrong type (``int_type``, ``list_type``, ``string_type``,
        ``model_attributes_type``), a missing field (``missing``), an unknown field (``extra_forbidden``),
        exactly-one-of violated (``history_missing`` / ``history_ambiguous``, ``user_*``, ``candidates_*``:
        ``field`` names the group)
 500    an unexpected failure (``internal``); logged, the server keeps serving
-503    the engine is overloaded (``overloaded``) or stopping (``stopped``); with ``Retry-After: 1``
+429    the queue is full (``overloaded``, ``--max-waiting``) or another catalog reload is running
+       (``reload_busy``); with ``Retry-After: 1``
+503    the request waited in the queue past ``--request-timeout`` and was dropped uncomputed (``queue_timeout``),
+       or the server is stopping (``stopped``); with ``Retry-After: 1``
+504    a catalog reload took longer than ``--catalog-timeout`` (``reload_timeout``; it is never applied)
 ====== =================================================================================================
 
 **OpenAI API** (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models`` and the LLM server's unknown
@@ -45,7 +56,8 @@ routes) keeps OpenAI's shape, which OpenAI clients parse::
 field; ``code`` is the machine-readable kind (the house ``type``). Status: 400 for every invalid request (bad or
 non-JSON body, a missing, mistyped or out-of-range parameter, a token id outside the vocabulary, prompt plus
 ``max_tokens`` over the context: ``context_length_exceeded``), 404 an unknown model (``model_not_found``) or
-route, 405 wrong method, 500 internal, 503 overloaded/stopping with ``Retry-After: 1``.
+route, 405 wrong method, 401 no or a wrong API key (``invalid_api_key``), 413 ``body_too_large``, 429 queue full
+(``overloaded``, ``Retry-After: 1``), 500 internal, 503 ``queue_timeout`` / ``stopped`` with ``Retry-After: 1``.
 
 Both families: a client that disconnects before its answer has its request cancelled in the engine (its
 resources freed) and is logged with status 499 in the metrics (nobody is left to read a body).
@@ -54,6 +66,7 @@ resources freed) and is logged with status 499 in the metrics (nobody is left to
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -65,7 +78,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from grserve.engine.protocol import EngineOverloaded, EngineStopped, RequestCancelled, RequestHandle
+from grserve.config import EdgeConfig
+from grserve.engine.protocol import (
+    EngineOverloaded,
+    EngineStopped,
+    RequestCancelled,
+    RequestHandle,
+    RequestTimedOut,
+)
 from grserve.server.metrics import Metrics
 
 log = logging.getLogger("grserve.server")
@@ -252,16 +272,125 @@ class MetricsMiddleware:
             self.metrics.observe_request(name, status[0], time.perf_counter() - start)
 
 
+OPEN_PATHS = frozenset({"/health", "/metrics"})  # answered without the API key (load balancers, Prometheus)
+_BODY_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+
+
+def same_key(given: str, key: str) -> bool:
+    """Constant-time comparison of a presented key with the configured one."""
+    return hmac.compare_digest(given.encode("utf-8", "surrogateescape"), key.encode("utf-8"))
+
+
+def bearer_token(scope: dict) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` header, or None."""
+    for name, value in scope.get("headers", ()):
+        if name == b"authorization":
+            scheme, _, token = value.decode("latin-1").partition(" ")
+            return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+    return None
+
+
+def _content_length(scope: dict) -> int | None:
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
+class EdgeMiddleware:
+    """Pure-ASGI gate in front of the routes: the API key (every path but ``OPEN_PATHS``), the admin routes (the
+    admin key, off while it is unset), and the request-body size limit, checked on the declared
+    ``Content-Length`` and again while the body streams in (never more than the limit is buffered). A refusal is
+    answered here, in the app's error shape, before routing or body parsing; an accepted body is replayed to the
+    app, then ``receive`` passes through (so the app still sees a client disconnect)."""
+
+    def __init__(self, app: Any, edge: EdgeConfig, render: Callable[[ApiError], JSONResponse],
+                 admin_routes: frozenset[tuple[str, str]] = frozenset()) -> None:
+        self.app, self.edge, self.render, self.admin_routes = app, edge, render, admin_routes
+
+    def refusal(self, scope: dict) -> ApiError | None:
+        """Why the request may not proceed (401/403), or None."""
+        key, admin_key = self.edge.api_key, self.edge.admin_api_key
+        given = bearer_token(scope)
+        if (scope["method"], scope["path"]) in self.admin_routes:
+            if admin_key is None:
+                return ApiError(403, "this route changes server state and is off: start the server with "
+                                     "--admin-api-key to enable it", None, "admin_disabled")
+            if given is not None and same_key(given, admin_key):
+                return None
+            if given is not None and key is not None and same_key(given, key):
+                return ApiError(403, "this route needs the admin API key", None, "admin_key_required")
+            return _unauthorized()
+        if key is None or scope["path"] in OPEN_PATHS:
+            return None
+        if given is not None and (same_key(given, key) or (admin_key is not None and same_key(given, admin_key))):
+            return None
+        return _unauthorized()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        refusal = self.refusal(scope)
+        limit = int(self.edge.max_body_bytes)
+        declared = _content_length(scope)
+        if refusal is None and declared is not None and declared > limit:
+            refusal = _too_large(limit)
+        if refusal is not None:
+            await self.render(refusal)(scope, receive, send)
+            return
+        if scope["method"] not in _BODY_METHODS:
+            await self.app(scope, receive, send)
+            return
+        chunks, total = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # the client left while sending: nothing to answer, nothing to compute
+            chunk = message.get("body", b"")
+            total += len(chunk)
+            if total > limit:
+                await self.render(_too_large(limit))(scope, receive, send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body: list[dict] = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replay() -> dict:
+            return body.pop() if body else await receive()
+
+        await self.app(scope, replay, send)
+
+
+def _unauthorized() -> ApiError:
+    return ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'", None, "invalid_api_key",
+                    {"WWW-Authenticate": "Bearer"})
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, f"request body is larger than the limit of {limit} bytes", None, "body_too_large")
+
+
 def new_app(engine: Any, metrics: Metrics | None, *, title: str, description: str, openai: bool = False,
-            groups: Sequence[str] = (), detail: Callable[[], dict] | None = None) -> FastAPI:
+            groups: Sequence[str] = (), detail: Callable[[], dict] | None = None, edge: EdgeConfig | None = None,
+            admin_routes: frozenset[tuple[str, str]] = frozenset()) -> FastAPI:
     """A FastAPI app around ``engine`` with the shared parts installed: the error handlers of one API family
-    (``openai``: OpenAI's shape; else the house shape, ``groups`` its one-of field groups), the metrics
-    middleware, ``GET /health`` (``engine.health()`` plus ``detail()``) and ``GET /metrics``."""
+    (``openai``: OpenAI's shape; else the house shape, ``groups`` its one-of field groups), the edge middleware
+    (``edge``; ``admin_routes``: the (method, path) pairs that change state), the metrics middleware (outermost:
+    it counts the edge's refusals too), ``GET /health`` (``engine.health()`` plus ``detail()``) and
+    ``GET /metrics``."""
     metrics = metrics if metrics is not None else Metrics()
     metrics.bind_queue_depth(lambda: engine.queue_depth)
     app = FastAPI(title=title, version="0.1.0", description=description)
     app.state.engine = engine
     app.state.metrics = metrics
+    app.state.edge = edge = edge or EdgeConfig()
+    render = openai_error if openai else house_error
+    app.add_middleware(EdgeMiddleware, edge=edge, render=render, admin_routes=admin_routes)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     if openai:
         install_error_handlers(app, openai_error, openai_validation_error)
@@ -287,13 +416,13 @@ def new_app(engine: Any, metrics: Metrics | None, *, title: str, description: st
 # one request through the engine
 # ----------------------------------------------------------------------------------------------------------
 def submit(engine: Any, request: Any, invalid_field: str | None = None) -> RequestHandle:
-    """``engine.submit``: a full queue or a stopping engine is a 503 with ``Retry-After``; a request the engine
-    can never serve (``ValueError``, e.g. an LLM prompt that never fits the KV pool) a 400 naming
+    """``engine.submit``: a full queue is a 429, a stopping engine a 503, both with ``Retry-After``; a request the
+    engine can never serve (``ValueError``, e.g. an LLM prompt that never fits the KV pool) a 400 naming
     ``invalid_field``."""
     try:
         return engine.submit(request)
     except EngineOverloaded as exc:
-        raise ApiError(503, f"server overloaded: {exc}" if str(exc) else "server overloaded, retry later", None,
+        raise ApiError(429, f"server overloaded: {exc}" if str(exc) else "server overloaded, retry later", None,
                        "overloaded", {"Retry-After": "1"}) from None
     except EngineStopped as exc:
         raise _stopped(exc) from None
@@ -343,6 +472,9 @@ async def finish(request: Request, engine: Any, handle: RequestHandle,
         return await _first(request, engine, handle, work if work is not None else handle.result())
     except (ApiError, ClientDisconnected):
         raise
+    except RequestTimedOut as exc:
+        raise ApiError(503, f"{exc}; it was dropped without being computed (server busy, retry later)", None,
+                       "queue_timeout", {"Retry-After": "1"}) from None
     except (EngineStopped, RequestCancelled) as exc:
         raise _stopped(exc) from None
     except Exception as exc:  # noqa: BLE001 - every engine failure becomes a JSON answer
@@ -400,13 +532,49 @@ def unknown_ids(field: str, values: Sequence[int], positions: Sequence[int], wha
                          f"(first at {field}[{first}])", f"{field}[{first}]", type)
 
 
-def serve_until_exit(app: FastAPI, host: str, port: int, log_level: str, stop: Callable[[], None]) -> int:
-    """Run uvicorn until it exits, then ``stop()`` the engine behind the app (always). Returns the exit code:
-    0, or uvicorn's (it exits 1 when it cannot bind)."""
+SHUTDOWN_GRACE_S = 5.0  # after the engine is stopped: time for the last answers to be written
+
+
+def draining_server(app: FastAPI, config: Any, stop: Callable[[], None], shutdown_timeout_s: float) -> Any:
+    """A uvicorn server whose shutdown (SIGTERM, Ctrl-C) first stops accepting connections, drains the engine
+    for up to ``shutdown_timeout_s`` (queued and running requests finish), then stops it (``stop()``) — whatever is
+    left fails with ``EngineStopped``, which its waiting client receives as a 503 ``stopped`` — and only then lets
+    uvicorn close the connections (``SHUTDOWN_GRACE_S`` more, then it cancels what still runs)."""
     import uvicorn
 
+    engine = app.state.engine
+
+    class DrainingServer(uvicorn.Server):
+        async def shutdown(self, sockets: Any = None) -> None:
+            for server in self.servers:
+                server.close()  # no new connections while draining
+            loop = asyncio.get_running_loop()
+            finished = await loop.run_in_executor(None, engine.drain, shutdown_timeout_s)
+            if not finished:
+                log.warning("shutdown: requests still running after %.1f s; ending them", shutdown_timeout_s)
+            await loop.run_in_executor(None, stop)
+            await super().shutdown(sockets)
+
+    config.timeout_graceful_shutdown = SHUTDOWN_GRACE_S
+    return DrainingServer(config)
+
+
+def run_uvicorn(app: FastAPI, host: str, port: int, log_level: str, stop: Callable[[], None],
+                shutdown_timeout_s: float) -> None:
+    """Serve ``app`` with uvicorn until SIGTERM/Ctrl-C, shutting down as ``draining_server`` says."""
+    import uvicorn
+
+    draining_server(app, uvicorn.Config(app, host=host, port=port, log_level=log_level), stop,
+                    shutdown_timeout_s).run()
+
+
+def serve_until_exit(app: FastAPI, host: str, port: int, log_level: str, stop: Callable[[], None]) -> int:
+    """Serve until SIGTERM/Ctrl-C (``run_uvicorn``: drain for the app's ``EdgeConfig.shutdown_timeout``, then
+    stop the engine), and ``stop()`` the engine whatever happens. Returns the exit code: 0, or uvicorn's (it
+    exits 1 when it cannot bind)."""
+    edge: EdgeConfig = getattr(getattr(app, "state", None), "edge", None) or EdgeConfig()
     try:
-        uvicorn.run(app, host=host, port=port, log_level=log_level)
+        run_uvicorn(app, host, port, log_level, stop, edge.shutdown_timeout)
     except SystemExit as exc:
         return int(exc.code or 0) if isinstance(exc.code, int) else 1
     finally:

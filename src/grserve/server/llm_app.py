@@ -7,6 +7,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from grserve.config import EdgeConfig
 from grserve.server.core import new_app
 from grserve.server.metrics import Metrics
 from grserve.server.openai_routes import create_openai_router
@@ -15,14 +16,14 @@ HEALTH_STATS = ("waiting", "free_blocks", "total_blocks")  # engine.stats() keys
 
 
 def create_llm_app(engine: Any, tokenizer: Any, model_name: str, max_model_len: int, vocab_size: int,
-                   metrics: Metrics | None = None) -> FastAPI:
+                   metrics: Metrics | None = None, edge: EdgeConfig | None = None) -> FastAPI:
     """The LLM app around a started (or to-be-started) LLM engine; the caller owns start/stop."""
 
     def detail() -> dict:
         stats = engine.stats()
         return {"model": model_name, **{k: stats[k] for k in HEALTH_STATS if k in stats}}
 
-    app = new_app(engine, metrics, title="grserve LLM", openai=True, detail=detail,
+    app = new_app(engine, metrics, title="grserve LLM", openai=True, detail=detail, edge=edge,
                   description="An LLM behind an OpenAI-compatible API, on the hybrid-cache continuous-batching engine.")
     app.state.metrics.bind_llm_stats(engine.stats)
     app.include_router(create_openai_router(engine, tokenizer, model_name, max_model_len, vocab_size))

@@ -7,7 +7,7 @@ import argparse
 
 from grserve.config import LLMConfig, LLMServeConfig, ModelConfig, ServerConfig
 from grserve.flags import UsageError, add_flags, command_parser, from_args
-from grserve.server.startup import check_model
+from grserve.server.startup import add_edge_flags, check_model, edge_from_args
 
 
 def add_command(sub) -> None:
@@ -16,13 +16,14 @@ def add_command(sub) -> None:
     d = LLMServeConfig()
     add_flags(p, d.model, title="model")
     add_flags(p, d.llm, title="engine")
-    add_flags(p, d.server, title="HTTP", skip=("max_prompt_tokens", "max_top_n"))
+    add_flags(p, d.server, title="HTTP", skip=("max_prompt_tokens", "max_top_n", "max_exclude_items"))
+    add_edge_flags(p)
     p.set_defaults(handler=lambda ns: run(config_from_args(ns)))
 
 
 def config_from_args(ns: argparse.Namespace) -> LLMServeConfig:
     return LLMServeConfig(model=from_args(ModelConfig, ns), llm=from_args(LLMConfig, ns),
-                          server=from_args(ServerConfig, ns))
+                          server=from_args(ServerConfig, ns), edge=edge_from_args(ns))
 
 
 def run(cfg: LLMServeConfig) -> int:
@@ -40,7 +41,8 @@ def run(cfg: LLMServeConfig) -> int:
     name = c.served_model_name or cfg.model.source
     tok, model = engine.tokenizer, engine.model
     engine.start()
-    app = create_llm_app(engine, tok, name, model.spec.max_position_embeddings, model.spec.vocab_size)
+    app = create_llm_app(engine, tok, name, model.spec.max_position_embeddings, model.spec.vocab_size,
+                         edge=cfg.edge)
     pc = engine.prefix_cache
     prefix = (f", prefix cache {pc.capacity} tokens ({pc.bytes / 2**20:.0f} MiB, {c.prefix_cache_policy})"
               if pc is not None else "")

@@ -7,20 +7,22 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from grserve.config import RankingLimits
+from grserve.config import EdgeConfig, RankingLimits
 from grserve.server.core import new_app
 from grserve.server.metrics import Metrics
-from grserve.server.ranking_routes import build_router
+from grserve.server.ranking_routes import ADMIN_ROUTES, build_router
 
 
-def create_ranking_app(engine: Any, limits: RankingLimits | None = None, metrics: Metrics | None = None) -> FastAPI:
+def create_ranking_app(engine: Any, limits: RankingLimits | None = None, metrics: Metrics | None = None,
+                       edge: EdgeConfig | None = None) -> FastAPI:
     """The ranking app around a started (or to-be-started) ``RankingEngine``; the caller owns start/stop."""
     runner = engine.runner
     app = new_app(engine, metrics, title="grserve ranking",
                   description="GR ranking with Bipartite Attention (BAT): user + candidates in, ranked candidates out.",
                   groups=("user", "candidates"),
                   detail=lambda: {"policy": runner.policy.name, "users": runner.registry.num_users,
-                                  "items": runner.registry.num_items, "vocab_size": runner.registry.vocab_size})
+                                  "items": runner.registry.num_items, "vocab_size": runner.registry.vocab_size},
+                  edge=edge, admin_routes=ADMIN_ROUTES)
     engine.on_batch = app.state.metrics.on_batch
     app.include_router(build_router(engine, limits or RankingLimits()))
     return app

@@ -21,7 +21,7 @@ from grserve.config import (
     ServerConfig,
 )
 from grserve.flags import Checked, UsageError, add_flags, command_parser, flag, from_args, non_negative, split_commas
-from grserve.server.startup import check_model
+from grserve.server.startup import add_edge_flags, check_model, edge_from_args
 
 if TYPE_CHECKING:
     from grserve.ranking.registry import RankingRegistry
@@ -46,7 +46,8 @@ def add_command(sub) -> None:
     add_flags(engine, UserCacheMiB())
     add_flags(p, d.data, title="users and items")
     add_flags(p, d.limits, title="request limits")
-    add_flags(p, d.server, title="HTTP", skip=("max_prompt_tokens", "max_top_n"))
+    add_flags(p, d.server, title="HTTP", skip=("max_prompt_tokens", "max_top_n", "max_exclude_items"))
+    add_edge_flags(p)
     p.set_defaults(handler=lambda ns: run(config_from_args(ns)))
 
 
@@ -55,7 +56,7 @@ def config_from_args(ns: argparse.Namespace) -> RankingServeConfig:
     return RankingServeConfig(model=from_args(ModelConfig, ns),
                               ranking=from_args(RankingConfig, ns, user_cache_bytes=cache_bytes),
                               data=from_args(RankingDataConfig, ns), limits=from_args(RankingLimits, ns),
-                              server=from_args(ServerConfig, ns))
+                              server=from_args(ServerConfig, ns), edge=edge_from_args(ns))
 
 
 def build_registry(data: RankingDataConfig, vocab_size: int) -> RankingRegistry:
@@ -99,8 +100,8 @@ def run(cfg: RankingServeConfig) -> int:
     print(f"grserve ranking: {reg.num_items} items, {reg.num_users} users, policy {cfg.ranking.policy}; "
           "precomputing item KV", file=sys.stderr, flush=True)
     runner = RankingRunner(model, reg, cfg.ranking, progress=True)
-    engine = RankingEngine(runner)
-    app = create_ranking_app(engine, cfg.limits)
+    engine = RankingEngine(runner, edge=cfg.edge)
+    app = create_ranking_app(engine, cfg.limits, edge=cfg.edge)
     s = cfg.server
     print(f"grserve ranking -> http://{s.host}:{s.port}  (POST /v1/rank)", flush=True)
     engine.start()

@@ -4,8 +4,12 @@
 (registered ``candidates`` item ids, or raw ``candidate_tokens`` lists whose last token is the identifier token)
 and returns the candidates ranked by the softmax over their identifier-token logits. Raw users/items are never
 cached. Errors: the house convention (``server/core.py``) — 404 ``unknown_user`` / ``unknown_items``; 400
-``duplicate_candidates``, ``empty_*``, ``out_of_range`` tokens; 413 ``too_many_candidates``,
-``profile_too_long``, ``item_too_long``; 422 exactly-one-of violations; 503 ``overloaded``.
+``duplicate_candidates``, ``identifier_collision`` (raw candidates sharing an identifier token), ``empty_*``,
+``out_of_range`` tokens; 413 ``too_many_candidates``, ``profile_too_long``, ``item_too_long``; 422 exactly-one-of
+violations; 429 ``overloaded``. ``POST /v1/users`` and ``/v1/items`` change state: they need the admin key
+(``EdgeConfig.admin_api_key``; off while it is unset) and refuse, all or nothing, with 409 a registration past
+``--max-users`` / ``--max-items`` (``too_many_users`` / ``too_many_items``) or an item whose identifier token is
+another item's (``identifier_collision``: both would always score the same).
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ from grserve.server.schemas import (
     UsersRequest,
 )
 
-_ERRORS: dict[int | str, dict[str, Any]] = {k: {} for k in (400, 404, 413, 415, 422, 500, 503)}
+_ERRORS: dict[int | str, dict[str, Any]] = {k: {} for k in (400, 401, 404, 413, 415, 422, 429, 500, 503)}
+_ADMIN_ERRORS: dict[int | str, dict[str, Any]] = {k: {} for k in (400, 401, 403, 409, 413, 415, 422, 500)}
+ADMIN_ROUTES = frozenset({("POST", "/v1/users"), ("POST", "/v1/items")})
 
 
 def _user(body: RankRequest, reg: Any, limits: RankingLimits) -> np.ndarray:
@@ -64,13 +70,20 @@ def _registered_items(cands: list[int], reg: Any) -> list[np.ndarray]:
 
 
 def _raw_items(cands: list[list[int]], vocab: int, limits: RankingLimits) -> list[np.ndarray]:
-    items = []
+    items: list[np.ndarray] = []
+    seen: dict[int, int] = {}  # identifier token -> candidate index
     for k, toks in enumerate(cands):
         if not toks:
             raise ApiError(400, f"candidate_tokens[{k}]: an item needs at least its identifier token",
                            f"candidate_tokens[{k}]", "empty_item")
         check_length(len(toks), limits.max_item_tokens, f"candidate_tokens[{k}]", "the item", "item_too_long")
         items.append(token_ids(toks, vocab, f"candidate_tokens[{k}]"))
+        ident = int(toks[-1])
+        if ident in seen:
+            raise ApiError(400, f"candidate_tokens[{k}]: identifier token {ident} is also the identifier of "
+                                f"candidate_tokens[{seen[ident]}] (they would always score the same)",
+                           f"candidate_tokens[{k}]", "identifier_collision")
+        seen[ident] = k
     return items
 
 
@@ -102,6 +115,34 @@ def _check_tokens(entries: list, limit: int, vocab: int, field: str, what: str, 
         token_ids(e.tokens, vocab, f"{field}[{k}].tokens")
 
 
+def _check_registration(ids: list[int], reg: Any, known: Any, limit: int, field: str, what: str) -> None:
+    """409 ``too_many_<what>s`` when registering the new ids of ``ids`` would pass ``limit``."""
+    new = {i for i in ids if not known(i)}
+    total = reg.num_users if what == "user" else reg.num_items
+    if total + len(new) > limit:
+        raise ApiError(409, f"{field}: {len(new)} new {what}s would make {total + len(new)}, more than the limit of "
+                            f"{limit} (--max-{what}s)", field, f"too_many_{what}s")
+
+
+def _check_identifiers(items: list, reg: Any) -> None:
+    """409 ``identifier_collision`` for an item whose identifier token is another item's (registered, or earlier
+    in this request)."""
+    batch: dict[int, tuple[int, int]] = {}  # identifier -> (item id, index)
+    for k, it in enumerate(items):
+        ident = int(it.tokens[-1])
+        owner = reg.item_with_identifier(ident)
+        earlier = batch.get(ident)
+        if earlier is not None and earlier[0] != it.item_id:
+            owner, where = earlier[0], f" (items[{earlier[1]}])"
+        else:
+            where = ""
+        if owner is not None and owner != it.item_id:
+            raise ApiError(409, f"items[{k}].tokens: identifier token {ident} of item {it.item_id} is already the "
+                                f"identifier of item {owner}{where}; identifiers must be unique (both would always "
+                                f"score the same)", f"items[{k}].tokens", "identifier_collision")
+        batch[ident] = (it.item_id, k)
+
+
 def build_router(engine: Any, limits: RankingLimits) -> APIRouter:
     """Routes around a ``RankingEngine`` (``engine.registry``, ``engine.runner``)."""
     router = APIRouter()
@@ -119,17 +160,22 @@ def build_router(engine: Any, limits: RankingLimits) -> APIRouter:
             batch_size=res.batch_size,
             timing=Timing(queue_ms=res.queue_ms, compute_ms=res.compute_ms, total_ms=(time.perf_counter() - t0) * 1e3))
 
-    @router.post("/v1/users", response_model=RegisterResponse, responses=_ERRORS)
+    @router.post("/v1/users", response_model=RegisterResponse, responses=_ADMIN_ERRORS)
     async def register_users(body: UsersRequest) -> Any:
+        """Admin: register or replace users (all or nothing)."""
         reg = engine.registry
         _check_tokens(body.users, limits.max_profile_tokens, reg.vocab_size, "users", "user", "profile_too_long")
+        _check_registration([u.user_id for u in body.users], reg, reg.has_user, limits.max_users, "users", "user")
         replaced = sum(reg.add_user(u.user_id, u.tokens) for u in body.users)
         return RegisterResponse(registered=len(body.users), replaced=replaced, total=reg.num_users)
 
-    @router.post("/v1/items", response_model=RegisterResponse, responses=_ERRORS)
+    @router.post("/v1/items", response_model=RegisterResponse, responses=_ADMIN_ERRORS)
     async def register_items(body: ItemsRequest) -> Any:
+        """Admin: register or replace items (all or nothing); their KV is precomputed."""
         reg = engine.registry
         _check_tokens(body.items, limits.max_item_tokens, reg.vocab_size, "items", "item", "item_too_long")
+        _check_registration([i.item_id for i in body.items], reg, reg.has_item, limits.max_items, "items", "item")
+        _check_identifiers(body.items, reg)
         new, replaced = [], 0
         for it in body.items:
             try:

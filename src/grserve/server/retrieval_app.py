@@ -14,9 +14,8 @@ from typing import Any
 
 import numpy as np
 from fastapi import FastAPI, Request
-from fastapi.concurrency import run_in_threadpool
 
-from grserve.config import ServerConfig
+from grserve.config import CatalogReloadConfig, EdgeConfig, ServerConfig
 from grserve.engine.types import RetrievalRequest, RetrievalResult
 from grserve.server.core import (
     INT64_MAX,
@@ -30,6 +29,7 @@ from grserve.server.core import (
     token_ids,
     unknown_ids,
 )
+from grserve.server.catalog_reload import CatalogReloader
 from grserve.server.metrics import Metrics
 from grserve.server.schemas import (
     CatalogInfo,
@@ -42,7 +42,9 @@ from grserve.server.schemas import (
 )
 
 log = logging.getLogger("grserve.server")
-_ERRORS: dict[int | str, dict[str, Any]] = {k: {} for k in (400, 404, 413, 415, 422, 500, 503)}
+_ERRORS: dict[int | str, dict[str, Any]] = {k: {} for k in (400, 401, 404, 413, 415, 422, 429, 500, 503)}
+_RELOAD_ERRORS: dict[int | str, dict[str, Any]] = {k: {} for k in (400, 401, 403, 404, 413, 422, 429, 500, 504)}
+ADMIN_ROUTES = frozenset({("POST", "/v1/catalog")})
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -130,45 +132,33 @@ def catalog_info(catalog: Any) -> CatalogInfo:
                        codebook_sizes=[int(c) for c in catalog.codebook_sizes])
 
 
-# ----------------------------------------------------------------------------------------------------------
-# catalog reload
-# ----------------------------------------------------------------------------------------------------------
-def load_for_serving(path: str, served: Any, vocab_size: int) -> Any:
-    """Load a catalog file exactly as start-up does (``load_catalog``: the file's declared layout, else the
-    layout inferred from it; the served token offset) and check it fits the served model: same layout — depth,
-    codebook sizes, token offset — as the catalog being served, whose token ids the model was trained on."""
-    from grserve.catalog import load_catalog  # lazy: the server imports without the catalog package
-
-    try:
-        catalog = load_catalog(path, token_offset=int(served.layout.token_offset))
-    except (ValueError, KeyError, OSError) as exc:  # CatalogError is a ValueError
-        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
-        if isinstance(exc, OSError) and not str(exc):
-            message = f"cannot read {path}"
-        raise ApiError(400, f"cannot load catalog {path!r}: {message}", "path", "catalog_load_failed") from None
-    new, old = catalog.layout, served.layout
-    if (new.depth, new.codebook_sizes) != (old.depth, old.codebook_sizes):
-        raise ApiError(400, f"catalog {path!r} has depth {new.depth} and codebook sizes {list(new.codebook_sizes)}"
-                            f", the served model's layout is depth {old.depth}, codebook sizes "
-                            f"{list(old.codebook_sizes)} (declare the sizes in the file if they were inferred: "
-                            f"see 'grserve catalog')", "path", "catalog_incompatible")
-    if new.num_tokens > vocab_size:
-        raise ApiError(400, f"catalog {path!r} needs {new.num_tokens} SID tokens but the model vocabulary has "
-                            f"{vocab_size}", "path", "catalog_incompatible")
-    return catalog
+def excluded_items(body: RecommendRequest, server_cfg: ServerConfig) -> np.ndarray | None:
+    """``exclude_items`` as int64 ids (413 over ``--max-exclude-items``). Ids the catalog does not know — and ids
+    beyond int64, which no catalog can hold — exclude nothing and are dropped (decided: docs/security.md)."""
+    if not body.exclude_items:
+        return None
+    limit = int(server_cfg.max_exclude_items)
+    if len(body.exclude_items) > limit:
+        raise ApiError(413, f"exclude_items: {len(body.exclude_items)} items, more than the limit of {limit}",
+                       "exclude_items", "too_many_excluded")
+    return np.asarray([v for v in body.exclude_items if INT64_MIN <= v <= INT64_MAX], dtype=np.int64)
 
 
 # ----------------------------------------------------------------------------------------------------------
 # the app
 # ----------------------------------------------------------------------------------------------------------
-def create_app(engine: Any, server_cfg: ServerConfig, metrics: Metrics | None = None) -> FastAPI:
+def create_app(engine: Any, server_cfg: ServerConfig, metrics: Metrics | None = None, edge: EdgeConfig | None = None,
+               reload: CatalogReloadConfig | None = None) -> FastAPI:
     """The retrieval app around a started (or to-be-started) ``RetrievalEngine``; the caller owns start/stop."""
     app = new_app(engine, metrics, title="grserve",
                   description="Generative-recommender retrieval: history in, top items by SID beam search out.",
                   groups=("history",), detail=lambda: {"catalog": catalog_info(engine.catalogs.current()).model_dump(),
-                                                       "vocab_size": int(engine.vocab_size)})
+                                                       "vocab_size": int(engine.vocab_size)},
+                  edge=edge, admin_routes=ADMIN_ROUTES)
     metrics = app.state.metrics
     app.state.server_cfg = server_cfg
+    reloader = CatalogReloader(reload or CatalogReloadConfig(), engine.catalogs, int(engine.vocab_size))
+    app.state.reloader = reloader
 
     @app.post("/v1/recommend", response_model=RecommendResponse, responses=_ERRORS)
     async def recommend(body: RecommendRequest, request: Request) -> Any:
@@ -177,7 +167,8 @@ def create_app(engine: Any, server_cfg: ServerConfig, metrics: Metrics | None = 
         beam_width = _search_knobs(body, engine.search, server_cfg)
         prompt = history_tokens(body, catalog, int(engine.vocab_size), int(server_cfg.max_prompt_tokens))
         kwargs = {"request_id": body.request_id} if body.request_id is not None else {}
-        req = RetrievalRequest(prompt_tokens=prompt, beam_width=beam_width, top_n=body.top_n, **kwargs)
+        req = RetrievalRequest(prompt_tokens=prompt, beam_width=beam_width, top_n=body.top_n,
+                               exclude_items=excluded_items(body, server_cfg), **kwargs)
         result: RetrievalResult = await finish(request, engine, submit(engine, req))
         items = [ItemOut(item_id=int(it.item_id), sid=[int(c) for c in it.sid],
                          score=float(it.score) if math.isfinite(float(it.score)) else -1e30)
@@ -190,21 +181,15 @@ def create_app(engine: Any, server_cfg: ServerConfig, metrics: Metrics | None = 
                           total_ms=(time.perf_counter() - t0) * 1000.0),
             batch_size=int(result.batch_size))
 
-    @app.post("/v1/catalog", response_model=CatalogReloadResponse, responses=_ERRORS)
+    @app.post("/v1/catalog", response_model=CatalogReloadResponse, responses=_RELOAD_ERRORS)
     async def reload_catalog(body: CatalogReloadRequest) -> Any:
-        """Admin: load a catalog file and swap it in while serving (``load_for_serving``).
-
-        Requests already converted keep their snapshot; a file that fails to load or does not fit leaves the old
-        catalog serving. NOTE: this reads any path the server process can read; expose it only to trusted clients.
-        """
-        current = engine.catalogs.current()
-        previous = int(current.version)
-        catalog = await run_in_threadpool(load_for_serving, body.path, current, int(engine.vocab_size))
-        try:
-            engine.catalogs.replace(catalog)
-        except ValueError as exc:
-            raise ApiError(400, f"catalog {body.path!r} rejected: {exc}", "path", "catalog_incompatible") from None
-        log.info("catalog reloaded from %s: version %s -> %s", body.path, previous, engine.catalogs.current().version)
-        return CatalogReloadResponse(catalog=catalog_info(engine.catalogs.current()), previous_version=previous)
+        """Admin (``--admin-api-key``): load the catalog file ``name`` from ``--catalog-dir`` and swap it in while
+        serving (``server/catalog_reload.py``: by name, regular files, size limit, deadline, one at a time).
+        Requests already converted keep their snapshot; a file that fails to load or does not fit leaves the
+        old catalog serving."""
+        previous = int(engine.catalogs.current().version)
+        catalog = await reloader.reload(body.name)
+        log.info("catalog reloaded from %s: version %s -> %s", body.name, previous, catalog.version)
+        return CatalogReloadResponse(catalog=catalog_info(catalog), previous_version=previous)
 
     return app

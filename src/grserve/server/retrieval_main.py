@@ -10,9 +10,17 @@ from __future__ import annotations
 import argparse
 import os
 
-from grserve.config import CatalogConfig, ModelConfig, SchedulerConfig, SearchConfig, ServeConfig, ServerConfig
+from grserve.config import (
+    CatalogConfig,
+    CatalogReloadConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SearchConfig,
+    ServeConfig,
+    ServerConfig,
+)
 from grserve.flags import UsageError, add_flags, command_parser, from_args
-from grserve.server.startup import check_model
+from grserve.server.startup import add_edge_flags, check_catalog_dir, check_model, edge_from_args
 
 
 def add_command(sub) -> None:
@@ -24,6 +32,7 @@ def add_command(sub) -> None:
     add_flags(p, d.search, title="search")
     add_flags(p, d.scheduler, title="batching")
     add_flags(p, d.server, title="HTTP")
+    add_edge_flags(p, reload=True)
     p.set_defaults(handler=lambda ns: run(config_from_args(ns)))
 
 
@@ -36,6 +45,8 @@ def config_from_args(ns: argparse.Namespace) -> ServeConfig:
         search=from_args(SearchConfig, ns, max_beam_width=max(ns.max_beam_width, ns.beam_width)),
         scheduler=from_args(SchedulerConfig, ns),
         server=from_args(ServerConfig, ns),
+        edge=edge_from_args(ns),
+        reload=from_args(CatalogReloadConfig, ns),
     )
 
 
@@ -43,6 +54,7 @@ def run(cfg: ServeConfig) -> int:
     if cfg.catalog.path is not None and not os.path.isfile(cfg.catalog.path):
         raise UsageError(f"catalog file not found: {cfg.catalog.path}")
     check_model(cfg.model)
+    check_catalog_dir(cfg.reload)
 
     from grserve.engine.retrieval_engine import RetrievalEngine
     from grserve.server.core import serve_until_exit
@@ -54,7 +66,7 @@ def run(cfg: ServeConfig) -> int:
         engine = RetrievalEngine.build(cfg, on_batch=metrics.on_batch)
     except (ValueError, KeyError, OSError) as exc:  # CatalogError is a ValueError: bad file, vocab mismatch...
         raise UsageError(exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)) from None
-    app = create_app(engine, cfg.server, metrics)
+    app = create_app(engine, cfg.server, metrics, cfg.edge, cfg.reload)
     cat = engine.catalogs.current()
     host = f"[{cfg.server.host}]" if ":" in cfg.server.host else cfg.server.host
     print(f"grserve: model {cfg.model.source} ({cfg.model.dtype}, {cfg.model.device}), catalog {len(cat):,} items "

@@ -34,6 +34,7 @@ class RecommendRequest(BaseModel):
     history_tokens: NonEmptyInts | None = None
     beam_width: Annotated[StrictInt, Field(ge=1)] | None = None  # None → the server's SearchConfig.beam_width
     top_n: Annotated[StrictInt, Field(ge=1)] = 10
+    exclude_items: list[StrictInt] | None = None  # catalog item ids never returned (masked inside the search)
     request_id: Annotated[StrictStr, Field(min_length=1, max_length=128)] | None = None
 
     @model_validator(mode="after")
@@ -76,9 +77,11 @@ class RecommendResponse(BaseModel):
 
 
 class CatalogReloadRequest(BaseModel):
+    """A catalog file *name* in the server's ``--catalog-dir`` (never a path; ``server/catalog_reload.py``)."""
+
     model_config = ConfigDict(extra="forbid")
 
-    path: Annotated[StrictStr, Field(min_length=1)]
+    name: Annotated[StrictStr, Field(min_length=1, max_length=255)]
 
 
 class CatalogInfo(BaseModel):

@@ -4,10 +4,40 @@ preset or an existing directory, and that a requested CUDA device exists. Each f
 
 from __future__ import annotations
 
+import argparse
 import os
+from collections.abc import Mapping
 
-from grserve.config import ModelConfig
-from grserve.flags import UsageError
+from grserve.config import (
+    ADMIN_API_KEY_ENV,
+    API_KEY_ENV,
+    CatalogReloadConfig,
+    EdgeConfig,
+    ModelConfig,
+)
+from grserve.flags import UsageError, add_flags, from_args
+
+
+def add_edge_flags(parser: argparse.ArgumentParser, reload: bool = False) -> None:
+    """The API-edge flags every server shares (``EdgeConfig``), plus catalog reload (retrieval)."""
+    add_flags(parser, EdgeConfig, title="security and limits (docs/security.md)")
+    if reload:
+        add_flags(parser, CatalogReloadConfig, title="catalog reload (POST /v1/catalog)")
+
+
+def edge_from_args(ns: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> EdgeConfig:
+    """``EdgeConfig`` from the flags; a key not given on the command line comes from ``$GRSERVE_API_KEY`` /
+    ``$GRSERVE_ADMIN_API_KEY`` (preferred: a command line is visible to every local user in ``ps``)."""
+    keys = {}
+    for name, env in (("api_key", API_KEY_ENV), ("admin_api_key", ADMIN_API_KEY_ENV)):
+        value = getattr(ns, name, None)
+        keys[name] = value if value is not None else (environ.get(env) or None)
+    return from_args(EdgeConfig, ns, **keys)
+
+
+def check_catalog_dir(reload: CatalogReloadConfig) -> None:
+    if reload.catalog_dir is not None and not os.path.isdir(reload.catalog_dir):
+        raise UsageError(f"--catalog-dir {reload.catalog_dir}: not a directory")
 
 
 def check_model(model: ModelConfig) -> None:
