@@ -45,7 +45,7 @@ def test_random_baseline_excludes_seen_and_is_seeded():
 def test_report_json_has_the_required_keys():
     r = {"k": 10, "users": 3, "split": "test", "beam_width": 50, "invalid_rate_masked": 0.0,
          "invalid_rate_unmasked": 0.25, "invalid_rate_unmasked_beam": 0.5,
-         "metrics": {n: {"recall": 0.1, "ndcg": 0.05} for n in ("served", "served_seen_filtered", "popularity",
+         "metrics": {n: {"recall": 0.1, "ndcg": 0.05} for n in ("served", "served_seen_excluded", "popularity",
                                                                  "random")}}
     j = report_json(r)
     for key in ("recall@10", "recall@10_popularity", "invalid_rate_masked", "invalid_rate_unmasked"):
