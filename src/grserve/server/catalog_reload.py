@@ -65,7 +65,7 @@ def open_catalog(catalog_dir: str, name: str, max_bytes: int) -> tuple[int, int]
         raise ApiError(500, "the server's catalog directory cannot be opened", None, "internal") from None
     try:
         try:
-            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            st = _lstat(name, dir_fd)
         except FileNotFoundError:
             raise ApiError(404, "name: no such catalog in the catalog directory", "name", "catalog_not_found") \
                 from None
@@ -88,6 +88,10 @@ def open_catalog(catalog_dir: str, name: str, max_bytes: int) -> tuple[int, int]
         os.close(fd)
         raise
     return fd, int(st.st_size)
+
+
+def _lstat(name: str, dir_fd: int) -> os.stat_result:
+    return os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
 
 
 def _check_regular(st: os.stat_result, max_bytes: int) -> None:
