@@ -512,3 +512,29 @@ def test_exclude_items_over_http(tiny_model):
         assert client.post("/v1/recommend", json=body | {"exclude_items": ["1"]}).status_code == 422
     finally:
         eng.stop()
+
+
+def test_quality_bench_excludes_seen_items_in_the_search(tiny_model, monkeypatch):
+    """``grserve bench quality``'s "history excluded" row comes from the served search with ``exclude_items``:
+    K items per user, none of them in the user's history (the client-side filter it replaces could return fewer)."""
+    pd = pytest.importorskip("pandas")
+    from grserve.movielens import quality
+    from grserve.movielens.split import leave_one_out
+
+    cat = generate_catalog(200, 3, 8, seed=1, token_offset=16)
+    rng = np.random.default_rng(0)
+    rows = [(u, int(i), 5, t) for u in range(3) for t, i in enumerate(rng.choice(cat.item_ids, 12, replace=False))]
+    split = leave_one_out(pd.DataFrame(rows, columns=["user_id", "movie_id", "rating", "timestamp"]))
+    seen_rows = {}
+
+    def record(ranked, targets, k):
+        seen_rows[len(seen_rows)] = [list(r) for r in ranked]
+        return 0.0
+
+    monkeypatch.setattr(quality, "recall_at_k", record)
+    monkeypatch.setattr(quality, "unconstrained_beam_search", lambda *a: np.zeros((0, 3), dtype=np.int64))  # not tested here
+    quality.evaluate(tiny_model(seed=0), cat, split, max_items=6, beam_width=10, k=10, batch=3, progress=False)
+    excluded = seen_rows[1]  # the rows dict's order: served, served_seen_excluded, popularity, random
+    for u, items in enumerate(excluded):
+        history = set(split.test_history(u).tolist())
+        assert len(items) == 10 and not history & set(items)
