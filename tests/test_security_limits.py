@@ -28,7 +28,7 @@ from grserve.config import (
 )
 from grserve.engine.batching import BatchingCore
 from grserve.engine.protocol import EngineHealth, RequestHandle, RequestTimedOut
-from grserve.engine.types import RetrievalRequest
+from grserve.engine.types import RetrievalRequest, RetrievalResult
 from grserve.server.core import EdgeMiddleware, house_error
 from grserve.server.retrieval_app import create_app
 
@@ -370,16 +370,23 @@ def test_burst_past_capacity_is_429_never_5xx(tiny_model):
 # ----------------------------------------------------------------------------------------------------------
 # finding 3: SIGTERM drains, then ends what is left with a clean error
 # ----------------------------------------------------------------------------------------------------------
-def test_shutdown_drains_then_answers_503_stopped():
+def test_shutdown_drains_then_answers_503_stopped(tmp_path, monkeypatch):
+    """SIGTERM: stop accepting, drain for --shutdown-timeout, then the waiting client gets a clean 503 — and a
+    catalog reload stuck in its parse does not keep the server from stopping (the issue: SIGTERM could not)."""
     import uvicorn
 
-    from grserve.server.core import draining_server
+    from grserve.config import CatalogReloadConfig
+    from grserve.server import catalog_reload, core
 
+    monkeypatch.setattr(core, "SHUTDOWN_GRACE_S", 0.5)
+    stuck = threading.Event()
+    monkeypatch.setattr(catalog_reload, "load_for_serving", lambda *a, **k: stuck.wait(30))
     engine = HangingEngine()
-    app = create_app(engine, ServerConfig(), edge=EdgeConfig(shutdown_timeout=0.3))
+    app = create_app(engine, ServerConfig(), edge=EdgeConfig(shutdown_timeout=0.3, admin_api_key=ADMIN_KEY),
+                     reload=CatalogReloadConfig(catalog_dir=str(tmp_path)))
     port = 18231
-    server = draining_server(app, uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"), engine.stop,
-                             0.3)
+    server = core.draining_server(app, uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical"),
+                                  engine.stop, 0.3)
     th = threading.Thread(target=server.run, daemon=True)
     th.start()
     for _ in range(200):
@@ -393,20 +400,80 @@ def test_shutdown_drains_then_answers_503_stopped():
                        timeout=10)
         answer.update(status=r.status_code, body=r.json(), retry=r.headers.get("retry-after"))
 
-    client = threading.Thread(target=ask)
-    client.start()
+    def reload():
+        try:
+            httpx.post(f"http://127.0.0.1:{port}/v1/catalog", json={"name": "x.jsonl"}, headers=ADMIN, timeout=10)
+        except httpx.HTTPError:
+            pass  # the server cancels it when it stops
+
+    clients = [threading.Thread(target=ask), threading.Thread(target=reload)]
+    for c in clients:
+        c.start()
     for _ in range(500):
-        if engine.handles:
+        if engine.handles and app.state.reloader._slot.locked():
             break
         time.sleep(0.01)
-    assert engine.handles, answer
+    assert engine.handles and app.state.reloader._slot.locked(), answer
     t0 = time.perf_counter()
     server.should_exit = True  # what uvicorn's SIGTERM handler does
-    client.join(10)
     th.join(10)
+    for c in clients:
+        c.join(10)
+    stuck.set()
     assert not th.is_alive() and time.perf_counter() - t0 < 5
     assert engine.drained_for == 0.3
     assert answer["status"] == 503 and answer["body"]["error"]["type"] == "stopped" and answer["retry"] == "1"
+
+
+def test_a_client_that_leaves_while_queued_is_never_computed():
+    """Abandoned requests are not computed: the client disconnects while its request waits behind a running batch;
+    it leaves the queue and the executor never sees it."""
+    gate, executed = threading.Event(), []
+
+    def execute(batch):
+        executed.extend(r.request_id for r in batch)
+        gate.wait(5)
+        return [RetrievalResult(r.request_id, []) for r in batch]
+
+    engine = HangingEngine()
+    batching = BatchingCore(execute, SchedulerConfig(max_batch_requests=1, max_inflight_batches=1), "t")
+    engine.submit = lambda req: batching.submit(req, batching.cancel)
+    engine.cancel = batching.cancel
+    batching.start()
+    app = create_app(engine, ServerConfig())
+    try:
+        batching.submit(RetrievalRequest(np.arange(4), 4, 1, request_id="running"), batching.cancel)
+        while not executed:
+            time.sleep(0.005)
+        sent = []
+
+        async def call():
+            messages = [{"type": "http.request", "body": b'{"history_tokens": [1], "top_n": 2, "request_id": "gone"}',
+                         "more_body": False}]
+
+            async def receive():
+                if messages:
+                    return messages.pop()
+                while batching.queue_depth == 0:  # leave once the request is queued
+                    await asyncio.sleep(0.005)
+                return {"type": "http.disconnect"}
+
+            async def send(message):
+                sent.append(message)
+
+            scope = {"type": "http", "method": "POST", "path": "/v1/recommend", "raw_path": b"/v1/recommend",
+                     "query_string": b"", "headers": [(b"content-type", b"application/json")],
+                     "http_version": "1.1", "scheme": "http", "server": ("t", 80), "client": ("c", 1), "root_path": ""}
+            await app(scope, receive, send)
+
+        asyncio.run(call())
+        assert batching.queue_depth == 0
+        gate.set()
+        time.sleep(0.1)
+    finally:
+        gate.set()
+        batching.stop()
+    assert executed == ["running"] and sent[0]["status"] == 499
 
 
 # ----------------------------------------------------------------------------------------------------------
