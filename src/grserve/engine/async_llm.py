@@ -40,9 +40,8 @@ class EngineStepFailed(EngineError):
 
 class AsyncLLMEngine:
     def __init__(self, core: LLMEngine, tokenizer: Any = None, model: Any = None, edge: EdgeConfig | None = None):
-        edge = edge or EdgeConfig()
-        self.max_waiting = int(edge.max_waiting)
-        self.request_timeout_s: float | None = edge.request_timeout
+        self.max_waiting = edge.max_waiting if edge is not None else None  # None: no edge (driven in code)
+        self.request_timeout_s: float | None = edge.request_timeout if edge is not None else None
         self._submitted: dict[str, float] = {}  # request id -> monotonic submit time, until it first runs
         self._expired: set[str] = set()
         self.requests_expired = 0
@@ -123,7 +122,7 @@ class AsyncLLMEngine:
             raise EngineStopped(f"engine is {self._status}")
         handle: RequestHandle[LLMResult] = RequestHandle(req.request_id, self.cancel)
         with self.core.lock:
-            if len(self.core.waiting) >= self.max_waiting:
+            if self.max_waiting is not None and len(self.core.waiting) >= self.max_waiting:
                 raise EngineOverloaded(f"{len(self.core.waiting)} requests waiting (max_waiting={self.max_waiting})")
             seq_id = self.core.add_request(req.prompt_ids, req.params,
                                            on_event=lambda ev, r=req.request_id: self._on_event(r, ev))

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from grserve.config import SchedulerConfig
+from grserve.config import EdgeConfig, SchedulerConfig
 from grserve.engine.protocol import (
     EngineHealth,
     EngineOverloaded,
@@ -56,10 +56,10 @@ class BatchingCore:
 
     def __init__(self, execute: Callable[[list[Any]], Sequence[Any]], cfg: SchedulerConfig,
                  name: str = "grserve", on_batch: Callable[[int, int], None] | None = None, *,
-                 max_waiting: int = 1024, request_timeout_s: float | None = None):
+                 max_waiting: int | None = None, request_timeout_s: float | None = None):
         self._execute = execute
         self.cfg = cfg
-        self.max_waiting = int(max_waiting)
+        self.max_waiting = max_waiting  # None: unbounded (an engine driven in code, e.g. a benchmark)
         self.request_timeout_s = request_timeout_s
         self.requests_expired = 0
         self.name = name
@@ -124,7 +124,7 @@ class BatchingCore:
         with self._cond:
             if self._status != "ok":
                 raise EngineStopped(f"engine is {self._status}")
-            if len(self._batcher) >= self.max_waiting:
+            if self.max_waiting is not None and len(self._batcher) >= self.max_waiting:
                 raise EngineOverloaded(f"{len(self._batcher)} requests waiting (max_waiting={self.max_waiting})")
             self._batcher.add(_Pending(req, handle))
             self._cond.notify_all()
@@ -215,6 +215,14 @@ class BatchingCore:
                     self._running_ids.discard(p.req.request_id)
                     self._cancelled.discard(p.req.request_id)
                 self._cond.notify_all()
+
+
+def admission(edge: EdgeConfig | None) -> dict[str, Any]:
+    """The queue bound and deadline of a server's edge; an engine built in code without one (a benchmark driving
+    it directly) has neither."""
+    if edge is None:
+        return {"max_waiting": None, "request_timeout_s": None}
+    return {"max_waiting": edge.max_waiting, "request_timeout_s": edge.request_timeout}
 
 
 def _fail(handle: RequestHandle, exc: BaseException) -> None:

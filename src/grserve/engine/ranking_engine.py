@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from grserve.config import EdgeConfig, RankingConfig, SchedulerConfig
-from grserve.engine.batching import BatchedEngine, BatchingCore
+from grserve.engine.batching import BatchedEngine, BatchingCore, admission
 from grserve.engine.ranking_runner import RankingRunner
 from grserve.ranking.registry import RankingRegistry
 
@@ -28,9 +28,8 @@ class RankingEngine(BatchedEngine):
                  edge: EdgeConfig | None = None):
         self.runner = runner
         self.cfg = runner.cfg
-        edge = edge or EdgeConfig()
         self._core = BatchingCore(runner.run, batching_config(runner.cfg), "grserve-ranking", on_batch,
-                                  max_waiting=edge.max_waiting, request_timeout_s=edge.request_timeout)
+                                  **admission(edge))
 
     @property
     def registry(self) -> RankingRegistry:

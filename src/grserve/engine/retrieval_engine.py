@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from grserve.catalog import Catalog, CatalogStore, generate_catalog, load_catalog
 from grserve.config import EdgeConfig, SchedulerConfig, SearchConfig, ServeConfig
-from grserve.engine.batching import BatchedEngine, BatchingCore
+from grserve.engine.batching import BatchedEngine, BatchingCore, admission
 from grserve.engine.retrieval import RetrievalRunner
 from grserve.engine.types import RetrievalRequest, RetrievalResult, RetrievedItem
 from grserve.model import Decoder, load_model
@@ -36,9 +36,8 @@ class RetrievalEngine(BatchedEngine):
         self.scheduler = scheduler or SchedulerConfig()
         self.vocab_size = model.spec.vocab_size
         self.runner = RetrievalRunner(model, self.search)
-        edge = edge or EdgeConfig()
         self._core = BatchingCore(self._execute, self.scheduler, "grserve-retrieval", on_batch,
-                                  max_waiting=edge.max_waiting, request_timeout_s=edge.request_timeout)
+                                  **admission(edge))
 
     @classmethod
     def build(cls, cfg: ServeConfig, on_batch: Callable[[int, int], None] | None = None) -> "RetrievalEngine":
