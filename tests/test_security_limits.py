@@ -208,6 +208,10 @@ def test_keys_come_from_the_environment_and_are_checked():
     assert edge_from_args(p.parse_args([]), env) == EdgeConfig(api_key="from-env", admin_api_key="adm-env")
     assert edge_from_args(p.parse_args(["--api-key", "flag"]), env).api_key == "flag"  # the flag wins
     assert edge_from_args(p.parse_args([]), {}) == EdgeConfig()
+    from grserve.flags import UsageError
+
+    with pytest.raises(UsageError, match=r"\$GRSERVE_API_KEY"):  # set but empty: fail closed
+        edge_from_args(p.parse_args([]), {"GRSERVE_API_KEY": ""})
     for bad in ("", " k", "k\n"):
         with pytest.raises(ConfigError, match="--api-key"):
             EdgeConfig(api_key=bad)

@@ -15,7 +15,7 @@ from grserve.config import (
     EdgeConfig,
     ModelConfig,
 )
-from grserve.flags import UsageError, add_flags, from_args
+from grserve.flags import ConfigError, UsageError, add_flags, from_args
 
 
 def add_edge_flags(parser: argparse.ArgumentParser, reload: bool = False) -> None:
@@ -27,12 +27,19 @@ def add_edge_flags(parser: argparse.ArgumentParser, reload: bool = False) -> Non
 
 def edge_from_args(ns: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> EdgeConfig:
     """``EdgeConfig`` from the flags; a key not given on the command line comes from ``$GRSERVE_API_KEY`` /
-    ``$GRSERVE_ADMIN_API_KEY`` (preferred: a command line is visible to every local user in ``ps``)."""
+    ``$GRSERVE_ADMIN_API_KEY`` (preferred: a command line is visible to every local user in ``ps``). A variable
+    that is set but empty is an error, not "no authentication" (fail closed)."""
     keys = {}
     for name, env in (("api_key", API_KEY_ENV), ("admin_api_key", ADMIN_API_KEY_ENV)):
         value = getattr(ns, name, None)
-        keys[name] = value if value is not None else (environ.get(env) or None)
-    return from_args(EdgeConfig, ns, **keys)
+        keys[name] = value if value is not None else environ.get(env)
+    try:
+        return from_args(EdgeConfig, ns, **keys)
+    except ConfigError as exc:
+        if getattr(ns, exc.field, None) is None and exc.field in ("api_key", "admin_api_key"):
+            env = API_KEY_ENV if exc.field == "api_key" else ADMIN_API_KEY_ENV
+            raise UsageError(f"${env}: {str(exc).partition(': ')[2]}") from None
+        raise
 
 
 def check_catalog_dir(reload: CatalogReloadConfig) -> None:
