@@ -140,7 +140,7 @@ class AsyncLLMEngine:
         elif ev.finish_reason == "abort":
             _fail(handle, RequestCancelled(f"request {request_id} cancelled"))
         else:
-            _fail(handle, EngineStepFailed(f"request {request_id} failed in an engine step"))
+            _fail(handle, EngineStepFailed(ev.error or f"request {request_id} failed in an engine step"))
 
     # ---- state ---------------------------------------------------------------------------------------------
     @property

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable
 
 
 class ByteTokenizer:
@@ -77,6 +78,30 @@ class HFTokenizer:
             except Exception:  # a template we cannot render: fall back to the minimal one
                 pass
         return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
+
+
+class WindowDecoder:
+    """Incremental detokenization from a plain ``decode(ids)`` (vLLM's offsets scheme): each step decodes only the
+    few tokens since the last emitted text (a prefix window for context), never the whole output. Text that ends
+    in an unfinished UTF-8 character (U+FFFD) is held until the character completes, or for at most
+    ``MAX_HELD`` tokens (then emitted as U+FFFD)."""
+
+    MAX_HELD = 4  # a UTF-8 character is at most 4 bytes
+
+    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+        self.decode = decode
+        self.ids: list[int] = []
+        self.prefix = 0  # start of the context window
+        self.read = 0  # tokens whose text was emitted
+
+    def step(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        before = self.decode(self.ids[self.prefix:self.read])
+        full = self.decode(self.ids[self.prefix:])
+        if len(full) > len(before) and (not full.endswith("\ufffd") or len(self.ids) - self.read >= self.MAX_HELD):
+            self.prefix, self.read = self.read, len(self.ids)
+            return full[len(before):]
+        return ""
 
 
 def load_tokenizer(source: str, vocab_size: int):
