@@ -223,3 +223,17 @@ class LLMServeConfig:
     model: ModelConfig = field(default_factory=lambda: ModelConfig(source="tiny-mha"))
     llm: LLMConfig = field(default_factory=LLMConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    api: LLMApiConfig = field(default_factory=lambda: LLMApiConfig())
+
+
+# ---- LLM OpenAI surface (issue 14) ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LLMApiConfig(Checked):
+    """The OpenAI-compatible API of ``serve llm``: tokenizer, per-request limits of the OpenAI parameters."""
+
+    tokenizer: str | None = flag(None, "HF tokenizer directory (default: the model directory's own; for a preset "
+                                       "its byte-level tokenizer, written under --tokenizer-cache)", metavar="DIR")
+    tokenizer_cache: str = flag(".grserve-cache/tokenizers", "where a preset's tokenizer is written (an HF "
+                                                             "directory: aiperf --tokenizer DIR)", metavar="DIR")
+    max_logprobs: int = flag(20, "largest logprobs / top_logprobs a request may ask for", check=non_negative)
+    max_n: int = flag(16, "largest n (choices per request)", check=positive_int)
