@@ -151,6 +151,7 @@ class HFTokenizer:
         from transformers import AutoTokenizer
 
         self.tok = AutoTokenizer.from_pretrained(str(model_dir))
+        self.tok.model_max_length = 1 << 62  # the server checks prompt lengths itself (no transformers warning)
         backend = getattr(self.tok, "backend_tokenizer", None)
         if backend is None:
             raise ValueError(f"{model_dir}: only fast (tokenizer.json) tokenizers are supported")

@@ -24,6 +24,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
+from grserve.engine.async_llm import EngineStepFailed
 from grserve.engine.protocol import RequestHandle
 from grserve.engine.sampling import SamplingParams, mix64
 from grserve.engine.tokenizer import ChatTemplateError
@@ -106,6 +107,10 @@ async def _collect(handle: RequestHandle, timer: RequestTimer) -> Choice:
 async def _collect_all(group: _Group, timers: list[RequestTimer]) -> list[Choice]:
     try:
         return list(await asyncio.gather(*(_collect(h, t) for h, t in zip(group.handles, timers))))
+    except EngineStepFailed as exc:  # the request failed in the engine: a 500 that says why
+        group.cancel()
+        log.error("request %s failed in the engine: %s", group.handles[0].request_id, exc)
+        raise ApiError(500, f"the request failed in the engine: {exc}", None, "engine_error") from None
     except BaseException:
         group.cancel()
         raise
