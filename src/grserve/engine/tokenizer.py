@@ -194,7 +194,7 @@ class HFTokenizer:
 
 def preset_tokenizer_dir(cache_dir: str | Path, vocab_size: int, model_max_length: int) -> Path:
     """The presets' tokenizer directory under ``cache_dir`` (written once per vocabulary size)."""
-    d = Path(cache_dir) / f"grserve-bytes-{vocab_size}"
+    d = (Path(cache_dir) / f"grserve-bytes-{vocab_size}").resolve()
     if not (d / "tokenizer.json").is_file() or not (d / "chat_template.jinja").is_file():
         write_preset_tokenizer(d, vocab_size, model_max_length)
     return d
