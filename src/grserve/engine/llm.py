@@ -332,8 +332,10 @@ class LLMEngine:
             if self.prefix_cache is not None and it.kind == "kv" and it.sample and not it.seq.prefix_saved:
                 it.seq.prefix_saved = True  # the end of this (re)prefill: offer its tokens to the cache
                 self.prefix_cache.save(it.seq.tokens[:it.seq.num_computed], self._storage, table)
-        # 4. sample + stop conditions; a failure here fails only the request it belongs to
-        samplers = [it.seq for it in items if it.sample]
+        return self._sample_and_append([it.seq for it in items if it.sample], logits, now)
+
+    def _sample_and_append(self, samplers: list[Sequence], logits, now: float) -> list[TokenEvent]:
+        """Sample + stop conditions; a failure here fails only the request it belongs to."""
         if isinstance(logits, list):  # the executor already chose (greedy)
             out = SampleOutput(logits, [None] * len(logits), [None] * len(logits))
         elif logits is not None:

@@ -19,6 +19,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -177,55 +178,82 @@ async def _stream(group: _Group, shape: Shape, timers: list[RequestTimer], n_pro
             group.cancel()
 
 
+@dataclass
+class OpenAIContext:
+    """What every OpenAI route needs: the engine, the tokenizer, the served model and the per-request limits."""
+
+    engine: Any
+    tokenizer: Any
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    metrics: LLMMetrics
+    max_n: int = 16
+    max_logprobs: int = 20
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise ApiError(404, f"the model '{name}' does not exist (served: '{self.model_name}')", "model",
+                           "model_not_found")
+
+    def check_limits(self, body: SamplingRequest) -> None:
+        if body.n > self.max_n:
+            raise ApiError(400, f"n must be at most {self.max_n}", "n", "invalid_value")
+        k = body.logprobs_k()
+        if k is not None and k > self.max_logprobs:
+            param = "top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs"
+            raise ApiError(400, f"{param} must be at most {self.max_logprobs}", param, "invalid_value")
+
+    def chat_prompt(self, messages: list[dict], tools: list | None, add_generation_prompt: bool = True) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(messages, tools=tools,
+                                                      add_generation_prompt=add_generation_prompt)
+        except ChatTemplateError as exc:
+            raise ApiError(400, str(exc), "messages", "chat_template_error") from None
+
+    def card(self) -> ModelCard:
+        return ModelCard(id=self.model_name, created=self.created, max_model_len=self.max_model_len)
+
+
+async def generate(ctx: OpenAIContext, request: Request, body: SamplingRequest, prompt_ids: list[int],
+                   max_tokens: int | None, shape: Shape) -> Any:
+    """Submit the request's n choices and answer whole or as an SSE stream."""
+    if max_tokens is None:  # chat without max_tokens: what fits, at most the default
+        max_tokens = min(DEFAULT_CHAT_MAX_TOKENS, ctx.max_model_len - len(prompt_ids))
+    if max_tokens < 1 or len(prompt_ids) + max_tokens > ctx.max_model_len:
+        raise ApiError(400, f"this model's maximum context length is {ctx.max_model_len} tokens; the prompt has "
+                            f"{len(prompt_ids)} and max_tokens is {max(max_tokens, 1)}",
+                       "max_tokens" if body.requested_max_tokens() else "messages", "context_length_exceeded")
+    params = [sampling_params(body, max_tokens, ctx.vocab_size, i) for i in range(body.n)]
+    handles: list[RequestHandle] = []
+    try:
+        for i, p in enumerate(params):
+            rid = shape.rid if body.n == 1 else f"{shape.rid}-{i}"
+            handles.append(submit(ctx.engine, LLMRequest(prompt_ids, p, request_id=rid), "max_tokens"))
+    except BaseException:
+        _Group(ctx.engine, handles).cancel()
+        raise
+    group = _Group(ctx.engine, handles)
+    timers = [ctx.metrics.timer(len(prompt_ids)) for _ in handles]
+    if body.stream:
+        return StreamingResponse(_stream(group, shape, timers, len(prompt_ids), body.include_usage, ctx.metrics),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    choices = await finish(request, group, handles[0], _collect_all(group, timers))
+    return shape.whole(choices, usage(len(prompt_ids) * len(choices), sum(c.n_out for c in choices)))
+
+
 def create_openai_router(engine: Any, tokenizer: Any, model_name: str, max_model_len: int, vocab_size: int,
                          metrics: LLMMetrics, max_n: int = 16, max_logprobs: int = 20) -> APIRouter:
     """The OpenAI routes around an LLM engine (the Engine protocol; events are ``TokenEvent``\\ s)."""
     router = APIRouter()
-    created = int(time.time())
-
-    def check_model(name: str | None) -> None:
-        if name is not None and name != model_name:
-            raise ApiError(404, f"the model '{name}' does not exist (served: '{model_name}')", "model",
-                           "model_not_found")
-
-    def check_limits(body: SamplingRequest) -> None:
-        if body.n > max_n:
-            raise ApiError(400, f"n must be at most {max_n}", "n", "invalid_value")
-        k = body.logprobs_k()
-        if k is not None and k > max_logprobs:
-            param = "top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs"
-            raise ApiError(400, f"{param} must be at most {max_logprobs}", param, "invalid_value")
-
-    async def generate(request: Request, body: SamplingRequest, prompt_ids: list[int], max_tokens: int | None,
-                       shape: Shape) -> Any:
-        if max_tokens is None:  # chat without max_tokens: what fits, at most the default
-            max_tokens = min(DEFAULT_CHAT_MAX_TOKENS, max_model_len - len(prompt_ids))
-        if max_tokens < 1 or len(prompt_ids) + max_tokens > max_model_len:
-            raise ApiError(400, f"this model's maximum context length is {max_model_len} tokens; the prompt has "
-                                f"{len(prompt_ids)} and max_tokens is {max(max_tokens, 1)}",
-                           "max_tokens" if body.requested_max_tokens() else "messages", "context_length_exceeded")
-        params = [sampling_params(body, max_tokens, vocab_size, i) for i in range(body.n)]
-        handles: list[RequestHandle] = []
-        try:
-            for i, p in enumerate(params):
-                rid = shape.rid if body.n == 1 else f"{shape.rid}-{i}"
-                handles.append(submit(engine, LLMRequest(prompt_ids, p, request_id=rid), "max_tokens"))
-        except BaseException:
-            _Group(engine, handles).cancel()
-            raise
-        group = _Group(engine, handles)
-        timers = [metrics.timer(len(prompt_ids)) for _ in handles]
-        if body.stream:
-            return StreamingResponse(_stream(group, shape, timers, len(prompt_ids), body.include_usage, metrics),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        choices = await finish(request, group, handles[0], _collect_all(group, timers))
-        return shape.whole(choices, usage(len(prompt_ids) * len(choices), sum(c.n_out for c in choices)))
+    ctx = OpenAIContext(engine, tokenizer, model_name, max_model_len, vocab_size, metrics, max_n, max_logprobs)
 
     @router.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
     async def completions(body: CompletionRequest, request: Request) -> Any:
-        check_model(body.model)
-        check_limits(body)
+        ctx.check_model(body.model)
+        ctx.check_limits(body)
         p = body.prompt
         if isinstance(p, list) and isinstance(p[0], int):
             ids = token_ids(p, vocab_size, "prompt").tolist()  # type: ignore[arg-type]
@@ -233,53 +261,53 @@ def create_openai_router(engine: Any, tokenizer: Any, model_name: str, max_model
         else:
             text = p[0] if isinstance(p, list) else p
             ids = tokenizer.encode(text)
-        shape = CompletionShape(f"cmpl-{uuid.uuid4().hex[:24]}", created, model_name, tokenizer,
+        shape = CompletionShape(f"cmpl-{uuid.uuid4().hex[:24]}", ctx.created, model_name, tokenizer,
                                 text if body.echo else "")
-        return await generate(request, body, ids, body.requested_max_tokens() or DEFAULT_MAX_TOKENS, shape)
-
-    def chat_prompt(messages: list[dict], tools: list | None, add_generation_prompt: bool = True) -> str:
-        try:
-            return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt)
-        except ChatTemplateError as exc:
-            raise ApiError(400, str(exc), "messages", "chat_template_error") from None
+        return await generate(ctx, request, body, ids, body.requested_max_tokens() or DEFAULT_MAX_TOKENS, shape)
 
     @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-        check_model(body.model)
-        check_limits(body)
-        prompt = chat_prompt([m.for_template() for m in body.messages], body.tools or None)
+        ctx.check_model(body.model)
+        ctx.check_limits(body)
+        prompt = ctx.chat_prompt([m.for_template() for m in body.messages], body.tools or None)
         ids = tokenizer.encode(prompt, add_special_tokens=False)
-        shape = ChatShape(f"chatcmpl-{uuid.uuid4().hex[:24]}", created, model_name, tokenizer)
-        return await generate(request, body, ids, body.requested_max_tokens(), shape)
+        shape = ChatShape(f"chatcmpl-{uuid.uuid4().hex[:24]}", ctx.created, model_name, tokenizer)
+        return await generate(ctx, request, body, ids, body.requested_max_tokens(), shape)
+
+    add_utility_routes(router, ctx)
+    return router
+
+
+def add_utility_routes(router: APIRouter, ctx: OpenAIContext) -> None:
+    """``/v1/models``, ``/v1/models/{id}``, ``/tokenize``, ``/detokenize``, ``/version``."""
 
     @router.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=model_name, created=created, max_model_len=max_model_len)])
+        return ModelList(data=[ctx.card()])
 
     @router.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_ERRORS)
     async def model(model_id: str) -> ModelCard:
-        check_model(model_id)
-        return ModelCard(id=model_name, created=created, max_model_len=max_model_len)
+        ctx.check_model(model_id)
+        return ctx.card()
 
     @router.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
-        check_model(body.model)
+        ctx.check_model(body.model)
         if body.messages is not None:
-            text = chat_prompt([m.for_template() for m in body.messages], None, body.add_generation_prompt)
-            ids = tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
+            text = ctx.chat_prompt([m.for_template() for m in body.messages], None, body.add_generation_prompt)
+            ids = ctx.tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
         else:
-            ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
-        return TokenizeResponse(count=len(ids), max_model_len=max_model_len, tokens=ids)
+            ids = ctx.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
+        return TokenizeResponse(count=len(ids), max_model_len=ctx.max_model_len, tokens=ids)
 
     @router.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
-        check_model(body.model)
-        return DetokenizeResponse(prompt=tokenizer.decode(token_ids(body.tokens, vocab_size, "tokens").tolist()))
+        ctx.check_model(body.model)
+        ids = token_ids(body.tokens, ctx.vocab_size, "tokens").tolist()
+        return DetokenizeResponse(prompt=ctx.tokenizer.decode(ids))
 
     @router.get("/version", response_model=VersionResponse)
     async def version() -> VersionResponse:
         from grserve import __version__
 
         return VersionResponse(version=__version__)
-
-    return router
