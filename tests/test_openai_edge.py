@@ -223,6 +223,7 @@ def test_logprobs_echo_n_and_seed(client):
     three = client.completions.create(n=3, **kw)
     assert [ch.index for ch in three.choices] == [0, 1, 2] and three.choices[0].text == one
     assert three.usage.completion_tokens == 18 and len({ch.text for ch in three.choices}) > 1
+    assert three.usage.prompt_tokens == client.completions.create(**kw).usage.prompt_tokens  # the prompt once
     chunks = list(client.chat.completions.create(model=M, messages=[{"role": "user", "content": "x"}], n=2,
                                                  max_tokens=3, temperature=0, stream=True))
     per = {0: "", 1: ""}

@@ -163,7 +163,7 @@ async def _stream(group: _Group, shape: Shape, timers: list[RequestTimer], n_pro
                 timers[i].done(choices[i].reason)
         done = True
         if include_usage:
-            yield sse(shape.usage(usage(n_prompt * len(choices), sum(c.n_out for c in choices))))
+            yield sse(shape.usage(usage(n_prompt, sum(c.n_out for c in choices))))
         yield "data: [DONE]\n\n"
     except Exception as exc:  # noqa: BLE001 - the status line is sent: an error event, never a clean finish
         log.exception("engine failed on streamed request %s", shape.rid)
@@ -235,13 +235,13 @@ async def generate(ctx: OpenAIContext, request: Request, body: SamplingRequest, 
         _Group(ctx.engine, handles).cancel()
         raise
     group = _Group(ctx.engine, handles)
-    timers = [ctx.metrics.timer(len(prompt_ids)) for _ in handles]
+    timers = [ctx.metrics.timer(len(prompt_ids) if i == 0 else 0) for i in range(len(handles))]  # prompt once
     if body.stream:
         return StreamingResponse(_stream(group, shape, timers, len(prompt_ids), body.include_usage, ctx.metrics),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     choices = await finish(request, group, handles[0], _collect_all(group, timers))
-    return shape.whole(choices, usage(len(prompt_ids) * len(choices), sum(c.n_out for c in choices)))
+    return shape.whole(choices, usage(len(prompt_ids), sum(c.n_out for c in choices)))
 
 
 def create_openai_router(engine: Any, tokenizer: Any, model_name: str, max_model_len: int, vocab_size: int,
