@@ -231,3 +231,38 @@ def test_a_failing_detokenizer_or_sampler_fails_only_its_request(small_model, mo
     done = {s.seq_id: s for s in eng.finished}
     assert [done[i].finish_reason for i in ids] == ["error", "error", "length"]
     assert done[ids[2]].text == "xxxx" and "sampler bug" in done[ids[1]].error
+
+
+def test_any_accepted_parameters_and_any_logits_never_raise():
+    """Property: for every value SamplingParams accepts and any logits (huge, tiny, ±inf, NaN), ``sample`` returns
+    a token in the vocabulary or an error for that row only — it never raises."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    pos_float = st.floats(min_value=5e-324, max_value=1.0)
+    params = st.builds(
+        SamplingParams, max_tokens=st.just(50),
+        temperature=st.one_of(st.just(0.0), st.floats(min_value=0.0, max_value=1e308)),
+        top_p=pos_float, top_k=st.integers(0, 2 ** 80), min_p=st.floats(0.0, 1.0),
+        seed=st.integers(-(2 ** 70), 2 ** 70), min_tokens=st.integers(0, 50),
+        presence_penalty=st.floats(-1e300, 1e300), frequency_penalty=st.floats(-1e300, 1e300),
+        repetition_penalty=st.floats(min_value=5e-324, max_value=1e300),
+        logit_bias=st.lists(st.tuples(st.integers(0, 15), st.floats(-1e300, 1e300)), max_size=3).map(tuple),
+        logprobs=st.one_of(st.none(), st.integers(0, 40)), stop_token_ids=st.just((3,)))
+    special = st.sampled_from([0.0, 1e38, -1e38, 3e38, float("inf"), float("-inf"), float("nan"), 1e-45])
+    logit = st.one_of(st.floats(-1e6, 1e6), special)
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(st.lists(st.tuples(params, st.lists(logit, min_size=16, max_size=16), st.integers(0, 2 ** 40),
+                              st.lists(st.integers(0, 15), max_size=6)), min_size=1, max_size=4))
+    def check(batch):
+        rows = [SampleRow(p, seed=p.seed or 0, position=pos, prompt_ids=[1, 2], output_ids=out)
+                for p, _, pos, out in batch]
+        logits = torch.tensor([lg for _, lg, _, _ in batch], dtype=torch.float32)
+        out = sample(logits, rows, eos_token_id=2)
+        for tok, err, lp, row in zip(out.token_ids, out.errors, out.logprobs, rows):
+            assert err is not None or 0 <= tok < 16
+            if row.params.logprobs is not None and err is None:
+                assert math.isfinite(lp.logprob) and len(lp.top) == min(row.params.logprobs, 16)
+
+    check()

@@ -216,7 +216,7 @@ def _filtered_sorted(logp: torch.Tensor, rows: list[SampleRow]) -> tuple[torch.T
     dev = logp.device
     slp, sid = logp.sort(dim=1, descending=True, stable=True)
     keep_n = torch.full((len(rows),), V, dtype=torch.long, device=dev)
-    k = torch.tensor([r.params.top_k if r.params.top_k > 0 else V for r in rows], device=dev)
+    k = torch.tensor([min(r.params.top_k, V) if r.params.top_k > 0 else V for r in rows], device=dev)
     keep_n = torch.minimum(keep_n, k.clamp(1, V))
     min_p = torch.tensor([r.params.min_p for r in rows], dtype=torch.float64, device=dev)
     if bool((min_p > 0).any()):
@@ -278,7 +278,7 @@ def _logprobs(raw: torch.Tensor, tokens: list[int], rows: list[SampleRow]) -> li
         return out
     lp = torch.log_softmax(torch.nan_to_num(raw[want], nan=float("-inf")), dim=1)
     lp = torch.nan_to_num(lp, nan=NEG_INF_LOGPROB, neginf=NEG_INF_LOGPROB)
-    k = max(rows[i].params.logprobs or 0 for i in want)
+    k = min(max(rows[i].params.logprobs or 0 for i in want), raw.shape[1])
     top_v, top_i = lp.topk(k, dim=1) if k else (lp[:, :0], lp[:, :0].long())
     for j, i in enumerate(want):
         kk = rows[i].params.logprobs or 0
