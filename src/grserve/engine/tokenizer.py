@@ -11,9 +11,11 @@ Every tokenizer offers ``encode``, ``decode``, ``decode_stream(prompt_ids)`` (an
   the backend). Incremental decoding is ``tokenizers.decoders.DecodeStream``; ids past the tokenizer's vocabulary
   (models often have a few spare rows) decode to nothing.
 - ``preset_tokenizer_json(vocab_size)``: the presets' tokenizer, built deterministically with ``tokenizers``: a
-  byte-level BPE without merges (ids 0/1/2 = ``<pad>``/``<bos>``/``<eos>``, byte b = id b + 3, ``<bos>``
-  prepended), padded to the model's vocabulary with filler word tokens (``" ab"``, ``" ac"``, …) that encoding never
-  produces but that decode to readable text, so a random-weight preset writes words. ``write_preset_tokenizer``
+  byte-level BPE (ids 0/1/2 = ``<pad>``/``<bos>``/``<eos>``, byte b = id b + 3, ``<bos>`` prepended) whose other
+  ids, up to the model's vocabulary, are filler words (``" a"`` … ``" z"``, ``" aa"``, ``" ab"``, …) each reachable
+  by one merge of an earlier one and a letter. A random-weight preset therefore writes words, and a client that
+  re-tokenizes the output text (aiperf counts output tokens so) counts about the tokens the server generated.
+  Text without a space before a lowercase letter encodes to bytes. ``write_preset_tokenizer``
   writes ``tokenizer.json`` + ``tokenizer_config.json`` + ``chat_template.jinja`` (a minimal template:
   ``<bos>``, then ``<|role|>\\n`` + content + ``\\n`` per message, ``<|assistant|>\\n`` to generate).
   Chat prompts are encoded without adding special tokens (the template has them), as vLLM does.
@@ -87,8 +89,9 @@ CHAR_BYTES = {c: b for b, c in BYTE_CHARS.items()}
 
 
 def _filler(k: int) -> str:
-    """The k-th filler token: a space and a lowercase word (aa, ab, …, zz, aaa, …) in byte-level characters."""
-    length, n = 2, 26 ** 2
+    """The k-th filler token: a space and a lowercase word (a, …, z, aa, ab, …, zz, aaa, …) in byte-level
+    characters. Every filler's prefix one letter shorter is an earlier filler (or the space alone)."""
+    length, n = 1, 26
     while k >= n:
         k -= n
         length += 1
@@ -105,8 +108,10 @@ def preset_tokenizer_json(vocab_size: int) -> str:
         raise ValueError("the byte-level tokenizer needs a vocabulary of at least 259 ids")
     vocab = {s: i for i, s in enumerate(SPECIALS)}
     vocab.update({BYTE_CHARS[b]: b + BYTE_OFFSET for b in range(256)})
-    vocab.update({_filler(i - 259): i for i in range(259, vocab_size)})
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    fillers = [_filler(i - 259) for i in range(259, vocab_size)]
+    vocab.update({f: i for i, f in enumerate(fillers, start=259)})
+    merges = [(f[:-1], f[-1]) for f in fillers]  # " ab" = (" a", "b"): encoding a filler's text gives the filler
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A <bos> $B",
@@ -194,7 +199,7 @@ class HFTokenizer:
 
 def preset_tokenizer_dir(cache_dir: str | Path, vocab_size: int, model_max_length: int) -> Path:
     """The presets' tokenizer directory under ``cache_dir`` (written once per vocabulary size)."""
-    d = (Path(cache_dir) / f"grserve-bytes-{vocab_size}").resolve()
+    d = (Path(cache_dir) / f"grserve-bytes-v2-{vocab_size}").resolve()
     if not (d / "tokenizer.json").is_file() or not (d / "chat_template.jinja").is_file():
         write_preset_tokenizer(d, vocab_size, model_max_length)
     return d
