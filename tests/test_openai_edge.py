@@ -212,12 +212,23 @@ def test_logprobs_echo_n_and_seed(client):
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
     e = client.completions.create(model=M, prompt="abc", max_tokens=5, temperature=0, echo=True)
     assert e.choices[0].text == "abc" + r.choices[0].text
+    streamed = list(client.completions.create(model=M, prompt="abc", max_tokens=5, temperature=0, echo=True,
+                                              stream=True))
+    assert "".join(ch.choices[0].text for ch in streamed) == e.choices[0].text
+    streamed = list(client.completions.create(model=M, prompt="abc", max_tokens=5, temperature=0, logprobs=3,
+                                              stream=True))
+    offsets = [o for ch in streamed if ch.choices[0].logprobs for o in ch.choices[0].logprobs.text_offset]
+    assert offsets == lp.text_offset
     c = client.chat.completions.create(model=M, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
                                        temperature=0, logprobs=True, top_logprobs=2)
     content = c.choices[0].logprobs.content
     assert len(content) == 4 and all(len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob == t.logprob
                                      for t in content)
     assert bytes(b for t in content for b in t.bytes).decode("utf-8", "replace") == c.choices[0].message.content
+    chunks = list(client.chat.completions.create(model=M, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                                 temperature=0, logprobs=True, top_logprobs=2, stream=True))
+    assert [t.logprob for ch in chunks if ch.choices and ch.choices[0].logprobs
+            for t in ch.choices[0].logprobs.content] == [t.logprob for t in content]
     kw = dict(model=M, prompt="seeded", max_tokens=6, temperature=1.0, seed=77)
     one = client.completions.create(**kw).choices[0].text
     three = client.completions.create(n=3, **kw)

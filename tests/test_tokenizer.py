@@ -164,3 +164,17 @@ def test_stop_strings_are_matched_on_new_text_across_tokens(random_decoder):
     stop = full[5:8]
     text, reason = run((stop, "zzzzzzzz"))
     assert reason == "stop" and text == full[:full.find(stop)] and stop not in text
+
+
+def test_generation_config_eos_ids_stop_like_eos(tmp_path):
+    from grserve.server.openai_routes import sampling_params
+    from grserve.server.openai_schemas import CompletionRequest
+
+    d = _hf_dir(tmp_path)
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7, 9]}))
+    tok = HFTokenizer(d)
+    assert tok.eos_token_id == 2 and tok.extra_eos_ids == (7, 9)
+    body = CompletionRequest(model="m", prompt="x", stop_token_ids=[9, 11])
+    assert sampling_params(body, 4, 300, extra_eos=tok.extra_eos_ids).stop_token_ids == (9, 11, 7)
+    ignore = CompletionRequest(model="m", prompt="x", ignore_eos=True)
+    assert sampling_params(ignore, 4, 300, extra_eos=tok.extra_eos_ids).stop_token_ids == ()

@@ -149,6 +149,17 @@ class _DecodeStream:
         return self.stream.step(self.backend, token_id) or ""
 
 
+def _generation_eos(d: Path, eos: int | None) -> tuple[int, ...]:
+    """End-of-sequence ids a model's ``generation_config.json`` adds to the tokenizer's (chat models often end
+    turns with another token, e.g. Qwen's ``<|im_end|>``); they stop generation like EOS."""
+    try:
+        ids = json.loads((d / "generation_config.json").read_text()).get("eos_token_id")
+    except (OSError, ValueError):
+        return ()
+    ids = ids if isinstance(ids, list) else [ids]
+    return tuple(i for i in dict.fromkeys(ids) if isinstance(i, int) and i != eos)
+
+
 class HFTokenizer:
     """``transformers.AutoTokenizer`` from a directory, with its own chat template."""
 
@@ -167,6 +178,7 @@ class HFTokenizer:
         self.eos_token_id = self.tok.eos_token_id
         self.bos_token_id = self.tok.bos_token_id
         self.vocab_size = len(self.tok)
+        self.extra_eos_ids = _generation_eos(Path(model_dir), self.eos_token_id)
         self._byte_level = type(backend.decoder).__name__ == "ByteLevel"
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

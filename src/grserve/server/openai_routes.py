@@ -59,8 +59,10 @@ def choice_seed(seed: int | None, i: int) -> int | None:
     return seed if seed is None or i == 0 else mix64(seed, i) >> 1
 
 
-def sampling_params(body: SamplingRequest, max_tokens: int, vocab_size: int, i: int = 0) -> SamplingParams:
-    """The engine's sampling parameters of choice ``i`` (token ids checked against the vocabulary: 400)."""
+def sampling_params(body: SamplingRequest, max_tokens: int, vocab_size: int, i: int = 0,
+                    extra_eos: tuple[int, ...] = ()) -> SamplingParams:
+    """The engine's sampling parameters of choice ``i`` (token ids checked against the vocabulary: 400);
+    ``extra_eos`` (the model's other end-of-sequence ids) stop like EOS unless ``ignore_eos``."""
     bias = tuple((int(k), float(v)) for k, v in (body.logit_bias or {}).items())
     for t, _ in bias:
         if t >= vocab_size:
@@ -68,6 +70,8 @@ def sampling_params(body: SamplingRequest, max_tokens: int, vocab_size: int, i: 
                            "out_of_range")
     stop_ids = tuple(token_ids(body.stop_token_ids, vocab_size, "stop_token_ids").tolist()) \
         if body.stop_token_ids else ()
+    if not body.ignore_eos:
+        stop_ids += tuple(t for t in extra_eos if t not in stop_ids and t < vocab_size)
     if body.min_tokens > max_tokens:
         raise ApiError(400, f"min_tokens ({body.min_tokens}) is more than max_tokens ({max_tokens})", "min_tokens",
                        "invalid_value")
@@ -225,7 +229,8 @@ async def generate(ctx: OpenAIContext, request: Request, body: SamplingRequest, 
         raise ApiError(400, f"this model's maximum context length is {ctx.max_model_len} tokens; the prompt has "
                             f"{len(prompt_ids)} and max_tokens is {max(max_tokens, 1)}",
                        "max_tokens" if body.requested_max_tokens() else "messages", "context_length_exceeded")
-    params = [sampling_params(body, max_tokens, ctx.vocab_size, i) for i in range(body.n)]
+    extra_eos = tuple(getattr(ctx.tokenizer, "extra_eos_ids", ()))
+    params = [sampling_params(body, max_tokens, ctx.vocab_size, i, extra_eos) for i in range(body.n)]
     handles: list[RequestHandle] = []
     try:
         for i, p in enumerate(params):
