@@ -266,3 +266,31 @@ def test_any_accepted_parameters_and_any_logits_never_raise():
                 assert math.isfinite(lp.logprob) and len(lp.top) == min(row.params.logprobs, 16)
 
     check()
+
+
+def test_partial_sort_keeps_the_same_tokens_as_the_full_sort():
+    """_filtered_sorted sorts only the K tokens any row can keep; the kept tokens (ids, in order) equal the full
+    stable sort's, for peaked and flat rows and every combination of top-k, min-p and top-p."""
+    from grserve.engine.sampling import _filtered_sorted
+
+    g = torch.Generator().manual_seed(11)
+    V = 4000
+    params = [SamplingParams(top_p=tp, top_k=tk, min_p=mp) for tp in (1.0, 0.9, 0.5, 1e-300)
+              for tk in (0, 3, 200, 3900) for mp in (0.0, 0.01, 0.3)]
+    for scale in (0.3, 3.0, 12.0):
+        logits = torch.randn(len(params), V, generator=g, dtype=torch.float64) * scale
+        logits[::5, :40] = 7.0  # ties
+        logp = torch.log_softmax(logits, dim=1)
+        rows = _rows(params)
+        slp, sid, keep = _filtered_sorted(logp, rows)
+        fslp, fsid, fkeep = _filtered_sorted(logp, rows, full_sort=True)
+        assert keep.tolist() == fkeep.tolist()
+        for i, n in enumerate(keep.tolist()):  # the same tokens (a tie at the boundary may keep another of equals)
+            torch.testing.assert_close(slp[i, :n], fslp[i, :n], rtol=0, atol=0)
+            torch.testing.assert_close(logp[i, sid[i, :n]], slp[i, :n], rtol=0, atol=0)
+            if len(set(fslp[i, :n + 1].tolist())) == n + 1:  # no tie there: the very same ids
+                assert sid[i, :n].tolist() == fsid[i, :n].tolist()
+    peaked = torch.log_softmax(torch.randn(8, V, generator=g, dtype=torch.float64) * 12, dim=1)
+    slp, _, keep = _filtered_sorted(peaked, _rows([SamplingParams(top_p=0.9)] * 8))
+    assert slp.shape[1] < V // 4 and keep.tolist() == _filtered_sorted(peaked, _rows([SamplingParams(top_p=0.9)] * 8),
+                                                                       full_sort=True)[2].tolist()

@@ -209,27 +209,59 @@ def sanitize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x, ok
 
 
-def _filtered_sorted(logp: torch.Tensor, rows: list[SampleRow]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sort log-probabilities [b, V] descending; return (sorted logp, sorted ids, number of kept tokens per row)
-    after top-k, min-p and top-p (each keeps a prefix of the sorted order, the first token always)."""
+def _filtered_sorted(logp: torch.Tensor, rows: list[SampleRow], full_sort: bool = False,
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Log-probabilities [b, V] → (sorted logp, sorted ids, number of kept tokens per row) after top-k, min-p and
+    top-p (each keeps a prefix of the sorted order, the first token always; top-p on the probabilities
+    renormalised over what top-k and min-p keep, as vLLM).
+
+    Only the K best tokens are sorted (``topk``), K the most any row can keep: top-k's k, min-p's count, and for
+    top-p the tokens above ``p_max (1 − top_p) / V`` (a token at or below it has at least ``Z·top_p`` of mass
+    before it, so top-p drops it). ``full_sort`` sorts everything (the reference; a test checks they agree)."""
     V = logp.shape[1]
     dev = logp.device
-    slp, sid = logp.sort(dim=1, descending=True, stable=True)
-    keep_n = torch.full((len(rows),), V, dtype=torch.long, device=dev)
+    lmax = logp.max(dim=1, keepdim=True).values
     k = torch.tensor([min(r.params.top_k, V) if r.params.top_k > 0 else V for r in rows], device=dev)
-    keep_n = torch.minimum(keep_n, k.clamp(1, V))
-    min_p = torch.tensor([r.params.min_p for r in rows], dtype=torch.float64, device=dev)
-    if bool((min_p > 0).any()):
-        floor = torch.log(min_p)[:, None] + slp[:, :1]  # log(min_p · p_max)
-        keep_n = torch.minimum(keep_n, (slp >= floor).sum(dim=1).clamp(min=1))
+    min_p = torch.tensor([r.params.min_p for r in rows], dtype=torch.float64, device=dev)[:, None]
     top_p = torch.tensor([r.params.top_p for r in rows], dtype=torch.float64, device=dev)
+    floor_m = torch.log(min_p) + lmax  # log(min_p · p_max); -inf when min_p = 0
+    n1 = torch.minimum(k, (logp >= floor_m).sum(dim=1)).clamp(min=1)  # what top-k and min-p keep
+    cand = n1
     if bool((top_p < 1).any()):
-        ranks = torch.arange(V, device=dev)[None, :]
-        p = torch.exp(slp - slp[:, :1]).masked_fill(ranks >= keep_n[:, None], 0.0)
-        p = p / p.sum(dim=1, keepdim=True)
+        floor_p = lmax + torch.log1p(-top_p)[:, None] - math.log(V)
+        cand = torch.minimum(cand, (logp > floor_p).sum(dim=1).clamp(min=1))
+    K = V if full_sort else int(cand.max())
+    if K * 4 < V:
+        slp, sid = logp.topk(K, dim=1, sorted=True)
+    else:
+        K = V
+        slp, sid = logp.sort(dim=1, descending=True, stable=True)
+    keep_n = torch.minimum(n1, torch.tensor(K, device=dev))
+    if bool((top_p < 1).any()):
+        ranks = torch.arange(K, device=dev)[None, :]
+        p = torch.exp(slp - lmax).masked_fill(ranks >= keep_n[:, None], 0.0)
+        z = _kept_mass(logp, lmax, floor_m, k, n1, p, K)
         before = torch.cumsum(p, dim=1) - p
-        keep_n = torch.minimum(keep_n, (before < top_p[:, None]).sum(dim=1).clamp(min=1))
+        keep_n = torch.minimum(keep_n, (before < top_p[:, None] * z[:, None]).sum(dim=1).clamp(min=1))
     return slp, sid, keep_n
+
+
+def _kept_mass(logp: torch.Tensor, lmax: torch.Tensor, floor_m: torch.Tensor, k: torch.Tensor, n1: torch.Tensor,
+               p: torch.Tensor, K: int) -> torch.Tensor:
+    """Σ exp(logp − max) over what top-k and min-p keep: from the K sorted columns when it lies within them,
+    else from the whole row (the min-p mask, and for a top-k beyond K its k-th value, ties counted exactly)."""
+    z = p.sum(dim=1)
+    wide = (n1 > K).nonzero().flatten()
+    if len(wide):
+        z[wide] = (torch.exp(logp[wide] - lmax[wide]) * (logp[wide] >= floor_m[wide])).sum(dim=1)
+    for i in wide[k[wide] < logp.shape[1]].tolist():  # a top-k beyond the K columns (rare): its k-th value
+        e = torch.exp(logp[i] - lmax[i]) * (logp[i] >= floor_m[i])
+        t = logp[i].topk(int(k[i])).values[-1]
+        above = logp[i] > t
+        e = e * above + torch.exp(t - lmax[i]) * (logp[i] >= floor_m[i]) * (logp[i] == t) \
+            * ((int(k[i]) - int(above.sum())) / max(int((logp[i] == t).sum()), 1))
+        z[i] = e.sum()
+    return z
 
 
 def _draw(logp: torch.Tensor, keep_n: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
