@@ -197,21 +197,23 @@ def _padded_float(vals: list[list[float]], width: int, device) -> torch.Tensor:
 
 
 # ---- choice -----------------------------------------------------------------------------------------------------
-def sanitize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """NaN → −inf; a row with +inf entries keeps only those (as equal logits 0). Returns (x, row has a finite
-    candidate)."""
+def sanitize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """NaN → −inf; a row with +inf entries keeps only those (as equal logits 0). Returns (x, its row maxima, row
+    has a candidate, i.e. a finite maximum)."""
     x = torch.nan_to_num(x, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
-    pos = torch.isposinf(x)
-    has_pos = pos.any(dim=1, keepdim=True)
+    mx = x.max(dim=1).values
+    has_pos = torch.isposinf(mx)
     if bool(has_pos.any()):
-        x = torch.where(has_pos, torch.where(pos, 0.0, float("-inf")).to(x.dtype), x)
-    ok = torch.isfinite(x).any(dim=1)
-    return x, ok
+        rows = has_pos.nonzero().flatten()
+        x[rows] = torch.where(torch.isposinf(x[rows]), 0.0, float("-inf")).to(x.dtype)
+        mx = torch.where(has_pos, 0.0, mx)
+    return x, mx, torch.isfinite(mx)
 
 
 def _filtered_sorted(logp: torch.Tensor, rows: list[SampleRow], full_sort: bool = False,
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Log-probabilities [b, V] → (sorted logp, sorted ids, number of kept tokens per row) after top-k, min-p and
+    """Log-probabilities [b, V] (up to a per-row constant: every rule below is relative to the row's maximum) →
+    (sorted logp, sorted ids, number of kept tokens per row) after top-k, min-p and
     top-p (each keeps a prefix of the sorted order, the first token always; top-p on the probabilities
     renormalised over what top-k and min-p keep, as vLLM).
 
@@ -264,38 +266,37 @@ def _kept_mass(logp: torch.Tensor, lmax: torch.Tensor, floor_m: torch.Tensor, k:
     return z
 
 
-def _draw(logp: torch.Tensor, keep_n: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-    """Inverse-CDF draw over the first ``keep_n`` entries of each row of ``logp`` (positions, not token ids)."""
-    V = logp.shape[1]
-    dev = logp.device
-    ranks = torch.arange(V, device=dev)[None, :]
-    p = torch.exp(logp - logp.max(dim=1, keepdim=True).values).masked_fill(ranks >= keep_n[:, None], 0.0)
-    p = torch.nan_to_num(p, nan=0.0)
+def _draw(w: torch.Tensor, keep_n: torch.Tensor | None, rows: list[SampleRow]) -> torch.Tensor:
+    """Inverse-CDF draw over the first ``keep_n`` entries (all when None) of each row of the log-weights ``w``
+    (maximum 0 per row); returns positions, not token ids. The target is kept below the total mass, so the
+    chosen position always has a positive weight (the CDF rises there)."""
+    dev = w.device
+    p = torch.exp(w)
+    if keep_n is not None:
+        p = p.masked_fill(torch.arange(w.shape[1], device=dev)[None, :] >= keep_n[:, None], 0.0)
     cdf = torch.cumsum(p, dim=1)
-    u = torch.tensor([draw_uniform(r.seed, r.position) for r in rows], dtype=torch.float64, device=dev)
-    target = (u * cdf[:, -1]).unsqueeze(1)
-    pos = torch.searchsorted(cdf, target, right=True).squeeze(1)
-    last = torch.where(p > 0, ranks, -1).max(dim=1).values  # the last position of positive probability
-    return torch.minimum(pos, last.clamp(min=0))
+    total = cdf[:, -1:]
+    u = torch.tensor([draw_uniform(r.seed, r.position) for r in rows], dtype=w.dtype, device=dev)[:, None]
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=w.shape[1] - 1)
 
 
 def choose(x: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list[str | None]]:
     """Processed float64 logits [B, V] → (token ids, per-row errors); see the module docstring."""
-    x, ok = sanitize(x)
+    x, mx, ok = sanitize(x)
     tokens = torch.argmax(x, dim=1)  # greedy rows (and a placeholder for failed ones)
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy and bool(ok[i])]
     if sampled:
         sub_rows = [rows[i] for i in sampled]
         temp = torch.tensor([r.params.temperature for r in sub_rows], dtype=torch.float64, device=x.device)
-        sub = x[sampled]
-        logp = torch.log_softmax((sub - sub.max(dim=1, keepdim=True).values) / temp[:, None], dim=1)
+        # log-weights: log-probabilities up to a per-row constant, maximum exactly 0 (no overflow for any T)
+        w = (x[sampled] - mx[sampled, None]) / temp[:, None]
         filt = [j for j, r in enumerate(sub_rows) if r.params.top_k > 0 or r.params.top_p < 1 or r.params.min_p > 0]
         plain = [j for j in range(len(sub_rows)) if j not in set(filt)]
         if plain:
-            n = torch.full((len(plain),), x.shape[1], dtype=torch.long, device=x.device)
-            tokens[[sampled[j] for j in plain]] = _draw(logp[plain], n, [sub_rows[j] for j in plain])
+            tokens[[sampled[j] for j in plain]] = _draw(w[plain], None, [sub_rows[j] for j in plain])
         if filt:
-            slp, sid, keep_n = _filtered_sorted(logp[filt], [sub_rows[j] for j in filt])
+            slp, sid, keep_n = _filtered_sorted(w[filt], [sub_rows[j] for j in filt])
             at = _draw(slp, keep_n, [sub_rows[j] for j in filt])
             tokens[[sampled[j] for j in filt]] = sid.gather(1, at[:, None]).squeeze(1)
     errors = [None if bool(ok[i]) else "no token has a finite logit (the model produced NaN or every token was "
