@@ -9,12 +9,13 @@ each) go through
    penalties. Each is one batched tensor operation over the rows that use it;
 2. **choice** (``choose``), in float64 and in log space: NaN logits count as −inf; a row with +inf logits chooses
    among those (uniformly); a row with no finite logit is an *error for that row only* (``SampleOutput.errors``).
-   Temperature below ``SAMPLING_EPS`` (1e-5, as vLLM) is greedy (argmax, lowest id on ties); otherwise
-   log_softmax(logits / T), then top-k, min-p (``log p ≥ log min_p + log p_max``, no underflow) and top-p
-   (cumulative mass *before* a token < top_p, so the most likely token is always kept: ``top_p = 1e-300`` is
-   greedy, never empty). The kept tokens are always a prefix of the sorted order and the draw is an inverse-CDF
-   lookup clamped to the last kept token of positive probability, so no value of T, top_p, top_k, min_p or of the
-   logits can produce NaN or an empty distribution;
+   Temperature below ``SAMPLING_EPS`` (1e-5, as vLLM) is greedy (argmax, lowest id on ties); otherwise the
+   log-weights ``(logits − max) / T`` (maximum exactly 0: no overflow for any T), then top-k, min-p
+   (``log p ≥ log min_p + log p_max``, no underflow) and top-p on what top-k and min-p keep (cumulative mass
+   *before* a token < top_p, so the most likely token is always kept: ``top_p = 1e-300`` is greedy, never empty).
+   The kept tokens are always a prefix of the sorted order (only the K tokens any row can keep are sorted) and
+   the draw is an inverse-CDF lookup whose target stays below the kept mass, so it lands on a kept token of
+   positive weight: no value of T, top_p, top_k, min_p or of the logits can produce NaN or an empty distribution;
 3. **the draw** takes its uniform from ``(seed, position)`` only (``draw_uniform``: a splitmix64 mix of the
    request's seed and the absolute position of the token being sampled, i.e. prompt + output tokens before it).
    A request therefore samples the same tokens whatever shares its batch, after a preemption, and when a replay
