@@ -93,11 +93,19 @@ class StatusCounter:
             await self.app(scope, receive, send)
             return
 
+        started = [False]
+
         async def send_wrapper(message: dict) -> None:
-            if message["type"] == "http.response.start" and int(message["status"]) >= 400:
+            if message["type"] == "http.response.start":
+                started[0] = True
                 status = int(message["status"])
-                if status != 499:
+                if status >= 400 and status != 499:  # 499: the client left (not an error of the server's)
                     self.metrics.error(status)
             await send(message)
 
-        await self.app(scope, receive, send_wrapper)
+        try:
+            await self.app(scope, receive, send_wrapper)
+        except Exception:
+            if not started[0]:  # answered 500 by the outermost error middleware
+                self.metrics.error(500)
+            raise
