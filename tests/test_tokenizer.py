@@ -178,3 +178,17 @@ def test_generation_config_eos_ids_stop_like_eos(tmp_path):
     assert sampling_params(body, 4, 300, extra_eos=tok.extra_eos_ids).stop_token_ids == (9, 11, 7)
     ignore = CompletionRequest(model="m", prompt="x", ignore_eos=True)
     assert sampling_params(ignore, 4, 300, extra_eos=tok.extra_eos_ids).stop_token_ids == ()
+
+
+def test_serve_llm_prints_the_tokenizer_directory(tmp_path, monkeypatch, capsys):
+    """`grserve serve llm MODEL` writes a preset's tokenizer and prints its directory (aiperf --tokenizer DIR)."""
+    import grserve.server.core as core
+    from grserve import cli
+
+    monkeypatch.setattr(core, "serve_until_exit", lambda app, host, port, level, stop: stop() or 0)
+    assert cli.main(["serve", "llm", "tiny", "--scheduler", "fcfs", "--num-blocks", "64", "--port", "18150",
+                     "--tokenizer-cache", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    d = tmp_path / "grserve-bytes-v2-32000"
+    assert f"tokenizer {d.resolve()}" in out
+    assert len(transformers.AutoTokenizer.from_pretrained(str(d))) == 32000
