@@ -326,3 +326,36 @@ def test_metrics_in_vllm_style(server, client, http):
     with pytest.raises(openai.InternalServerError):
         client.completions.create(model=M, prompt=POISON, max_tokens=6)
     assert scrape().get("grserve_llm_request_errors_total|status=5xx", 0) >= 1
+
+
+WEIRD = [None, True, False, 0, 1, -1, 2 ** 63, -(2 ** 63) - 1, 2 ** 80, 1e308, -1e308, 1e-320, 0.5, "", "x", "16",
+         [], {}, [1], ["a"], [[1]], {"type": "text"}, {"type": "text", "text": 5}, [{"type": "text", "text": "hi"}],
+         [{"type": "image_url"}], "none", "auto", {"type": "json_object"}, {"1": 5}, {"a": 1}, {"299": 1e9}, [600],
+         [-1], 3, 20, 100]
+COMPLETION_FIELDS = ["prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed",
+                     "presence_penalty", "frequency_penalty", "logit_bias", "user", "metadata", "top_k", "min_p",
+                     "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "echo", "logprobs",
+                     "best_of", "suffix"]
+CHAT_FIELDS = [f for f in COMPLETION_FIELDS if f not in ("prompt", "echo", "best_of", "suffix")] + [
+    "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools", "tool_choice",
+    "parallel_tool_calls"]
+
+
+def test_random_hostile_bodies_never_get_a_5xx(http):
+    """A small fuzzer (the issue used schemathesis): random odd values in 1–4 fields of an otherwise valid body are
+    answered 200 (a stream ending in [DONE]) or a 4xx in OpenAI's shape — never a 5xx."""
+    import random
+
+    rng = random.Random(14)
+    for _ in range(150):
+        chat = rng.random() < 0.5
+        body = {"model": M, "max_tokens": 3, **({"messages": [{"role": "user", "content": "hi"}]} if chat
+                                                 else {"prompt": "hi"})}
+        for f in rng.sample(CHAT_FIELDS if chat else COMPLETION_FIELDS, rng.randint(1, 4)):
+            body[f] = rng.choice(WEIRD)
+        r = http.post("/v1/chat/completions" if chat else "/v1/completions", json=body)
+        assert r.status_code < 500, (body, r.text)
+        if r.status_code >= 400:
+            assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+        elif body.get("stream") is True:
+            assert r.text.rstrip().endswith("data: [DONE]"), (body, r.text)
