@@ -192,3 +192,19 @@ def test_serve_llm_prints_the_tokenizer_directory(tmp_path, monkeypatch, capsys)
     d = tmp_path / "grserve-bytes-v2-32000"
     assert f"tokenizer {d.resolve()}" in out
     assert len(transformers.AutoTokenizer.from_pretrained(str(d))) == 32000
+
+
+def test_the_first_generated_token_is_decoded_in_context():
+    """A SentencePiece-style (Metaspace) decoder drops the leading space of a sequence's first token: the stream is
+    primed with the prompt's last tokens, so the output reads as decoding prompt + output does."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from grserve.engine.tokenizer import _DecodeStream
+
+    t = Tokenizer(models.WordLevel({"▁Hello": 0, "▁world": 1, "<unk>": 2}, unk_token="<unk>"))
+    t.pre_tokenizer, t.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    assert t.decode([0, 1, 1]) == "Hello world world" and t.decode([1]) == "world"
+    primed = _DecodeStream(t, 3, prompt_ids=[0])
+    assert "".join(primed.step(i) for i in (1, 1)) == " world world"
+    unprimed = _DecodeStream(t, 3)
+    assert "".join(unprimed.step(i) for i in (1, 1)) == "world world"

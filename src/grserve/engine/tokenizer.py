@@ -135,13 +135,19 @@ def write_preset_tokenizer(directory: str | Path, vocab_size: int, model_max_len
 
 
 class _DecodeStream:
-    """``tokenizers.decoders.DecodeStream`` over a request's output; ids outside the tokenizer decode to ''."""
+    """``tokenizers.decoders.DecodeStream`` over a request's output; ids outside the tokenizer decode to ''.
+    The stream is primed with the prompt's last tokens (their text discarded), so the first generated token is
+    decoded in context: a SentencePiece-style decoder keeps its leading space, as decoding prompt + output does."""
 
-    def __init__(self, backend: Any, size: int) -> None:
+    PRIME = 4
+
+    def __init__(self, backend: Any, size: int, prompt_ids: list[int] | None = None) -> None:
         from tokenizers.decoders import DecodeStream
 
         self.backend, self.size = backend, size
         self.stream = DecodeStream(skip_special_tokens=True)
+        for t in (prompt_ids or [])[-self.PRIME:]:
+            self.step(t)
 
     def step(self, token_id: int) -> str:
         if not 0 <= token_id < self.size:
@@ -188,7 +194,7 @@ class HFTokenizer:
         return self.tok.decode([i for i in ids if 0 <= i < self.vocab_size], skip_special_tokens=skip_special_tokens)
 
     def decode_stream(self, prompt_ids: list[int] | None = None) -> _DecodeStream:
-        return _DecodeStream(self.backend, self.vocab_size)
+        return _DecodeStream(self.backend, self.vocab_size, prompt_ids)
 
     def token_bytes(self, token_id: int) -> bytes:
         if not 0 <= token_id < self.vocab_size:
