@@ -359,3 +359,14 @@ def test_random_hostile_bodies_never_get_a_5xx(http):
             assert set(r.json()["error"]) == {"message", "type", "param", "code"}
         elif body.get("stream") is True:
             assert r.text.rstrip().endswith("data: [DONE]"), (body, r.text)
+
+
+def test_every_engine_request_carries_a_seed(server, client, monkeypatch):
+    """Unseeded requests get a seed at the server, so the cluster can replay any request after a failover."""
+    _, eng, _ = server
+    seen = []
+    real = eng.submit
+    monkeypatch.setattr(eng, "submit", lambda req: seen.append(req.params) or real(req))
+    client.completions.create(model=M, prompt="s", max_tokens=2, n=2)
+    client.completions.create(model=M, prompt="s", max_tokens=2, seed=-5)
+    assert all(p.seed is not None for p in seen) and seen[0].seed != seen[1].seed and seen[2].seed == -5

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -60,9 +61,10 @@ def choice_seed(seed: int | None, i: int) -> int | None:
 
 
 def sampling_params(body: SamplingRequest, max_tokens: int, vocab_size: int, i: int = 0,
-                    extra_eos: tuple[int, ...] = ()) -> SamplingParams:
+                    extra_eos: tuple[int, ...] = (), seed: int | None = None) -> SamplingParams:
     """The engine's sampling parameters of choice ``i`` (token ids checked against the vocabulary: 400);
-    ``extra_eos`` (the model's other end-of-sequence ids) stop like EOS unless ``ignore_eos``."""
+    ``extra_eos`` (the model's other end-of-sequence ids) stop like EOS unless ``ignore_eos``; ``seed`` the
+    request's seed (default ``body.seed``)."""
     bias = tuple((int(k), float(v)) for k, v in (body.logit_bias or {}).items())
     for t, _ in bias:
         if t >= vocab_size:
@@ -76,7 +78,7 @@ def sampling_params(body: SamplingRequest, max_tokens: int, vocab_size: int, i: 
         raise ApiError(400, f"min_tokens ({body.min_tokens}) is more than max_tokens ({max_tokens})", "min_tokens",
                        "invalid_value")
     return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                          top_k=max(body.top_k or 0, 0), min_p=body.min_p, seed=choice_seed(body.seed, i),
+                          top_k=max(body.top_k or 0, 0), min_p=body.min_p, seed=choice_seed(body.seed if seed is None else seed, i),
                           stop=body.stops(), stop_token_ids=stop_ids, ignore_eos=body.ignore_eos,
                           min_tokens=body.min_tokens, presence_penalty=body.presence_penalty,
                           frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
@@ -230,7 +232,10 @@ async def generate(ctx: OpenAIContext, request: Request, body: SamplingRequest, 
                             f"{len(prompt_ids)} and max_tokens is {max(max_tokens, 1)}",
                        "max_tokens" if body.requested_max_tokens() else "messages", "context_length_exceeded")
     extra_eos = tuple(getattr(ctx.tokenizer, "extra_eos_ids", ()))
-    params = [sampling_params(body, max_tokens, ctx.vocab_size, i, extra_eos) for i in range(body.n)]
+    # every engine request carries a seed (drawn here when the client gave none), so a replay of prompt + tokens
+    # so far with its SamplingParams samples the same continuation (engine/sampling.py: draws = f(seed, position))
+    seed = body.seed if body.seed is not None else random.getrandbits(63)
+    params = [sampling_params(body, max_tokens, ctx.vocab_size, i, extra_eos, seed) for i in range(body.n)]
     handles: list[RequestHandle] = []
     try:
         for i, p in enumerate(params):
