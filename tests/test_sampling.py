@@ -252,7 +252,7 @@ def test_any_accepted_parameters_and_any_logits_never_raise():
     special = st.sampled_from([0.0, 1e38, -1e38, 3e38, float("inf"), float("-inf"), float("nan"), 1e-45])
     logit = st.one_of(st.floats(-1e6, 1e6), special)
 
-    @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
     @given(st.lists(st.tuples(params, st.lists(logit, min_size=16, max_size=16), st.integers(0, 2 ** 40),
                               st.lists(st.integers(0, 15), max_size=6)), min_size=1, max_size=4))
     def check(batch):
@@ -274,9 +274,9 @@ def test_partial_sort_keeps_the_same_tokens_as_the_full_sort():
     from grserve.engine.sampling import _filtered_sorted
 
     g = torch.Generator().manual_seed(11)
-    V = 4000
+    V = 2000
     params = [SamplingParams(top_p=tp, top_k=tk, min_p=mp) for tp in (1.0, 0.9, 0.5, 1e-300)
-              for tk in (0, 3, 200, 3900) for mp in (0.0, 0.01, 0.3)]
+              for tk in (0, 3, 200, 1900) for mp in (0.0, 0.01, 0.3)]
     for scale in (0.3, 3.0, 12.0):
         logits = torch.randn(len(params), V, generator=g, dtype=torch.float64) * scale
         logits[::5, :40] = 7.0  # ties
