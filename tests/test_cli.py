@@ -204,6 +204,8 @@ def test_flags_reach_the_configs(monkeypatch):
     cfg = _configs_of(["serve", "llm", "--model", "tiny", "--num-blocks", "64", "--port", "0", "--rho", "0.5"],
                       llm_main, monkeypatch)
     assert (cfg.model.source, cfg.llm.num_blocks, cfg.server.port, cfg.llm.rho) == ("tiny", 64, 0, 0.5)
+    cfg = _configs_of(["serve", "llm", "qwen3-0.6b", "--port", "0", "--max-n", "3"], llm_main, monkeypatch)
+    assert (cfg.model.source, cfg.api.max_n) == ("qwen3-0.6b", 3)  # the model positionally, as `vllm serve MODEL`
     assert not _configs_of(["bench", "cache", "--no-learned", "--quick"], cache, monkeypatch).learned
     cfg = _configs_of(["bench", "serve", "--no-decode-bench", "--rates", "1,2"], serve, monkeypatch)
     assert not cfg.decode_bench and cfg.rates == "1,2"

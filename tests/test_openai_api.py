@@ -15,7 +15,7 @@ openai = pytest.importorskip("openai")
 
 from grserve.engine.async_llm import AsyncLLMEngine  # noqa: E402
 from grserve.engine.llm import build_model_engine  # noqa: E402
-from grserve.engine.tokenizer import ByteTokenizer  # noqa: E402
+from grserve.engine.tokenizer import load_tokenizer  # noqa: E402
 from grserve.model import ModelSpec, load_model  # noqa: E402
 from grserve.scheduler.aptserve import AptServeScheduler  # noqa: E402
 from grserve.server.llm_app import create_llm_app  # noqa: E402
@@ -31,9 +31,10 @@ def server(tmp_path_factory):
     d = tmp_path_factory.mktemp("m")
     save_pretrained(load_model_from_spec(), d)
     model = load_model(str(d))
-    tok = ByteTokenizer(SPEC.vocab_size)
+    tok = load_tokenizer("preset", SPEC.vocab_size, SPEC.max_position_embeddings, d / "tok")
     eng = build_model_engine(model, AptServeScheduler(ttft_slo=10, tbt_slo=10, rho=1e-6), num_blocks=256,
-                             block_size=8, eos_token_id=None, detokenize=tok.decode)
+                             block_size=8, eos_token_id=None, detokenize=tok.decode,
+                             decoder_factory=tok.decode_stream)
     loop = AsyncLLMEngine(eng, tok).start()
     app = create_llm_app(loop, tok, "test-model", SPEC.max_position_embeddings, SPEC.vocab_size)
     with socket.socket() as s:
@@ -118,7 +119,7 @@ def test_chat_stream_and_not(client):
     (dict(max_tokens=0), "max_tokens"),
     (dict(temperature=5), "temperature"),
     (dict(top_p=0), "top_p"),
-    (dict(n=3), "n"),
+    (dict(n=17), "n"),
     (dict(max_tokens=5000), "max_tokens"),
     (dict(stop=["a", "b", "c", "d", "e"]), "stop"),
 ])

@@ -108,11 +108,11 @@ def ranking_engine(tiny_model):
 
 
 @pytest.fixture(scope="module")
-def llm():
+def llm(tmp_path_factory):
     """A small LLM engine (random weights) and its app factory; the engine is not started (requests queue)."""
     from grserve.engine.async_llm import AsyncLLMEngine
     from grserve.engine.llm import build_model_engine
-    from grserve.engine.tokenizer import ByteTokenizer
+    from grserve.engine.tokenizer import load_tokenizer
     from grserve.model import ModelSpec
     from grserve.model.decoder import Decoder
     from grserve.model.loader import _random_init
@@ -123,7 +123,8 @@ def llm():
                      num_attention_heads=4, num_key_value_heads=4, head_dim=16, max_position_embeddings=256)
     model = Decoder(spec)
     _random_init(model, 0)
-    tok = ByteTokenizer(spec.vocab_size)
+    tok = load_tokenizer("preset", spec.vocab_size, spec.max_position_embeddings,
+                         tmp_path_factory.mktemp("tok"))
 
     def build(edge: EdgeConfig):
         core = build_model_engine(model, FCFSScheduler(), num_blocks=64, block_size=8, eos_token_id=None,

@@ -229,6 +229,7 @@ class LLMServeConfig:
     llm: LLMConfig = field(default_factory=LLMConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     edge: "EdgeConfig" = field(default_factory=lambda: EdgeConfig())
+    api: LLMApiConfig = field(default_factory=lambda: LLMApiConfig())
 
 
 # ---- the API edge (security and limits), shared by the three servers ------------------------------------------
@@ -277,3 +278,16 @@ class CatalogReloadConfig(Checked):
                                         "applied) and answered 504", check=positive, metavar="S")
     reload_wait: float = flag(2.0, "seconds a reload waits for the one before it to end (then 429)",
                               check=non_negative, cli=False)
+
+
+# ---- LLM OpenAI surface (issue 14) ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LLMApiConfig(Checked):
+    """The OpenAI-compatible API of ``serve llm``: tokenizer, per-request limits of the OpenAI parameters."""
+
+    tokenizer: str | None = flag(None, "HF tokenizer directory (default: the model directory's own; for a preset "
+                                       "its byte-level tokenizer, written under --tokenizer-cache)", metavar="DIR")
+    tokenizer_cache: str = flag(".grserve-cache/tokenizers", "where a preset's tokenizer is written (an HF "
+                                                             "directory: aiperf --tokenizer DIR)", metavar="DIR")
+    max_logprobs: int = flag(20, "largest logprobs / top_logprobs a request may ask for", check=non_negative)
+    max_n: int = flag(16, "largest n (choices per request)", check=positive_int)

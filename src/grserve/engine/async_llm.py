@@ -65,7 +65,10 @@ class AsyncLLMEngine:
 
         m, c = cfg.model, cfg.llm
         model = load_model(m.source, dtype=m.dtype, device=m.device, seed=m.seed)
-        tok = load_tokenizer(m.source, model.spec.vocab_size)
+        api = getattr(cfg, "api", None)
+        tok = load_tokenizer(api.tokenizer or m.source if api else m.source, model.spec.vocab_size,
+                             model.spec.max_position_embeddings,
+                             api.tokenizer_cache if api else ".grserve-cache/tokenizers")
         rho = c.rho if c.rho is not None else (calibrate_rho(model) if c.scheduler == "aptserve" else 0.0)
         pol = make_llm_scheduler(c.scheduler, ttft_slo=c.ttft_slo, tbt_slo=c.tbt_slo, rho=rho,
                                  token_budget=c.token_budget, max_num_batched_tokens=c.max_batched_tokens,
@@ -73,7 +76,8 @@ class AsyncLLMEngine:
         core = build_model_engine(model, pol, num_blocks=c.num_blocks, block_size=c.block_size,
                                   prefix_cache_tokens=c.prefix_cache_tokens,
                                   prefix_cache_policy=c.prefix_cache_policy,
-                                  eos_token_id=tok.eos_token_id, detokenize=tok.decode)
+                                  eos_token_id=tok.eos_token_id, detokenize=tok.decode,
+                                  decoder_factory=tok.decode_stream)
         return cls(core, tok, model, cfg.edge)
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
@@ -159,7 +163,7 @@ class AsyncLLMEngine:
         elif ev.finish_reason == "abort":
             _fail(handle, RequestCancelled(f"request {request_id} cancelled"))
         else:
-            _fail(handle, EngineStepFailed(f"request {request_id} failed in an engine step"))
+            _fail(handle, EngineStepFailed(ev.error or f"request {request_id} failed in an engine step"))
 
     # ---- state ---------------------------------------------------------------------------------------------
     @property

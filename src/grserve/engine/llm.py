@@ -18,6 +18,8 @@ K/V into the store. Hidden-cache requests do not use it.
 
 from __future__ import annotations
 
+import logging
+import random
 import threading
 import time
 from collections import deque
@@ -29,8 +31,10 @@ import torch
 
 from grserve.attention.hybrid import HybridPagedContext, SeqSlice
 from grserve.kvcache.blocks import BlockPool, CacheKind, HybridCacheStorage
-from grserve.engine.sampling import SamplerState, SamplingParams, sample
+from grserve.engine.sampling import SampleOutput, SampleRow, SamplingParams, TokenLogprobs, sample
 from grserve.scheduler.llm_types import LLMScheduler, PoolView, SchedulerInput, SchedulerOutput, SeqView
+
+log = logging.getLogger("grserve.engine")
 
 
 class PrefixCache(Protocol):
@@ -52,6 +56,14 @@ class TokenEvent:
     text: str
     finished: bool
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    logprobs: list[TokenLogprobs] | None = None  # one per token id, when the request asked for logprobs
+    error: str | None = None  # why the request failed (finish_reason "error")
+
+
+class IncrementalDecoder(Protocol):
+    """Turns one request's output tokens into text one token at a time (``engine/tokenizer.py``)."""
+
+    def step(self, token_id: int) -> str: ...
 
 
 @dataclass
@@ -68,9 +80,11 @@ class Sequence:
     finished: bool = False
     finish_reason: str | None = None
     num_preemptions: int = 0
-    text: str = ""
-    emitted: int = 0
-    sampler: SamplerState | None = None
+    seed: int = 0  # params.seed, or drawn at admission: every draw is a function of (seed, position)
+    decoder: IncrementalDecoder | None = None
+    parts: list[str] = field(default_factory=list)  # text emitted so far
+    pending: str = ""  # decoded text held back (it could be the start of a stop string)
+    error: str | None = None
     prefix_saved: bool = False  # this (re)prefill's tokens were offered to the prefix cache
 
     @property
@@ -80,6 +94,10 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
 
     @property
     def first_token_time(self) -> float | None:
@@ -135,7 +153,7 @@ class ModelExecutor:
             if not rows:
                 return None, None
             last = h[torch.tensor(rows, device=dev)]
-            if self.greedy_head is not None and all(it.seq.params.temperature == 0 for it in items if it.sample):
+            if self.greedy_head is not None and all(it.seq.params.plain_greedy for it in items if it.sample):
                 return self.greedy_head.argmax(last).tolist(), None  # token ids, not logits
             return self.model.logits(last), None
 
@@ -167,12 +185,20 @@ class LLMEngine:
     def __init__(self, scheduler: LLMScheduler, pool: BlockPool, executor, *, eos_token_id: int | None = None,
                  detokenize: Callable[[list[int]], str] | None = None, clock: Callable[[], float] = time.perf_counter,
                  max_model_len: int | None = None, prefix_cache: PrefixCache | None = None,
-                 on_iteration: Callable[[SchedulerOutput, float], None] | None = None):
+                 on_iteration: Callable[[SchedulerOutput, float], None] | None = None,
+                 decoder_factory: Callable[[list[int]], IncrementalDecoder] | None = None):
         self.scheduler = scheduler
         self.pool = pool
         self.executor = executor
         self.eos_token_id = eos_token_id
         self.detokenize = detokenize
+        # one incremental decoder per request (given the prompt); from a plain decode function, a window scheme
+        if decoder_factory is None and detokenize is not None:
+            from grserve.engine.tokenizer import WindowDecoder
+
+            def decoder_factory(prompt_ids: list[int]) -> IncrementalDecoder:
+                return WindowDecoder(detokenize)
+        self.decoder_factory = decoder_factory
         self.clock = clock
         self.max_model_len = max_model_len
         self.prefix_cache = prefix_cache
@@ -210,7 +236,9 @@ class LLMEngine:
                 seq_id = self._next_id
                 self._next_id += 1
             seq = Sequence(seq_id, list(prompt_ids), params, self.clock() if arrival is None else arrival, on_event)
-            seq.sampler = SamplerState(params)
+            seq.seed = params.seed if params.seed is not None else random.getrandbits(63)
+            if self.decoder_factory is not None:
+                seq.decoder = self.decoder_factory(seq.prompt_ids)
             self.seqs[seq_id] = seq
             self.waiting.append(seq)
         return seq_id
@@ -304,18 +332,52 @@ class LLMEngine:
             if self.prefix_cache is not None and it.kind == "kv" and it.sample and not it.seq.prefix_saved:
                 it.seq.prefix_saved = True  # the end of this (re)prefill: offer its tokens to the cache
                 self.prefix_cache.save(it.seq.tokens[:it.seq.num_computed], self._storage, table)
-        # 4. sample + stop conditions
-        samplers = [it for it in items if it.sample]
+        return self._sample_and_append([it.seq for it in items if it.sample], logits, now)
+
+    def _sample_and_append(self, samplers: list[Sequence], logits, now: float) -> list[TokenEvent]:
+        """Sample + stop conditions; a failure here fails only the request it belongs to."""
         if isinstance(logits, list):  # the executor already chose (greedy)
-            toks = logits
+            out = SampleOutput(logits, [None] * len(logits), [None] * len(logits))
         elif logits is not None:
-            toks = sample(logits, [it.seq.sampler for it in samplers])
+            out = self._sample(logits, samplers)
         else:
-            toks = [self.executor.dummy_token(it.seq) for it in samplers]
+            toks = [self.executor.dummy_token(s) for s in samplers]
+            out = SampleOutput(toks, [None] * len(toks), [None] * len(toks))
         events = []
-        for it, tok in zip(samplers, toks):
-            events.append(self._append_token(it.seq, tok, now))
+        for seq, tok, lp, err in zip(samplers, out.token_ids, out.logprobs, out.errors):
+            if err is not None:
+                self.fail(seq, err)
+                continue
+            try:
+                events.append(self._append_token(seq, tok, now, lp))
+            except Exception as exc:  # noqa: BLE001 - e.g. its detokenizer: fail this request only
+                log.exception("processing a token of request %s failed", seq.seq_id)
+                self.fail(seq, f"processing the output failed: {type(exc).__name__}")
         return [e for e in events if e is not None]
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleOutput:
+        """Sample every row at once; if that raises, row by row, so a failure is confined to its own row."""
+        rows = [SampleRow(s.params, s.seed, s.num_tokens, s.prompt_ids, s.output_ids) for s in seqs]
+        try:
+            return sample(logits, rows, self.eos_token_id)
+        except Exception:  # noqa: BLE001
+            log.exception("batched sampling failed; sampling row by row")
+        out = SampleOutput([0] * len(rows), [None] * len(rows), [None] * len(rows))
+        for i, row in enumerate(rows):
+            try:
+                one = sample(logits[i:i + 1], [row], self.eos_token_id)
+                out.token_ids[i], out.logprobs[i], out.errors[i] = one.token_ids[0], one.logprobs[0], one.errors[0]
+            except Exception as exc:  # noqa: BLE001
+                out.errors[i] = f"sampling failed: {type(exc).__name__}: {exc}"
+        return out
+
+    def fail(self, seq: Sequence, message: str) -> None:
+        """End one request with an error (its client gets an error, never a normal finish)."""
+        with self.lock:
+            if seq.finished:
+                return
+            seq.error = message
+            self._finish(seq, "error")
 
     def _load_prefix(self, seq: Sequence, n: int, spare: int) -> tuple[int, int]:
         """Copy ``seq``'s longest cached prefix (m ≤ num_tokens − 1 tokens) into its blocks; return how many
@@ -346,7 +408,7 @@ class LLMEngine:
             raise RuntimeError("a simulated executor needs a virtual clock with advance()")
         adv(dt)
 
-    def _append_token(self, seq: Sequence, tok: int, now: float) -> TokenEvent | None:
+    def _append_token(self, seq: Sequence, tok: int, now: float, lp: TokenLogprobs | None = None) -> TokenEvent | None:
         if seq.finished:
             return None
         seq.output_ids.append(tok)
@@ -357,35 +419,37 @@ class LLMEngine:
             reason = "stop"
         elif tok in p.stop_token_ids:
             reason = "stop"
-        delta = ""
-        if self.detokenize is not None:
-            text = self.detokenize(seq.output_ids)
-            hold = 0
-            if p.stop:
-                for s in p.stop:
-                    i = text.find(s)
-                    if i >= 0:
-                        text, reason = text[:i], "stop"
-                hold = max(len(s) for s in p.stop) - 1
-            seq.text = text
-            safe = len(text) if reason else max(seq.emitted, len(text) - hold)
-            while safe > seq.emitted and text[safe - 1] == "\ufffd" and not reason:  # an unfinished UTF-8 char
-                safe -= 1
-            delta = text[seq.emitted:safe]
-            seq.emitted = max(seq.emitted, safe)
+        delta = self._new_text(seq, tok, reason is not None) if seq.decoder is not None else ""
+        if delta is None:  # a stop string ended the text
+            delta, reason = seq.parts[-1], "stop"
         if reason is None and len(seq.output_ids) >= p.max_tokens:
             reason = "length"
+        if reason is not None and seq.pending:
+            delta += seq.pending
+            seq.parts.append(seq.pending)
+            seq.pending = ""
+        ev = TokenEvent(seq.seq_id, [tok], delta, reason is not None, reason, [lp] if lp is not None else None)
         if reason is not None:
-            if self.detokenize is not None and seq.emitted < len(seq.text):
-                delta += seq.text[seq.emitted:]
-                seq.emitted = len(seq.text)
-            ev = TokenEvent(seq.seq_id, [tok], delta, True, reason)
             self._finish(seq, reason, emit=False)
-        else:
-            ev = TokenEvent(seq.seq_id, [tok], delta, False)
         if seq.on_event is not None:
             seq.on_event(ev)
         return ev
+
+    def _new_text(self, seq: Sequence, tok: int, final: bool) -> str | None:
+        """Decode one token incrementally; match stop strings on the held-back tail + the new text only. Returns
+        the text safe to emit now, or None when a stop string was found (the text up to it is ``parts[-1]``)."""
+        stops = seq.params.stop
+        buf = seq.pending + seq.decoder.step(tok)  # type: ignore[union-attr]
+        if stops:
+            hits = [i for i in (buf.find(s) for s in stops) if i >= 0]
+            if hits:
+                seq.parts.append(buf[:min(hits)])
+                seq.pending = ""
+                return None
+        hold = 0 if final or not stops else min(len(buf), max(len(s) for s in stops) - 1)
+        emit, seq.pending = buf[:len(buf) - hold], buf[len(buf) - hold:]
+        seq.parts.append(emit)
+        return emit
 
     def _finish(self, seq: Sequence, reason: str, emit: bool = True) -> None:
         seq.finished, seq.finish_reason = True, reason
@@ -398,7 +462,7 @@ class LLMEngine:
         if self.keep_finished:
             self.finished.append(seq)
         if emit and seq.on_event is not None:
-            seq.on_event(TokenEvent(seq.seq_id, [], "", True, reason))
+            seq.on_event(TokenEvent(seq.seq_id, [], "", True, reason, error=seq.error))
 
     # ------------------------------------------------------------------ convenience (tests, offline runs)
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],

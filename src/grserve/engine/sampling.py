@@ -1,14 +1,41 @@
-"""Sampling parameters and the sampler: greedy (temperature 0), temperature, top-p, per-request seed.
+"""Sampling parameters and the sampler, vectorised over the batch and numerically safe for every accepted value.
 
-A request with a seed owns a ``torch.Generator`` seeded once, so its samples do not depend on which other
-requests share its batch.
+One ``sample(logits, rows)`` call per engine step: the logits of every request that samples a token now (one row
+each) go through
+
+1. **logit processing** (``process_logits``; vLLM's order and semantics): ``logit_bias`` added, ``min_tokens``
+   masking EOS and ``stop_token_ids`` while too few tokens are out, then repetition (prompt + output tokens:
+   positive logits ÷ r, negative × r), frequency (− f · count in the output) and presence (− p if in the output)
+   penalties. Each is one batched tensor operation over the rows that use it;
+2. **choice** (``choose``), in float64 and in log space: NaN logits count as −inf; a row with +inf logits chooses
+   among those (uniformly); a row with no finite logit is an *error for that row only* (``SampleOutput.errors``).
+   Temperature below ``SAMPLING_EPS`` (1e-5, as vLLM) is greedy (argmax, lowest id on ties); otherwise the
+   log-weights ``(logits − max) / T`` (maximum exactly 0: no overflow for any T), then top-k, min-p
+   (``log p ≥ log min_p + log p_max``, no underflow) and top-p on what top-k and min-p keep (cumulative mass
+   *before* a token < top_p, so the most likely token is always kept: ``top_p = 1e-300`` is greedy, never empty).
+   The kept tokens are always a prefix of the sorted order (only the K tokens any row can keep are sorted) and
+   the draw is an inverse-CDF lookup whose target stays below the kept mass, so it lands on a kept token of
+   positive weight: no value of T, top_p, top_k, min_p or of the logits can produce NaN or an empty distribution;
+3. **the draw** takes its uniform from ``(seed, position)`` only (``draw_uniform``: a splitmix64 mix of the
+   request's seed and the absolute position of the token being sampled, i.e. prompt + output tokens before it).
+   A request therefore samples the same tokens whatever shares its batch, after a preemption, and when a replay
+   (failover) re-submits prompt + generated-so-far with the same seed: nothing per request is carried across steps.
+
+``logprobs`` (``SamplingParams.logprobs = k``) are the model's raw log-probabilities (log_softmax of the logits
+before any processing, vLLM's default): the chosen token's and the top k.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
+
+SAMPLING_EPS = 1e-5  # temperature below this is greedy
+MASK64 = (1 << 64) - 1
+NEG_INF_LOGPROB = -9999.0  # what a -inf log-probability is reported as (JSON has no -inf; vLLM's value)
 
 
 @dataclass(frozen=True)
@@ -16,45 +43,288 @@ class SamplingParams:
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
+    logprobs: int | None = None  # None: none; k >= 0: the chosen token's log-probability and the top k
 
     def __post_init__(self) -> None:
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be finite")
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
         if self.temperature < 0:
             raise ValueError("temperature must be >= 0")
         if not 0 < self.top_p <= 1:
             raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0 (0 = off)")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError("min_p must be in [0, 1]")
+        if self.repetition_penalty <= 0:
+            raise ValueError("repetition_penalty must be > 0")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError("min_tokens must be in [0, max_tokens]")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError("logprobs must be >= 0")
+        if any(not math.isfinite(b) for _, b in self.logit_bias):
+            raise ValueError("logit_bias values must be finite")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < SAMPLING_EPS
+
+    @property
+    def processes_logits(self) -> bool:
+        return bool(self.logit_bias or self.min_tokens or self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy on the model's logits as they are (the executor may pick the argmax itself)."""
+        return self.greedy and not self.processes_logits and self.logprobs is None
 
 
 @dataclass
-class SamplerState:
+class SampleRow:
+    """What the sampler needs about one request at this step."""
+
     params: SamplingParams
-    generator: torch.Generator | None = field(default=None)
-
-    def __post_init__(self) -> None:
-        if self.params.temperature > 0:
-            self.generator = torch.Generator()
-            seed = self.params.seed if self.params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
-            self.generator.manual_seed(seed)
+    seed: int  # the request's seed (``params.seed``, or one drawn when it was admitted)
+    position: int  # absolute position of the token being sampled (tokens before it)
+    prompt_ids: Sequence[int] = ()
+    output_ids: Sequence[int] = ()
 
 
-def sample(logits: torch.Tensor, states: list[SamplerState]) -> list[int]:
-    """logits [B, V] (one row per request, fp32 or lower) → one token id per row."""
-    out = logits.argmax(dim=-1).tolist()
-    for i, st in enumerate(states):
-        p = st.params
-        if p.temperature == 0:
-            continue
-        probs = torch.softmax(logits[i].float() / p.temperature, dim=-1)
-        if p.top_p < 1.0:
-            sp, idx = probs.sort(descending=True)
-            keep = (sp.cumsum(0) - sp) < p.top_p  # always keeps the top token
-            sp = sp * keep
-            out[i] = int(idx[torch.multinomial(sp / sp.sum(), 1, generator=st.generator)].item())
-        else:
-            out[i] = int(torch.multinomial(probs, 1, generator=st.generator).item())
+@dataclass
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, log-probability), most likely first
+
+
+@dataclass
+class SampleOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+    errors: list[str | None]  # a message for a row that could not be sampled (that request fails, no one else)
+
+
+# ---- the draw ---------------------------------------------------------------------------------------------------
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return x ^ (x >> 31)
+
+
+def mix64(seed: int, position: int) -> int:
+    """A stable 64-bit mix of (seed, position); any Python ints (negative and > 64-bit seeds fold in)."""
+    return _splitmix64(_splitmix64(seed & MASK64) ^ (position & MASK64))
+
+
+def draw_uniform(seed: int, position: int) -> float:
+    """The uniform in [0, 1) that the token at ``position`` of a request seeded ``seed`` is drawn with."""
+    return (mix64(seed, position) >> 11) * 2.0 ** -53
+
+
+# ---- logit processing -------------------------------------------------------------------------------------------
+def _padded(lists: list[Sequence[int]], fill: int, device) -> torch.Tensor:
+    n = max((len(x) for x in lists), default=0)
+    out = torch.full((len(lists), max(n, 1)), fill, dtype=torch.long)
+    for i, x in enumerate(lists):
+        if len(x):
+            out[i, :len(x)] = torch.as_tensor(list(x), dtype=torch.long)
+    return out.to(device)
+
+
+def _presence(lists: list[Sequence[int]], vocab: int, device) -> torch.Tensor:
+    """[B, V] counts of each token in each list (ids outside the vocabulary ignored)."""
+    ids = _padded(lists, vocab, device).clamp(0, vocab)
+    counts = torch.zeros(len(lists), vocab + 1, dtype=torch.float64, device=device)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float64))
+    return counts[:, :vocab]
+
+
+def process_logits(x: torch.Tensor, rows: list[SampleRow], eos_token_id: int | None = None) -> torch.Tensor:
+    """Apply logit_bias, min_tokens, repetition / frequency / presence penalties to float64 logits [B, V], each
+    vectorised over the rows that use it; returns ``x`` (modified in place)."""
+    B, V = x.shape
+    dev = x.device
+    sel = [i for i, r in enumerate(rows) if r.params.logit_bias]
+    if sel:
+        ids = _padded([[t for t, _ in rows[i].params.logit_bias] for i in sel], V, dev)
+        bias = torch.zeros(len(sel), V + 1, dtype=x.dtype, device=dev)
+        vals = [[b for _, b in rows[i].params.logit_bias] for i in sel]
+        bias.scatter_add_(1, ids.clamp(0, V), _padded_float(vals, ids.shape[1], dev))
+        x[sel] += bias[:, :V]
+    sel = [i for i, r in enumerate(rows) if len(r.output_ids) < r.params.min_tokens]
+    if sel:
+        banned = [list(rows[i].params.stop_token_ids) + ([eos_token_id] if eos_token_id is not None else [])
+                  for i in sel]
+        mask = _presence(banned, V, dev) > 0
+        x[sel] = x[sel].masked_fill(mask, float("-inf"))
+    sel = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
+    if sel:
+        seen = _presence([list(rows[i].prompt_ids) + list(rows[i].output_ids) for i in sel], V, dev) > 0
+        r = torch.tensor([rows[i].params.repetition_penalty for i in sel], dtype=x.dtype, device=dev)[:, None]
+        sub = x[sel]
+        x[sel] = torch.where(seen, torch.where(sub > 0, sub / r, sub * r), sub)
+    sel = [i for i, r in enumerate(rows) if r.params.presence_penalty or r.params.frequency_penalty]
+    if sel:
+        counts = _presence([rows[i].output_ids for i in sel], V, dev)
+        f = torch.tensor([rows[i].params.frequency_penalty for i in sel], dtype=x.dtype, device=dev)[:, None]
+        p = torch.tensor([rows[i].params.presence_penalty for i in sel], dtype=x.dtype, device=dev)[:, None]
+        x[sel] -= f * counts + p * (counts > 0).to(x.dtype)
+    return x
+
+
+def _padded_float(vals: list[list[float]], width: int, device) -> torch.Tensor:
+    out = torch.zeros(len(vals), width, dtype=torch.float64)
+    for i, v in enumerate(vals):
+        if v:
+            out[i, :len(v)] = torch.tensor(v, dtype=torch.float64)
+    return out.to(device)
+
+
+# ---- choice -----------------------------------------------------------------------------------------------------
+def sanitize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """NaN → −inf; a row with +inf entries keeps only those (as equal logits 0). Returns (x, its row maxima, row
+    has a candidate, i.e. a finite maximum)."""
+    x = torch.nan_to_num(x, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+    mx = x.max(dim=1).values
+    has_pos = torch.isposinf(mx)
+    if bool(has_pos.any()):
+        rows = has_pos.nonzero().flatten()
+        x[rows] = torch.where(torch.isposinf(x[rows]), 0.0, float("-inf")).to(x.dtype)
+        mx = torch.where(has_pos, 0.0, mx)
+    return x, mx, torch.isfinite(mx)
+
+
+def _filtered_sorted(logp: torch.Tensor, rows: list[SampleRow], full_sort: bool = False,
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Log-probabilities [b, V] (up to a per-row constant: every rule below is relative to the row's maximum) →
+    (sorted logp, sorted ids, number of kept tokens per row) after top-k, min-p and
+    top-p (each keeps a prefix of the sorted order, the first token always; top-p on the probabilities
+    renormalised over what top-k and min-p keep, as vLLM).
+
+    Only the K best tokens are sorted (``topk``), K the most any row can keep: top-k's k, min-p's count, and for
+    top-p the tokens above ``p_max (1 − top_p) / V`` (a token at or below it has at least ``Z·top_p`` of mass
+    before it, so top-p drops it). ``full_sort`` sorts everything (the reference; a test checks they agree)."""
+    V = logp.shape[1]
+    dev = logp.device
+    lmax = logp.max(dim=1, keepdim=True).values
+    k = torch.tensor([min(r.params.top_k, V) if r.params.top_k > 0 else V for r in rows], device=dev)
+    min_p = torch.tensor([r.params.min_p for r in rows], dtype=torch.float64, device=dev)[:, None]
+    top_p = torch.tensor([r.params.top_p for r in rows], dtype=torch.float64, device=dev)
+    floor_m = torch.log(min_p) + lmax  # log(min_p · p_max); -inf when min_p = 0
+    n1 = torch.minimum(k, (logp >= floor_m).sum(dim=1)).clamp(min=1)  # what top-k and min-p keep
+    cand = n1
+    if bool((top_p < 1).any()):
+        floor_p = lmax + torch.log1p(-top_p)[:, None] - math.log(V)
+        cand = torch.minimum(cand, (logp > floor_p).sum(dim=1).clamp(min=1))
+    K = V if full_sort else int(cand.max())
+    if K * 4 < V:
+        slp, sid = logp.topk(K, dim=1, sorted=True)
+    else:
+        K = V
+        slp, sid = logp.sort(dim=1, descending=True, stable=True)
+    keep_n = torch.minimum(n1, torch.tensor(K, device=dev))
+    if bool((top_p < 1).any()):
+        ranks = torch.arange(K, device=dev)[None, :]
+        p = torch.exp(slp - lmax).masked_fill(ranks >= keep_n[:, None], 0.0)
+        z = _kept_mass(logp, lmax, floor_m, k, n1, p, K)
+        before = torch.cumsum(p, dim=1) - p
+        keep_n = torch.minimum(keep_n, (before < top_p[:, None] * z[:, None]).sum(dim=1).clamp(min=1))
+    return slp, sid, keep_n
+
+
+def _kept_mass(logp: torch.Tensor, lmax: torch.Tensor, floor_m: torch.Tensor, k: torch.Tensor, n1: torch.Tensor,
+               p: torch.Tensor, K: int) -> torch.Tensor:
+    """Σ exp(logp − max) over what top-k and min-p keep: from the K sorted columns when it lies within them,
+    else from the whole row (the min-p mask, and for a top-k beyond K its k-th value, ties counted exactly)."""
+    z = p.sum(dim=1)
+    wide = (n1 > K).nonzero().flatten()
+    if len(wide):
+        z[wide] = (torch.exp(logp[wide] - lmax[wide]) * (logp[wide] >= floor_m[wide])).sum(dim=1)
+    for i in wide[k[wide] < logp.shape[1]].tolist():  # a top-k beyond the K columns (rare): its k-th value
+        e = torch.exp(logp[i] - lmax[i]) * (logp[i] >= floor_m[i])
+        t = logp[i].topk(int(k[i])).values[-1]
+        above = logp[i] > t
+        e = e * above + torch.exp(t - lmax[i]) * (logp[i] >= floor_m[i]) * (logp[i] == t) \
+            * ((int(k[i]) - int(above.sum())) / max(int((logp[i] == t).sum()), 1))
+        z[i] = e.sum()
+    return z
+
+
+def _draw(w: torch.Tensor, keep_n: torch.Tensor | None, rows: list[SampleRow]) -> torch.Tensor:
+    """Inverse-CDF draw over the first ``keep_n`` entries (all when None) of each row of the log-weights ``w``
+    (maximum 0 per row); returns positions, not token ids. The target is kept below the total mass, so the
+    chosen position always has a positive weight (the CDF rises there)."""
+    dev = w.device
+    p = torch.exp(w)
+    if keep_n is not None:
+        p = p.masked_fill(torch.arange(w.shape[1], device=dev)[None, :] >= keep_n[:, None], 0.0)
+    cdf = torch.cumsum(p, dim=1)
+    total = cdf[:, -1:]
+    u = torch.tensor([draw_uniform(r.seed, r.position) for r in rows], dtype=w.dtype, device=dev)[:, None]
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=w.shape[1] - 1)
+
+
+def choose(x: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list[str | None]]:
+    """Processed float64 logits [B, V] → (token ids, per-row errors); see the module docstring."""
+    x, mx, ok = sanitize(x)
+    tokens = torch.argmax(x, dim=1)  # greedy rows (and a placeholder for failed ones)
+    sampled = [i for i, r in enumerate(rows) if not r.params.greedy and bool(ok[i])]
+    if sampled:
+        sub_rows = [rows[i] for i in sampled]
+        temp = torch.tensor([r.params.temperature for r in sub_rows], dtype=torch.float64, device=x.device)
+        # log-weights: log-probabilities up to a per-row constant, maximum exactly 0 (no overflow for any T)
+        w = (x[sampled] - mx[sampled, None]) / temp[:, None]
+        filt = [j for j, r in enumerate(sub_rows) if r.params.top_k > 0 or r.params.top_p < 1 or r.params.min_p > 0]
+        plain = [j for j in range(len(sub_rows)) if j not in set(filt)]
+        if plain:
+            tokens[[sampled[j] for j in plain]] = _draw(w[plain], None, [sub_rows[j] for j in plain])
+        if filt:
+            slp, sid, keep_n = _filtered_sorted(w[filt], [sub_rows[j] for j in filt])
+            at = _draw(slp, keep_n, [sub_rows[j] for j in filt])
+            tokens[[sampled[j] for j in filt]] = sid.gather(1, at[:, None]).squeeze(1)
+    errors = [None if bool(ok[i]) else "no token has a finite logit (the model produced NaN or every token was "
+                                       "masked)" for i in range(len(rows))]
+    return tokens.tolist(), errors
+
+
+def _logprobs(raw: torch.Tensor, tokens: list[int], rows: list[SampleRow]) -> list[TokenLogprobs | None]:
+    want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    out: list[TokenLogprobs | None] = [None] * len(rows)
+    if not want:
+        return out
+    lp = torch.log_softmax(torch.nan_to_num(raw[want], nan=float("-inf")), dim=1)
+    lp = torch.nan_to_num(lp, nan=NEG_INF_LOGPROB, neginf=NEG_INF_LOGPROB)
+    k = min(max(rows[i].params.logprobs or 0 for i in want), raw.shape[1])
+    top_v, top_i = lp.topk(k, dim=1) if k else (lp[:, :0], lp[:, :0].long())
+    for j, i in enumerate(want):
+        kk = rows[i].params.logprobs or 0
+        top = list(zip(top_i[j, :kk].tolist(), top_v[j, :kk].tolist()))
+        out[i] = TokenLogprobs(tokens[i], float(lp[j, tokens[i]]), top)
     return out
+
+
+def sample(logits: torch.Tensor, rows: list[SampleRow], eos_token_id: int | None = None) -> SampleOutput:
+    """logits [B, V] (one row per request, any float dtype) → one token per row (+ logprobs, per-row errors)."""
+    raw = logits.detach().to(torch.float64)
+    x = raw.clone() if any(r.params.processes_logits for r in rows) else raw
+    x = process_logits(x, rows, eos_token_id)
+    tokens, errors = choose(x, rows)
+    return SampleOutput(tokens, _logprobs(raw, tokens, rows), errors)

@@ -1,87 +1,233 @@
-"""Tokenizers for the LLM API: an HF ``tokenizer.json`` when the model directory has one, else a byte tokenizer.
+"""Tokenizers for the LLM API: an HF tokenizer through ``transformers.AutoTokenizer``, or a preset's byte-level
+tokenizer that grserve writes as an HF directory (so clients such as ``aiperf --tokenizer DIR`` load the same one).
 
-``ByteTokenizer`` (documented fallback, no download needed): id 0 = <pad>, 1 = <bos>, 2 = <eos>, and byte b is
-id b + 3 (ids 3…258). Encoding is UTF-8 bytes + 3, with <bos> prepended. Decoding maps any id ≥ 3 to the byte
-(id − 3) mod 256 — so a random-weight preset, which emits ids anywhere in its vocabulary, still produces text —
-and decodes with UTF-8 ``errors="replace"``. Specials decode to nothing.
+Every tokenizer offers ``encode``, ``decode``, ``decode_stream(prompt_ids)`` (an incremental decoder: one
+``step(token_id) -> new text`` per generated token, never re-decoding the output), ``apply_chat_template`` (errors
+→ ``ChatTemplateError``, a 400 at the API), ``token_bytes`` (for logprobs), ``eos_token_id``, ``vocab_size``.
 
-Chat prompts are rendered with a minimal template: ``"<|role|>\\n" + content + "\\n"`` per message, then
-``"<|assistant|>\\n"`` (an HF tokenizer's own chat template is used when it has one).
+- ``HFTokenizer``: ``AutoTokenizer.from_pretrained(dir)`` and its own ``apply_chat_template`` with the full context
+  (``tools``, the special tokens, ``chat_template.jinja`` — whatever transformers gives a template). A
+  ``tokenizer.json`` that stores padding or truncation does not pad or truncate prompts (both are switched off on
+  the backend). Incremental decoding is ``tokenizers.decoders.DecodeStream``; ids past the tokenizer's vocabulary
+  (models often have a few spare rows) decode to nothing.
+- ``preset_tokenizer_json(vocab_size)``: the presets' tokenizer, built deterministically with ``tokenizers``: a
+  byte-level BPE (ids 0/1/2 = ``<pad>``/``<bos>``/``<eos>``, byte b = id b + 3, ``<bos>`` prepended) whose other
+  ids, up to the model's vocabulary, are filler words (``" a"`` … ``" z"``, ``" aa"``, ``" ab"``, …) each reachable
+  by one merge of an earlier one and a letter. A random-weight preset therefore writes words, and a client that
+  re-tokenizes the output text (aiperf counts output tokens so) counts about the tokens the server generated.
+  Text without a space before a lowercase letter encodes to bytes. ``write_preset_tokenizer``
+  writes ``tokenizer.json`` + ``tokenizer_config.json`` + ``chat_template.jinja`` (a minimal template:
+  ``<bos>``, then ``<|role|>\\n`` + content + ``\\n`` per message, ``<|assistant|>\\n`` to generate).
+  Chat prompts are encoded without adding special tokens (the template has them), as vLLM does.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any, Callable
+
+SPECIALS = ("<pad>", "<bos>", "<eos>")
+BYTE_OFFSET = 3
+CHAT_TEMPLATE = (
+    "{{- bos_token }}{%- if tools %}{{ '<|tools|>\\n' + (tools | tojson) + '\\n' }}{% endif %}\n"
+    "{%- for m in messages %}\n"
+    "{{- '<|' + m['role'] + '|>\\n' }}\n"
+    "{%- if m['content'] is string %}{{ m['content'] }}"
+    "{%- elif m['content'] %}{% for p in m['content'] %}{{ p['text'] }}{% endfor %}{% endif %}\n"
+    "{%- if m['tool_calls'] %}{{ m['tool_calls'] | tojson }}{% endif %}\n"
+    "{%- if m['tool_call_id'] %}{{ ' [' + m['tool_call_id'] + ']' }}{% endif %}\n"
+    "{{- '\\n' }}\n"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
 
 
-class ByteTokenizer:
-    pad_token_id = 0
-    bos_token_id = 1
-    eos_token_id = 2
-    offset = 3
+class ChatTemplateError(ValueError):
+    """The chat template could not render this conversation (it raised, or the tokenizer has none)."""
 
-    def __init__(self, vocab_size: int = 259):
-        if vocab_size < 259:
-            raise ValueError("the byte tokenizer needs a vocabulary of at least 259 ids")
-        self.vocab_size = vocab_size
 
-    def encode(self, text: str, add_bos: bool = True) -> list[int]:
-        ids = [b + self.offset for b in text.encode("utf-8")]
-        return [self.bos_token_id] + ids if add_bos else ids
+class WindowDecoder:
+    """Incremental detokenization from a plain ``decode(ids)`` (vLLM's offsets scheme): each step decodes only the
+    few tokens since the last emitted text (a prefix window for context), never the whole output. Text that ends
+    in an unfinished UTF-8 character (U+FFFD) is held until the character completes, or for at most
+    ``MAX_HELD`` tokens (then emitted as U+FFFD)."""
 
-    def decode(self, ids: list[int]) -> str:
-        data = bytes((i - self.offset) % 256 for i in ids if i >= self.offset)
-        return data.decode("utf-8", errors="replace")
+    MAX_HELD = 4  # a UTF-8 character is at most 4 bytes
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
-        return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
+    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+        self.decode = decode
+        self.ids: list[int] = []
+        self.prefix = 0  # start of the context window
+        self.read = 0  # tokens whose text was emitted
+
+    def step(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        before = self.decode(self.ids[self.prefix:self.read])
+        full = self.decode(self.ids[self.prefix:])
+        if len(full) > len(before) and (not full.endswith("\ufffd") or len(self.ids) - self.read >= self.MAX_HELD):
+            self.prefix, self.read = self.read, len(self.ids)
+            return full[len(before):]
+        return ""
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """The byte-level alphabet (GPT-2's): printable bytes stand for themselves, the others for chars from 256."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    out, n = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + n)
+            n += 1
+    return out
+
+
+BYTE_CHARS = _bytes_to_unicode()
+CHAR_BYTES = {c: b for b, c in BYTE_CHARS.items()}
+
+
+def _filler(k: int) -> str:
+    """The k-th filler token: a space and a lowercase word (a, …, z, aa, ab, …, zz, aaa, …) in byte-level
+    characters. Every filler's prefix one letter shorter is an earlier filler (or the space alone)."""
+    length, n = 1, 26
+    while k >= n:
+        k -= n
+        length += 1
+        n = 26 ** length
+    word = "".join(chr(97 + (k // 26 ** i) % 26) for i in reversed(range(length)))
+    return BYTE_CHARS[32] + word
+
+
+def preset_tokenizer_json(vocab_size: int) -> str:
+    """The presets' byte-level BPE tokenizer as ``tokenizer.json`` text (deterministic for a vocab size)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    if vocab_size < 259:
+        raise ValueError("the byte-level tokenizer needs a vocabulary of at least 259 ids")
+    vocab = {s: i for i, s in enumerate(SPECIALS)}
+    vocab.update({BYTE_CHARS[b]: b + BYTE_OFFSET for b in range(256)})
+    fillers = [_filler(i - 259) for i in range(259, vocab_size)]
+    vocab.update({f: i for i, f in enumerate(fillers, start=259)})
+    merges = [(f[:-1], f[-1]) for f in fillers]  # " ab" = (" a", "b"): encoding a filler's text gives the filler
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A <bos> $B",
+                                                       special_tokens=[("<bos>", 1)])
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIALS])
+    return tok.to_str()
+
+
+def write_preset_tokenizer(directory: str | Path, vocab_size: int, model_max_length: int) -> Path:
+    """Write the presets' tokenizer as an HF directory loadable by ``AutoTokenizer.from_pretrained``."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "tokenizer.json").write_text(preset_tokenizer_json(vocab_size))
+    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>",
+           "pad_token": "<pad>", "model_max_length": model_max_length, "clean_up_tokenization_spaces": False}
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg, indent=1))
+    (d / "special_tokens_map.json").write_text(json.dumps({"bos_token": "<bos>", "eos_token": "<eos>",
+                                                           "pad_token": "<pad>"}))
+    (d / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    return d
+
+
+class _DecodeStream:
+    """``tokenizers.decoders.DecodeStream`` over a request's output; ids outside the tokenizer decode to ''.
+    The stream is primed with the prompt's last tokens (their text discarded), so the first generated token is
+    decoded in context: a SentencePiece-style decoder keeps its leading space, as decoding prompt + output does."""
+
+    PRIME = 4
+
+    def __init__(self, backend: Any, size: int, prompt_ids: list[int] | None = None) -> None:
+        from tokenizers.decoders import DecodeStream
+
+        self.backend, self.size = backend, size
+        self.stream = DecodeStream(skip_special_tokens=True)
+        for t in (prompt_ids or [])[-self.PRIME:]:
+            self.step(t)
+
+    def step(self, token_id: int) -> str:
+        if not 0 <= token_id < self.size:
+            return ""
+        return self.stream.step(self.backend, token_id) or ""
+
+
+def _generation_eos(d: Path, eos: int | None) -> tuple[int, ...]:
+    """End-of-sequence ids a model's ``generation_config.json`` adds to the tokenizer's (chat models often end
+    turns with another token, e.g. Qwen's ``<|im_end|>``); they stop generation like EOS."""
+    try:
+        ids = json.loads((d / "generation_config.json").read_text()).get("eos_token_id")
+    except (OSError, ValueError):
+        return ()
+    ids = ids if isinstance(ids, list) else [ids]
+    return tuple(i for i in dict.fromkeys(ids) if isinstance(i, int) and i != eos)
 
 
 class HFTokenizer:
-    """Wraps a ``tokenizers.Tokenizer`` from ``tokenizer.json`` (+ ``tokenizer_config.json`` for specials)."""
+    """``transformers.AutoTokenizer`` from a directory, with its own chat template."""
 
     def __init__(self, model_dir: str | Path):
-        from tokenizers import Tokenizer
+        from transformers import AutoTokenizer
 
-        d = Path(model_dir)
-        self.tok = Tokenizer.from_file(str(d / "tokenizer.json"))
-        cfg = {}
-        if (d / "tokenizer_config.json").is_file():
-            cfg = json.loads((d / "tokenizer_config.json").read_text())
-        self.chat_template = cfg.get("chat_template")
+        self.tok = AutoTokenizer.from_pretrained(str(model_dir))
+        self.tok.model_max_length = 1 << 62  # the server checks prompt lengths itself (no transformers warning)
+        backend = getattr(self.tok, "backend_tokenizer", None)
+        if backend is None:
+            raise ValueError(f"{model_dir}: only fast (tokenizer.json) tokenizers are supported")
+        backend.no_padding()
+        backend.no_truncation()
+        self.backend = backend
+        self.name_or_path = str(model_dir)
+        self.eos_token_id = self.tok.eos_token_id
+        self.bos_token_id = self.tok.bos_token_id
+        self.vocab_size = len(self.tok)
+        self.extra_eos_ids = _generation_eos(Path(model_dir), self.eos_token_id)
+        self._byte_level = type(backend.decoder).__name__ == "ByteLevel"
 
-        def special(name: str) -> int | None:
-            v = cfg.get(name)
-            if isinstance(v, dict):
-                v = v.get("content")
-            return self.tok.token_to_id(v) if isinstance(v, str) else None
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tok.encode(text, add_special_tokens=add_special_tokens))
 
-        self.eos_token_id = special("eos_token")
-        self.bos_token_id = special("bos_token")
-        self.vocab_size = self.tok.get_vocab_size()
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tok.decode([i for i in ids if 0 <= i < self.vocab_size], skip_special_tokens=skip_special_tokens)
 
-    def encode(self, text: str, add_bos: bool = True) -> list[int]:
-        ids = self.tok.encode(text, add_special_tokens=False).ids
-        return ([self.bos_token_id] if add_bos and self.bos_token_id is not None else []) + ids
+    def decode_stream(self, prompt_ids: list[int] | None = None) -> _DecodeStream:
+        return _DecodeStream(self.backend, self.vocab_size, prompt_ids)
 
-    def decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=True)
+    def token_bytes(self, token_id: int) -> bytes:
+        if not 0 <= token_id < self.vocab_size:
+            return b""
+        piece = self.tok.convert_ids_to_tokens(token_id)
+        if self._byte_level and piece is not None and all(c in CHAR_BYTES for c in piece):
+            return bytes(CHAR_BYTES[c] for c in piece)
+        return self.tok.decode([token_id]).encode("utf-8")
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
-        if self.chat_template:
-            try:
-                import jinja2
+    def apply_chat_template(self, messages: list[dict], tools: list | None = None,
+                            add_generation_prompt: bool = True) -> str:
+        if not self.tok.chat_template:
+            raise ChatTemplateError(f"the tokenizer of {self.name_or_path} has no chat template")
+        try:
+            return self.tok.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                                tokenize=False)
+        except Exception as exc:  # jinja's TemplateError, raise_exception(...), a template's own TypeError
+            raise ChatTemplateError(f"the chat template failed: {exc}") from exc
 
-                return jinja2.Template(self.chat_template).render(messages=messages, add_generation_prompt=True)
-            except Exception:  # a template we cannot render: fall back to the minimal one
-                pass
-        return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
+
+def preset_tokenizer_dir(cache_dir: str | Path, vocab_size: int, model_max_length: int) -> Path:
+    """The presets' tokenizer directory under ``cache_dir`` (written once per vocabulary size)."""
+    d = (Path(cache_dir) / f"grserve-bytes-v2-{vocab_size}").resolve()
+    if not (d / "tokenizer.json").is_file() or not (d / "chat_template.jinja").is_file():
+        write_preset_tokenizer(d, vocab_size, model_max_length)
+    return d
 
 
-def load_tokenizer(source: str, vocab_size: int):
-    """HF tokenizer if ``source`` is a directory with tokenizer.json, else the byte tokenizer."""
+def load_tokenizer(source: str, vocab_size: int, model_max_length: int = 4096,
+                   cache_dir: str | Path = ".grserve-cache/tokenizers") -> HFTokenizer:
+    """``source``'s own tokenizer if it is a directory with one; else (a preset) the byte-level preset tokenizer,
+    written to ``cache_dir`` and loaded from there the same way (``tokenizer.name_or_path`` is that directory)."""
     p = Path(source)
-    if p.is_dir() and (p / "tokenizer.json").is_file():
+    if p.is_dir() and ((p / "tokenizer.json").is_file() or (p / "tokenizer_config.json").is_file()):
         return HFTokenizer(p)
-    return ByteTokenizer(vocab_size)
+    return HFTokenizer(preset_tokenizer_dir(cache_dir, vocab_size, model_max_length))

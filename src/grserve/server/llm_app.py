@@ -1,5 +1,6 @@
 """The LLM app: the OpenAI-compatible routes (``openai_routes.py``) on the server core's app (OpenAI-shaped
-errors, the shared metrics with the LLM engine's gauges, ``/health`` with the pool state, ``/metrics``)."""
+errors, the shared metrics with the LLM engine's gauges, ``/health`` with the pool state, ``/metrics`` with the
+request metrics of ``llm_metrics.py`` labelled by ``model_name``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from fastapi import FastAPI
 
 from grserve.config import EdgeConfig
 from grserve.server.core import new_app
+from grserve.server.llm_metrics import LLMMetrics, StatusCounter
 from grserve.server.metrics import Metrics
 from grserve.server.openai_routes import create_openai_router
 
@@ -16,7 +18,8 @@ HEALTH_STATS = ("waiting", "free_blocks", "total_blocks")  # engine.stats() keys
 
 
 def create_llm_app(engine: Any, tokenizer: Any, model_name: str, max_model_len: int, vocab_size: int,
-                   metrics: Metrics | None = None, edge: EdgeConfig | None = None) -> FastAPI:
+                   metrics: Metrics | None = None, edge: EdgeConfig | None = None, *, max_n: int = 16,
+                   max_logprobs: int = 20) -> FastAPI:
     """The LLM app around a started (or to-be-started) LLM engine; the caller owns start/stop."""
 
     def detail() -> dict:
@@ -26,5 +29,9 @@ def create_llm_app(engine: Any, tokenizer: Any, model_name: str, max_model_len: 
     app = new_app(engine, metrics, title="grserve LLM", openai=True, detail=detail, edge=edge,
                   description="An LLM behind an OpenAI-compatible API, on the hybrid-cache continuous-batching engine.")
     app.state.metrics.bind_llm_stats(engine.stats)
-    app.include_router(create_openai_router(engine, tokenizer, model_name, max_model_len, vocab_size))
+    llm_metrics = LLMMetrics(app.state.metrics.registry, model_name)
+    app.state.llm_metrics = llm_metrics
+    app.add_middleware(StatusCounter, metrics=llm_metrics)
+    app.include_router(create_openai_router(engine, tokenizer, model_name, max_model_len, vocab_size, llm_metrics,
+                                            max_n=max_n, max_logprobs=max_logprobs))
     return app

@@ -1,11 +1,13 @@
-"""``grserve serve llm``: an LLM behind an OpenAI-compatible API (/v1/completions, /v1/chat/completions,
-/v1/models) plus /health and /metrics, on the continuous-batching engine with Apt-Serve's hybrid KV/hidden cache."""
+"""``grserve serve llm [MODEL]``: an LLM behind an OpenAI-compatible API (/v1/completions, /v1/chat/completions,
+/v1/models, /tokenize, /detokenize, /version) plus /health and /metrics, on the continuous-batching engine with
+Apt-Serve's hybrid KV/hidden cache. MODEL (positional, as ``vllm serve MODEL``) is the same as --model. At start-up
+the tokenizer directory is printed (a preset's byte-level tokenizer is written there: ``aiperf --tokenizer DIR``)."""
 
 from __future__ import annotations
 
 import argparse
 
-from grserve.config import LLMConfig, LLMServeConfig, ModelConfig, ServerConfig
+from grserve.config import LLMApiConfig, LLMConfig, LLMServeConfig, ModelConfig, ServerConfig
 from grserve.flags import UsageError, add_flags, command_parser, from_args
 from grserve.server.startup import add_edge_flags, check_model, edge_from_args
 
@@ -14,16 +16,21 @@ def add_command(sub) -> None:
     p = command_parser(sub, "llm", help="serve an LLM with an OpenAI-compatible API (hybrid KV/hidden cache, "
                                         "Apt-Serve)", description=__doc__)
     d = LLMServeConfig()
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model (a preset or an HF directory), as --model; wins over --model")
     add_flags(p, d.model, title="model")
     add_flags(p, d.llm, title="engine")
     add_flags(p, d.server, title="HTTP", skip=("max_prompt_tokens", "max_top_n", "max_exclude_items"))
+    add_flags(p, d.api, title="OpenAI API")
     add_edge_flags(p)
     p.set_defaults(handler=lambda ns: run(config_from_args(ns)))
 
 
 def config_from_args(ns: argparse.Namespace) -> LLMServeConfig:
-    return LLMServeConfig(model=from_args(ModelConfig, ns), llm=from_args(LLMConfig, ns),
-                          server=from_args(ServerConfig, ns), edge=edge_from_args(ns))
+    tag = getattr(ns, "model_tag", None)
+    model = from_args(ModelConfig, ns, **({"source": tag} if tag else {}))
+    return LLMServeConfig(model=model, llm=from_args(LLMConfig, ns), server=from_args(ServerConfig, ns),
+                          api=from_args(LLMApiConfig, ns), edge=edge_from_args(ns))
 
 
 def run(cfg: LLMServeConfig) -> int:
@@ -42,10 +49,12 @@ def run(cfg: LLMServeConfig) -> int:
     tok, model = engine.tokenizer, engine.model
     engine.start()
     app = create_llm_app(engine, tok, name, model.spec.max_position_embeddings, model.spec.vocab_size,
-                         edge=cfg.edge)
+                         edge=cfg.edge, max_n=cfg.api.max_n, max_logprobs=cfg.api.max_logprobs)
     pc = engine.prefix_cache
     prefix = (f", prefix cache {pc.capacity} tokens ({pc.bytes / 2**20:.0f} MiB, {c.prefix_cache_policy})"
               if pc is not None else "")
     print(f"grserve: LLM {name} ({cfg.model.dtype}), scheduler {c.scheduler}, {c.num_blocks} blocks x "
           f"{c.block_size} tokens{prefix} -> http://{s.host}:{s.port}/v1", flush=True)
+    print(f"grserve: tokenizer {tok.name_or_path} (an HF directory: aiperf --tokenizer {tok.name_or_path})",
+          flush=True)
     return serve_until_exit(app, s.host, s.port, s.log_level, engine.stop)

@@ -1,43 +1,52 @@
-"""OpenAI-compatible routes: ``/v1/completions``, ``/v1/chat/completions`` (SSE streaming or not), ``/v1/models``.
+"""OpenAI-compatible routes: ``/v1/completions``, ``/v1/chat/completions`` (SSE streaming or not), ``/v1/models``,
+``/v1/models/{id}``, and vLLM's ``/tokenize``, ``/detokenize``, ``/version``.
 
-Typed bodies and responses (``openai_schemas.py``); errors in OpenAI's shape (the LLM app installs that family's
-handlers, ``server/core.py``). A request runs on the LLM engine through the Engine protocol: ``submit`` → its
-handle's token events (streamed as chunks, or collected) → ``result()``. A client that disconnects has its
-request cancelled, which frees its blocks at once: streaming, when the response stream is cancelled;
-non-streaming, when the disconnect arrives (``core.finish`` watches for it).
+Typed bodies and responses (``openai_schemas.py``, which also rejects every parameter that is not implemented);
+errors in OpenAI's shape (the LLM app installs that family's handlers, ``server/core.py``). A request runs on the
+LLM engine through the Engine protocol: ``submit`` → its handle's token events (streamed as chunks, or collected)
+→ ``result()``; ``n > 1`` submits n engine requests (choice i seeded ``choice_seed(seed, i)``). A client that
+disconnects has its requests cancelled, which frees their blocks at once.
+
+An engine error is never a normal finish: non-streaming, a 500 in OpenAI's error shape; streaming (the 200 is
+already sent), an ``data: {"error": {...}}`` event and the stream ends without ``[DONE]`` (the ``openai`` client
+raises ``APIError`` on it).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import random
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel
 
+from grserve.engine.async_llm import EngineStepFailed
 from grserve.engine.protocol import RequestHandle
-from grserve.engine.sampling import SamplingParams
+from grserve.engine.sampling import SamplingParams, mix64
+from grserve.engine.tokenizer import ChatTemplateError
 from grserve.engine.types import LLMRequest
 from grserve.server.core import ApiError, finish, submit, token_ids
+from grserve.server.llm_metrics import LLMMetrics, RequestTimer
+from grserve.server.openai_answers import Choice, CompletionShape, ChatShape, Shape, sse, sse_error, usage
 from grserve.server.openai_schemas import (
-    AssistantMessage,
-    ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatDelta,
-    CompletionChoice,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ModelCard,
     ModelList,
     SamplingRequest,
-    Usage,
+    TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
 )
 
 log = logging.getLogger("grserve.server")
@@ -46,155 +55,269 @@ DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI
 DEFAULT_CHAT_MAX_TOKENS = 256  # /v1/chat/completions without max_tokens: at most this, at most what fits
 
 
-def _finish_reason(reason: str | None) -> str:
-    return reason if reason in ("stop", "length") else "stop"  # an aborted request ends as "stop"
+def choice_seed(seed: int | None, i: int) -> int | None:
+    """Choice 0 uses the request's seed; choice i > 0 a stable mix of (seed, i)."""
+    return seed if seed is None or i == 0 else mix64(seed, i) >> 1
 
 
-class _Shape:
-    """How one route words its answer: whole, or as SSE chunks (completions and chat differ only here)."""
-
-    def __init__(self, rid: str, created: int, model: str) -> None:
-        self.rid, self.created, self.model = rid, created, model
-
-    def opening(self) -> list[BaseModel]:
-        return []
-
-    def delta(self, text: str, reason: str | None) -> BaseModel:
-        raise NotImplementedError
-
-    def usage(self, usage: Usage) -> BaseModel:
-        raise NotImplementedError
-
-    def whole(self, text: str, reason: str, usage: Usage) -> BaseModel:
-        raise NotImplementedError
-
-
-class _CompletionShape(_Shape):
-    def delta(self, text: str, reason: str | None) -> BaseModel:
-        return self.whole(text, reason, None)  # type: ignore[arg-type]
-
-    def usage(self, usage: Usage) -> BaseModel:
-        return CompletionResponse(id=self.rid, created=self.created, model=self.model, choices=[], usage=usage)
-
-    def whole(self, text: str, reason: str | None, usage: Usage | None) -> BaseModel:  # type: ignore[override]
-        return CompletionResponse(id=self.rid, created=self.created, model=self.model,
-                                  choices=[CompletionChoice(text=text, finish_reason=reason)], usage=usage)
+def sampling_params(body: SamplingRequest, max_tokens: int, vocab_size: int, i: int = 0,
+                    extra_eos: tuple[int, ...] = (), seed: int | None = None) -> SamplingParams:
+    """The engine's sampling parameters of choice ``i`` (token ids checked against the vocabulary: 400);
+    ``extra_eos`` (the model's other end-of-sequence ids) stop like EOS unless ``ignore_eos``; ``seed`` the
+    request's seed (default ``body.seed``)."""
+    bias = tuple((int(k), float(v)) for k, v in (body.logit_bias or {}).items())
+    for t, _ in bias:
+        if t >= vocab_size:
+            raise ApiError(400, f"logit_bias: token {t} is out of range [0, {vocab_size})", "logit_bias",
+                           "out_of_range")
+    stop_ids = tuple(token_ids(body.stop_token_ids, vocab_size, "stop_token_ids").tolist()) \
+        if body.stop_token_ids else ()
+    if not body.ignore_eos:
+        stop_ids += tuple(t for t in extra_eos if t not in stop_ids and t < vocab_size)
+    if body.min_tokens > max_tokens:
+        raise ApiError(400, f"min_tokens ({body.min_tokens}) is more than max_tokens ({max_tokens})", "min_tokens",
+                       "invalid_value")
+    return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+                          top_k=max(body.top_k or 0, 0), min_p=body.min_p, seed=choice_seed(body.seed if seed is None else seed, i),
+                          stop=body.stops(), stop_token_ids=stop_ids, ignore_eos=body.ignore_eos,
+                          min_tokens=body.min_tokens, presence_penalty=body.presence_penalty,
+                          frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
+                          logit_bias=bias, logprobs=body.logprobs_k())
 
 
-class _ChatShape(_Shape):
-    def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=self.rid, created=self.created, model=self.model, choices=choices, usage=usage)
+class _Group:
+    """n engine requests as one: cancelling one cancels all (for ``core.finish``)."""
 
-    def opening(self) -> list[BaseModel]:
-        return [self._chunk([ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))])]
+    def __init__(self, engine: Any, handles: list[RequestHandle]) -> None:
+        self.engine, self.handles = engine, handles
 
-    def delta(self, text: str, reason: str | None) -> BaseModel:
-        return self._chunk([ChatChunkChoice(delta=ChatDelta(content=text or None), finish_reason=reason)])
-
-    def usage(self, usage: Usage) -> BaseModel:
-        return self._chunk([], usage)
-
-    def whole(self, text: str, reason: str, usage: Usage) -> BaseModel:
-        return ChatCompletionResponse(id=self.rid, created=self.created, model=self.model, usage=usage,
-                                      choices=[ChatChoice(message=AssistantMessage(content=text),
-                                                          finish_reason=reason)])  # type: ignore[arg-type]
+    def cancel(self, _request_id: str = "") -> None:
+        for h in self.handles:
+            self.engine.cancel(h.request_id)
 
 
-def _sse(chunk: BaseModel) -> str:
-    return f"data: {chunk.model_dump_json()}\n\n"
-
-
-def _usage(n_prompt: int, n_out: int) -> Usage:
-    return Usage(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out)
-
-
-async def _collect(handle: RequestHandle) -> tuple[str, int, str]:
-    """(text, completion tokens, finish reason) of a request, from its token events."""
-    text: list[str] = []
-    n_out, reason = 0, None
+async def _collect(handle: RequestHandle, timer: RequestTimer) -> Choice:
+    """One choice of a request, from its token events; raises if the request failed."""
+    c = Choice()
     async for ev in handle.events():
-        text.append(ev.text)
-        n_out += len(ev.token_ids)
-        if ev.finished:
-            reason = ev.finish_reason
-    await handle.result()  # raises if the request failed
-    return "".join(text), n_out, _finish_reason(reason)
-
-
-async def _stream(engine: Any, handle: RequestHandle, shape: _Shape, n_prompt: int,
-                  include_usage: bool) -> AsyncIterator[str]:
-    """SSE chunks of one request. If the stream is closed early (the client went away) the request is cancelled."""
-    done, n_out = False, 0
+        timer.on_event(ev)
+        c.add(ev)
     try:
-        for chunk in shape.opening():
-            yield _sse(chunk)
-        async for ev in handle.events():
-            n_out += len(ev.token_ids)
-            if ev.text or ev.finished:
-                yield _sse(shape.delta(ev.text, _finish_reason(ev.finish_reason) if ev.finished else None))
-        done = True
+        await handle.result()
+    except BaseException:
+        timer.failed()
+        raise
+    timer.done(c.reason)
+    return c
+
+
+async def _collect_all(group: _Group, timers: list[RequestTimer]) -> list[Choice]:
+    try:
+        return list(await asyncio.gather(*(_collect(h, t) for h, t in zip(group.handles, timers))))
+    except EngineStepFailed as exc:  # the request failed in the engine: a 500 that says why
+        group.cancel()
+        log.error("request %s failed in the engine: %s", group.handles[0].request_id, exc)
+        raise ApiError(500, f"the request failed in the engine: {exc}", None, "engine_error") from None
+    except BaseException:
+        group.cancel()
+        raise
+
+
+async def _merged(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, Any]]:
+    """(choice index, event) of n requests as they come; raises the first failure."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, h: RequestHandle) -> None:
         try:
-            await handle.result()
-        except Exception:  # noqa: BLE001 - the status line is sent: end the stream as it is
-            log.exception("engine failed on streamed request %s", handle.request_id)
+            async for ev in h.events():
+                await queue.put((i, ev, None))
+            await h.result()
+            await queue.put((i, None, None))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer
+            await queue.put((i, None, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(handles)]
+    try:
+        left = len(handles)
+        while left:
+            i, ev, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if ev is None:
+                left -= 1
+            else:
+                yield i, ev
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _stream(group: _Group, shape: Shape, timers: list[RequestTimer], n_prompt: int, include_usage: bool,
+                  metrics: LLMMetrics) -> AsyncIterator[str]:
+    """SSE chunks of one request (its n choices). Closed early (the client went away): requests cancelled."""
+    done = False
+    choices = [Choice() for _ in group.handles]
+    try:
+        for chunk in shape.opening(len(choices)):
+            yield sse(chunk)
+        async for i, ev in _merged(group.handles):
+            timers[i].on_event(ev)
+            choices[i].add(ev)
+            if ev.text or ev.finished or ev.logprobs:
+                yield sse(shape.delta(i, ev, choices[i]))
+            if ev.finished:
+                timers[i].done(choices[i].reason)
+        done = True
         if include_usage:
-            yield _sse(shape.usage(_usage(n_prompt, n_out)))
+            yield sse(shape.usage(usage(n_prompt, sum(c.n_out for c in choices))))
         yield "data: [DONE]\n\n"
+    except Exception as exc:  # noqa: BLE001 - the status line is sent: an error event, never a clean finish
+        log.exception("engine failed on streamed request %s", shape.rid)
+        done = True
+        group.cancel()
+        for t in timers:
+            t.failed()
+        metrics.error(500)
+        yield sse_error(f"the request failed in the engine: {exc}", 500)
     finally:
         if not done:
-            engine.cancel(handle.request_id)
+            group.cancel()
 
 
-def create_openai_router(engine: Any, tokenizer: Any, model_name: str, max_model_len: int,
-                         vocab_size: int) -> APIRouter:
-    """The OpenAI routes around an LLM engine (the Engine protocol; events are ``TokenEvent``\\ s)."""
-    router = APIRouter()
-    created = int(time.time())
+@dataclass
+class OpenAIContext:
+    """What every OpenAI route needs: the engine, the tokenizer, the served model and the per-request limits."""
 
-    def check_model(body: SamplingRequest) -> None:
-        if body.model != model_name:
-            raise ApiError(404, f"the model '{body.model}' does not exist (served: '{model_name}')", "model",
+    engine: Any
+    tokenizer: Any
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    metrics: LLMMetrics
+    max_n: int = 16
+    max_logprobs: int = 20
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise ApiError(404, f"the model '{name}' does not exist (served: '{self.model_name}')", "model",
                            "model_not_found")
 
-    async def generate(request: Request, body: SamplingRequest, prompt_ids: list[int], max_tokens: int,
-                       shape: _Shape) -> Any:
-        if len(prompt_ids) + max_tokens > max_model_len:
-            raise ApiError(400, f"this model's maximum context length is {max_model_len} tokens; the prompt has "
-                                f"{len(prompt_ids)} and max_tokens is {max_tokens}", "max_tokens",
-                           "context_length_exceeded")
-        params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                                seed=body.seed, stop=body.stops())
-        handle = submit(engine, LLMRequest(prompt_ids, params, request_id=shape.rid), "max_tokens")
-        if body.stream:
-            return StreamingResponse(_stream(engine, handle, shape, len(prompt_ids), body.include_usage),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        text, n_out, reason = await finish(request, engine, handle, _collect(handle))
-        return shape.whole(text, reason, _usage(len(prompt_ids), n_out))
+    def check_limits(self, body: SamplingRequest) -> None:
+        if body.n > self.max_n:
+            raise ApiError(400, f"n must be at most {self.max_n}", "n", "invalid_value")
+        k = body.logprobs_k()
+        if k is not None and k > self.max_logprobs:
+            param = "top_logprobs" if isinstance(body, ChatCompletionRequest) else "logprobs"
+            raise ApiError(400, f"{param} must be at most {self.max_logprobs}", param, "invalid_value")
+
+    def chat_prompt(self, messages: list[dict], tools: list | None, add_generation_prompt: bool = True) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(messages, tools=tools,
+                                                      add_generation_prompt=add_generation_prompt)
+        except ChatTemplateError as exc:
+            raise ApiError(400, str(exc), "messages", "chat_template_error") from None
+
+    def card(self) -> ModelCard:
+        return ModelCard(id=self.model_name, created=self.created, max_model_len=self.max_model_len)
+
+
+async def generate(ctx: OpenAIContext, request: Request, body: SamplingRequest, prompt_ids: list[int],
+                   max_tokens: int | None, shape: Shape) -> Any:
+    """Submit the request's n choices and answer whole or as an SSE stream."""
+    if max_tokens is None:  # chat without max_tokens: what fits, at most the default
+        max_tokens = min(DEFAULT_CHAT_MAX_TOKENS, ctx.max_model_len - len(prompt_ids))
+    if max_tokens < 1 or len(prompt_ids) + max_tokens > ctx.max_model_len:
+        raise ApiError(400, f"this model's maximum context length is {ctx.max_model_len} tokens; the prompt has "
+                            f"{len(prompt_ids)} and max_tokens is {max(max_tokens, 1)}",
+                       "max_tokens" if body.requested_max_tokens() else "messages", "context_length_exceeded")
+    extra_eos = tuple(getattr(ctx.tokenizer, "extra_eos_ids", ()))
+    # every engine request carries a seed (drawn here when the client gave none), so a replay of prompt + tokens
+    # so far with its SamplingParams samples the same continuation (engine/sampling.py: draws = f(seed, position))
+    seed = body.seed if body.seed is not None else random.getrandbits(63)
+    params = [sampling_params(body, max_tokens, ctx.vocab_size, i, extra_eos, seed) for i in range(body.n)]
+    handles: list[RequestHandle] = []
+    try:
+        for i, p in enumerate(params):
+            rid = shape.rid if body.n == 1 else f"{shape.rid}-{i}"
+            handles.append(submit(ctx.engine, LLMRequest(prompt_ids, p, request_id=rid), "max_tokens"))
+    except BaseException:
+        _Group(ctx.engine, handles).cancel()
+        raise
+    group = _Group(ctx.engine, handles)
+    timers = [ctx.metrics.timer(len(prompt_ids) if i == 0 else 0) for i in range(len(handles))]  # prompt once
+    if body.stream:
+        return StreamingResponse(_stream(group, shape, timers, len(prompt_ids), body.include_usage, ctx.metrics),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    choices = await finish(request, group, handles[0], _collect_all(group, timers))
+    return shape.whole(choices, usage(len(prompt_ids), sum(c.n_out for c in choices)))
+
+
+def create_openai_router(engine: Any, tokenizer: Any, model_name: str, max_model_len: int, vocab_size: int,
+                         metrics: LLMMetrics, max_n: int = 16, max_logprobs: int = 20) -> APIRouter:
+    """The OpenAI routes around an LLM engine (the Engine protocol; events are ``TokenEvent``\\ s)."""
+    router = APIRouter()
+    ctx = OpenAIContext(engine, tokenizer, model_name, max_model_len, vocab_size, metrics, max_n, max_logprobs)
 
     @router.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
     async def completions(body: CompletionRequest, request: Request) -> Any:
-        check_model(body)
+        ctx.check_model(body.model)
+        ctx.check_limits(body)
         p = body.prompt
         if isinstance(p, list) and isinstance(p[0], int):
             ids = token_ids(p, vocab_size, "prompt").tolist()  # type: ignore[arg-type]
+            text = tokenizer.decode(ids) if body.echo else ""
         else:
-            ids = tokenizer.encode(p[0] if isinstance(p, list) else p)
-        max_tokens = body.requested_max_tokens() or DEFAULT_MAX_TOKENS
-        return await generate(request, body, ids, max_tokens, _CompletionShape(f"cmpl-{uuid.uuid4().hex[:24]}",
-                                                                              created, model_name))
+            text = p[0] if isinstance(p, list) else p
+            ids = tokenizer.encode(text)
+        shape = CompletionShape(f"cmpl-{uuid.uuid4().hex[:24]}", ctx.created, model_name, tokenizer,
+                                text if body.echo else "")
+        return await generate(ctx, request, body, ids, body.requested_max_tokens() or DEFAULT_MAX_TOKENS, shape)
 
     @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-        check_model(body)
-        prompt = tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in body.messages])
-        ids = tokenizer.encode(prompt)
-        max_tokens = body.requested_max_tokens() or max(1, min(DEFAULT_CHAT_MAX_TOKENS, max_model_len - len(ids)))
-        return await generate(request, body, ids, max_tokens, _ChatShape(f"chatcmpl-{uuid.uuid4().hex[:24]}",
-                                                                        created, model_name))
+        ctx.check_model(body.model)
+        ctx.check_limits(body)
+        prompt = ctx.chat_prompt([m.for_template() for m in body.messages], body.tools or None)
+        ids = tokenizer.encode(prompt, add_special_tokens=False)
+        shape = ChatShape(f"chatcmpl-{uuid.uuid4().hex[:24]}", ctx.created, model_name, tokenizer)
+        return await generate(ctx, request, body, ids, body.requested_max_tokens(), shape)
+
+    add_utility_routes(router, ctx)
+    return router
+
+
+def add_utility_routes(router: APIRouter, ctx: OpenAIContext) -> None:
+    """``/v1/models``, ``/v1/models/{id}``, ``/tokenize``, ``/detokenize``, ``/version``."""
 
     @router.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=model_name, created=created)])
+        return ModelList(data=[ctx.card()])
 
-    return router
+    @router.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_ERRORS)
+    async def model(model_id: str) -> ModelCard:
+        ctx.check_model(model_id)
+        return ctx.card()
+
+    @router.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        ctx.check_model(body.model)
+        if body.messages is not None:
+            text = ctx.chat_prompt([m.for_template() for m in body.messages], None, body.add_generation_prompt)
+            ids = ctx.tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
+        else:
+            ids = ctx.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
+        return TokenizeResponse(count=len(ids), max_model_len=ctx.max_model_len, tokens=ids)
+
+    @router.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        ctx.check_model(body.model)
+        ids = token_ids(body.tokens, ctx.vocab_size, "tokens").tolist()
+        return DetokenizeResponse(prompt=ctx.tokenizer.decode(ids))
+
+    @router.get("/version", response_model=VersionResponse)
+    async def version() -> VersionResponse:
+        from grserve import __version__
+
+        return VersionResponse(version=__version__)

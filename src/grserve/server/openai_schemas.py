@@ -1,44 +1,85 @@
 """Wire types of the OpenAI-compatible API (pydantic v2): request bodies and responses of ``/v1/completions``,
-``/v1/chat/completions`` (whole or as SSE chunks) and ``/v1/models``.
+``/v1/chat/completions`` (whole or as SSE chunks), ``/v1/models``, ``/tokenize``, ``/detokenize``, ``/version``.
 
-Request bodies ignore unknown fields (OpenAI clients send optional ones this server does not implement) and are
-lax about numbers like OpenAI's API. Fields that are ``None`` in a streamed delta or a chunk's ``usage`` are left
-out of the JSON, as OpenAI does.
+Requests are strict and closed:
+- **types are strict**: ``max_tokens: "16"`` or ``true`` is a 400, not 16 or 1; a float field takes an int but
+  not a bool or a string; NaN/Infinity are refused; ``seed`` must fit 64 bits (``[-2**63, 2**64)``);
+- **every string must be valid UTF-8** (a lone surrogate ``"\\ud800"`` is a 400 naming the field);
+- **unknown fields are a 400 naming them** (``extra="forbid"``), and fields OpenAI defines that this server does
+  not implement are a 400 naming the parameter (``UNSUPPORTED``; ``unsupported()`` raises): nothing is silently
+  ignored. The one accepted no-op is ``user`` / ``metadata`` (OpenAI's own bookkeeping fields).
+
+Fields that are ``None`` in a streamed delta or a chunk's ``usage`` are left out of the JSON, as OpenAI does.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, AllowInfNan, BaseModel, ConfigDict, Field, Strict, field_validator, \
+    model_validator
+
+from grserve.server.core import ApiError
 
 FinishReason = Literal["stop", "length"]
+INT64_MIN, UINT64_END = -(2 ** 63), 2 ** 64
 
 
 def _absent(value: Any) -> bool:
     return value is None
 
 
+def _utf8(s: str) -> str:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"not valid UTF-8 text (a lone surrogate at position {exc.start})") from None
+    return s
+
+
+Text = Annotated[str, Strict(), AfterValidator(_utf8)]
+Int = Annotated[int, Strict()]
+Bool = Annotated[bool, Strict()]
+Float = Annotated[float, Strict(), AllowInfNan(False)]  # an int is accepted, a bool or a string is not
+Seed = Annotated[int, Strict(), Field(ge=INT64_MIN, lt=UINT64_END)]
+TokenId = Annotated[int, Strict(), Field(ge=0)]
+
+
+def unsupported(param: str, message: str) -> ApiError:
+    return ApiError(400, f"'{param}' is not supported by this server: {message}", param, "unsupported_parameter")
+
+
 # ---- requests ------------------------------------------------------------------------------------------------
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    include_usage: bool = False
+    model_config = ConfigDict(extra="forbid")
+    include_usage: Bool = False
 
 
 class SamplingRequest(BaseModel):
-    """What completions and chat completions share: the model and the sampling knobs."""
+    """What completions and chat completions share: the model, the sampling knobs and vLLM's extras."""
 
-    model_config = ConfigDict(extra="ignore")
-    model: str
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    n: int = Field(default=1, ge=1, le=1)
-    stream: bool = False
+    model_config = ConfigDict(extra="forbid")
+    model: Text
+    max_tokens: Annotated[int, Strict(), Field(ge=1)] | None = None
+    temperature: Annotated[Float, Field(ge=0.0, le=2.0)] = 1.0
+    top_p: Annotated[Float, Field(gt=0.0, le=1.0)] = 1.0
+    n: Annotated[int, Strict(), Field(ge=1)] = 1
+    stream: Bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    user: str | None = None
+    stop: Text | list[Text] | None = None
+    seed: Seed | None = None
+    presence_penalty: Annotated[Float, Field(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[Float, Field(ge=-2.0, le=2.0)] = 0.0
+    logit_bias: dict[Text, Annotated[Float, Field(ge=-100.0, le=100.0)]] | None = None
+    user: Text | None = None  # accepted, no effect (OpenAI's abuse-monitoring id)
+    metadata: dict[Text, Text] | None = None  # accepted, no effect
+    # vLLM's extras
+    top_k: Annotated[int, Strict(), Field(ge=-1)] | None = None  # -1 / 0 / None: off
+    min_p: Annotated[Float, Field(ge=0.0, le=1.0)] = 0.0
+    repetition_penalty: Annotated[Float, Field(gt=0.0, le=10.0)] = 1.0
+    min_tokens: Annotated[int, Strict(), Field(ge=0)] = 0
+    ignore_eos: Bool = False
+    stop_token_ids: list[TokenId] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -52,11 +93,22 @@ class SamplingRequest(BaseModel):
             raise ValueError("stop sequence must be non-empty")
         return v
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for k in v or {}:
+            if not k.isdecimal() or not k.isascii():
+                raise ValueError(f"key {k!r} is not a token id")
+        return v
+
     def stops(self) -> tuple[str, ...]:
         return () if self.stop is None else ((self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    def logprobs_k(self) -> int | None:
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -64,7 +116,11 @@ class SamplingRequest(BaseModel):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int]  # text, a one-element list of text, or token ids
+    prompt: Text | list[Text] | list[TokenId]  # text, a one-element list of text, or token ids
+    echo: Bool = False
+    logprobs: Annotated[int, Strict(), Field(ge=0)] | None = None
+    best_of: Annotated[int, Strict(), Field(ge=1)] | None = None
+    suffix: Text | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -78,24 +134,146 @@ class CompletionRequest(SamplingRequest):
             raise ValueError("prompt must not be empty")
         return v
 
+    @model_validator(mode="after")
+    def _unsupported(self) -> "CompletionRequest":
+        if self.suffix is not None:
+            raise unsupported("suffix", "insertion (text after the completion) is not implemented")
+        if self.best_of is not None and self.best_of != self.n:
+            raise unsupported("best_of", "best_of must equal n (choosing the best of more samples is not "
+                                         "implemented)")
+        if self.echo and self.logprobs is not None:
+            raise unsupported("echo", "echo with logprobs needs the prompt's log-probabilities, which are not "
+                                      "computed")
+        return self
+
+    def logprobs_k(self) -> int | None:
+        return self.logprobs
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: Text
+
+
+class OtherPart(BaseModel):
+    """A content part OpenAI defines that this server does not implement (rejected with a 400)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["image_url", "input_audio", "file", "refusal"]
+
+
+ContentPart = Annotated[TextPart | OtherPart, Field(discriminator="type")]
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: Text
+    arguments: Text
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict[str, Any]]
+    content: Text | list[ContentPart] | None = None
+    name: Text | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: Text | None = None
 
-    def text(self) -> str:
-        if isinstance(self.content, str):
+    @model_validator(mode="after")
+    def _shape(self) -> "ChatMessage":
+        for part in self.content if isinstance(self.content, list) else []:
+            if isinstance(part, OtherPart):
+                raise ValueError(f"'{part.type}' content parts are not supported (text only)")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (it may be null only for an assistant message with tool_calls)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs tool_call_id")
+        return self
+
+    def text(self) -> str | None:
+        if self.content is None or isinstance(self.content, str):
             return self.content
-        return "".join(p.get("text", "") for p in self.content if p.get("type") == "text")
+        return "".join(p.text for p in self.content if isinstance(p, TextPart))
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as a chat template sees it (text parts joined into one string)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: Annotated[int, Strict(), Field(ge=1)] | None = None
+    logprobs: Bool = False
+    top_logprobs: Annotated[int, Strict(), Field(ge=0)] | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Text | dict[str, Any] | None = None
+    parallel_tool_calls: Bool | None = None
+    functions: Any = None
+    function_call: Any = None
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> "ChatCompletionRequest":
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise unsupported("response_format", "only {'type': 'text'} (structured output is not implemented)")
+        if self.functions is not None or self.function_call is not None:
+            raise unsupported("functions" if self.functions is not None else "function_call",
+                              "function calling is not implemented")
+        if self.tool_choice is not None and self.tool_choice != "none":
+            raise unsupported("tool_choice", "tool calling is not implemented; only 'none' (the tools are shown "
+                                             "to the chat template, never called)")
+        if self.tools and self.tool_choice != "none":
+            raise unsupported("tools", "tool calling is not implemented; with tool_choice 'none' the tools are "
+                                       "passed to the chat template only")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "'top_logprobs' requires 'logprobs': true", "top_logprobs", "invalid_value")
+        return self
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def logprobs_k(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's ``/tokenize``: a prompt, or chat messages rendered by the chat template."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: Text | None = None
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: Bool | None = None  # default: True for a prompt, False for messages (in the template)
+    add_generation_prompt: Bool = True
+
+    @model_validator(mode="after")
+    def _one(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: Text | None = None
+    tokens: list[TokenId]
 
 
 # ---- responses -----------------------------------------------------------------------------------------------
@@ -105,10 +283,17 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None
 
 
@@ -128,6 +313,20 @@ class CompletionResponse(_Answer):
     usage: Usage | None = Field(default=None, exclude_if=_absent)
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
@@ -136,7 +335,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason
 
 
@@ -154,6 +353,7 @@ class ChatDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
+    logprobs: ChatLogprobs | None = Field(default=None, exclude_if=_absent)
     finish_reason: FinishReason | None = None
 
 
@@ -168,8 +368,23 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "grserve"
+    max_model_len: int | None = None
 
 
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str

@@ -1,0 +1,111 @@
+"""The LLM server's request metrics in vLLM's style, labelled by ``model_name``: TTFT, inter-token and
+end-to-end latency histograms, prompt and generation token counters, finished requests by reason, and errors
+by status class (4xx, 5xx; a streamed request that fails after its 200 counts as 5xx).
+
+Names (Prometheus, in the app's own registry): ``grserve_llm_time_to_first_token_seconds``,
+``grserve_llm_inter_token_latency_seconds``, ``grserve_llm_e2e_request_latency_seconds`` (histograms, vLLM's
+buckets), ``grserve_llm_prompt_tokens_total``, ``grserve_llm_generation_tokens_total``,
+``grserve_llm_request_success_total{finished_reason}``, ``grserve_llm_request_errors_total{status}``.
+Times are measured at the server (what a client sees, less the network): from the request's validation to each
+token event.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0)
+
+
+class LLMMetrics:
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        lab = ["model_name"]
+        self.model_name = model_name
+        self.ttft = Histogram("grserve_llm_time_to_first_token_seconds", "Time to the first generated token.",
+                              lab, buckets=TTFT_BUCKETS, registry=registry).labels(model_name)
+        self.itl = Histogram("grserve_llm_inter_token_latency_seconds", "Time between two token events of a "
+                             "request.", lab, buckets=ITL_BUCKETS, registry=registry).labels(model_name)
+        self.e2e = Histogram("grserve_llm_e2e_request_latency_seconds", "Request latency (validated → finished).",
+                             lab, buckets=E2E_BUCKETS, registry=registry).labels(model_name)
+        self.prompt_tokens = Counter("grserve_llm_prompt_tokens", "Prompt tokens of finished or failed requests.",
+                                     lab, registry=registry).labels(model_name)
+        self.generation_tokens = Counter("grserve_llm_generation_tokens", "Generated tokens.", lab,
+                                         registry=registry).labels(model_name)
+        self.success = Counter("grserve_llm_request_success", "Finished requests by finish reason.",
+                               lab + ["finished_reason"], registry=registry)
+        self.errors = Counter("grserve_llm_request_errors", "Failed requests by status class (4xx, 5xx).",
+                              lab + ["status"], registry=registry)
+
+    def timer(self, prompt_tokens: int) -> "RequestTimer":
+        return RequestTimer(self, prompt_tokens)
+
+    def error(self, status: int) -> None:
+        self.errors.labels(self.model_name, f"{status // 100}xx").inc()
+
+
+class RequestTimer:
+    """The timings of one generated sequence (one choice)."""
+
+    def __init__(self, metrics: LLMMetrics, prompt_tokens: int) -> None:
+        self.m, self.prompt = metrics, prompt_tokens
+        self.start = time.perf_counter()
+        self.last: float | None = None
+        self.ended = False
+
+    def on_event(self, ev: Any) -> None:
+        if not ev.token_ids:
+            return
+        now = time.perf_counter()
+        (self.m.ttft if self.last is None else self.m.itl).observe(now - (self.start if self.last is None
+                                                                            else self.last))
+        self.last = now
+        self.m.generation_tokens.inc(len(ev.token_ids))
+
+    def done(self, reason: str) -> None:
+        if not self.ended:
+            self.ended = True
+            self.m.e2e.observe(time.perf_counter() - self.start)
+            self.m.prompt_tokens.inc(self.prompt)
+            self.m.success.labels(self.m.model_name, reason).inc()
+
+    def failed(self) -> None:
+        if not self.ended:
+            self.ended = True
+            self.m.prompt_tokens.inc(self.prompt)
+
+
+class StatusCounter:
+    """Pure-ASGI middleware: every 4xx/5xx answer of the app counts in ``grserve_llm_request_errors_total``."""
+
+    def __init__(self, app: Any, metrics: LLMMetrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        started = [False]
+
+        async def send_wrapper(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                started[0] = True
+                status = int(message["status"])
+                if status >= 400 and status != 499:  # 499: the client left (not an error of the server's)
+                    self.metrics.error(status)
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        except Exception:
+            if not started[0]:  # answered 500 by the outermost error middleware
+                self.metrics.error(500)
+            raise

@@ -1,0 +1,166 @@
+"""How the OpenAI routes word their answers: completions and chat differ only here (whole answers, SSE chunks,
+usage, logprobs in each API's shape, the streamed error event)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import BaseModel
+
+from grserve.engine.sampling import TokenLogprobs
+from grserve.server.openai_schemas import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    TopLogprob,
+    Usage,
+)
+
+
+class Choice:
+    """One choice as it accumulates from its token events."""
+
+    def __init__(self, prefix: str = "") -> None:
+        self.parts: list[str] = [prefix] if prefix else []
+        self.n_out = 0
+        self.reason = "stop"
+        self.logprobs: list[TokenLogprobs] = []
+        self.text_len = len(prefix)  # for completions' text_offset
+
+    def add(self, ev: Any) -> None:
+        self.parts.append(ev.text)
+        self.n_out += len(ev.token_ids)
+        if ev.logprobs:
+            self.logprobs.extend(ev.logprobs)
+        if ev.finished:
+            self.reason = ev.finish_reason if ev.finish_reason in ("stop", "length") else "stop"
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
+def sse(chunk: BaseModel) -> str:
+    return f"data: {chunk.model_dump_json()}\n\n"
+
+
+def sse_error(message: str, status: int) -> str:
+    """The streamed error event (OpenAI's error shape under ``error``; the ``openai`` client raises on it)."""
+    err = {"message": message, "type": "server_error" if status >= 500 else "invalid_request_error",
+           "param": None, "code": "internal" if status >= 500 else "invalid_value"}
+    return f"data: {json.dumps({'error': err})}\n\n"
+
+
+def usage(n_prompt: int, n_out: int) -> Usage:
+    return Usage(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out)
+
+
+def _text(tokenizer: Any, token_id: int) -> tuple[str, bytes]:
+    b = tokenizer.token_bytes(token_id)
+    return b.decode("utf-8", errors="replace"), b
+
+
+class Shape:
+    """How one route words its answer: whole, or as SSE chunks."""
+
+    def __init__(self, rid: str, created: int, model: str, tokenizer: Any) -> None:
+        self.rid, self.created, self.model, self.tokenizer = rid, created, model, tokenizer
+
+    def opening(self, n: int) -> list[BaseModel]:
+        return []
+
+    def delta(self, i: int, ev: Any, choice: Choice) -> BaseModel:
+        raise NotImplementedError
+
+    def usage(self, usage: Usage) -> BaseModel:
+        raise NotImplementedError
+
+    def whole(self, choices: list[Choice], usage: Usage) -> BaseModel:
+        raise NotImplementedError
+
+
+class CompletionShape(Shape):
+    def __init__(self, rid: str, created: int, model: str, tokenizer: Any, echo: str = "") -> None:
+        super().__init__(rid, created, model, tokenizer)
+        self.echo = echo
+
+    def _logprobs(self, lps: list[TokenLogprobs], offset: int) -> CompletionLogprobs:
+        out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+        for lp in lps:
+            s, _ = _text(self.tokenizer, lp.token_id)
+            out.tokens.append(s)
+            out.token_logprobs.append(lp.logprob)
+            out.top_logprobs.append({_text(self.tokenizer, t)[0]: v for t, v in lp.top})
+            out.text_offset.append(offset)
+            offset += len(s)
+        return out
+
+    def _answer(self, choices: list[CompletionChoice], usage: Usage | None = None) -> CompletionResponse:
+        return CompletionResponse(id=self.rid, created=self.created, model=self.model, choices=choices, usage=usage)
+
+    def opening(self, n: int) -> list[BaseModel]:
+        if not self.echo:
+            return []
+        return [self._answer([CompletionChoice(index=i, text=self.echo, finish_reason=None) for i in range(n)])]
+
+    def delta(self, i: int, ev: Any, choice: Choice) -> BaseModel:
+        lp = None
+        if ev.logprobs:
+            lp = self._logprobs(ev.logprobs, choice.text_len)
+            choice.text_len = lp.text_offset[-1] + len(lp.tokens[-1])
+        reason = choice.reason if ev.finished else None
+        return self._answer([CompletionChoice(index=i, text=ev.text, logprobs=lp, finish_reason=reason)])
+
+    def usage(self, usage: Usage) -> BaseModel:
+        return self._answer([], usage)
+
+    def whole(self, choices: list[Choice], usage: Usage) -> BaseModel:
+        return self._answer([CompletionChoice(index=i, text=self.echo + c.text, finish_reason=c.reason,  # type: ignore[arg-type]
+                                              logprobs=self._logprobs(c.logprobs, len(self.echo))
+                                              if c.logprobs else None)
+                             for i, c in enumerate(choices)], usage)
+
+
+class ChatShape(Shape):
+    def _logprobs(self, lps: list[TokenLogprobs]) -> ChatLogprobs:
+        def top(t: int, v: float) -> TopLogprob:
+            s, b = _text(self.tokenizer, t)
+            return TopLogprob(token=s, logprob=v, bytes=list(b))
+
+        out = []
+        for lp in lps:
+            s, b = _text(self.tokenizer, lp.token_id)
+            out.append(ChatTokenLogprob(token=s, logprob=lp.logprob, bytes=list(b),
+                                        top_logprobs=[top(t, v) for t, v in lp.top]))
+        return ChatLogprobs(content=out)
+
+    def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.rid, created=self.created, model=self.model, choices=choices, usage=usage)
+
+    def opening(self, n: int) -> list[BaseModel]:
+        return [self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))
+                             for i in range(n)])]
+
+    def delta(self, i: int, ev: Any, choice: Choice) -> BaseModel:
+        lp = self._logprobs(ev.logprobs) if ev.logprobs else None
+        return self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(content=ev.text or None), logprobs=lp,
+                                            finish_reason=choice.reason if ev.finished else None)])  # type: ignore[arg-type]
+
+    def usage(self, usage: Usage) -> BaseModel:
+        return self._chunk([], usage)
+
+    def whole(self, choices: list[Choice], usage: Usage) -> BaseModel:
+        return ChatCompletionResponse(
+            id=self.rid, created=self.created, model=self.model, usage=usage,
+            choices=[ChatChoice(index=i, message=AssistantMessage(content=c.text), finish_reason=c.reason,  # type: ignore[arg-type]
+                                logprobs=self._logprobs(c.logprobs) if c.logprobs else None)
+                     for i, c in enumerate(choices)])

@@ -1,0 +1,296 @@
+"""The sampler (engine/sampling.py): safe for every accepted value (issue 14 finding 1's reproductions), draws a
+function of (seed, position) only, the vectorised logit processing equal to a plain per-row reference, and the
+engine confining a failing request (its own error; the others in the same step finish normally)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from grserve.engine.sampling import SampleRow, SamplingParams, draw_uniform, process_logits, sample
+
+V = 64
+
+
+def _rows(params, position=7, **kw):
+    return [SampleRow(p, seed=i, position=position, **kw) for i, p in enumerate(params)]
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(top_p=1e-300), SamplingParams(top_p=1e-46), SamplingParams(temperature=1e-45),
+    SamplingParams(temperature=1e-300, top_p=1e-300), SamplingParams(temperature=1e300),
+    SamplingParams(temperature=2.0, top_k=1), SamplingParams(min_p=1.0), SamplingParams(temperature=1e-5 * 1.0001),
+    SamplingParams(top_k=10 ** 9, top_p=5e-324),
+])
+def test_hostile_values_sample_a_valid_token(params):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, V, generator=g) * torch.tensor([[1.0], [1e30], [1e-6]])
+    out = sample(logits, _rows([params] * 3))
+    assert out.errors == [None] * 3
+    assert all(0 <= t < V for t in out.token_ids)
+    if params.top_p < 1e-40 or params.greedy or params.top_k == 1 or params.min_p == 1.0:
+        assert out.token_ids == logits.argmax(dim=1).tolist()  # tiny top_p / temperature keep the top token
+
+
+def test_infinite_and_nan_logits_are_confined_to_their_row():
+    logits = torch.randn(4, V)
+    logits[0, 5] = logits[0, 9] = float("inf")  # +inf: chooses among those
+    logits[1] = float("nan")  # the model broke for this row: an error for this row only
+    logits[2] = float("-inf")
+    logits[2, 11] = 0.0  # one finite candidate
+    params = [SamplingParams(temperature=1.0), SamplingParams(), SamplingParams(top_p=0.3), SamplingParams(top_k=3)]
+    for pos in range(20):
+        out = sample(logits, _rows(params, position=pos))
+        assert out.token_ids[0] in (5, 9) and out.token_ids[2] == 11
+        assert out.errors[0] is None and out.errors[1] is not None and out.errors[2] is None and out.errors[3] is None
+    greedy = sample(logits[:1], _rows([SamplingParams(temperature=0)]))
+    assert greedy.token_ids == [5]  # ties: lowest id
+
+
+def test_draws_depend_on_seed_and_position_only():
+    logits = torch.randn(5, V)
+    p = SamplingParams(temperature=1.0, top_p=0.95)
+    alone = [sample(logits[i:i + 1], [SampleRow(p, seed=42, position=100 + i)]).token_ids[0] for i in range(5)]
+    batched = sample(logits, [SampleRow(p, seed=42, position=100 + i) for i in range(5)]).token_ids
+    reversed_ = sample(logits.flip(0), [SampleRow(p, seed=42, position=104 - i) for i in range(5)]).token_ids
+    assert alone == batched == reversed_[::-1]
+    assert draw_uniform(1, 2) == draw_uniform(1, 2) != draw_uniform(1, 3)
+    assert 0 <= draw_uniform(-(2 ** 63), 0) < 1 and 0 <= draw_uniform(2 ** 80, 2 ** 70) < 1
+
+
+def _reference_filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Plain per-row reference of temperature, top-k, min-p, top-p (float64)."""
+    probs = torch.softmax(logits.double() / p.temperature, dim=0)
+    order = probs.argsort(descending=True, stable=True)
+    keep = torch.zeros_like(probs, dtype=torch.bool)
+    mass = 0.0
+    for rank, t in enumerate(order.tolist()):
+        if p.top_k and rank >= p.top_k:
+            break
+        if probs[t] < p.min_p * probs[order[0]]:
+            break
+        if rank > 0 and mass >= p.top_p:
+            break
+        keep[t] = True
+        mass += float(probs[t])
+    out = probs * keep
+    return out / out.sum()
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.7), SamplingParams(temperature=1.3, top_k=5),
+                                    SamplingParams(top_p=0.6), SamplingParams(min_p=0.2, temperature=0.5)])
+def test_sampling_distribution_matches_the_reference(params):
+    logits = torch.randn(1, 12, generator=torch.Generator().manual_seed(3)) * 2
+    want = _reference_filtered_probs(logits[0], params)
+    n = 4000
+    rows = [SampleRow(params, seed=s, position=0) for s in range(n)]
+    toks = sample(logits.expand(n, -1), rows).token_ids
+    freq = torch.bincount(torch.tensor(toks), minlength=12).double() / n
+    assert (freq[want == 0] == 0).all()  # filtered tokens are never drawn
+    assert float((freq - want).abs().max()) < 4 * math.sqrt(0.25 / n) + 0.01
+
+
+def _reference_process(x: torch.Tensor, row: SampleRow, eos: int | None) -> torch.Tensor:
+    """Plain per-row, per-token reference of the logit processors (vLLM's semantics)."""
+    x = x.clone().double()
+    p = row.params
+    for t, b in p.logit_bias:
+        x[t] += b
+    if len(row.output_ids) < p.min_tokens:
+        for t in list(p.stop_token_ids) + ([eos] if eos is not None else []):
+            x[t] = float("-inf")
+    if p.repetition_penalty != 1.0:
+        for t in set(row.prompt_ids) | set(row.output_ids):
+            x[t] = x[t] / p.repetition_penalty if x[t] > 0 else x[t] * p.repetition_penalty
+    for t in set(row.output_ids):
+        x[t] -= p.frequency_penalty * row.output_ids.count(t) + p.presence_penalty
+    return x
+
+
+def test_vectorised_logit_processing_equals_the_plain_reference():
+    g = torch.Generator().manual_seed(5)
+    rows = []
+    for i in range(12):
+        prompt = torch.randint(0, V, (int(torch.randint(1, 20, (1,), generator=g)),), generator=g).tolist()
+        out = torch.randint(0, V, (int(torch.randint(0, 15, (1,), generator=g)),), generator=g).tolist()
+        params = SamplingParams(
+            max_tokens=20, min_tokens=[0, 5, 20][i % 3], stop_token_ids=(3, 4) if i % 2 else (),
+            repetition_penalty=[1.0, 1.3, 0.8][i % 3], presence_penalty=[0.0, 0.5, -1.0, 2.0][i % 4],
+            frequency_penalty=[0.0, 0.3, -0.7][i % 3], logit_bias=((1, 5.0), (2, -100.0)) if i % 4 == 1 else ())
+        rows.append(SampleRow(params, seed=i, position=0, prompt_ids=prompt, output_ids=out))
+    logits = torch.randn(12, V, generator=g, dtype=torch.float64) * 3
+    got = process_logits(logits.clone(), rows, eos_token_id=2)
+    want = torch.stack([_reference_process(logits[i], r, 2) for i, r in enumerate(rows)])
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_logprobs_are_the_raw_model_logprobs():
+    logits = torch.randn(2, V)
+    out = sample(logits, _rows([SamplingParams(temperature=0, logprobs=3), SamplingParams(logprobs=0)]))
+    lp = torch.log_softmax(logits.double(), dim=1)
+    a, b = out.logprobs
+    assert a.token_id == out.token_ids[0] and abs(a.logprob - float(lp[0].max())) < 1e-9
+    assert [t for t, _ in a.top] == lp[0].topk(3).indices.tolist() and b.top == []
+    assert abs(b.logprob - float(lp[1, out.token_ids[1]])) < 1e-9
+
+
+# ---- in the engine --------------------------------------------------------------------------------------------
+SPEC_KW = dict(family="qwen3", vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+
+
+@pytest.fixture(scope="module")
+def small_model(random_decoder):
+    from grserve.model import ModelSpec
+
+    return random_decoder(ModelSpec(**SPEC_KW), 0, 0.3)
+
+
+def _engine(model, **kw):
+    from grserve.engine.llm import build_model_engine
+    from grserve.scheduler.llm_factory import make_llm_scheduler
+
+    return build_model_engine(model, make_llm_scheduler("fcfs"), num_blocks=128, block_size=8, **kw)
+
+
+def test_seeded_sampling_replays_from_seed_and_position(small_model):
+    """A replay (failover) re-submits prompt + the tokens generated so far with the same seed: the rest is the
+    same, because every draw is a function of (seed, absolute position) only."""
+    prompt = list(range(10, 30))
+    p = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=1234)
+    full = _engine(small_model).generate([prompt], p)[0]
+    crowd = _engine(small_model).generate([prompt, list(range(40, 45)), prompt], [p, SamplingParams(seed=9), p])
+    assert crowd[0] == crowd[2] == full  # whatever shares the batch
+    for k in (1, 5, 11):
+        rest = _engine(small_model).generate([prompt + full[:k]], SamplingParams(
+            max_tokens=12 - k, temperature=1.0, top_p=0.9, seed=1234))[0]
+        assert full[:k] + rest == full
+
+
+class _PoisonRow:
+    """Wraps an executor: the logits row of one request are NaN (its model output broke)."""
+
+    def __init__(self, inner, bad_prompt_len):
+        self.inner, self.storage, self.bad = inner, inner.storage, bad_prompt_len
+
+    def execute(self, items, pool):
+        logits, dur = self.inner.execute(items, pool)
+        if not isinstance(logits, torch.Tensor):
+            return logits, dur
+        logits = logits.clone()
+        rows = [it for it in items if it.sample]
+        for i, it in enumerate(rows):
+            if len(it.seq.prompt_ids) == self.bad and len(it.seq.output_ids) == 2:
+                logits[i] = float("nan")
+        return logits, dur
+
+
+def test_a_failing_request_fails_alone_and_is_never_a_normal_finish(small_model):
+    eng = _engine(small_model, detokenize=lambda ids: "".join(chr(97 + i % 26) for i in ids))
+    eng.executor = _PoisonRow(eng.executor, bad_prompt_len=7)
+    eng.keep_finished = True
+    sp = [SamplingParams(max_tokens=6, temperature=0.8, seed=1), SamplingParams(max_tokens=6, temperature=0),
+          SamplingParams(max_tokens=6, top_p=1e-300)]
+    ids = [eng.add_request(list(range(20, 20 + n)), p) for n, p in zip((7, 9, 11), sp)]
+    while eng.has_work():
+        eng.step()
+    done = {s.seq_id: s for s in eng.finished}
+    bad, ok1, ok2 = (done[i] for i in ids)
+    assert bad.finish_reason == "error" and "finite" in bad.error and len(bad.output_ids) == 2
+    assert ok1.finish_reason == ok2.finish_reason == "length" and len(ok1.output_ids) == len(ok2.output_ids) == 6
+    assert eng.pool.num_free == eng.pool.num_blocks
+
+
+def test_a_failing_detokenizer_or_sampler_fails_only_its_request(small_model, monkeypatch):
+    import grserve.engine.llm as llm
+
+    class Boom:
+        def step(self, tok):
+            raise UnicodeError("bad bytes")
+
+    class Fine:
+        def step(self, tok):
+            return "x"
+
+    eng = _engine(small_model, decoder_factory=lambda prompt: Boom() if len(prompt) == 5 else Fine())
+    real = llm.sample
+
+    def flaky(logits, rows, eos=None):  # the batched call and the row of seed 666 raise
+        if any(r.seed == 666 for r in rows):
+            raise RuntimeError("sampler bug")
+        return real(logits, rows, eos)
+
+    monkeypatch.setattr(llm, "sample", flaky)
+    eng.keep_finished = True
+    ids = [eng.add_request(list(range(20, 20 + n)), SamplingParams(max_tokens=4, seed=s))
+           for n, s in ((5, 1), (6, 666), (7, 2))]
+    while eng.has_work():
+        eng.step()
+    done = {s.seq_id: s for s in eng.finished}
+    assert [done[i].finish_reason for i in ids] == ["error", "error", "length"]
+    assert done[ids[2]].text == "xxxx" and "sampler bug" in done[ids[1]].error
+
+
+def test_any_accepted_parameters_and_any_logits_never_raise():
+    """Property: for every value SamplingParams accepts and any logits (huge, tiny, ±inf, NaN), ``sample`` returns
+    a token in the vocabulary or an error for that row only — it never raises."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    pos_float = st.floats(min_value=5e-324, max_value=1.0)
+    params = st.builds(
+        SamplingParams, max_tokens=st.just(50),
+        temperature=st.one_of(st.just(0.0), st.floats(min_value=0.0, max_value=1e308)),
+        top_p=pos_float, top_k=st.integers(0, 2 ** 80), min_p=st.floats(0.0, 1.0),
+        seed=st.integers(-(2 ** 70), 2 ** 70), min_tokens=st.integers(0, 50),
+        presence_penalty=st.floats(-1e300, 1e300), frequency_penalty=st.floats(-1e300, 1e300),
+        repetition_penalty=st.floats(min_value=5e-324, max_value=1e300),
+        logit_bias=st.lists(st.tuples(st.integers(0, 15), st.floats(-1e300, 1e300)), max_size=3).map(tuple),
+        logprobs=st.one_of(st.none(), st.integers(0, 40)), stop_token_ids=st.just((3,)))
+    special = st.sampled_from([0.0, 1e38, -1e38, 3e38, float("inf"), float("-inf"), float("nan"), 1e-45])
+    logit = st.one_of(st.floats(-1e6, 1e6), special)
+
+    @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(st.lists(st.tuples(params, st.lists(logit, min_size=16, max_size=16), st.integers(0, 2 ** 40),
+                              st.lists(st.integers(0, 15), max_size=6)), min_size=1, max_size=4))
+    def check(batch):
+        rows = [SampleRow(p, seed=p.seed or 0, position=pos, prompt_ids=[1, 2], output_ids=out)
+                for p, _, pos, out in batch]
+        logits = torch.tensor([lg for _, lg, _, _ in batch], dtype=torch.float32)
+        out = sample(logits, rows, eos_token_id=2)
+        for tok, err, lp, row in zip(out.token_ids, out.errors, out.logprobs, rows):
+            assert err is not None or 0 <= tok < 16
+            if row.params.logprobs is not None and err is None:
+                assert math.isfinite(lp.logprob) and len(lp.top) == min(row.params.logprobs, 16)
+
+    check()
+
+
+def test_partial_sort_keeps_the_same_tokens_as_the_full_sort():
+    """_filtered_sorted sorts only the K tokens any row can keep; the kept tokens (ids, in order) equal the full
+    stable sort's, for peaked and flat rows and every combination of top-k, min-p and top-p."""
+    from grserve.engine.sampling import _filtered_sorted
+
+    g = torch.Generator().manual_seed(11)
+    V = 2000
+    params = [SamplingParams(top_p=tp, top_k=tk, min_p=mp) for tp in (1.0, 0.9, 0.5, 1e-300)
+              for tk in (0, 3, 200, 1900) for mp in (0.0, 0.01, 0.3)]
+    for scale in (0.3, 3.0, 12.0):
+        logits = torch.randn(len(params), V, generator=g, dtype=torch.float64) * scale
+        logits[::5, :40] = 7.0  # ties
+        logp = torch.log_softmax(logits, dim=1)
+        rows = _rows(params)
+        slp, sid, keep = _filtered_sorted(logp, rows)
+        fslp, fsid, fkeep = _filtered_sorted(logp, rows, full_sort=True)
+        assert keep.tolist() == fkeep.tolist()
+        for i, n in enumerate(keep.tolist()):  # the same tokens (a tie at the boundary may keep another of equals)
+            torch.testing.assert_close(slp[i, :n], fslp[i, :n], rtol=0, atol=0)
+            torch.testing.assert_close(logp[i, sid[i, :n]], slp[i, :n], rtol=0, atol=0)
+            if len(set(fslp[i, :n + 1].tolist())) == n + 1:  # no tie there: the very same ids
+                assert sid[i, :n].tolist() == fsid[i, :n].tolist()
+    peaked = torch.log_softmax(torch.randn(8, V, generator=g, dtype=torch.float64) * 12, dim=1)
+    slp, _, keep = _filtered_sorted(peaked, _rows([SamplingParams(top_p=0.9)] * 8))
+    assert slp.shape[1] < V // 4 and keep.tolist() == _filtered_sorted(peaked, _rows([SamplingParams(top_p=0.9)] * 8),
+                                                                       full_sort=True)[2].tolist()
