@@ -129,6 +129,7 @@ class ServeConfig:
     search: SearchConfig = field(default_factory=SearchConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    accel: "AccelConfig" = field(default_factory=lambda: AccelConfig())  # defined at the end (GPU fast path)
 
 
 # ---- ranking (BAT) -------------------------------------------------------------------------------------------

@@ -22,15 +22,16 @@ def shared_stage_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_b
     """Every beam of each request against its padded shared KV (the torch reference of the Triton kernel).
 
     q [R·BW, Hq, D] (request-major), k/v [R, Hkv, L_cap, D], key_bias [R, 1, 1, L_cap] (0 valid / −inf padding)
-    → o [R·BW, Hq, D] (q's dtype), lse [R·BW, Hq] fp32. A request with no key gets o = 0, lse = −inf. Scores and
-    softmax are fp32; the two products run in the input dtype."""
+    → o [R·BW, Hq, D] (q's dtype), lse [R·BW, Hq] fp32 (fp64 for fp64 inputs). A request with no key gets o = 0, lse = −inf. Scores and
+    softmax are at least fp32; the two products run in the input dtype."""
     rows, hq, d = q.shape
     r, hkv = k.shape[0], k.shape[1]
     bw, g = rows // r, hq // hkv
     qg = q.view(r, bw, hkv, g, d).permute(0, 2, 1, 3, 4).reshape(r, hkv, bw * g, d)
-    s = torch.matmul(qg, k.transpose(-1, -2)).float().mul_(d**-0.5).add_(key_bias)  # [R, Hkv, BW·G, L_cap]
+    acc = torch.promote_types(q.dtype, torch.float32)  # fp32 softmax (fp64 stays fp64: the exact tests)
+    s = torch.matmul(qg, k.transpose(-1, -2)).to(acc).mul_(d**-0.5).add_(key_bias)  # [R, Hkv, BW·G, L_cap]
     lse = torch.logsumexp(s, dim=-1, keepdim=True)
-    p = s.sub_(lse.clamp_min(torch.finfo(torch.float32).min)).exp_()  # an empty row: exp(−inf) = 0, not NaN
+    p = s.sub_(lse.clamp_min(torch.finfo(acc).min)).exp_()  # an empty row: exp(−inf) = 0, not NaN
     o = torch.matmul(p.to(v.dtype), v)  # [R, Hkv, BW·G, D]
     o = o.view(r, hkv, bw, g, d).permute(0, 2, 1, 3, 4).reshape(rows, hq, d)
     lse = lse.view(r, hkv, bw, g).permute(0, 2, 1, 3).reshape(rows, hq)

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 
 from grserve.catalog import Catalog, CatalogStore, generate_catalog, load_catalog
-from grserve.config import SchedulerConfig, SearchConfig, ServeConfig
+from grserve.config import AccelConfig, SchedulerConfig, SearchConfig, ServeConfig
 from grserve.engine.batching import BatchedEngine, BatchingCore
 from grserve.engine.retrieval import RetrievalRunner
 from grserve.engine.types import RetrievalRequest, RetrievalResult, RetrievedItem
@@ -28,13 +28,14 @@ class RetrievalEngine(BatchedEngine):
         search: SearchConfig | None = None,
         scheduler: SchedulerConfig | None = None,
         on_batch: Callable[[int, int], None] | None = None,
+        accel: AccelConfig | None = None,
     ):
         self.model = model
         self.catalogs = catalogs
         self.search = search or SearchConfig()
         self.scheduler = scheduler or SchedulerConfig()
         self.vocab_size = model.spec.vocab_size
-        self.runner = RetrievalRunner(model, self.search)
+        self.runner = make_runner(model, self.search, accel)
         self._core = BatchingCore(self._execute, self.scheduler, "grserve-retrieval", on_batch)
 
     @classmethod
@@ -42,7 +43,7 @@ class RetrievalEngine(BatchedEngine):
         m = cfg.model
         model = load_model(m.source, dtype=m.dtype, device=m.device, seed=m.seed)
         store = CatalogStore(build_catalog(cfg), vocab_size=model.spec.vocab_size)
-        return cls(model, store, cfg.search, cfg.scheduler, on_batch)
+        return cls(model, store, cfg.search, cfg.scheduler, on_batch, cfg.accel)
 
     # ---- the mode's part of the Engine contract ------------------------------------------------------------
     def stop(self) -> None:
@@ -72,6 +73,16 @@ class RetrievalEngine(BatchedEngine):
                                 batch_size=len(requests), candidates_visited=out.candidates_visited,
                                 catalog_version=catalog.version, kv_bytes=kv_bytes)
                 for r, hits, kv_bytes in zip(requests, out.hits, out.kv_bytes_per_request)]
+
+
+def make_runner(model: Decoder, search: SearchConfig, accel: AccelConfig | None = None):
+    """The backend switch: the device fast path (``engine/device_runner.py``) when ``accel`` asks for it on this
+    device, else the host-driven ``RetrievalRunner`` (the reference; the CPU default)."""
+    if accel is not None and accel.use_fast_path(str(model.device)):
+        from grserve.engine.device_runner import DeviceRetrievalRunner
+
+        return DeviceRetrievalRunner(model, search, accel)
+    return RetrievalRunner(model, search)
 
 
 def build_catalog(cfg: ServeConfig) -> Catalog:

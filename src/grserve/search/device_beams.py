@@ -53,7 +53,7 @@ class DeviceBeamState:
         """logits fp32 [R_b, C_0] (rows ≥ ``live`` are padding requests); full_lse [R_b] under ``hf`` scoring."""
         z = logits + self.trie.first_mask
         z = z - (torch.logsumexp(z, dim=1, keepdim=True) if full_lse is None else full_lse[:, None])
-        z = z.nan_to_num_(nan=float("-inf"))
+        z = z.nan_to_num_(nan=float("-inf"), neginf=float("-inf"))
         k = self.ks[0]
         v, i = torch.topk(z, k, dim=1)
         self.scores.fill_(float("-inf"))

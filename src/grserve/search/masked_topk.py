@@ -26,7 +26,7 @@ def masked_topk_expand(logits: torch.Tensor, trie: DeviceTrie, level: int, nodes
         z = z - torch.logsumexp(z, dim=1, keepdim=True)
     else:
         z = z - full_lse[:, None]
-    z = z.nan_to_num_(nan=float("-inf"))  # a beam with no valid child: −inf − (−inf)
+    z = z.nan_to_num_(nan=float("-inf"), neginf=float("-inf"))  # no valid child: −inf − (−inf)
     v, j = torch.topk(z, k, dim=1)
     return v + scores[:, None], child_codes.gather(1, j), child_nodes.gather(1, j)
 

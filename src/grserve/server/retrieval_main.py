@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from grserve.config import CatalogConfig, ModelConfig, SchedulerConfig, SearchConfig, ServeConfig, ServerConfig
+from grserve.config import AccelConfig, CatalogConfig, ModelConfig, SchedulerConfig, SearchConfig, ServeConfig, ServerConfig
 from grserve.flags import UsageError, add_flags, command_parser, from_args
 from grserve.server.startup import check_model
 
@@ -24,6 +24,7 @@ def add_command(sub) -> None:
     add_flags(p, d.search, title="search")
     add_flags(p, d.scheduler, title="batching")
     add_flags(p, d.server, title="HTTP")
+    add_flags(p, d.accel, title="accelerator (docs/gpu.md)")
     p.set_defaults(handler=lambda ns: run(config_from_args(ns)))
 
 
@@ -36,6 +37,7 @@ def config_from_args(ns: argparse.Namespace) -> ServeConfig:
         search=from_args(SearchConfig, ns, max_beam_width=max(ns.max_beam_width, ns.beam_width)),
         scheduler=from_args(SchedulerConfig, ns),
         server=from_args(ServerConfig, ns),
+        accel=from_args(AccelConfig, ns),
     )
 
 
