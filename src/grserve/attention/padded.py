@@ -49,7 +49,12 @@ class PaddedPrefillContext:
             a, b = self.offsets[r], self.offsets[r + 1]
             self.kv.write_shared(layer, r, k[a:b], v[a:b])
             qr, kr, vr = (t[a:b].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-            o = F.scaled_dot_product_attention(qr, kr, vr, is_causal=True, enable_gqa=True)
+            if q.device.type == "cuda" and kr.shape[1] != qr.shape[1]:
+                # repeat the KV heads: CUDA's flash kernel then applies for sure (enable_gqa may fall back to
+                # the math kernel, which materialises [Hq, L, L] scores: 1.6 GB per 5000-token prompt and layer)
+                g = qr.shape[1] // kr.shape[1]
+                kr, vr = kr.repeat_interleave(g, dim=1), vr.repeat_interleave(g, dim=1)
+            o = F.scaled_dot_product_attention(qr, kr, vr, is_causal=True, enable_gqa=kr.shape[1] != qr.shape[1])
             out[a:b] = o[0].transpose(0, 1)
         return out
 
