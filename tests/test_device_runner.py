@@ -89,8 +89,8 @@ def test_triton_backend_equals_search(model, small_catalog):
     pytest.importorskip("triton")
     from grserve.kernels import triton_available
 
-    if not triton_available():
-        pytest.skip("triton cannot run here")
+    if not triton_available("cpu"):
+        pytest.skip("CPU tensors need TRITON_INTERPRET=1")
     ps = prompts([11, 6], seed=4)  # tiny grids: 2 requests × BW 4 under the interpreter
     ref = RetrievalRunner(model, SearchConfig()).run(ps, 4, [4, 4], small_catalog)
     out = fast(model, backend="triton", batch_buckets="2").run(ps, 4, [4, 4], small_catalog)
@@ -117,3 +117,19 @@ def test_import_needs_neither_cuda_nor_triton():
             "grserve.attention.backends, grserve.attention.flex_bipartite, grserve.kernels; "
             "assert 'triton' not in sys.modules, 'triton imported'")
     subprocess.run([sys.executable, "-c", code], check=True, env={"PYTHONPATH": "src", "PATH": ""})
+
+
+def test_bench_p2_suite_runs_on_cpu_with_small_shapes(capsys):
+    import json
+
+    from grserve.cli import main
+
+    argv = ["bench", "retrieval", "--suite", "p2", "--p2-model", "tiny", "--p2-dtype", "float32",
+            "--p2-prompt-len", "16", "--p2-batch", "2", "--p2-beam-width", "4", "--grid-ctx", "16",
+            "--grid-batch", "1", "--grid-bw", "4", "--iters", "1", "--warmup", "0", "--hf-requests", "1",
+            "--num-items", "500"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["device"] == "cpu" and out["ms_per_batch_p2"] > 0 and out["speedup_vs_hf_gpu"] > 0
+    assert out["invalid_item_rate"] == 0.0 and out["hf_top1_agreement"] == 1.0
+    assert [(c["ctx"], c["batch"], c["beam_width"]) for c in out["grid"]] == [(16, 2, 4), (16, 1, 4)]

@@ -32,10 +32,10 @@ class TorchBackend:
 class TritonBackend:
     name = "triton"
 
-    def __init__(self) -> None:
+    def __init__(self, device: str = "cuda") -> None:
         from grserve.kernels import triton_available
 
-        if not triton_available():
+        if not triton_available(device):
             raise RuntimeError("attention backend 'triton' needs the triton package and a CUDA device "
                                "(or TRITON_INTERPRET=1 on CPU)")
         from grserve.kernels.beam_attention import shared_stage_triton, unshared_stage_triton
@@ -49,11 +49,11 @@ class TritonBackend:
         return self._unshared(q, k, v)
 
 
-def get_backend(name: str):
+def get_backend(name: str, device: str = "cuda"):
     if name == "torch":
         return TorchBackend()
     if name == "triton":
-        return TritonBackend()
+        return TritonBackend(device)
     if name == "flashinfer":
         raise RuntimeError("attention backend 'flashinfer' is not wired in this build (see docs/gpu.md); "
                            "use torch or triton")

@@ -65,7 +65,7 @@ class DeviceRetrievalRunner:
     def __init__(self, model: Decoder, search: SearchConfig, accel: AccelConfig | None = None):
         self.model, self.search = model, search
         self.accel = accel or AccelConfig(fast_path="on")
-        self.backend = get_backend(self.accel.attention_backend)
+        self.backend = get_backend(self.accel.attention_backend, model.device.type)
         self.topk_fn = masked_topk_expand_backend(self.accel.attention_backend)
         self.buckets_r = sorted(split_commas(self.accel.batch_buckets, int))
         self.use_graphs = self.accel.cuda_graphs and model.device.type == "cuda"

@@ -13,8 +13,9 @@ so grserve runs without it. On CPU the kernels run only under ``TRITON_INTERPRET
 """
 
 
-def triton_available() -> bool:
-    """True when ``import triton`` works and a kernel can run here (a CUDA device, or the interpreter)."""
+def triton_available(device: str = "cuda") -> bool:
+    """True when ``import triton`` works and a kernel can run on ``device``'s tensors: a CUDA device needs CUDA,
+    CPU tensors need the interpreter (``TRITON_INTERPRET=1``)."""
     import os
 
     try:
@@ -23,4 +24,6 @@ def triton_available() -> bool:
         return False
     import torch
 
-    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+    if str(device).startswith("cuda"):
+        return torch.cuda.is_available()
+    return os.environ.get("TRITON_INTERPRET") == "1"

@@ -26,7 +26,7 @@ def unshared_stage_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> 
         q, k, v, o, lse, t, d**-0.5,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         o.stride(0), o.stride(1),
-        H_Q=hq, G=g, D=d, G_BLOCK=_pow2(g), D_BLOCK=_pow2(d), T_BLOCK=_pow2(t, 2))
+        H_Q=hq, G=g, D=d, G_BLOCK=_pow2(g, 2), D_BLOCK=_pow2(d, 16), T_BLOCK=_pow2(t, 2))
     return o, lse
 
 
