@@ -95,12 +95,15 @@ def test_no_memory_growth_across_replays(gpu_model, catalog):
     r.run(prompts([200, 150], 6), 64, [10, 10], catalog)
     r.run(prompts([180, 20], 7), 64, [10, 10], catalog)
     torch.cuda.synchronize()
-    base, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    base = torch.cuda.memory_allocated()
+    peaks = []
     for seed in range(8, 20):
+        torch.cuda.reset_peak_memory_stats()
         r.run(prompts([40 + 13 * (seed % 10), 77], seed), 64, [10, 10], catalog)
+        peaks.append(torch.cuda.max_memory_allocated())
     torch.cuda.synchronize()
-    assert torch.cuda.memory_allocated() - base <= 1 << 20
-    assert torch.cuda.memory_reserved() == reserved
+    assert torch.cuda.memory_allocated() - base <= 1 << 20  # nothing kept per replay
+    assert max(peaks) - min(peaks) <= 64 << 20  # only the eager prefill's transient memory varies with the lengths
     assert r.captures == 2
 
 

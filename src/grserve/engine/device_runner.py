@@ -111,13 +111,16 @@ class DeviceRetrievalRunner:
             lens = [int(p.shape[0]) for p in prompts]
             b = self._bucket(catalog, lens, beam_width)
             events: list[tuple[str, float, float]] = []
+            sync = torch.cuda.synchronize if trace and self.model.device.type == "cuda" else (lambda: None)
             t0 = time.perf_counter()
             b.load(lens)
             self._prefill(b, prompts, lens, catalog)
+            sync()  # only when tracing: the events then time the device work, not the launches
             events.append(("prefill", t0, time.perf_counter()))
             for level in range(1, catalog.depth):
                 t = time.perf_counter()
                 self._run_level(b, level, catalog)
+                sync()
                 events.append((f"step{level}", t, time.perf_counter()))
             hits = b.state.results(catalog, top_n)
             formula = [(n + beam_width * catalog.depth) * b.kv.bytes_per_token for n in lens]
