@@ -45,7 +45,10 @@ def _time_cell(runner, catalog, prompts, bw: int, warmup: int, iters: int, top_n
         out = runner.run(prompts, bw, [top_n] * batch, catalog)
         times.append((time.perf_counter() - t) * 1e3)
     med = statistics.median(times)
+    traced = runner.run(prompts, bw, [top_n] * batch, catalog, trace=True).trace  # synchronised events
+    phase = {name: (end - start) * 1e3 for name, start, end in traced}
     return {"ms_per_batch": med, "req_per_s": batch / (med / 1e3), "first_batch_ms": first_ms,
+            "prefill_ms": phase.get("prefill"), "decode_ms": sum(v for k, v in phase.items() if k != "prefill"),
             "min_ms": min(times), "invalid_items": _invalid(catalog, [[h.sid for h in hs] for hs in out.hits])}
 
 
@@ -110,7 +113,8 @@ def run_suite(cfg) -> int:
         row["graphs_captured"] = runner.captures - captures
         rows.append(row)
         console.print(f"ctx {ctx} × batch {batch}, BW {bw}: {row['ms_per_batch']:.1f} ms/batch, "
-                      f"{row['req_per_s']:.1f} req/s (first batch {row['first_batch_ms']:.0f} ms, capture "
+                      f"{row['req_per_s']:.1f} req/s (prefill {row['prefill_ms']:.0f} + decode "
+                      f"{row['decode_ms']:.0f} ms traced; first batch {row['first_batch_ms']:.0f} ms, capture "
                       f"{row['capture_ms']:.0f} ms)")
     summary_runner = {"use_graphs": runner.use_graphs}
     runner.close()  # free the grid's buckets (KV, graphs) before HF, which needs BW copies of the prompt KV
@@ -168,13 +172,15 @@ def _summary(cfg, rows, use_graphs: bool) -> dict:
         "dtype": cfg.p2_dtype, "attention_backend": cfg.attention_backend, "cuda_graphs": use_graphs,
         "ms_per_batch_p2": p2["ms_per_batch"], "req_per_s_p2": p2["req_per_s"],
         "first_batch_ms_p2": p2["first_batch_ms"], "capture_ms_p2": p2["capture_ms"],
+        "prefill_ms_p2": p2["prefill_ms"], "decode_ms_p2": p2["decode_ms"],
         "p2": {"ctx": p2["ctx"], "batch": p2["batch"], "beam_width": p2["beam_width"], "hf_oom": p2.get("hf_oom")},
         "speedup_vs_hf_gpu": None if ref is None else ref["speedup_vs_hf"],
         "speedup_vs_hf_gpu_cell": None if ref is None else [ref["ctx"], ref["batch"], ref["beam_width"]],
         "hf_top1_agreement": statistics.mean(r["hf_top1_agreement"] for r in with_hf) if with_hf else None,
         "invalid_item_rate": max((r["invalid_items"] or 0.0) for r in rows),
         "hf_invalid_item_rate": max(((r.get("hf_invalid_items") or 0.0) for r in with_hf), default=None),
-        "grid": [{k: r.get(k) for k in ("ctx", "batch", "beam_width", "ms_per_batch", "req_per_s", "capture_ms",
+        "grid": [{k: r.get(k) for k in ("ctx", "batch", "beam_width", "ms_per_batch", "req_per_s", "prefill_ms",
+                                        "capture_ms",
                                         "hf_req_per_s", "speedup_vs_hf", "hf_top1_agreement", "hf_oom")}
                  for r in rows],
     }
