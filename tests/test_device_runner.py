@@ -12,6 +12,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 from grserve.catalog import Catalog, CatalogStore, generate_catalog
 from grserve.config import AccelConfig, SchedulerConfig, SearchConfig
@@ -133,3 +134,33 @@ def test_bench_p2_suite_runs_on_cpu_with_small_shapes(capsys):
     assert out["device"] == "cpu" and out["ms_per_batch_p2"] > 0 and out["speedup_vs_hf_gpu"] > 0
     assert out["invalid_item_rate"] == 0.0 and out["hf_top1_agreement"] == 1.0
     assert [(c["ctx"], c["batch"], c["beam_width"]) for c in out["grid"]] == [(16, 2, 4), (16, 1, 4)]
+
+
+def test_beam_step_is_capturable(model, catalog):
+    """What a CUDA graph cannot hold never happens in the step: no host sync (``.item()``-style reads) and no
+    data-dependent shapes (nonzero, boolean indexing), checked op by op on CPU."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    forbidden = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "item", "equal"}
+    seen: list[str] = []
+
+    class Spy(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if name == "index" and any(t is not None and t.dtype == torch.bool for t in args[1]):
+                name = "nonzero"  # boolean-mask indexing: its output shape depends on the data
+            seen.append(name)
+            return func(*args, **(kwargs or {}))
+
+    runner = fast(model)
+    step = runner._step
+
+    def spied(b, level, cat):
+        with Spy():
+            step(b, level, cat)
+
+    runner._step = spied
+    ps = prompts([13, 22], seed=6)
+    out = runner.run(ps, 8, [8, 8], catalog)
+    assert_same(RetrievalRunner(model, SearchConfig()).run(ps, 8, [8, 8], catalog), out)
+    assert len(seen) > 100 and not forbidden & set(seen), sorted(forbidden & set(seen))

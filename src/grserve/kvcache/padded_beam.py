@@ -6,8 +6,8 @@ sized for a *bucket* (R_b requests, shared length L_cap) and reused by every bat
 * ``shared_k/shared_v`` [layers, R_b, Hkv, L_cap, D]: request r's prompt KV in ``[..., r, :, :lens[r], :]``, the
   rest is padding that no kernel reads as a key (``lens`` [R_b] on the device; a padded request has length 0);
 * ``unshared_k/unshared_v`` [layers, R_b·BW, ND, Hkv, D]: exactly BW × ND token slots per request, as ``BeamKV``;
-* ``reorder(parents, upto)`` gathers the first ``upto`` slots of every layer's rows by parent through one
-  preallocated layer-sized workspace (fixed shapes, capturable).
+* ``reorder(parents, upto)`` gathers the first ``upto`` slots of every layer's rows by parent through a
+  preallocated one-layer workspace (fixed shapes, capturable).
 """
 
 from __future__ import annotations
@@ -30,7 +30,9 @@ class PaddedBeamKV:
         self.unshared_k = torch.zeros(num_layers, rows, decode_steps, num_kv_heads, head_dim, dtype=dtype,
                                       device=device)
         self.unshared_v = torch.zeros_like(self.unshared_k)
-        self._workspace = torch.empty_like(self.unshared_k[0])
+        # one contiguous one-layer workspace per reorder depth (a gather's ``out`` is then always contiguous)
+        self._workspaces = [torch.empty(rows, u, num_kv_heads, head_dim, dtype=dtype, device=device)
+                            for u in range(decode_steps + 1)]
         self._positions = torch.arange(max_len, device=device)
         self.bytes_per_token = 2 * num_layers * num_kv_heads * head_dim * self.shared_k.element_size()
 
@@ -56,7 +58,7 @@ class PaddedBeamKV:
 
     def reorder(self, parents: torch.Tensor, upto: int) -> None:
         """Row i of every layer's first ``upto`` unshared slots becomes old row ``parents[i]``."""
-        ws = self._workspace[:, :upto]
+        ws = self._workspaces[upto]
         for buf in (self.unshared_k, self.unshared_v):
             for layer in range(buf.shape[0]):
                 torch.index_select(buf[layer, :, :upto], 0, parents, out=ws)
