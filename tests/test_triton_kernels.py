@@ -53,32 +53,37 @@ def test_padded_shared_stage_equals_the_staged_reference():
     assert torch.all(o[8:] == 0)  # an empty request: o = 0, lse = −inf (drops out of the merge)
 
 
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}  # bf16: the output is rounded once (2^-8 relative)
+
+
 @needs_triton
-@pytest.mark.parametrize("t", [1, 3])
-def test_unshared_stage_kernel_equals_torch(t):
+@pytest.mark.parametrize("t,dtype", [(1, torch.float32), (3, torch.float32), (2, torch.bfloat16)])
+def test_unshared_stage_kernel_equals_torch(t, dtype):
     from grserve.kernels.beam_attention import unshared_stage_triton
 
     g = torch.Generator().manual_seed(t)
-    q = torch.randn(3, 4, 16, generator=g)
-    buf_k = torch.randn(3, 4, 2, 16, generator=g)  # [B, ND, Hkv, D]: the kernel reads a strided slot slice
-    buf_v = torch.randn(3, 4, 2, 16, generator=g)
+    q = torch.randn(3, 4, 16, generator=g).to(dtype)
+    buf_k = torch.randn(3, 4, 2, 16, generator=g).to(dtype)  # [B, ND, Hkv, D]: the kernel reads a slot slice
+    buf_v = torch.randn(3, 4, 2, 16, generator=g).to(dtype)
     o, lse = unshared_stage_triton(q, buf_k[:, :t], buf_v[:, :t])
-    o_ref, lse_ref = unshared_stage(q, buf_k[:, :t], buf_v[:, :t])
-    assert torch.allclose(o, o_ref, atol=1e-5) and torch.allclose(lse, lse_ref, atol=1e-5)
+    o_ref, lse_ref = unshared_stage(q.float(), buf_k[:, :t].float(), buf_v[:, :t].float())
+    assert o.dtype == dtype and lse.dtype == torch.float32
+    assert torch.allclose(o.float(), o_ref, atol=TOL[dtype]) and torch.allclose(lse, lse_ref, atol=1e-5)
 
 
 @needs_triton
-def test_shared_stage_kernel_equals_torch():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shared_stage_kernel_equals_torch(dtype):
     from grserve.kernels.beam_attention import shared_stage_triton
 
     g = torch.Generator().manual_seed(5)
-    q = torch.randn(2 * 4, 4, 16, generator=g)  # R=2, BW=4, Hq=4, Hkv=2: 8 queries per (request, KV head)
-    k = torch.randn(2, 2, 40, 16, generator=g)
-    v = torch.randn(2, 2, 40, 16, generator=g)
+    q = torch.randn(2 * 4, 4, 16, generator=g).to(dtype)  # R=2, BW=4, Hq=4, Hkv=2: 8 queries per KV head
+    k = torch.randn(2, 2, 40, 16, generator=g).to(dtype)
+    v = torch.randn(2, 2, 40, 16, generator=g).to(dtype)
     for lens in ([37, 40], [17, 0]):
         o, lse = shared_stage_triton(q, k, v, torch.tensor(lens), block_n=16)
-        o_ref, lse_ref = _shared_ref(q, k, v, lens)
-        assert torch.allclose(o, o_ref, atol=1e-5)
+        o_ref, lse_ref = _shared_ref(q.float(), k.float(), v.float(), lens)
+        assert torch.allclose(o.float(), o_ref, atol=TOL[dtype])
         assert torch.equal(torch.isinf(lse), torch.isinf(lse_ref))
         fin = torch.isfinite(lse_ref)
         assert torch.allclose(lse[fin], lse_ref[fin], atol=1e-5)

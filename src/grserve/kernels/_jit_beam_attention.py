@@ -39,9 +39,12 @@ def shared_stage_kernel(q_ptr, k_ptr, v_ptr, lens_ptr, o_ptr, lse_ptr, scale,
                         sq0, sq1, sk0, sk1, sk2, sv0, sv1, sv2, so0, so1,
                         BW: tl.constexpr, H_Q: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_BLOCK: tl.constexpr,
-                        PRECISION: tl.constexpr):
+                        PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """One program per (request, KV head, block of BLOCK_M beam×group queries): flash-decoding over the request's
-    first ``lens[r]`` shared keys (the padding after them is never read), online softmax, LSE out."""
+    first ``lens[r]`` shared keys (the padding after them is never read), online softmax, LSE out.
+
+    ``UPCAST``: both products in fp32 (the CPU interpreter, whose ``tl.dot`` mishandles bf16/fp16 operands);
+    on a GPU the products take the input dtype with fp32 accumulation."""
     r = tl.program_id(0)
     h = tl.program_id(1)
     mb = tl.program_id(2)
@@ -63,13 +66,20 @@ def shared_stage_kernel(q_ptr, k_ptr, v_ptr, lens_ptr, o_ptr, lse_ptr, scale,
         kv_mask = nm[:, None] & dm[None, :]
         k = tl.load(k_ptr + r * sk0 + h * sk1 + offs_n[:, None] * sk2 + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_ptr + r * sv0 + h * sv1 + offs_n[:, None] * sv2 + d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        if UPCAST:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         s = tl.where(nm[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        if UPCAST:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
     has = l_i > 0
     o = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)

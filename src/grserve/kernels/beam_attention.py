@@ -47,5 +47,5 @@ def shared_stage_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens:
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         o.stride(0), o.stride(1),
         BW=bw, H_Q=hq, G=g, D=d, BLOCK_M=block_m, BLOCK_N=block_n, D_BLOCK=_pow2(d, 16),
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=q.device.type == "cpu")
     return o, lse
