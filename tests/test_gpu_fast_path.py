@@ -41,9 +41,9 @@ def catalog():
     return generate_catalog(20_000, 3, 256, 0)
 
 
-def prompts(lens, seed=0):
+def prompts(lens, seed=0, vocab=2000):
     rng = np.random.default_rng(seed)
-    return [rng.integers(0, 2000, n).astype(np.int64) for n in lens]
+    return [rng.integers(0, vocab, n).astype(np.int64) for n in lens]
 
 
 def runner(model, backend="torch", graphs=True, **kw):
