@@ -15,9 +15,25 @@ change their weights, dtype or device (build its own model for that).
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 import torch
+
+# Triton kernels run on CPU tensors only under the interpreter, which must be on before any @triton.jit function is
+# defined (grserve imports its kernel sources lazily, so setting it here is early enough). Never on a CUDA machine.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` are skipped cleanly where no CUDA device is present."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

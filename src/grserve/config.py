@@ -132,6 +132,7 @@ class ServeConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     edge: "EdgeConfig" = field(default_factory=lambda: EdgeConfig())
     reload: "CatalogReloadConfig" = field(default_factory=lambda: CatalogReloadConfig())
+    accel: "AccelConfig" = field(default_factory=lambda: AccelConfig())  # defined at the end (GPU fast path)
 
 
 # ---- ranking (BAT) -------------------------------------------------------------------------------------------
@@ -291,3 +292,31 @@ class LLMApiConfig(Checked):
                                                              "directory: aiperf --tokenizer DIR)", metavar="DIR")
     max_logprobs: int = flag(20, "largest logprobs / top_logprobs a request may ask for", check=non_negative)
     max_n: int = flag(16, "largest n (choices per request)", check=positive_int)
+
+
+# ---- accelerator fast path (issue 15) ------------------------------------------------------------------------
+ATTENTION_BACKENDS = ("torch", "triton", "flashinfer")
+FAST_PATH_MODES = ("auto", "on", "off")
+
+
+@dataclass(frozen=True)
+class AccelConfig(Checked):
+    """The device fast path of GR retrieval: fixed-shape beam steps (captured as CUDA graphs on a GPU).
+
+    ``attention_backend`` picks the kernels of the decode step: ``torch`` (plain torch ops, the reference, CPU and
+    CUDA), ``triton`` (grserve's Triton kernels: unshared-stage beam attention, masked top-k/expand; on CPU only
+    under ``TRITON_INTERPRET=1``), ``flashinfer`` (FlashInfer's decode attention + merge_state, CUDA, when
+    installed). The device itself is ``--device`` of the model. See docs/gpu.md.
+    """
+
+    fast_path: str = flag("auto", "retrieval through the fixed-shape device beam steps: auto (on a CUDA device), "
+                                  "on, off (the host-driven reference path)", choices=FAST_PATH_MODES)
+    attention_backend: str = flag("torch", "kernels of the fast path's decode step", choices=ATTENTION_BACKENDS)
+    cuda_graphs: bool = flag(True, "capture each beam step as a CUDA graph (CUDA only; eager elsewhere)")
+    batch_buckets: str = flag("1,2,4,8,16,32,64", "request-count buckets a batch is padded up to (graph keys)",
+                              check=comma_list(int, each=positive_int))
+    prompt_bucket: int = flag(256, "shared-KV length is padded up to a multiple of this (graph keys)",
+                              check=positive_int)
+
+    def use_fast_path(self, device: str) -> bool:
+        return self.fast_path == "on" or (self.fast_path == "auto" and str(device).startswith("cuda"))

@@ -47,8 +47,14 @@ class HFConstrainedBeamSearch:
 
         return allowed
 
-    @torch.inference_mode()
     def run(self, prompt: np.ndarray, beam_width: int, top_n: int, catalog: Catalog) -> list[Hit]:
+        return [Hit(int(catalog.item_of_sid(sid)), sid, sc) for sid, sc in self.sequences(prompt, beam_width, top_n,
+                                                                                           catalog)]
+
+    @torch.inference_mode()
+    def sequences(self, prompt: np.ndarray, beam_width: int, top_n: int, catalog: Catalog
+                  ) -> list[tuple[tuple[int, ...], float]]:
+        """HF's returned hypotheses as (SID, score), best first, finite scores only (items not checked)."""
         ids = torch.from_numpy(prompt.astype(np.int64))[None].to(self.device)
         out = self.hf.generate(
             ids,
@@ -68,13 +74,8 @@ class HFConstrainedBeamSearch:
         )
         seqs = out.sequences[:, ids.shape[1] :].cpu().numpy()
         scores = out.sequences_scores.float().cpu().numpy()
-        hits = []
-        for row, sc in zip(seqs, scores):
-            if not np.isfinite(sc):
-                continue
-            sid = tuple(int(t - catalog.layout.level_range(lv)[0]) for lv, t in enumerate(row))
-            hits.append(Hit(int(catalog.item_of_sid(sid)), sid, float(sc)))
-        return hits
+        return [(tuple(int(t - catalog.layout.level_range(lv)[0]) for lv, t in enumerate(row)), float(sc))
+                for row, sc in zip(seqs, scores) if np.isfinite(sc)]
 
 
 class NaiveCopyBeamSearch:

@@ -57,6 +57,23 @@ class RetrievalBenchConfig(Checked):
     skip_hf: bool = flag(False, "do not run HF transformers (e.g. for GPU-scale shapes)")
     skip_naive: bool = flag(False, "do not run the copy-per-beam baseline")
     seed: int = flag(0, "seed of the weights, the catalog and the prompts", check=non_negative)
+    # ---- the device fast path (issue 15; bench/retrieval_device.py) ----
+    suite: str = flag("auto", "auto: the P2 case + grid on a CUDA device, the beam-width sweep on CPU; sweep; p2",
+                      choices=("auto", "sweep", "p2"))
+    p2_model: str = flag("qwen3-1.7b", "--suite p2: model preset or directory", metavar="PRESET_OR_DIR")
+    p2_dtype: str = flag("bfloat16", "--suite p2: model dtype", choices=DTYPES)
+    p2_prompt_len: int = flag(5000, "--suite p2: prompt tokens of the P2 case", check=positive_int)
+    p2_batch: int = flag(8, "--suite p2: requests in the P2 batch", check=positive_int)
+    p2_beam_width: int = flag(256, "--suite p2: beam width of the P2 case", check=positive_int)
+    grid_ctx: str = flag("1000,5000", "--suite p2: grid prompt lengths", check=comma_list(int, each=positive_int))
+    grid_batch: str = flag("1,2,4,8", "--suite p2: grid batch sizes", check=comma_list(int, each=positive_int))
+    grid_bw: str = flag("128,256", "--suite p2: grid beam widths", check=comma_list(int, each=positive_int))
+    warmup: int = flag(2, "--suite p2: untimed batches per cell after the capture batch", check=non_negative)
+    iters: int = flag(5, "--suite p2: timed batches per cell (the median is reported)", check=positive_int)
+    attention_backend: str = flag("torch", "--suite p2: kernels of the decode step", choices=("torch", "triton"))
+    cuda_graphs: bool = flag(True, "--suite p2: capture the beam steps as CUDA graphs (CUDA only)")
+    prompt_bucket: int = flag(256, "--suite p2: shared-KV length padded up to a multiple of this",
+                              check=positive_int)
 
 
 def add_command(sub) -> None:
@@ -119,6 +136,10 @@ def run(cfg: RetrievalBenchConfig) -> int:
     from grserve.engine.retrieval import RetrievalRunner
     from grserve.model import load_model
 
+    if cfg.suite == "p2" or (cfg.suite == "auto" and cfg.device.startswith("cuda")):
+        from grserve.bench.retrieval_device import run_suite
+
+        return run_suite(cfg)
     console = Console(stderr=False)
     torch.manual_seed(cfg.seed)
     bws = split_commas(cfg.beam_widths, int)

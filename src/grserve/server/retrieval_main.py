@@ -11,6 +11,7 @@ import argparse
 import os
 
 from grserve.config import (
+    AccelConfig,
     CatalogConfig,
     CatalogReloadConfig,
     ModelConfig,
@@ -33,6 +34,7 @@ def add_command(sub) -> None:
     add_flags(p, d.scheduler, title="batching")
     add_flags(p, d.server, title="HTTP")
     add_edge_flags(p, reload=True)
+    add_flags(p, d.accel, title="accelerator (docs/gpu.md)")
     p.set_defaults(handler=lambda ns: run(config_from_args(ns)))
 
 
@@ -47,6 +49,7 @@ def config_from_args(ns: argparse.Namespace) -> ServeConfig:
         server=from_args(ServerConfig, ns),
         edge=edge_from_args(ns),
         reload=from_args(CatalogReloadConfig, ns),
+        accel=from_args(AccelConfig, ns),
     )
 
 

@@ -1,0 +1,73 @@
+"""Staged beam attention over ``PaddedBeamKV`` (fixed shapes): the decode context of the device fast path.
+
+``PaddedPrefillContext`` runs the packed prefill (eager; causal per request) and writes each prompt's K/V into its
+padded shared slot. ``PaddedBeamDecodeContext`` is ``BeamDecodeContext`` with fixed shapes: the new K/V go to
+unshared slot ``step``; the shared stage is one batched product over all requests with the padding keys masked
+(``key_bias``), the unshared stage one call for all beams; the two partial states are merged by LSE
+(``grserve.attention.staged.merge_states``) in fp32 and the result is rounded to the model dtype once. Which
+kernels compute the stages is the ``backend`` (``grserve.attention.backends``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from grserve.attention.staged import merge_states
+from grserve.kvcache.padded_beam import PaddedBeamKV
+
+
+def shared_stage_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bias: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every beam of each request against its padded shared KV (the torch reference of the Triton kernel).
+
+    q [R·BW, Hq, D] (request-major), k/v [R, Hkv, L_cap, D], key_bias [R, 1, 1, L_cap] (0 valid / −inf padding)
+    → o [R·BW, Hq, D] (q's dtype), lse [R·BW, Hq] fp32 (fp64 for fp64 inputs). A request with no key gets o = 0, lse = −inf. Scores and
+    softmax are at least fp32; the two products run in the input dtype."""
+    rows, hq, d = q.shape
+    r, hkv = k.shape[0], k.shape[1]
+    bw, g = rows // r, hq // hkv
+    qg = q.view(r, bw, hkv, g, d).permute(0, 2, 1, 3, 4).reshape(r, hkv, bw * g, d)
+    acc = torch.promote_types(q.dtype, torch.float32)  # fp32 softmax (fp64 stays fp64: the exact tests)
+    s = torch.matmul(qg, k.transpose(-1, -2)).to(acc).mul_(d**-0.5).add_(key_bias)  # [R, Hkv, BW·G, L_cap]
+    lse = torch.logsumexp(s, dim=-1, keepdim=True)
+    p = s.sub_(lse.clamp_min(torch.finfo(acc).min)).exp_()  # an empty row: exp(−inf) = 0, not NaN
+    o = torch.matmul(p.to(v.dtype), v)  # [R, Hkv, BW·G, D]
+    o = o.view(r, hkv, bw, g, d).permute(0, 2, 1, 3, 4).reshape(rows, hq, d)
+    lse = lse.view(r, hkv, bw, g).permute(0, 2, 1, 3).reshape(rows, hq)
+    return o, lse
+
+
+class PaddedPrefillContext:
+    def __init__(self, kv: PaddedBeamKV, offsets: list[int]):
+        self.kv = kv
+        self.offsets = offsets  # packed prompt r = tokens [offsets[r], offsets[r+1])
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(q)
+        for r in range(len(self.offsets) - 1):
+            a, b = self.offsets[r], self.offsets[r + 1]
+            self.kv.write_shared(layer, r, k[a:b], v[a:b])
+            qr, kr, vr = (t[a:b].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+            if q.device.type == "cuda" and kr.shape[1] != qr.shape[1]:
+                # repeat the KV heads: CUDA's flash kernel then applies for sure (enable_gqa may fall back to
+                # the math kernel, which materialises [Hq, L, L] scores: 1.6 GB per 5000-token prompt and layer)
+                g = qr.shape[1] // kr.shape[1]
+                kr, vr = kr.repeat_interleave(g, dim=1), vr.repeat_interleave(g, dim=1)
+            o = F.scaled_dot_product_attention(qr, kr, vr, is_causal=True, enable_gqa=kr.shape[1] != qr.shape[1])
+            out[a:b] = o[0].transpose(0, 1)
+        return out
+
+
+class PaddedBeamDecodeContext:
+    def __init__(self, kv: PaddedBeamKV, step: int, backend):
+        self.kv, self.step, self.backend = kv, step, backend
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        kv = self.kv
+        kv.write_unshared(layer, self.step, k, v)
+        uk, uv = kv.unshared(layer, self.step + 1)
+        o_u, lse_u = self.backend.unshared_stage(q, uk, uv)
+        o_s, lse_s = self.backend.shared_stage(q, kv.shared_k[layer], kv.shared_v[layer], kv)
+        out, _ = merge_states(o_s.float(), lse_s.float(), o_u.float(), lse_u.float())
+        return out.to(q.dtype)
