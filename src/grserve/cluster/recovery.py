@@ -31,6 +31,9 @@ class RequestLost(EngineError):
     """The request could not be finished: its instance died more often than the migration limit allows, or no
     instance is left (HTTP 503)."""
 
+    http_status = 503
+    error_type = "request_lost"
+
 
 @dataclass(frozen=True)
 class RecoveryCost:

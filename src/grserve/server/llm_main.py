@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from grserve.config import LLMConfig, LLMServeConfig, ModelConfig, ServerConfig
+from grserve.config import ClusterConfig, LLMConfig, LLMServeConfig, ModelConfig, ServerConfig
 from grserve.flags import UsageError, add_flags, command_parser, from_args
 from grserve.server.startup import check_model
 
@@ -17,7 +17,8 @@ def add_command(sub) -> None:
     add_flags(p, d.model, title="model")
     add_flags(p, d.llm, title="engine")
     add_flags(p, d.server, title="HTTP", skip=("max_prompt_tokens", "max_top_n"))
-    p.set_defaults(handler=lambda ns: run(config_from_args(ns)))
+    add_flags(p, ClusterConfig, title="cluster (several instances on Ray; docs/cluster.md)")
+    p.set_defaults(handler=lambda ns: run(config_from_args(ns), from_args(ClusterConfig, ns)))
 
 
 def config_from_args(ns: argparse.Namespace) -> LLMServeConfig:
@@ -25,8 +26,10 @@ def config_from_args(ns: argparse.Namespace) -> LLMServeConfig:
                           server=from_args(ServerConfig, ns))
 
 
-def run(cfg: LLMServeConfig) -> int:
+def run(cfg: LLMServeConfig, cluster: ClusterConfig | None = None) -> int:
     check_model(cfg.model)
+    if cluster is not None and (cluster.instances > 1 or cluster.ray_address):
+        return run_cluster(cfg, cluster)
 
     from grserve.engine.async_llm import AsyncLLMEngine
     from grserve.server.core import serve_until_exit
@@ -46,4 +49,31 @@ def run(cfg: LLMServeConfig) -> int:
               if pc is not None else "")
     print(f"grserve: LLM {name} ({cfg.model.dtype}), scheduler {c.scheduler}, {c.num_blocks} blocks x "
           f"{c.block_size} tokens{prefix} -> http://{s.host}:{s.port}/v1", flush=True)
+    return serve_until_exit(app, s.host, s.port, s.log_level, engine.stop)
+
+
+def run_cluster(cfg: LLMServeConfig, cluster: ClusterConfig) -> int:
+    """``--instances N`` (or ``--ray-address``): N engine instance actors on Ray behind this front end."""
+    from grserve.cluster.llm_cluster import ClusterLLMEngine
+    from grserve.cluster.metrics import ClusterCollector
+    from grserve.server.core import serve_until_exit
+    from grserve.server.llm_app import create_llm_app
+
+    if cfg.llm.prefix_cache_tokens == 0:
+        print("grserve: note: --prefix-cache-tokens is 0: KV-aware routing sees no cached prefix and requests "
+              "of a dead instance are recomputed (no KV snapshots)", flush=True)
+    try:
+        engine = ClusterLLMEngine.launch(cfg, cluster)
+    except (ValueError, OSError) as exc:
+        raise UsageError(str(exc)) from None
+    c, s = cfg.llm, cfg.server
+    name = c.served_model_name or cfg.model.source
+    engine.start()
+    info = engine.instances[0].info
+    app = create_llm_app(engine, engine.tokenizer, name, info["max_model_len"], info["vocab_size"])
+    app.state.metrics.registry.register(ClusterCollector(engine))
+    for line in engine.describe():
+        print(f"grserve: {line}", flush=True)
+    print(f"grserve: LLM {name} ({cfg.model.dtype}) on {cluster.instances} instances, scheduler {c.scheduler} "
+          f"-> http://{s.host}:{s.port}/v1", flush=True)
     return serve_until_exit(app, s.host, s.port, s.log_level, engine.stop)
