@@ -244,7 +244,7 @@ class ClusterConfig(Checked):
                               check=positive_int)
     decode_weight: float = flag(0.1, "router: cost of one booked decode token relative to one prefill token",
                                 check=non_negative)
-    heartbeat_timeout_s: float = flag(1.0, "an instance whose poll has not answered for this long is fenced "
+    heartbeat_timeout_s: float = flag(2.0, "an instance whose poll has not answered for this long is fenced "
                                            "(killed) and its requests move", check=positive)
     poll_wait_s: float = flag(0.05, "longest wait of one poll of an instance (the heartbeat period)",
                               check=positive)

@@ -65,28 +65,37 @@ class EngineInstance:
     # ---- requests --------------------------------------------------------------------------------------------
     async def submit(self, request_id: str, attempt: int, prompt_ids: list[int], params: Any,
                      snapshot: Any = None) -> None:
+        handle = await asyncio.to_thread(self._submit, request_id, attempt, prompt_ids, params, snapshot)
+        self._live[request_id] = (attempt, handle)
+        task = asyncio.get_running_loop().create_task(self._forward(request_id, attempt, handle, prompt_ids))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _submit(self, request_id: str, attempt: int, prompt_ids: list[int], params: Any, snapshot: Any) -> Any:
+        """In a worker thread: the engine lock is held for a whole step, and the event loop must keep answering
+        polls (the heartbeat) meanwhile."""
         from grserve.engine.types import LLMRequest
 
         pc = self.engine.prefix_cache
         if snapshot is not None and pc is not None and snapshot.shape[2] > 0:
             with self.engine.core.lock:
                 pc.put(prompt_ids[:snapshot.shape[2]], snapshot)
-        handle = self.engine.submit(LLMRequest(list(prompt_ids), params, request_id=f"{request_id}#{attempt}"))
-        self._live[request_id] = (attempt, handle)
-        task = asyncio.get_running_loop().create_task(self._forward(request_id, attempt, handle, prompt_ids))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        return self.engine.submit(LLMRequest(list(prompt_ids), params, request_id=f"{request_id}#{attempt}"))
+
+    def _export(self, prompt_ids: list[int]) -> Any:
+        with self.engine.core.lock:  # the end of the prefill: its prompt is in the prefix cache now
+            return self.engine.prefix_cache.export(prompt_ids)
 
     async def _forward(self, request_id: str, attempt: int, handle: Any, prompt_ids: list[int]) -> None:
         n, ended = 0, False
         async for ev in handle.events():
-            if n == 0 and self.kv_snapshot and self.engine.prefix_cache is not None:
-                with self.engine.core.lock:  # the end of the prefill: its prompt is in the prefix cache now
-                    kv = self.engine.prefix_cache.export(prompt_ids)
-                self._snapshots.append((request_id, attempt, kv))
+            first = n == 0
             self._report((request_id, attempt, n, list(ev.token_ids), ev.finished, ev.finish_reason))
             n += len(ev.token_ids)
             ended = ended or ev.finished
+            if first and not ev.finished and self.kv_snapshot and self.engine.prefix_cache is not None:
+                kv = await asyncio.to_thread(self._export, prompt_ids)  # the token is reported first: no TTFT cost
+                self._snapshots.append((request_id, attempt, kv))
         try:
             await handle.result()
         except Exception as exc:  # noqa: BLE001 - reported to the front end, which fails or ignores it
@@ -104,7 +113,7 @@ class EngineInstance:
 
     async def cancel(self, request_id: str) -> bool:
         entry = self._live.get(request_id)
-        return entry is not None and self.engine.cancel(entry[1].request_id)
+        return entry is not None and await asyncio.to_thread(self.engine.cancel, entry[1].request_id)
 
     # ---- the front end's view ----------------------------------------------------------------------------------
     async def poll(self, wait_s: float = 0.05) -> dict:
@@ -123,11 +132,13 @@ class EngineInstance:
                 "stats": self.engine.stats(), "time": time.time()}
 
     async def kv_snapshot(self):
-        with self.engine.core.lock:
-            return self.publisher.snapshot()
+        return self.publisher.snapshot()  # the publisher's own lock: consistent with its sequence numbers
 
     async def reset(self, incarnation: str) -> None:
         """Empty the prefix cache (a fresh store, same size and policy) under a new incarnation."""
+        await asyncio.to_thread(self._reset, incarnation)
+
+    def _reset(self, incarnation: str) -> None:
         from grserve.kvcache.prefix_kv import PrefixKVStore
 
         core = self.engine.core
