@@ -65,6 +65,8 @@ class ClusterLLMEngine:
         self.counters = {"migrated": 0, "recomputed": 0, "lost": 0, "instance_deaths": 0, "kv_snapshots_taken": 0,
                          "duplicate_tokens": 0, "finished": 0}
         self.on_death: list[Any] = []  # callbacks(instance index, seconds since its last answer) — benchmarks
+        self.keep_finished = False  # keep ended requests' records in ``finished`` (benchmarks, tests)
+        self.finished: list[RequestRecord] = []
         info0 = infos[0]
         self.max_model_len, self.num_blocks, self.block_size = (info0["max_model_len"], info0["num_blocks"],
                                                                 info0["block_size"])
@@ -156,6 +158,37 @@ class ClusterLLMEngine:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+    def reset(self, routing: str | None = None) -> None:
+        """Benchmarks: empty every live instance's prefix cache (new incarnations), a fresh KV index, router and
+        counters (``routing``: a new policy). Call while no request runs."""
+        import dataclasses
+
+        import ray
+
+        from grserve.cluster.ray_runtime import new_incarnation
+
+        if self.records:
+            raise RuntimeError("reset() with requests in flight")
+        if routing is not None:
+            self.cc = dataclasses.replace(self.cc, routing=routing)
+        live = [inst for inst in self.instances if inst.up]
+        incs = {inst.index: new_incarnation() for inst in live}
+        ray.get([inst.actor.reset.remote(incs[inst.index]) for inst in live])
+        with self._lock:
+            self.index = GlobalKVIndex()
+            for inst in self.instances:
+                if inst.up:
+                    self.index.register(inst.index, incs[inst.index])
+                else:
+                    self.index.drop_instance(inst.index)
+            self.router = Router(len(self.instances), self.cc.routing, block_size=self.cc.kv_block_size,
+                                 index=self.index, decode_weight=self.cc.decode_weight)
+            for inst in self.instances:
+                if not inst.up:
+                    self.router.mark_down(inst.index)
+            self.counters = {k: 0 for k in self.counters}
+            self.finished = []
 
     # ---- requests ---------------------------------------------------------------------------------------------------
     def submit(self, req: LLMRequest) -> RequestHandle[LLMResult]:
@@ -285,6 +318,8 @@ class ClusterLLMEngine:
     def _end(self, rec: RequestRecord, result: LLMResult | None, exc: BaseException | None) -> None:
         self.records.pop(rec.request_id, None)
         self.router.release(rec.request_id)
+        if self.keep_finished:
+            self.finished.append(rec)
         if exc is not None:
             _fail(rec.handle, exc)
         elif not rec.handle.future.done():
