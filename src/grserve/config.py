@@ -223,6 +223,7 @@ class LLMServeConfig:
     model: ModelConfig = field(default_factory=lambda: ModelConfig(source="tiny-mha"))
     llm: LLMConfig = field(default_factory=LLMConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    cluster: "ClusterConfig" = field(default_factory=lambda: ClusterConfig())  # --instances N (end of file)
 
 
 # ==== cluster (xLLM service layer: many instances on Ray) — added by the cluster branch ==========================

@@ -18,18 +18,18 @@ def add_command(sub) -> None:
     add_flags(p, d.llm, title="engine")
     add_flags(p, d.server, title="HTTP", skip=("max_prompt_tokens", "max_top_n"))
     add_flags(p, ClusterConfig, title="cluster (several instances on Ray; docs/cluster.md)")
-    p.set_defaults(handler=lambda ns: run(config_from_args(ns), from_args(ClusterConfig, ns)))
+    p.set_defaults(handler=lambda ns: run(config_from_args(ns)))
 
 
 def config_from_args(ns: argparse.Namespace) -> LLMServeConfig:
     return LLMServeConfig(model=from_args(ModelConfig, ns), llm=from_args(LLMConfig, ns),
-                          server=from_args(ServerConfig, ns))
+                          server=from_args(ServerConfig, ns), cluster=from_args(ClusterConfig, ns))
 
 
-def run(cfg: LLMServeConfig, cluster: ClusterConfig | None = None) -> int:
+def run(cfg: LLMServeConfig) -> int:
     check_model(cfg.model)
-    if cluster is not None and (cluster.instances > 1 or cluster.ray_address):
-        return run_cluster(cfg, cluster)
+    if cfg.cluster.instances > 1 or cfg.cluster.ray_address:
+        return run_cluster(cfg, cfg.cluster)
 
     from grserve.engine.async_llm import AsyncLLMEngine
     from grserve.server.core import serve_until_exit
