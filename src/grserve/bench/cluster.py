@@ -55,6 +55,9 @@ class ClusterBenchConfig(Checked):
                                 else "must be >= 0")
     kill_after: float = flag(0.3, "fault run: look for a victim once this fraction of requests was submitted",
                              check=fraction)
+    rounds: int = flag(2, "rounds over the policies, odd rounds in reverse order (the machine's background load "
+                          "drifts: every policy sees early and late slots); per-policy numbers are means over rounds",
+                       check=positive_int)
     fault: bool = flag(True, "run the fault run (--no-fault: policies only)")
     seed: int = flag(0, "seed of the synthesized block tokens", check=lambda v: None if v >= 0 else "must be >= 0")
     out: str | None = flag(None, "also write the JSON result here", metavar="FILE")
@@ -239,14 +242,17 @@ def run(cfg: ClusterBenchConfig) -> int:
     engine = _launch(cfg)
     for line in engine.describe():
         print(f"  {line}", flush=True)
+    runs: dict[str, list[dict]] = {p: [] for p in POLICIES}
     results: dict[str, dict] = {}
+    fault: dict = {}
     try:
         _warm_up(engine, reqs)
-        for policy in POLICIES:
-            engine.reset(policy)
-            results[policy] = replay(engine, reqs)
-            print(_row(policy, results[policy]), flush=True)
-        fault: dict = {}
+        for rnd in range(cfg.rounds):
+            for policy in (POLICIES if rnd % 2 == 0 else POLICIES[::-1]):
+                engine.reset(policy)
+                runs[policy].append(replay(engine, reqs))
+                print(_row(f"{policy} #{rnd}", runs[policy][-1]), flush=True)
+        results = {p: _mean_runs(r) for p, r in runs.items()}
         if cfg.fault:
             engine.reset("kv")
             results["kv_fault"], fault = fault_run(engine, reqs, cfg.kill_after)
@@ -262,6 +268,16 @@ def run(cfg: ClusterBenchConfig) -> int:
     return 0
 
 
+def _mean_runs(runs: list[dict]) -> dict:
+    """One policy's rounds: means of the numbers; the outputs of the first round (all rounds must agree)."""
+    out = dict(runs[0])
+    for key in ("hit_rate", "ttft_mean", "ttft_p99", "wall_s"):
+        out[key] = float(np.mean([r[key] for r in runs]))
+    out["rounds"] = [{k: r[k] for k in ("hit_rate", "ttft_mean", "ttft_p99", "per_instance")} for r in runs]
+    out["outputs_agree_across_rounds"] = all(r["outputs"] == runs[0]["outputs"] for r in runs)
+    return out
+
+
 def _summary(results: dict, fault: dict) -> dict:
     rr, kv = results["round_robin"], results["kv"]
     out = {"hit_rate_ratio_vs_rr": kv["hit_rate"] / max(rr["hit_rate"], 1e-9),
@@ -269,7 +285,10 @@ def _summary(results: dict, fault: dict) -> dict:
            "hit_rate": {p: results[p]["hit_rate"] for p in POLICIES},
            "ttft_mean_s": {p: results[p]["ttft_mean"] for p in POLICIES},
            "ttft_p99_s": {p: results[p]["ttft_p99"] for p in POLICIES},
-           "requests_per_instance": {p: results[p]["per_instance"] for p in POLICIES}}
+           "requests_per_instance": {p: results[p]["per_instance"] for p in POLICIES},
+           "ttft_ratio_rr_over_kv_per_round": [a["ttft_mean"] / b["ttft_mean"] for a, b in
+                                               zip(results["round_robin"]["rounds"], kv["rounds"])],
+           "outputs_agree_across_policies": all(results[p]["outputs"] == kv["outputs"] for p in POLICIES)}
     if "kv_fault" in results:
         f = results["kv_fault"]
         same = all(f["outputs"].get(k) == v for k, v in kv["outputs"].items()) and len(f["outputs"]) == len(
