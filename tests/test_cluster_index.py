@@ -276,3 +276,12 @@ def test_recovery_plan_migrate_recompute_fail():
     assert plan(rec, 2, slow_copy).action == "recompute"  # the cost model decides
     rec.migrations = 2
     assert plan(rec, migration_limit=2).action == "fail"
+
+
+def test_cache_weight_trades_balance_for_affinity():
+    prompt = list(range(41))
+    idx = _index_with({0: (prompt[:40], "hbm")})  # 40 cached tokens on instance 0, which has 60 tokens booked
+    for cw, expect in ((1.0, 1), (2.0, 0)):
+        r = Router(2, "kv", block_size=4, index=idx, cache_weight=cw)
+        r.load[0].prefill_tokens = 60
+        assert r.route("x", prompt, 4).instance == expect

@@ -245,6 +245,9 @@ class ClusterConfig(Checked):
                               check=positive_int)
     decode_weight: float = flag(0.1, "router: cost of one booked decode token relative to one prefill token",
                                 check=non_negative)
+    cache_weight: float = flag(2.0, "router: weight of a cached prompt token (1 = the tokens an instance would "
+                                    "compute; more keeps conversations where their KV is when loads differ)",
+                               check=non_negative)
     heartbeat_timeout_s: float = flag(2.0, "an instance whose poll has not answered for this long is fenced "
                                            "(killed) and its requests move", check=positive)
     poll_wait_s: float = flag(0.05, "longest wait of one poll of an instance (the heartbeat period)",

@@ -53,6 +53,8 @@ class ClusterBenchConfig(Checked):
     num_blocks: int = flag(4096, "KV pool blocks per instance", check=positive_int)
     decode_weight: float = flag(0.1, "router: weight of a booked decode token", check=lambda v: None if v >= 0
                                 else "must be >= 0")
+    cache_weight: float = flag(2.0, "router: weight of a cached prompt token", check=lambda v: None if v >= 0
+                               else "must be >= 0")
     kill_after: float = flag(0.3, "fault run: look for a victim once this fraction of requests was submitted",
                              check=fraction)
     rounds: int = flag(2, "rounds over the policies, odd rounds in reverse order (the machine's background load "
@@ -215,7 +217,7 @@ def _launch(cfg: ClusterBenchConfig):
                            llm=LLMConfig(scheduler="fcfs", num_blocks=cfg.num_blocks,
                                          prefix_cache_tokens=cfg.prefix_cache_tokens))
     cc = ClusterConfig(instances=cfg.instances, routing="kv", decode_weight=cfg.decode_weight,
-                       heartbeat_timeout_s=2.0)
+                       cache_weight=cfg.cache_weight, kv_block_size=cfg.block_tokens, heartbeat_timeout_s=2.0)
     return ClusterLLMEngine.launch(serve, cc).start()
 
 

@@ -56,8 +56,7 @@ class ClusterLLMEngine:
         self.index = GlobalKVIndex()
         for inst in self.instances:
             self.index.register(inst.index, inst.info["incarnation"])
-        self.router = Router(len(actors), cluster.routing, block_size=cluster.kv_block_size, index=self.index,
-                             decode_weight=cluster.decode_weight)
+        self.router = self._new_router()
         self.cost = RecoveryCost()
         self.records: dict[str, RequestRecord] = {}
         self._lock = threading.RLock()
@@ -182,13 +181,17 @@ class ClusterLLMEngine:
                     self.index.register(inst.index, incs[inst.index])
                 else:
                     self.index.drop_instance(inst.index)
-            self.router = Router(len(self.instances), self.cc.routing, block_size=self.cc.kv_block_size,
-                                 index=self.index, decode_weight=self.cc.decode_weight)
+            self.router = self._new_router()
             for inst in self.instances:
                 if not inst.up:
                     self.router.mark_down(inst.index)
             self.counters = {k: 0 for k in self.counters}
             self.finished = []
+
+    def _new_router(self) -> Router:
+        c = self.cc
+        return Router(len(self.instances), c.routing, block_size=c.kv_block_size, index=self.index,
+                      decode_weight=c.decode_weight, cache_weight=c.cache_weight)
 
     # ---- requests ---------------------------------------------------------------------------------------------------
     def submit(self, req: LLMRequest) -> RequestHandle[LLMResult]:
@@ -284,7 +287,13 @@ class ClusterLLMEngine:
                     rec.snapshot = kv
                     self.counters["kv_snapshots_taken"] += 1
             for report in res["tokens"]:
-                self._on_tokens(inst, *report)
+                try:
+                    self._on_tokens(inst, *report)
+                except Exception as exc:  # noqa: BLE001 - e.g. a token gap: that request fails, the poller lives
+                    log.exception("bad token report from instance %d", inst.index)
+                    rec = self.records.get(report[0])
+                    if rec is not None:
+                        self._end(rec, None, exc)
 
     def _on_tokens(self, inst: Instance, rid: str, attempt: int, index: int, ids: list[int], finished: bool,
                    reason: str | None) -> None:

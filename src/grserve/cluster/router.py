@@ -3,8 +3,9 @@
 Every policy is the same router with a different cost; the load it uses is what the router itself booked at
 decision time (so two requests routed in the same millisecond see each other), released as the request moves on:
 
-- ``kv`` (KV-aware): cost(i) = queued prefill tokens(i) + the request's prompt tokens not cached on i
-  + ``decode_weight`` · decode tokens running on i. "Cached on i" is the longest common block prefix of the
+- ``kv`` (KV-aware): cost(i) = queued prefill tokens(i) + the request's prompt tokens − ``cache_weight`` · its
+  tokens cached on i + ``decode_weight`` · decode tokens running on i (``cache_weight`` 1: the tokens i would
+  compute; > 1 favours keeping a conversation where its KV is over balancing). "Cached on i" is the longest common block prefix of the
   prompt's block keys in the global KV index, each block weighted by its tier (``tier_weights``: a block in a
   slower tier saves less). Argmin; ties → fewer requests booked, then the lowest index.
 - ``least_loaded``: the same cost without the cache term.
@@ -57,7 +58,7 @@ class NoInstance(RuntimeError):
 
 class Router:
     def __init__(self, num_instances: int, policy: str = "kv", *, block_size: int = 16,
-                 index: GlobalKVIndex | None = None, decode_weight: float = 0.1,
+                 index: GlobalKVIndex | None = None, decode_weight: float = 0.1, cache_weight: float = 1.0,
                  tier_weights: dict[str, float] | None = None):
         if policy not in ROUTING_POLICIES:
             raise ValueError(f"routing policy must be one of {ROUTING_POLICIES}")
@@ -65,6 +66,7 @@ class Router:
         self.block_size = block_size
         self.index = index if index is not None else GlobalKVIndex()
         self.decode_weight = decode_weight
+        self.cache_weight = cache_weight
         self.tier_weights = dict(DEFAULT_TIER_WEIGHTS if tier_weights is None else tier_weights)
         self.load = [InstanceLoad() for _ in range(num_instances)]
         self.up = [True] * num_instances
@@ -103,7 +105,8 @@ class Router:
         out = {}
         for i in live:
             ld = self.load[i]
-            out[i] = (ld.prefill_tokens + (n - cached[i]) + self.decode_weight * ld.decode_tokens, raw[i])
+            out[i] = (ld.prefill_tokens + (n - self.cache_weight * cached[i]) + self.decode_weight * ld.decode_tokens,
+                      raw[i])
         return out
 
     def route(self, request_id: str, prompt_ids: list[int], max_tokens: int, exclude=(),
