@@ -65,7 +65,11 @@ class EngineInstance:
     # ---- requests --------------------------------------------------------------------------------------------
     async def submit(self, request_id: str, attempt: int, prompt_ids: list[int], params: Any,
                      snapshot: Any = None) -> None:
-        handle = await asyncio.to_thread(self._submit, request_id, attempt, prompt_ids, params, snapshot)
+        try:
+            handle = await asyncio.to_thread(self._submit, request_id, attempt, prompt_ids, params, snapshot)
+        except Exception:  # noqa: BLE001 - refused here (stopping, never fits): the front end fails the request
+            self._report((request_id, attempt, 0, [], True, "error"))
+            return
         self._live[request_id] = (attempt, handle)
         task = asyncio.get_running_loop().create_task(self._forward(request_id, attempt, handle, prompt_ids))
         self._tasks.add(task)
