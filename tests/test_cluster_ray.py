@@ -145,7 +145,8 @@ def test_kill_by_pid_mid_prefill_and_mid_decode_loses_nothing(cluster, reference
         hs = [cluster.submit(LLMRequest(p, LONG)) for p in greedy]
         hs += [cluster.submit(LLMRequest(p, SEEDED)) for p in seeded]
         deadline = time.monotonic() + 60
-        while not all(cluster.records[h.request_id].delivered >= 3 for h in hs):
+        while not all(cluster.records[h.request_id].delivered >= 3 and cluster.records[h.request_id].snapshot
+                      is not None for h in hs):
             assert time.monotonic() < deadline
             time.sleep(0.005)
         hs.append(cluster.submit(LLMRequest(long_prompt, LONG)))
