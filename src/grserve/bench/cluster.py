@@ -151,7 +151,10 @@ def replay(engine, reqs: list[TraceRequest], on_submit=None) -> dict:
             if f"r{k}" in recs and recs[f"r{k}"].first_token_at is not None]
     prompt_tokens = sum(len(r.prompt) for r in reqs)
     hits = sum(inst.stats.get("prefix_hit_tokens", 0) for inst in engine.instances)
-    return {"outputs": outputs, "lost": lost, "ttft_mean": float(np.mean(ttft)), "ttft_p99": float(np.percentile(ttft, 99)),
+    detail = [(recs[f"r{k}"].instance, len(r.prompt), recs[f"r{k}"].submitted_at - t0,
+               (recs[f"r{k}"].first_token_at or float("nan")) - recs[f"r{k}"].submitted_at)
+              for k, r in enumerate(reqs) if f"r{k}" in recs]
+    return {"outputs": outputs, "lost": lost, "requests": detail, "ttft_mean": float(np.mean(ttft)), "ttft_p99": float(np.percentile(ttft, 99)),
             "hit_rate": hits / prompt_tokens, "per_instance": list(engine.router.routed),
             "decisions": dict(engine.router.decisions), "wall_s": time.perf_counter() - t0,
             "counters": dict(engine.counters)}
@@ -264,7 +267,7 @@ def run(cfg: ClusterBenchConfig) -> int:
     summary = _summary(results, fault)
     if cfg.out:
         Path(cfg.out).write_text(json.dumps({**summary, "policies": {k: {kk: vv for kk, vv in v.items()
-                                                                           if kk != "outputs"}
+                                                                           if kk not in ("outputs", "requests")}
                                                                        for k, v in results.items()}}, indent=1))
     print(json.dumps(summary), flush=True)
     return 0
@@ -275,7 +278,8 @@ def _mean_runs(runs: list[dict]) -> dict:
     out = dict(runs[0])
     for key in ("hit_rate", "ttft_mean", "ttft_p99", "wall_s"):
         out[key] = float(np.mean([r[key] for r in runs]))
-    out["rounds"] = [{k: r[k] for k in ("hit_rate", "ttft_mean", "ttft_p99", "per_instance")} for r in runs]
+    out["rounds"] = [{k: r[k] for k in ("hit_rate", "ttft_mean", "ttft_p99", "per_instance", "requests")}
+                     for r in runs]
     out["outputs_agree_across_rounds"] = all(r["outputs"] == runs[0]["outputs"] for r in runs)
     return out
 
