@@ -44,7 +44,7 @@ LEAVES = dict(_leaves(cli.build_parser()))
 
 def test_the_command_list():
     expected = {("serve", "retrieval"), ("serve", "ranking"), ("serve", "llm"), ("bench", "retrieval"),
-                ("bench", "cache"), ("bench", "ranking"), ("bench", "serve"), ("bench", "quality"),
+                ("bench", "cache"), ("bench", "ranking"), ("bench", "serve"), ("bench", "quality"), ("bench", "cluster"),
                 ("catalog", "generate"), ("catalog", "validate"), ("catalog", "build")}
     assert expected == set(LEAVES)
 
@@ -79,7 +79,7 @@ def test_help_imports_no_torch():
             "print(len(paths))\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert int(r.stdout) == 15  # the root, 3 groups, 11 commands
+    assert int(r.stdout) == 16  # the root, 3 groups, 12 commands
 
 
 def test_serve_help_lists_the_modes_and_the_default(capsys):
@@ -110,6 +110,9 @@ def test_serve_defaults_to_retrieval(argv, expected):
     (["serve", "--num-items", "100", "--codebook-size", "4", "--depth", "3"], "--num-items"),  # a cross-field check
     (["serve", "llm", "--num-blocks", "1"], "--num-blocks"),
     (["serve", "llm", "--ttft-slo", "0"], "--ttft-slo"),
+    (["serve", "llm", "--instances", "0"], "--instances"),
+    (["serve", "llm", "--routing", "random"], "--routing"),
+    (["bench", "cluster", "--kill-after", "2"], "--kill-after"),
     (["serve", "ranking", "--user-cache-mb", "-1"], "--user-cache-mb"),
     (["serve", "ranking", "--window-s", "0"], "--window-s"),
     (["serve", "ranking", "--instruction", "1,x"], "--instruction"),

@@ -231,6 +231,7 @@ class LLMServeConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     edge: "EdgeConfig" = field(default_factory=lambda: EdgeConfig())
     api: LLMApiConfig = field(default_factory=lambda: LLMApiConfig())
+    cluster: "ClusterConfig" = field(default_factory=lambda: ClusterConfig())  # --instances N (end of file)
 
 
 # ---- the API edge (security and limits), shared by the three servers ------------------------------------------
@@ -320,3 +321,36 @@ class AccelConfig(Checked):
 
     def use_fast_path(self, device: str) -> bool:
         return self.fast_path == "on" or (self.fast_path == "auto" and str(device).startswith("cuda"))
+
+
+# ==== cluster (xLLM service layer: many instances on Ray) — added by the cluster branch ==========================
+ROUTING_POLICIES = ("kv", "least_loaded", "round_robin")
+
+
+@dataclass(frozen=True)
+class ClusterConfig(Checked):
+    """Several engine instances behind one front end (``--instances N``): Ray actors, the router, the global KV
+    index and fault recovery (docs/cluster.md)."""
+
+    instances: int = flag(1, "engine instances; above 1 each runs in its own Ray actor behind this front end",
+                          check=positive_int)
+    ray_address: str | None = flag(None, "an existing Ray cluster to join (default: grserve starts a local Ray "
+                                         "with no dashboard)", metavar="ADDR")
+    routing: str = flag("kv", "routing policy: kv (cached prefix blocks + booked load), least_loaded, "
+                              "round_robin", choices=ROUTING_POLICIES)
+    kv_block_size: int = flag(16, "tokens per block of the global KV index's chained block hashes",
+                              check=positive_int)
+    decode_weight: float = flag(0.1, "router: cost of one booked decode token relative to one prefill token",
+                                check=non_negative)
+    cache_weight: float = flag(2.0, "router: weight of a cached prompt token (1 = the tokens an instance would "
+                                    "compute; more keeps conversations where their KV is when loads differ)",
+                               check=non_negative)
+    heartbeat_timeout_s: float = flag(2.0, "an instance whose poll has not answered for this long is fenced "
+                                           "(killed) and its requests move", check=positive)
+    poll_wait_s: float = flag(0.05, "longest wait of one poll of an instance (the heartbeat period)",
+                              check=positive)
+    migration_limit: int = flag(2, "moves per request after instance deaths; one more death fails it (503)",
+                                check=non_negative)
+    kv_snapshot: bool = flag(True, "instances hand the front end a copy of each prompt's KV at the end of its "
+                                   "prefill, so a request can migrate with its KV instead of recomputing")
+    instance_threads: int = flag(1, "torch threads per instance actor", check=positive_int)

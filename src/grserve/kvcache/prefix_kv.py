@@ -46,6 +46,10 @@ class PrefixKVStore:
             policy_kw["predictor"] = LearnedPredictor(PredictorConfig(horizon=4096, window=16_384,
                                                                       retrain_every=2048, min_train=256))
         self.tree = RadixCache(capacity_tokens, policy, on_evict=self._release, **policy_kw)
+        # store/evict hook (the cluster's KV event publisher): .stored(tokens, start, stop) after a span is
+        # cached, .evicted(path_tokens, start, stop) when one goes (tokens[start:stop] of a path from position 0)
+        self.listener: Any = None
+        self.tree.on_evict_node = self._evicted
         self.stats = {"lookups": 0, "hit_tokens": 0, "lookup_tokens": 0, "inserted_tokens": 0}
 
     @classmethod
@@ -57,6 +61,15 @@ class PrefixKVStore:
     @property
     def bytes(self) -> int:
         return self.kv.numel() * self.kv.element_size()
+
+    def _evicted(self, node) -> None:
+        if self.listener is None:
+            return
+        parts, n = [], node
+        while n is not None:
+            parts.append(n.key)
+            n = n.parent
+        self.listener.evicted(np.concatenate(parts[::-1]), node.start, node.end)
 
     def _release(self, slots: np.ndarray) -> None:
         self._free.extend(int(s) for s in slots)
@@ -109,6 +122,35 @@ class PrefixKVStore:
                 self.kv[:, plane].index_copy_(1, dst, storage.data[:, rows[plane]])
         added = sum(stop - start for start, stop, _ in new)
         self.stats["inserted_tokens"] += added
+        if self.listener is not None:
+            for start, stop, _ in new:
+                self.listener.stored(tokens, start, stop)
+        return added
+
+    # ---- KV hand-off (cluster migration): the K/V of a cached prefix out, a prefix's K/V in ----------------------
+    def export(self, tokens: list[int]) -> torch.Tensor:
+        """The K/V ``[L, 2, m, width]`` of the longest cached prefix of ``tokens`` (a copy; m may be 0)."""
+        slots = self.tree.match_prefix(tokens).values
+        return self.kv.index_select(2, torch.from_numpy(np.ascontiguousarray(slots)).to(self.kv.device)).clone()
+
+    def put(self, tokens: list[int], kv: torch.Tensor) -> int:
+        """Cache ``tokens`` whose K/V ``[L, 2, len(tokens), width]`` were computed elsewhere (a migrated
+        request's snapshot). Returns how many tokens were new."""
+        new: list[tuple[int, int, np.ndarray]] = []
+
+        def make(start: int, stop: int) -> np.ndarray:
+            slots = self._alloc(start, stop)
+            new.append((start, stop, slots))
+            return slots
+
+        self.tree.insert(np.asarray(tokens, dtype=np.int64), make)
+        for start, stop, slots in new:
+            self.kv.index_copy_(2, torch.from_numpy(slots).to(self.kv.device), kv[:, :, start:stop].to(self.kv))
+        added = sum(stop - start for start, stop, _ in new)
+        self.stats["inserted_tokens"] += added
+        if self.listener is not None:
+            for start, stop, _ in new:
+                self.listener.stored(tokens, start, stop)
         return added
 
     @property

@@ -102,6 +102,7 @@ class RadixCache:
         self.policy = policy if isinstance(policy, EvictionPolicy) else make_policy(policy, capacity_tokens,
                                                                                       **policy_kw)
         self.on_evict = on_evict
+        self.on_evict_node: Callable[[TreeNode], None] | None = None  # hook: sees the node (parent still linked)
         self.root = TreeNode(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), None, 0, ("root",))
         self.root.lock_ref = 1  # never evicted
         self.nodes: dict[Hashable, TreeNode] = {}
@@ -246,6 +247,8 @@ class RadixCache:
             del parent.children[int(node.key[0])]
             freed += len(node.key)
             self.size -= len(node.key)
+            if self.on_evict_node is not None:
+                self.on_evict_node(node)
             if self.on_evict is not None:
                 self.on_evict(node.value)
             self._refresh(parent)

@@ -478,6 +478,9 @@ async def finish(request: Request, engine: Any, handle: RequestHandle,
     except (EngineStopped, RequestCancelled) as exc:
         raise _stopped(exc) from None
     except Exception as exc:  # noqa: BLE001 - every engine failure becomes a JSON answer
+        status = getattr(exc, "http_status", None)  # an engine error that names its status (cluster: RequestLost)
+        if status is not None:
+            raise ApiError(status, str(exc), None, getattr(exc, "error_type", "unavailable")) from None
         log.exception("engine failed on request %s", handle.request_id)
         raise ApiError(500, f"internal error while serving the request: {type(exc).__name__}", None,
                        "internal") from exc

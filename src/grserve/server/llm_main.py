@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from grserve.config import LLMApiConfig, LLMConfig, LLMServeConfig, ModelConfig, ServerConfig
+from grserve.config import ClusterConfig, LLMApiConfig, LLMConfig, LLMServeConfig, ModelConfig, ServerConfig
 from grserve.flags import UsageError, add_flags, command_parser, from_args
 from grserve.server.startup import add_edge_flags, check_model, edge_from_args
 
@@ -23,6 +23,7 @@ def add_command(sub) -> None:
     add_flags(p, d.server, title="HTTP", skip=("max_prompt_tokens", "max_top_n", "max_exclude_items"))
     add_flags(p, d.api, title="OpenAI API")
     add_edge_flags(p)
+    add_flags(p, ClusterConfig, title="cluster (several instances on Ray; docs/cluster.md)")
     p.set_defaults(handler=lambda ns: run(config_from_args(ns)))
 
 
@@ -30,11 +31,14 @@ def config_from_args(ns: argparse.Namespace) -> LLMServeConfig:
     tag = getattr(ns, "model_tag", None)
     model = from_args(ModelConfig, ns, **({"source": tag} if tag else {}))
     return LLMServeConfig(model=model, llm=from_args(LLMConfig, ns), server=from_args(ServerConfig, ns),
-                          api=from_args(LLMApiConfig, ns), edge=edge_from_args(ns))
+                          api=from_args(LLMApiConfig, ns), edge=edge_from_args(ns),
+                          cluster=from_args(ClusterConfig, ns))
 
 
 def run(cfg: LLMServeConfig) -> int:
     check_model(cfg.model)
+    if cfg.cluster.instances > 1 or cfg.cluster.ray_address:
+        return run_cluster(cfg, cfg.cluster)
 
     from grserve.engine.async_llm import AsyncLLMEngine
     from grserve.server.core import serve_until_exit
@@ -57,4 +61,32 @@ def run(cfg: LLMServeConfig) -> int:
           f"{c.block_size} tokens{prefix} -> http://{s.host}:{s.port}/v1", flush=True)
     print(f"grserve: tokenizer {tok.name_or_path} (an HF directory: aiperf --tokenizer {tok.name_or_path})",
           flush=True)
+    return serve_until_exit(app, s.host, s.port, s.log_level, engine.stop)
+
+
+def run_cluster(cfg: LLMServeConfig, cluster: ClusterConfig) -> int:
+    """``--instances N`` (or ``--ray-address``): N engine instance actors on Ray behind this front end."""
+    from grserve.cluster.llm_cluster import ClusterLLMEngine
+    from grserve.cluster.metrics import ClusterCollector
+    from grserve.server.core import serve_until_exit
+    from grserve.server.llm_app import create_llm_app
+
+    if cfg.llm.prefix_cache_tokens == 0:
+        print("grserve: note: --prefix-cache-tokens is 0: KV-aware routing sees no cached prefix and requests "
+              "of a dead instance are recomputed (no KV snapshots)", flush=True)
+    try:
+        engine = ClusterLLMEngine.launch(cfg, cluster)
+    except (ValueError, OSError) as exc:
+        raise UsageError(str(exc)) from None
+    c, s = cfg.llm, cfg.server
+    name = c.served_model_name or cfg.model.source
+    engine.start()
+    info = engine.instances[0].info
+    app = create_llm_app(engine, engine.tokenizer, name, info["max_model_len"], info["vocab_size"], edge=cfg.edge,
+                         max_n=cfg.api.max_n, max_logprobs=cfg.api.max_logprobs)
+    app.state.metrics.registry.register(ClusterCollector(engine))
+    for line in engine.describe():
+        print(f"grserve: {line}", flush=True)
+    print(f"grserve: LLM {name} ({cfg.model.dtype}) on {cluster.instances} instances, scheduler {c.scheduler} "
+          f"-> http://{s.host}:{s.port}/v1", flush=True)
     return serve_until_exit(app, s.host, s.port, s.log_level, engine.stop)

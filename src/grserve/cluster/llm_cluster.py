@@ -1,0 +1,406 @@
+"""The cluster front end: N LLM engine instances (Ray actors) behind the one Engine contract.
+
+``ClusterLLMEngine`` is what ``grserve serve llm --instances N`` hands the LLM app instead of an
+``AsyncLLMEngine``: ``submit(LLMRequest)`` → a ``RequestHandle`` streaming ``TokenEvent``\\ s, ``cancel``,
+``stats``, ``health``, ``drain``, ``start``, ``stop``, ``queue_depth``. Inside:
+
+- ``router.Router`` picks the instance (KV-aware, least-loaded or round-robin) and books the load;
+- one poller thread per instance long-polls it (``EngineInstance.poll``): token reports go to the requests'
+  streams (``stream.TokenStream``: each position once), KV events to ``kv_index.GlobalKVIndex`` (a gap or a new
+  incarnation → a snapshot), KV snapshots of finished prefills to the request journal;
+- death: a poll that fails with an actor error, or none answering for ``heartbeat_timeout_s`` (then the actor is
+  fenced: killed, so it cannot deliver late), takes the instance out of the router and the index and moves each
+  request it held (``recovery.plan``: migrate with its snapshot, or recompute).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from grserve.cluster.kv_index import GlobalKVIndex
+from grserve.cluster.recovery import RecoveryCost, RequestLost, RequestRecord, plan
+from grserve.cluster.router import NoInstance, Router
+from grserve.cluster.stream import TokenStream
+from grserve.engine.llm import TokenEvent
+from grserve.engine.protocol import EngineHealth, EngineStopped, RequestCancelled, RequestHandle
+from grserve.engine.types import LLMRequest, LLMResult
+
+log = logging.getLogger("grserve.cluster")
+SUMMED_STATS = ("running", "waiting", "free_blocks", "total_blocks", "preemptions", "prefix_hit_tokens",
+                "prefill_tokens", "iterations", "errors")
+
+
+@dataclass
+class Instance:
+    index: int
+    actor: Any
+    info: dict
+    up: bool = True
+    stats: dict = field(default_factory=dict)
+    down_at: float | None = None
+    down_reason: str = ""
+    thread: threading.Thread | None = None
+
+
+class ClusterLLMEngine:
+    def __init__(self, actors: list[Any], infos: list[dict], cluster: Any, tokenizer: Any = None,
+                 owns_ray: bool = False, eos_token_id: int | None = None):
+        self.cc = cluster
+        self.instances = [Instance(i, a, info) for i, (a, info) in enumerate(zip(actors, infos))]
+        self.tokenizer = tokenizer
+        self.owns_ray = owns_ray
+        self.index = GlobalKVIndex()
+        for inst in self.instances:
+            self.index.register(inst.index, inst.info["incarnation"])
+        self.router = self._new_router()
+        self.cost = RecoveryCost()
+        self.records: dict[str, RequestRecord] = {}
+        self._lock = threading.RLock()
+        self._status = "stopped"
+        self.counters = {"migrated": 0, "recomputed": 0, "lost": 0, "instance_deaths": 0, "kv_snapshots_taken": 0,
+                         "duplicate_tokens": 0, "finished": 0}
+        self.on_death: list[Any] = []  # callbacks(instance index, seconds since its last answer) — benchmarks
+        self.keep_finished = False  # keep ended requests' records in ``finished`` (benchmarks, tests)
+        self.finished: list[RequestRecord] = []
+        info0 = infos[0]
+        self.max_model_len, self.num_blocks, self.block_size = (info0["max_model_len"], info0["num_blocks"],
+                                                                info0["block_size"])
+
+    # ---- building -----------------------------------------------------------------------------------------------
+    @classmethod
+    def launch(cls, cfg: Any, cluster: Any) -> "ClusterLLMEngine":
+        """Start (or join) Ray, create ``cluster.instances`` instance actors from ``cfg`` (an LLMServeConfig) and
+        wait until every one has loaded its model."""
+        import ray
+
+        from grserve.cluster.ray_runtime import new_incarnation, spawn_instance, start_ray
+        from grserve.engine.tokenizer import load_tokenizer
+
+        owns = start_ray(cluster.ray_address)
+        actors = [spawn_instance(i, cfg, cluster, new_incarnation()) for i in range(cluster.instances)]
+        try:
+            infos = ray.get([a.info.remote() for a in actors])
+        except Exception:
+            for a in actors:
+                ray.kill(a)
+            if owns:
+                ray.shutdown()
+            raise
+        tok = load_tokenizer(cfg.model.source, infos[0]["vocab_size"])
+        return cls(actors, infos, cluster, tok, owns, getattr(tok, "eos_token_id", None))
+
+    def describe(self) -> list[str]:
+        """What runs where (the start-up lines)."""
+        import os
+        import socket
+
+        lines = [f"front end: pid {os.getpid()} on {socket.gethostname()}, routing {self.cc.routing}, "
+                 f"KV index blocks of {self.cc.kv_block_size} tokens, heartbeat timeout {self.cc.heartbeat_timeout_s}s"]
+        for inst in self.instances:
+            i = inst.info
+            lines.append(f"instance {inst.index}: Ray actor pid {i['pid']} on {i['host']} ({i['node_ip']}), "
+                         f"{i['device']}, {i['num_blocks']} blocks x {i['block_size']}, prefix cache "
+                         f"{i['prefix_cache_tokens']} tokens, incarnation {i['incarnation']}")
+        return lines
+
+    # ---- lifecycle ------------------------------------------------------------------------------------------------
+    def start(self) -> "ClusterLLMEngine":
+        with self._lock:
+            if self._status == "ok":
+                return self
+            self._status = "ok"
+        for inst in self.instances:
+            if inst.up and inst.thread is None:
+                inst.thread = threading.Thread(target=self._poll_loop, args=(inst,), daemon=True,
+                                               name=f"grserve-cluster-poll-{inst.index}")
+                inst.thread.start()
+        return self
+
+    def drain(self, timeout_s: float | None = None) -> bool:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._lock:
+            if self._status == "ok":
+                self._status = "draining"
+        while self.records:
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
+    def stop(self) -> None:
+        import ray
+
+        with self._lock:
+            self._status = "stopped"
+            left = list(self.records.values())
+            self.records.clear()
+        for rec in left:
+            _fail(rec.handle, EngineStopped("engine stopped"))
+        for inst in self.instances:
+            if inst.thread is not None:
+                inst.thread.join(timeout=5)
+                inst.thread = None
+        for inst in self.instances:
+            try:
+                ray.kill(inst.actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        if self.owns_ray and ray.is_initialized():
+            ray.shutdown()
+
+    def __enter__(self) -> "ClusterLLMEngine":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def reset(self, routing: str | None = None) -> None:
+        """Benchmarks: empty every live instance's prefix cache (new incarnations), a fresh KV index, router and
+        counters (``routing``: a new policy). Call while no request runs."""
+        import dataclasses
+
+        import ray
+
+        from grserve.cluster.ray_runtime import new_incarnation
+
+        if self.records:
+            raise RuntimeError("reset() with requests in flight")
+        if routing is not None:
+            self.cc = dataclasses.replace(self.cc, routing=routing)
+        live = [inst for inst in self.instances if inst.up]
+        incs = {inst.index: new_incarnation() for inst in live}
+        ray.get([inst.actor.reset.remote(incs[inst.index]) for inst in live])
+        with self._lock:
+            self.index = GlobalKVIndex()
+            for inst in self.instances:
+                if inst.up:
+                    self.index.register(inst.index, incs[inst.index])
+                else:
+                    self.index.drop_instance(inst.index)
+            self.router = self._new_router()
+            for inst in self.instances:
+                if not inst.up:
+                    self.router.mark_down(inst.index)
+            self.counters = {k: 0 for k in self.counters}
+            self.finished = []
+
+    def _new_router(self) -> Router:
+        c = self.cc
+        return Router(len(self.instances), c.routing, block_size=c.kv_block_size, index=self.index,
+                      decode_weight=c.decode_weight, cache_weight=c.cache_weight)
+
+    # ---- requests ---------------------------------------------------------------------------------------------------
+    def submit(self, req: LLMRequest) -> RequestHandle[LLMResult]:
+        if self._status != "ok":
+            raise EngineStopped(f"engine is {self._status}")
+        total = len(req.prompt_ids) + req.params.max_tokens
+        if not req.prompt_ids:
+            raise ValueError("prompt must have at least one token")
+        if total > self.max_model_len:
+            raise ValueError(f"prompt ({len(req.prompt_ids)}) + max_tokens ({req.params.max_tokens}) exceeds the "
+                             f"model length {self.max_model_len}")
+        if -(-total // self.block_size) > self.num_blocks:
+            raise ValueError(f"prompt + max_tokens = {total} tokens never fits the KV pool "
+                             f"({self.num_blocks} blocks of {self.block_size})")
+        handle: RequestHandle[LLMResult] = RequestHandle(req.request_id, self.cancel)
+        detok = self.tokenizer.decode if self.tokenizer is not None else None
+        rec = RequestRecord(req.request_id, list(req.prompt_ids), req.params, handle,
+                            TokenStream(detok, tuple(req.params.stop)), submitted_at=time.perf_counter())
+        with self._lock:
+            if req.request_id in self.records:
+                raise ValueError(f"request id {req.request_id} is already running")
+            self.records[req.request_id] = rec
+            try:
+                self._send(rec, rec.prompt_ids, req.params, None, recovery=False)
+            except RequestLost:
+                del self.records[req.request_id]
+                raise EngineStopped("no live instance") from None
+        return handle
+
+    def _send(self, rec: RequestRecord, prompt: list[int], params: Any, snapshot: Any, recovery: bool) -> None:
+        """Route and submit one attempt of ``rec`` (lock held)."""
+        try:
+            d = self.router.route(rec.request_id, prompt, params.max_tokens, recovery=recovery)
+        except NoInstance:
+            raise RequestLost("no live instance is left") from None
+        rec.instance = d.instance
+        self.instances[d.instance].actor.submit.remote(rec.request_id, rec.stream.attempt, prompt, params, snapshot)
+
+    def cancel(self, request_id: str) -> bool:
+        with self._lock:
+            rec = self.records.pop(request_id, None)
+            if rec is None:
+                return False
+            self.router.release(request_id)
+            inst = self.instances[rec.instance]
+            if inst.up:
+                inst.actor.cancel.remote(request_id)
+        _fail(rec.handle, RequestCancelled(f"request {request_id} cancelled"))
+        return True
+
+    # ---- instances: polls, heartbeats, deaths -------------------------------------------------------------------------
+    def _poll_loop(self, inst: Instance) -> None:
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        last_ok, ref = time.monotonic(), None
+        while self._status != "stopped" and inst.up:
+            if ref is None:
+                ref = inst.actor.poll.remote(self.cc.poll_wait_s)
+            try:
+                res = ray.get(ref, timeout=min(0.1, self.cc.heartbeat_timeout_s))
+            except GetTimeoutError:
+                if time.monotonic() - last_ok > self.cc.heartbeat_timeout_s:
+                    self.instance_down(inst.index, "heartbeat timeout", fence=True, silent_s=time.monotonic() - last_ok)
+                    return
+                continue
+            except RayActorError as exc:
+                self.instance_down(inst.index, f"actor died ({type(exc).__name__})", fence=True,
+                                   silent_s=time.monotonic() - last_ok)
+                return
+            except Exception:  # noqa: BLE001 - e.g. an error while deserialising: count it as a failed poll
+                log.exception("poll of instance %d failed", inst.index)
+                ref = None
+                continue
+            ref, last_ok = None, time.monotonic()
+            self._on_poll(inst, res)
+            if self.index.needs_snapshot(inst.index):
+                try:
+                    self.index.apply_snapshot(ray.get(inst.actor.kv_snapshot.remote(),
+                                                      timeout=self.cc.heartbeat_timeout_s))
+                except Exception:  # noqa: BLE001 - the next poll decides whether it is dead
+                    pass
+
+    def _on_poll(self, inst: Instance, res: dict) -> None:
+        with self._lock:
+            if not inst.up:
+                return  # a fenced instance's late answer
+            inst.stats = res["stats"]
+            self.index.apply(inst.index, res["kv_events"], res["kv_next_seq"])
+            for rid, attempt, kv in res["snapshots"]:
+                rec = self.records.get(rid)
+                if rec is not None and rec.stream.attempt == attempt and rec.instance == inst.index:
+                    rec.snapshot = kv
+                    self.counters["kv_snapshots_taken"] += 1
+            for report in res["tokens"]:
+                try:
+                    self._on_tokens(inst, *report)
+                except Exception as exc:  # noqa: BLE001 - e.g. a token gap: that request fails, the poller lives
+                    log.exception("bad token report from instance %d", inst.index)
+                    rec = self.records.get(report[0])
+                    if rec is not None:
+                        self._end(rec, None, exc)
+
+    def _on_tokens(self, inst: Instance, rid: str, attempt: int, index: int, ids: list[int], finished: bool,
+                   reason: str | None) -> None:
+        rec = self.records.get(rid)
+        if rec is None or rec.stream.attempt != attempt or rec.instance != inst.index:
+            return
+        st = rec.stream
+        before = st.duplicates
+        new = st.accept(attempt, index, ids)
+        self.counters["duplicate_tokens"] += st.duplicates - before
+        if new:
+            if rec.first_token_at is None:
+                rec.first_token_at = time.perf_counter()
+            self.router.on_tokens(rid, len(new))
+        if finished and reason not in ("stop", "length"):
+            if reason == "error":
+                from grserve.engine.async_llm import EngineStepFailed
+
+                self._end(rec, None, EngineStepFailed(f"request {rid} failed in an engine step"))
+            return  # "abort": cancelled by us (the handle is already failed)
+        delta = st.text_delta(final=finished)
+        done = finished or st.stopped
+        if new or done:
+            rec.handle.push(TokenEvent(0, new, delta, done, (reason or "stop") if done else None))
+        if done:
+            if st.stopped and not finished:
+                inst.actor.cancel.remote(rid)
+            self._end(rec, LLMResult(rid, list(st.output_ids), st.text, reason or "stop", len(rec.prompt_ids),
+                                     rec.migrations), None)
+
+    def _end(self, rec: RequestRecord, result: LLMResult | None, exc: BaseException | None) -> None:
+        self.records.pop(rec.request_id, None)
+        self.router.release(rec.request_id)
+        if self.keep_finished:
+            self.finished.append(rec)
+        if exc is not None:
+            _fail(rec.handle, exc)
+        elif not rec.handle.future.done():
+            self.counters["finished"] += 1
+            rec.handle.future.set_result(result)
+
+    def instance_down(self, index: int, why: str, fence: bool = True, silent_s: float = 0.0) -> None:
+        """Take an instance out (fencing it first) and move every request it held."""
+        import ray
+
+        inst = self.instances[index]
+        with self._lock:
+            if not inst.up:
+                return
+            inst.up, inst.down_at, inst.down_reason = False, time.perf_counter(), why
+            self.counters["instance_deaths"] += 1
+            self.router.mark_down(index)
+            self.index.drop_instance(index)
+        log.warning("instance %d is down (%s); moving its requests", index, why)
+        if fence:
+            try:
+                ray.kill(inst.actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - already dead
+                pass
+        with self._lock:
+            for rec in [r for r in self.records.values() if r.instance == index]:
+                self._recover(rec)
+        for cb in self.on_death:
+            cb(index, silent_s)
+
+    def _recover(self, rec: RequestRecord) -> None:
+        self.router.release(rec.request_id)
+        p = plan(rec, self.cc.migration_limit, self.cost)
+        if p.action == "fail":
+            self.counters["lost"] += 1
+            self._end(rec, None, RequestLost(f"request {rec.request_id} lost: {p.reason}"))
+            return
+        snapshot = rec.snapshot[:, :, :p.snapshot_tokens] if p.action == "migrate" else None
+        rec.migrations += 1
+        rec.recovered.append(p.action)
+        rec.stream.new_attempt()
+        self.counters["migrated" if p.action == "migrate" else "recomputed"] += 1
+        try:
+            self._send(rec, p.prompt_ids, p.params, snapshot, recovery=True)
+        except RequestLost as exc:
+            self.counters["lost"] += 1
+            self._end(rec, None, RequestLost(f"request {rec.request_id} lost: {exc}"))
+
+    # ---- state ------------------------------------------------------------------------------------------------------
+    @property
+    def queue_depth(self) -> int:
+        return int(sum(inst.stats.get("waiting", 0) for inst in self.instances if inst.up))
+
+    def health(self) -> EngineHealth:
+        up = [inst.index for inst in self.instances if inst.up]
+        status = self._status if up or self._status != "ok" else "stopped"
+        stats = self.stats()
+        return EngineHealth(status, int(stats["waiting"]), int(stats["running"]),  # type: ignore[arg-type]
+                            {"instances_up": len(up), "instances": len(self.instances), "routing": self.cc.routing})
+
+    def stats(self) -> dict[str, float]:
+        out: dict[str, float] = {k: 0.0 for k in SUMMED_STATS}
+        for inst in self.instances:
+            if inst.up:
+                for k in SUMMED_STATS:
+                    out[k] += float(inst.stats.get(k, 0))
+        out.update({f"cluster_{k}": float(v) for k, v in self.counters.items()})
+        out["instances_up"] = float(sum(inst.up for inst in self.instances))
+        out["in_flight"] = float(len(self.records))
+        return out
+
+
+def _fail(handle: RequestHandle, exc: BaseException) -> None:
+    if not handle.future.done():
+        handle.future.set_exception(exc)

@@ -1,0 +1,44 @@
+"""Ray for the cluster: join an existing cluster or start a local one, and create engine instance actors.
+
+A local Ray is started with no dashboard and ``num_cpus`` logical CPUs (instances ask for 0 CPUs: on a small
+machine the OS shares the cores; the actors' torch threads are set per instance). Ray's own processes listen on
+ports the OS picks (port 0), so they never collide with fixed ports.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Any
+
+log = logging.getLogger("grserve.cluster")
+
+
+def start_ray(address: str | None, num_cpus: int = 2) -> bool:
+    """Connect to Ray; returns True when this call started a local Ray (the caller then shuts it down)."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if address:
+        ray.init(address=address, log_to_driver=False)
+        return False
+    ray.init(include_dashboard=False, num_cpus=num_cpus, log_to_driver=False, configure_logging=False)
+    return True
+
+
+def new_incarnation() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+def spawn_instance(index: int, cfg: Any, cluster: Any, incarnation: str) -> Any:
+    """One engine instance actor (``cluster/instance.py``), spread over the cluster's nodes; never restarted by
+    Ray (the front end decides: a dead instance's requests move, its entries leave the KV index)."""
+    import ray
+
+    from grserve.cluster.instance import EngineInstance
+
+    actor_cls = ray.remote(EngineInstance)
+    return actor_cls.options(num_cpus=0, max_restarts=0, max_concurrency=64, scheduling_strategy="SPREAD",
+                             name=None).remote(index, cfg, incarnation, cluster.kv_block_size, cluster.kv_snapshot,
+                                               cluster.instance_threads)

@@ -1,0 +1,97 @@
+"""Fault recovery (xLLM §3.5 "fast request migration"): every request a dead instance held finishes elsewhere.
+
+The front end journals each request (``RequestRecord``): prompt, sampling parameters, the tokens delivered so far
+(``stream.TokenStream``), the instance and attempt it runs on, and — when the instance handed one over — a KV
+snapshot of its prompt (returned by the instance's poll, so the front end owns it and it survives the instance:
+an object an actor ``ray.put``s itself would die with it). When the instance dies, ``plan`` picks per request:
+
+- **migrate**: a snapshot of ``m`` tokens exists and copying it is cheaper than recomputing them — the new
+  instance loads the snapshot into its prefix cache and computes only prompt + generated beyond ``m``;
+- **recompute**: otherwise — the new instance prefills prompt + generated tokens from scratch.
+
+Either way the new attempt's prompt is prompt + tokens already delivered and its budget is ``max_tokens`` minus
+them, so the client's stream continues at the next position (greedy decoding gives the same tokens; seeded
+sampling does once draws depend on (seed, position) only). A request moved more than ``migration_limit`` times
+fails with ``RequestLost`` (HTTP 503). Cost model: seconds = tokens / ``prefill_tokens_per_s`` + bytes /
+``kv_bytes_per_s`` (constants, not profiled).
+
+Still lost: the front end itself — the journal, the snapshots and the open client connections live in its process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from grserve.cluster.stream import TokenStream
+from grserve.engine.protocol import EngineError
+
+
+class RequestLost(EngineError):
+    """The request could not be finished: its instance died more often than the migration limit allows, or no
+    instance is left (HTTP 503)."""
+
+    http_status = 503
+    error_type = "request_lost"
+
+
+@dataclass(frozen=True)
+class RecoveryCost:
+    prefill_tokens_per_s: float = 20_000.0
+    kv_bytes_per_s: float = 2e9
+
+    def recompute(self, tokens: int) -> float:
+        return tokens / self.prefill_tokens_per_s
+
+    def migrate(self, tokens: int, snapshot_tokens: int, snapshot_bytes: int) -> float:
+        return snapshot_bytes / self.kv_bytes_per_s + (tokens - snapshot_tokens) / self.prefill_tokens_per_s
+
+
+@dataclass
+class RequestRecord:
+    request_id: str
+    prompt_ids: list[int]
+    params: Any  # SamplingParams
+    handle: Any  # RequestHandle
+    stream: TokenStream
+    instance: int = -1
+    migrations: int = 0
+    snapshot: Any = None  # K/V [L, 2, m, width] of prompt_ids[:m] (owned by the front end)
+    submitted_at: float = 0.0
+    first_token_at: float | None = None
+    recovered: list[str] = field(default_factory=list)  # "migrate" / "recompute", per move
+
+    @property
+    def delivered(self) -> int:
+        return len(self.stream.output_ids)
+
+    def resume_prompt(self) -> list[int]:
+        return self.prompt_ids + self.stream.output_ids
+
+    def resume_params(self):
+        return replace(self.params, max_tokens=self.params.max_tokens - self.delivered)
+
+
+@dataclass(frozen=True)
+class RecoveryPlan:
+    action: str  # "migrate" | "recompute" | "fail"
+    prompt_ids: list[int]
+    params: Any
+    snapshot_tokens: int = 0
+    reason: str = ""
+
+
+def plan(record: RequestRecord, migration_limit: int, cost: RecoveryCost = RecoveryCost()) -> RecoveryPlan:
+    """What to do with a request whose instance died (the caller then routes it and resubmits)."""
+    if record.migrations >= migration_limit:
+        return RecoveryPlan("fail", [], None, reason=f"its instance died {record.migrations + 1} times "
+                                                      f"(migration limit {migration_limit})")
+    prompt = record.resume_prompt()
+    params = record.resume_params()
+    snap = record.snapshot
+    if snap is not None and snap.shape[2] > 0:
+        m = min(int(snap.shape[2]), len(prompt) - 1)
+        nbytes = snap[:, :, :m].numel() * snap.element_size()
+        if cost.migrate(len(prompt), m, nbytes) < cost.recompute(len(prompt)):
+            return RecoveryPlan("migrate", prompt, params, m)
+    return RecoveryPlan("recompute", prompt, params)

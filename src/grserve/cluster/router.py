@@ -1,0 +1,168 @@
+"""The front end's router (xLLM §3.4 "KV-cache-aware scheduling"): one request → one instance.
+
+Every policy is the same router with a different cost; the load it uses is what the router itself booked at
+decision time (so two requests routed in the same millisecond see each other), released as the request moves on:
+
+- ``kv`` (KV-aware): cost(i) = queued prefill tokens(i) + the request's prompt tokens − ``cache_weight`` · its
+  tokens cached on i + ``decode_weight`` · decode tokens running on i (``cache_weight`` 1: the tokens i would
+  compute; > 1 favours keeping a conversation where its KV is over balancing). "Cached on i" is the longest common block prefix of the
+  prompt's block keys in the global KV index, each block weighted by its tier (``tier_weights``: a block in a
+  slower tier saves less). Argmin; ties → fewer requests booked, then the lowest index.
+- ``least_loaded``: the same cost without the cache term.
+- ``round_robin``: the next live instance in turn.
+
+Booked load per instance: ``prefill_tokens`` (uncached prompt tokens of requests not past their first token),
+``decode_tokens`` (tokens still to generate of requests past it), ``requests``. Decisions are counted by reason:
+``prefix`` (the chosen instance had a cached prefix), ``load`` (no cached prefix anywhere counted: the least
+loaded), ``round_robin``, and ``recovery`` (a request moved off a dead instance).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from grserve.cluster.block_hash import chained_block_hashes
+from grserve.cluster.kv_index import GlobalKVIndex
+from grserve.config import ROUTING_POLICIES  # "kv", "least_loaded", "round_robin"
+
+DEFAULT_TIER_WEIGHTS = {"hbm": 1.0, "dram": 0.9, "ssd": 0.5}
+
+
+@dataclass
+class InstanceLoad:
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    requests: int = 0
+
+
+@dataclass
+class _Booking:
+    instance: int
+    prefill: int
+    decode: int
+    past_prefill: bool = False
+
+
+@dataclass(frozen=True)
+class Decision:
+    instance: int
+    reason: str
+    cached_tokens: int  # prompt tokens the index says are cached there (all tiers)
+    cost: float
+
+
+class NoInstance(RuntimeError):
+    """No live instance to route to."""
+
+
+class Router:
+    def __init__(self, num_instances: int, policy: str = "kv", *, block_size: int = 16,
+                 index: GlobalKVIndex | None = None, decode_weight: float = 0.1, cache_weight: float = 1.0,
+                 tier_weights: dict[str, float] | None = None):
+        if policy not in ROUTING_POLICIES:
+            raise ValueError(f"routing policy must be one of {ROUTING_POLICIES}")
+        self.policy = policy
+        self.block_size = block_size
+        self.index = index if index is not None else GlobalKVIndex()
+        self.decode_weight = decode_weight
+        self.cache_weight = cache_weight
+        self.tier_weights = dict(DEFAULT_TIER_WEIGHTS if tier_weights is None else tier_weights)
+        self.load = [InstanceLoad() for _ in range(num_instances)]
+        self.up = [True] * num_instances
+        self._book: dict[str, _Booking] = {}
+        self._rr = 0
+        self._lock = threading.Lock()
+        self.decisions: dict[str, int] = {"prefix": 0, "load": 0, "round_robin": 0, "recovery": 0}
+        self.routed = [0] * num_instances
+        self.cached_tokens_routed = 0  # Σ tokens the index promised at the chosen instances
+
+    # ---- instance state -------------------------------------------------------------------------------------
+    def mark_down(self, instance: int) -> None:
+        with self._lock:
+            self.up[instance] = False
+
+    def mark_up(self, instance: int) -> None:
+        with self._lock:
+            self.up[instance] = True
+            self.load[instance] = InstanceLoad()
+
+    def live(self) -> list[int]:
+        return [i for i, u in enumerate(self.up) if u]
+
+    # ---- the decision -----------------------------------------------------------------------------------------
+    def costs(self, prompt_ids: list[int], exclude=()) -> dict[int, tuple[float, int]]:
+        """cost and cached tokens of every live instance (not in ``exclude``) for this prompt."""
+        live = [i for i in self.live() if i not in exclude]
+        n = len(prompt_ids)
+        cached = {i: 0.0 for i in live}
+        raw = {i: 0 for i in live}
+        if self.policy == "kv" and n > 1:
+            keys = chained_block_hashes(prompt_ids[:n - 1], self.block_size)  # the last token is always computed
+            for i, tiers in self.index.prefix_match(keys, live).items():
+                raw[i] = sum(tiers.values()) * self.block_size
+                cached[i] = sum(c * self.block_size * self.tier_weights.get(t, 0.0) for t, c in tiers.items())
+        out = {}
+        for i in live:
+            ld = self.load[i]
+            out[i] = (ld.prefill_tokens + (n - self.cache_weight * cached[i]) + self.decode_weight * ld.decode_tokens,
+                      raw[i])
+        return out
+
+    def route(self, request_id: str, prompt_ids: list[int], max_tokens: int, exclude=(),
+              recovery: bool = False) -> Decision:
+        """Choose an instance and book the request's load on it."""
+        with self._lock:
+            live = [i for i in self.live() if i not in exclude]
+            if not live:
+                raise NoInstance("no live instance")
+            costs = self.costs(prompt_ids, exclude)
+            if self.policy == "round_robin":
+                order = sorted(live, key=lambda i: (i - self._rr) % len(self.up))
+                best = order[0]
+                self._rr = (best + 1) % len(self.up)
+                reason = "round_robin"
+            else:
+                best = min(live, key=lambda i: (costs[i][0], self.load[i].requests, i))
+                reason = "prefix" if costs[best][1] > 0 else "load"
+            if recovery:
+                reason = "recovery"
+            cost, cached = costs[best]
+            prefill = max(1, len(prompt_ids) - cached)
+            self._book[request_id] = _Booking(best, prefill, max_tokens)
+            ld = self.load[best]
+            ld.prefill_tokens += prefill
+            ld.requests += 1
+            self.decisions[reason] += 1
+            self.routed[best] += 1
+            self.cached_tokens_routed += cached
+            return Decision(best, reason, cached, cost)
+
+    # ---- the request moves on ----------------------------------------------------------------------------------
+    def on_tokens(self, request_id: str, n: int) -> None:
+        """``n`` tokens of the request arrived: its prefill is done (first token), its decode shrinks."""
+        with self._lock:
+            b = self._book.get(request_id)
+            if b is None or n <= 0:
+                return
+            ld = self.load[b.instance]
+            if not b.past_prefill:
+                b.past_prefill = True
+                ld.prefill_tokens -= b.prefill
+                ld.decode_tokens += b.decode
+            d = min(n, b.decode)
+            b.decode -= d
+            ld.decode_tokens -= d
+
+    def release(self, request_id: str) -> None:
+        """The request finished, failed, moved or was cancelled: its booking goes."""
+        with self._lock:
+            b = self._book.pop(request_id, None)
+            if b is None:
+                return
+            ld = self.load[b.instance]
+            if b.past_prefill:
+                ld.decode_tokens -= b.decode
+            else:
+                ld.prefill_tokens -= b.prefill
+            ld.requests -= 1

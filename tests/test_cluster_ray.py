@@ -1,0 +1,225 @@
+"""The cluster on a real local Ray: three instance actors of a small random model behind ``ClusterLLMEngine``.
+
+Ray and the actors start once for the module (about 20-30 s on a shared 2-core machine). The tests run in order
+and use the instances up: routing and equality with one engine, the HTTP app and its metrics, then a kill by PID
+(SIGKILL) of an instance holding requests mid-prefill and mid-decode, a frozen instance (SIGSTOP) fenced by the
+heartbeat timeout, and the last instance's death failing its request with a 503-class ``RequestLost``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+from grserve.cluster.llm_cluster import ClusterLLMEngine  # noqa: E402
+from grserve.cluster.recovery import RequestLost  # noqa: E402
+from grserve.config import ClusterConfig, LLMConfig, LLMServeConfig, ModelConfig  # noqa: E402
+from grserve.engine.sampling import SamplingParams  # noqa: E402
+from grserve.engine.types import LLMRequest  # noqa: E402
+
+GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+LONG = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=120, temperature=0.9, seed=7, ignore_eos=True)
+RESULTS: dict[str, list] = {}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, random_decoder):
+    """A random decoder whose greedy outputs vary with the position (a preset's often repeat one token)."""
+    from grserve.model.loader import save_pretrained
+    from grserve.model.spec import PRESETS
+
+    spec = dataclasses.replace(PRESETS["tiny"], num_hidden_layers=2, max_position_embeddings=4096)
+    path = tmp_path_factory.mktemp("cluster-model")
+    save_pretrained(random_decoder(spec, 3, 0.02), path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def cfg(model_dir):
+    return LLMServeConfig(model=ModelConfig(source=model_dir),
+                          llm=LLMConfig(scheduler="fcfs", num_blocks=512, prefix_cache_tokens=4096))
+
+
+@pytest.fixture(scope="module")
+def cluster(cfg):
+    eng = ClusterLLMEngine.launch(cfg, ClusterConfig(instances=3, routing="kv", heartbeat_timeout_s=1.0))
+    eng.start()
+    yield eng
+    eng.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(cfg):
+    """The same requests on one engine in this process."""
+    from grserve.engine.async_llm import AsyncLLMEngine
+
+    core = AsyncLLMEngine.build(cfg).core
+
+    def run(prompts, sp):
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # beside four busy processes on a small machine, more threads only spin
+        try:
+            return core.generate(prompts, sp)
+        finally:
+            torch.set_num_threads(threads)
+
+    return run
+
+
+def _prompts(seed: int, n: int, lo: int = 40, hi: int = 200, shared: list[int] | None = None) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [(shared or []) + rng.integers(3, 30000, int(rng.integers(lo, hi))).tolist() for _ in range(n)]
+
+
+async def _consume(handle) -> list[int]:
+    """What a streaming client sees: the token ids of every event, in order."""
+    ids: list[int] = []
+    async for ev in handle.events():
+        ids.extend(ev.token_ids)
+    await handle.result()
+    return ids
+
+
+def test_startup_and_kv_routing_equal_one_engine(cluster, reference):
+    assert len({inst.info["pid"] for inst in cluster.instances}) == 3
+    lines = cluster.describe()
+    assert len(lines) == 4 and all(str(inst.info["pid"]) in "\n".join(lines) for inst in cluster.instances)
+    shared = _prompts(0, 1, 64, 65)[0]
+    prompts = _prompts(1, 4, shared=shared)
+    first = cluster.submit(LLMRequest(prompts[0], GREEDY))
+    outs = [first.future.result(timeout=60).output_ids]
+    time.sleep(0.3)  # the instance's KV events reach the index (one poll)
+    holder = next(i for i, inst in enumerate(cluster.instances) if cluster.router.routed[i] == 1)
+    later = []
+    for p in prompts[1:]:
+        later.append(cluster.submit(LLMRequest(p, GREEDY)))
+        time.sleep(0.05)
+    outs += [h.future.result(timeout=60).output_ids for h in later]
+    assert outs == reference(prompts, GREEDY)
+    assert cluster.router.decisions["prefix"] >= 1
+    assert cluster.router.routed[holder] >= 2  # the shared 64-token prefix pulled a later request to its holder
+    assert cluster.stats()["prefix_hit_tokens"] >= 64
+
+
+def test_http_app_and_metrics(cluster, cfg):
+    from fastapi.testclient import TestClient
+
+    from grserve.cluster.metrics import ClusterCollector
+    from grserve.server.llm_app import create_llm_app
+
+    info = cluster.instances[0].info
+    app = create_llm_app(cluster, cluster.tokenizer, "m", info["max_model_len"], info["vocab_size"])
+    app.state.metrics.registry.register(ClusterCollector(cluster))
+    with TestClient(app) as client:
+        r = client.post("/v1/completions", json={"model": "m", "prompt": [5, 6, 7, 8], "max_tokens": 5,
+                                                 "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+        assert client.get("/health").json()["status"] == "ok"
+        text = client.get("/metrics").text
+    for name in ("grserve_cluster_instance_up{instance=\"2\"} 1.0", "grserve_cluster_routing_decisions_total",
+                 "grserve_cluster_migrations_total", "grserve_cluster_instance_booked_tokens",
+                 "grserve_cluster_kv_index_blocks", "grserve_llm_running"):
+        assert name in text
+
+
+def test_kill_by_pid_mid_prefill_and_mid_decode_loses_nothing(cluster, reference):
+    """SIGKILL instance 0 while it holds a request mid-decode and one still in prefill: every request finishes,
+    each streaming client sees each position once, and greedy outputs equal the one-engine run."""
+    victim = 0
+    greedy = _prompts(2, 4, 60, 120)
+    seeded = _prompts(3, 2, 60, 120)
+    long_prompt = _prompts(4, 1, 1500, 1501)[0]  # still in prefill when the kill comes
+    cluster.router.load[1].prefill_tokens += 10**6  # steer the new requests to the victim
+    cluster.router.load[2].prefill_tokens += 10**6
+    try:
+        hs = [cluster.submit(LLMRequest(p, LONG)) for p in greedy]
+        hs += [cluster.submit(LLMRequest(p, SEEDED)) for p in seeded]
+        deadline = time.monotonic() + 60
+        while not all(cluster.records[h.request_id].delivered >= 3 and cluster.records[h.request_id].snapshot
+                      is not None for h in hs):
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        hs.append(cluster.submit(LLMRequest(long_prompt, LONG)))
+    finally:
+        cluster.router.load[1].prefill_tokens -= 10**6
+        cluster.router.load[2].prefill_tokens -= 10**6
+    assert all(cluster.records[h.request_id].instance == victim for h in hs)
+    assert cluster.records[hs[-1].request_id].delivered == 0
+    assert all(cluster.records[h.request_id].delivered < 120 for h in hs[:4])
+    t0 = time.perf_counter()
+    os.kill(cluster.instances[victim].info["pid"], signal.SIGKILL)
+
+    async def consume_all():
+        return await asyncio.gather(*(_consume(h) for h in hs))
+
+    streamed = asyncio.run(consume_all())
+    results = [h.future.result(timeout=5) for h in hs]
+    down = cluster.instances[victim]
+    assert not down.up and down.down_at - t0 < 1.5  # detected within the target
+    for ids, r in zip(streamed, results):
+        assert ids == r.output_ids and len(ids) == 120  # each position once, no gap
+    assert [r.output_ids for r in results[:4]] + [results[-1].output_ids] == \
+        reference(greedy + [long_prompt], LONG)
+    assert cluster.counters["migrated"] >= 4 and cluster.counters["recomputed"] >= 1  # decode: KV; prefill: none
+    moved = cluster.counters["migrated"] + cluster.counters["recomputed"]
+    assert sum(r.num_preemptions for r in results) == moved  # a cluster result's num_preemptions counts its moves
+    assert cluster.instances[victim].index not in {i for h in cluster.index.blocks.values() for i in h}
+    RESULTS["seeded"] = [r.output_ids for r in results[4:6]]
+    RESULTS["seeded_prompts"] = seeded
+
+
+def test_seeded_sampling_survives_the_kill(reference):
+    assert "seeded" in RESULTS
+    assert RESULTS["seeded"] == reference(RESULTS["seeded_prompts"], SEEDED)
+
+
+def test_frozen_instance_is_fenced_by_heartbeat(cluster, reference):
+    """SIGSTOP instance 1: its polls stop answering; after the heartbeat timeout it is killed and its requests
+    move to instance 2."""
+    victim = 1
+    prompts = _prompts(5, 2, 60, 100)
+    cluster.router.load[2].prefill_tokens += 10**6
+    try:
+        hs = [cluster.submit(LLMRequest(p, GREEDY)) for p in prompts]
+    finally:
+        cluster.router.load[2].prefill_tokens -= 10**6
+    while not all(cluster.records[h.request_id].delivered >= 2 for h in hs if h.request_id in cluster.records):
+        time.sleep(0.005)
+    pid = cluster.instances[victim].info["pid"]
+    t0 = time.perf_counter()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        outs = [h.future.result(timeout=60).output_ids for h in hs]
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    inst = cluster.instances[victim]
+    assert not inst.up and inst.down_reason == "heartbeat timeout"
+    assert 0.5 <= inst.down_at - t0 < 2.5  # silent for 1 s counted from its last answer (just before the stop)
+    assert outs == reference(prompts, GREEDY)
+
+
+def test_last_instance_death_fails_with_request_lost(cluster):
+    hs = [cluster.submit(LLMRequest(p, GREEDY)) for p in _prompts(6, 2)]
+    while not any(cluster.records.get(h.request_id) and cluster.records[h.request_id].delivered for h in hs):
+        time.sleep(0.005)
+    os.kill(cluster.instances[2].info["pid"], signal.SIGKILL)
+    for h in hs:
+        with pytest.raises(RequestLost) as err:
+            h.future.result(timeout=30)
+        assert err.value.http_status == 503
+    assert cluster.health().status == "stopped" and cluster.counters["lost"] == 2
+    assert torch.equal(torch.tensor(cluster.router.routed).sign(), torch.ones(3, dtype=torch.int64))
+
