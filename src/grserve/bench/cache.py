@@ -26,6 +26,7 @@ from rich.table import Table
 from tqdm import tqdm
 
 from grserve.bench import traces as T
+from grserve.bench.cache_trace import TRACE_POLICIES
 from grserve.eviction import AccessListOracle, NoisyPredictor, PredictorConfig, make_policy, simulate
 from grserve.eviction.predictor import LearnedPredictor
 from grserve.flags import Checked, comma_list, config_command, flag, fraction, non_negative, positive_int, split_commas
@@ -58,6 +59,16 @@ class CacheBenchConfig(Checked):
                                 "when adversarial)", check=_laru_decay, metavar="N|auto")
     async_batch: int = flag(64, "ASYNC prediction batch for the learned predictor", check=positive_int)
     seed: int = flag(0, "seed of the traces and of the prediction noise", check=non_negative)
+    trace_file: str = flag("", "replay this trace instead (Mooncake JSONL with hash_ids, or one key per line); "
+                               "see bench/cache_trace.py", metavar="PATH")
+    sizes: str = flag("0.01,0.02,0.05,0.1,0.2", "--trace-file: cache sizes as fractions of the unique keys",
+                      check=comma_list(float, each=fraction))
+    modes: str = flag("block,radix", "--trace-file: block (each hash id one item) and/or radix (prefix tree, "
+                                     "leaves only evictable)", check=comma_list(allowed=("block", "radix")))
+    trace_policies: str = flag(",".join(TRACE_POLICIES), "--trace-file: policies to run (libcachesim: its ARC, "
+                               "S3FIFO, LIRS, Cacheus, LeCaR, block mode)", check=comma_list(allowed=TRACE_POLICIES))
+    max_requests: int = flag(0, "--trace-file: replay only the first N requests (0 = all; a sampled run)",
+                             check=non_negative)
 
 
 def add_command(sub) -> None:
@@ -257,6 +268,8 @@ def plot(rows: list[dict], path: str) -> None:
 
 
 def run(cfg: CacheBenchConfig) -> int:
+    if cfg.trace_file:
+        return run_trace_file(cfg)
     noise = split_commas(cfg.noise, float)
     policies = split_commas(cfg.policies, str.lower)
     workloads = build_workloads(split_commas(cfg.traces), cfg.quick, cfg.seed)
@@ -305,6 +318,22 @@ def run(cfg: CacheBenchConfig) -> int:
     with open(os.path.join(cfg.out_dir, "cache.json"), "w") as f:
         json.dump(summary, f, indent=1)
     print(f"wrote {png}", file=sys.stderr)
+    print(json.dumps(summary))
+    return 0
+
+
+def run_trace_file(cfg: CacheBenchConfig) -> int:
+    from grserve.bench.cache_trace import print_tables, run_trace_bench
+    from grserve.flags import UsageError
+
+    if not os.path.exists(cfg.trace_file):
+        raise UsageError(f"--trace-file: no such file {cfg.trace_file!r}")
+    summary = run_trace_bench(cfg.trace_file, split_commas(cfg.sizes, float), split_commas(cfg.modes),
+                              split_commas(cfg.trace_policies), cfg.max_requests)
+    print_tables(summary)
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    with open(os.path.join(cfg.out_dir, f"cache_{summary['trace']}.json"), "w") as f:
+        json.dump(summary, f, indent=1)
     print(json.dumps(summary))
     return 0
 
