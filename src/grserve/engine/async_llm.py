@@ -61,7 +61,7 @@ class AsyncLLMEngine:
                                  max_num_seqs=c.max_num_seqs)
         core = build_model_engine(model, pol, num_blocks=c.num_blocks, block_size=c.block_size,
                                   prefix_cache_tokens=c.prefix_cache_tokens,
-                                  prefix_cache_policy=c.prefix_cache_policy,
+                                  prefix_cache_policy=c.prefix_cache_policy, prefix_cache_mode=c.prefix_cache_mode,
                                   eos_token_id=tok.eos_token_id, detokenize=tok.decode)
         return cls(core, tok, model)
 
