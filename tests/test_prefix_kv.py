@@ -189,3 +189,5 @@ def test_prefix_bench_reports_the_saving():
     # the first wave's two requests are admitted together (nothing cached yet); the second wave hits 64 each
     assert r["prefix"]["prefill_tokens"] == 2 * 72 + 2 * 8
     assert r["prefix"]["prefix_hit_tokens"] == 2 * 64
+    # the copying store holds its own copy of the prompt; shared blocks are the requests' own
+    assert r["copy"]["prefix_hit_tokens"] == 2 * 64 and r["prefix"]["peak_blocks"] < r["copy"]["peak_blocks"]
