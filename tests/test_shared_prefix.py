@@ -200,3 +200,39 @@ def test_no_block_is_freed_while_referenced(ops, cap):
     cache.reclaim(10**6)
     assert pool.num_used == 0 and not cache.entries
     pool.check()
+
+
+def test_openai_usage_reports_cached_prompt_tokens():
+    """usage.prompt_tokens_details.cached_tokens: 0 on a cold cache, the shared whole blocks on a repeat."""
+    from fastapi.testclient import TestClient
+
+    from grserve.engine.async_llm import AsyncLLMEngine
+    from grserve.engine.llm import build_model_engine
+    from grserve.engine.tokenizer import ByteTokenizer
+    from grserve.model import load_model
+    from grserve.scheduler.fcfs import FCFSScheduler
+    from grserve.server.llm_app import create_llm_app
+
+    model = load_model("tiny", seed=0)
+    tok = ByteTokenizer(model.spec.vocab_size)
+    eng = build_model_engine(model, FCFSScheduler(), num_blocks=128, block_size=8, prefix_cache_tokens=256,
+                             eos_token_id=None, detokenize=tok.decode)
+    loop = AsyncLLMEngine(eng, tok).start()
+    try:
+        app = create_llm_app(loop, tok, "m", model.spec.max_position_embeddings, model.spec.vocab_size)
+        prompt = "The same long system prompt, shared by both requests. " * 2
+        n_prompt = len(tok.encode(prompt))
+        with TestClient(app) as c:
+            body = {"model": "m", "prompt": prompt, "max_tokens": 2, "temperature": 0}
+            first = c.post("/v1/completions", json=body).json()["usage"]
+            second = c.post("/v1/completions", json=body).json()["usage"]
+            lines = c.post("/v1/completions", json={**body, "stream": True,
+                                                    "stream_options": {"include_usage": True}}).text.splitlines()
+        assert first["prompt_tokens"] == n_prompt and first["prompt_tokens_details"]["cached_tokens"] == 0
+        assert second["prompt_tokens_details"]["cached_tokens"] == (n_prompt - 1) // 8 * 8 > 0
+        import json as _json
+
+        usage = _json.loads([ln for ln in lines if ln.startswith("data: {")][-1][6:])["usage"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] == (n_prompt - 1) // 8 * 8
+    finally:
+        loop.stop()

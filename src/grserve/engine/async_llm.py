@@ -136,7 +136,7 @@ class AsyncLLMEngine:
         del self._live[request_id]
         if ev.finish_reason in ("stop", "length"):
             handle.future.set_result(LLMResult(request_id, list(seq.output_ids), seq.text, ev.finish_reason,
-                                               len(seq.prompt_ids), seq.num_preemptions))
+                                               len(seq.prompt_ids), seq.num_preemptions, seq.cached_tokens))
         elif ev.finish_reason == "abort":
             _fail(handle, RequestCancelled(f"request {request_id} cancelled"))
         else:

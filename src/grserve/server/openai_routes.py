@@ -36,6 +36,7 @@ from grserve.server.openai_schemas import (
     CompletionResponse,
     ModelCard,
     ModelList,
+    PromptTokensDetails,
     SamplingRequest,
     Usage,
 )
@@ -104,12 +105,13 @@ def _sse(chunk: BaseModel) -> str:
     return f"data: {chunk.model_dump_json()}\n\n"
 
 
-def _usage(n_prompt: int, n_out: int) -> Usage:
-    return Usage(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out)
+def _usage(n_prompt: int, n_out: int, cached: int = 0) -> Usage:
+    return Usage(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
-async def _collect(handle: RequestHandle) -> tuple[str, int, str]:
-    """(text, completion tokens, finish reason) of a request, from its token events."""
+async def _collect(handle: RequestHandle) -> tuple[str, int, str, int]:
+    """(text, completion tokens, finish reason, cached prompt tokens) of a request, from its token events."""
     text: list[str] = []
     n_out, reason = 0, None
     async for ev in handle.events():
@@ -117,14 +119,14 @@ async def _collect(handle: RequestHandle) -> tuple[str, int, str]:
         n_out += len(ev.token_ids)
         if ev.finished:
             reason = ev.finish_reason
-    await handle.result()  # raises if the request failed
-    return "".join(text), n_out, _finish_reason(reason)
+    res = await handle.result()  # raises if the request failed
+    return "".join(text), n_out, _finish_reason(reason), getattr(res, "cached_tokens", 0)
 
 
 async def _stream(engine: Any, handle: RequestHandle, shape: _Shape, n_prompt: int,
                   include_usage: bool) -> AsyncIterator[str]:
     """SSE chunks of one request. If the stream is closed early (the client went away) the request is cancelled."""
-    done, n_out = False, 0
+    done, n_out, cached = False, 0, 0
     try:
         for chunk in shape.opening():
             yield _sse(chunk)
@@ -134,11 +136,11 @@ async def _stream(engine: Any, handle: RequestHandle, shape: _Shape, n_prompt: i
                 yield _sse(shape.delta(ev.text, _finish_reason(ev.finish_reason) if ev.finished else None))
         done = True
         try:
-            await handle.result()
+            cached = getattr(await handle.result(), "cached_tokens", 0)
         except Exception:  # noqa: BLE001 - the status line is sent: end the stream as it is
             log.exception("engine failed on streamed request %s", handle.request_id)
         if include_usage:
-            yield _sse(shape.usage(_usage(n_prompt, n_out)))
+            yield _sse(shape.usage(_usage(n_prompt, n_out, cached)))
         yield "data: [DONE]\n\n"
     finally:
         if not done:
@@ -169,8 +171,8 @@ def create_openai_router(engine: Any, tokenizer: Any, model_name: str, max_model
             return StreamingResponse(_stream(engine, handle, shape, len(prompt_ids), body.include_usage),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        text, n_out, reason = await finish(request, engine, handle, _collect(handle))
-        return shape.whole(text, reason, _usage(len(prompt_ids), n_out))
+        text, n_out, reason, cached = await finish(request, engine, handle, _collect(handle))
+        return shape.whole(text, reason, _usage(len(prompt_ids), n_out, cached))
 
     @router.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
     async def completions(body: CompletionRequest, request: Request) -> Any:

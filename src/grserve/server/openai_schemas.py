@@ -99,10 +99,15 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 # ---- responses -----------------------------------------------------------------------------------------------
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (not computed)
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
 
 class CompletionChoice(BaseModel):
