@@ -6,7 +6,8 @@ unique keys), it runs LRU, Belady (OPT; on leaves in radix mode), every grserve 
 with the online LightGBM predictor at the bench settings, ``density``, ``leader``, and ``leader`` with inverted
 predictions), and,
 in block mode when ``libcachesim`` is installed, its ARC, S3FIFO, LIRS, Cacheus and LeCaR on the same key
-sequence. µs per access is the policy's own time (the cache loop included for libcachesim, which runs in C).
+sequence. µs per access is the process CPU time of the policy and the cache loop per access (libcachesim: its C
+loop), so it stays meaningful on a shared machine.
 
 Printed: one table per mode with the gap closed ((policy − LRU)/(OPT − LRU)) and the margin to the best of LRU and
 the libcachesim heuristics at that size. Last stdout line: one JSON object with ``rows`` (trace, cache_size,
