@@ -10,7 +10,9 @@ Three *experts* rank the same cached keys:
   P(reused | class, idle age) / expected ticks until that reuse, where the class is the key's windowed access
   count and its prefix-tree shape (leaf / one child / branch point; the root block). Keys of a class are kept in
   access order and the candidates are the oldest and the newest of every class (at most 2·N_CLASSES per
-  eviction): a hit density that falls with age evicts old keys, one that rises (a loop) evicts young ones.
+  eviction): a hit density that falls with age evicts old keys, one that rises (a loop) evicts young ones. A key
+  made evictable again (radix: a parent whose last child left, an unlocked path) rejoins its class as its newest
+  key — O(1), so the order within a class is approximate there; its score still uses its true age.
   ``invert=True`` evicts the *highest* density instead (the adversarial-prediction experiment).
 
 ``leader`` evicts by the expert whose *miniature cache* has the most (exponentially decayed) hits. Each
@@ -114,12 +116,9 @@ class ExpertsPolicy(EvictionPolicy):
         self.lfu.set_evictable(key, evictable)
         self._cached[key] = evictable
         cls = self._by_class[self._meta[key][1]]
-        if evictable:  # back in its class at the position of its last access
+        if evictable:  # back in its class as its newest key (a candidate at once, scored with its true age)
             self.n_evictable_ += 1
             cls[key] = None
-            last = self._meta[key][0]
-            for k in [k for k in cls if self._meta[k][0] > last]:  # rare (unlocking): keep the access order
-                cls[k] = cls.pop(k)
         else:
             self.n_evictable_ -= 1
             del cls[key]
