@@ -142,18 +142,22 @@ class SharedPrefixCache:
         full = min(len(matched), limit // B)
         m = limit if len(matched) > full else full * B  # the chain covers the last token: copy its group's head
         n_after = min(n, len(tokens) - m)
-        pinned = sum(len(self.entries[h].blocks) for h in matched[:full] if self._evictable[h])
+        used = matched[:full + 1] if m > full * B else matched[:full]  # the copy's source is pinned while copied
+        pinned = sum(len(self.entries[h].blocks) for h in used if self._evictable[h])
         extra = pool.blocks_for(m + n_after, "kv") - full * pool.kv_planes + pinned - pool.blocks_for(n, "kv")
         if extra > spare:  # stay within the plan: at most n tokens in all, only whole shared groups
             full = min(full, (n - 1) // B)
             m, n_after = full * B, n - full * B
             extra = 0
         pool.attach(seq_id, [self.entries[h].blocks for h in matched[:full]])
-        for h in matched[:full]:
-            self._set_evictable(h, False)
+        cow = matched[full] if m > full * B else None
+        for h in matched[:full] + ([cow] if cow is not None else []):
+            self._set_evictable(h, False)  # the copy's source too: the reservation must not reclaim it
         table = pool.reserve(seq_id, m + n_after, "kv")
-        if m > full * B:
-            self._copy_rows(self.entries[matched[full]].blocks, table, full, m - full * B, storage)
+        if cow is not None:
+            src = self.entries[cow].blocks
+            self._copy_rows(src, table, full, m - full * B, storage)
+            self.unpinned(src[0])  # evictable again if no request holds it
         self.stats["shared_groups"] += full
         self.stats["hit_tokens"] += m
         return m, n_after, max(0, extra)
