@@ -11,8 +11,9 @@ Three *experts* rank the same cached keys:
   count and its prefix-tree shape (leaf / one child / branch point; the root block). Keys of a class are kept in
   access order and the candidates are the oldest and the newest of every class (at most 2·N_CLASSES per
   eviction): a hit density that falls with age evicts old keys, one that rises (a loop) evicts young ones. A key
-  made evictable again (radix: a parent whose last child left, an unlocked path) rejoins its class as its newest
-  key — O(1), so the order within a class is approximate there; its score still uses its true age.
+  made evictable again (radix: a parent whose last child left, an unlocked path) rejoins its class: the oldest
+  key of a class comes from a lazy min-heap on last access (O(log n)), the newest from the class's insertion
+  order.
   ``invert=True`` evicts the *highest* density instead (the adversarial-prediction experiment).
 
 ``leader`` evicts by the expert whose *miniature cache* has the most (exponentially decayed) hits. Each
@@ -29,6 +30,7 @@ leaf and only frequency and age remain.
 
 from __future__ import annotations
 
+import heapq
 from typing import Hashable, Sequence
 
 from grserve.eviction.hit_model import N_CLASSES, HitModel, klass
@@ -61,7 +63,9 @@ class ExpertsPolicy(EvictionPolicy):
         self._meta: dict[Hashable, tuple[int, int]] = {}  # key -> (last access, class then)
         self._depth, self._children = structure if structure is not None else ({}, {})
         self._cached: dict[Hashable, bool] = {}  # cached key -> evictable
-        self._by_class: list[dict[Hashable, None]] = [{} for _ in range(N_CLASSES)]  # evictable, access order
+        self._by_class: list[dict[Hashable, None]] = [{} for _ in range(N_CLASSES)]  # evictable, insertion order
+        self._heaps: list[list[tuple[int, int, Hashable]]] = [[] for _ in range(N_CLASSES)]  # (last, seq, key), lazy
+        self._seq = 0
         self.n_evictable_ = 0
         self.stats.update({e + "_evictions": 0 for e in EXPERTS})
 
@@ -93,7 +97,7 @@ class ExpertsPolicy(EvictionPolicy):
         self.lfu.on_hit(key, now)
         self._access(key, now)
         if self._cached[key]:
-            self._by_class[self._meta[key][1]][key] = None
+            self._join(key)
 
     def on_insert(self, key: Hashable, now: int) -> None:
         if key in self._cached:
@@ -102,7 +106,28 @@ class ExpertsPolicy(EvictionPolicy):
         self._access(key, now)
         self._cached[key] = True
         self.n_evictable_ += 1
-        self._by_class[self._meta[key][1]][key] = None
+        self._join(key)
+
+    def _join(self, key: Hashable) -> None:
+        """Add an evictable key to its class: the dict (membership, newest) and the heap (oldest by last access)."""
+        last, c = self._meta[key]
+        cls, heap = self._by_class[c], self._heaps[c]
+        cls[key] = None
+        self._seq += 1
+        heapq.heappush(heap, (last, self._seq, key))
+        if len(heap) > 2 * len(cls) + 64:  # drop stale entries (amortised O(1))
+            meta = self._meta
+            heap[:] = [e for e in heap if e[2] in cls and meta[e[2]] == (e[0], c)]
+            heapq.heapify(heap)
+
+    def _oldest(self, c: int) -> Hashable:
+        """The least recently accessed evictable key of class c (stale heap entries are popped)."""
+        cls, heap, meta = self._by_class[c], self._heaps[c], self._meta
+        while True:
+            last, _, k = heap[0]
+            if k in cls and meta[k] == (last, c):
+                return k
+            heapq.heappop(heap)
 
     def on_remove(self, key: Hashable) -> None:
         self.lfu.on_remove(key)
@@ -115,13 +140,12 @@ class ExpertsPolicy(EvictionPolicy):
             return
         self.lfu.set_evictable(key, evictable)
         self._cached[key] = evictable
-        cls = self._by_class[self._meta[key][1]]
-        if evictable:  # back in its class as its newest key (a candidate at once, scored with its true age)
+        if evictable:  # back in its class, at its last access time in the heap
             self.n_evictable_ += 1
-            cls[key] = None
+            self._join(key)
         else:
             self.n_evictable_ -= 1
-            del cls[key]
+            del self._by_class[self._meta[key][1]][key]
 
     # ---- eviction ------------------------------------------------------------------------------------------
     def learned_choice(self, now: int) -> Hashable:
@@ -129,10 +153,10 @@ class ExpertsPolicy(EvictionPolicy):
         meta, score = self._meta, self.model.score
         sign = -1.0 if self.invert else 1.0
         best_k, best, best_last = None, float("inf"), 0
-        for cls in self._by_class:
+        for c, cls in enumerate(self._by_class):
             if not cls:
                 continue
-            for k in (next(iter(cls)), next(reversed(cls))):
+            for k in (self._oldest(c), next(reversed(cls))):
                 last, c = meta[k]
                 v = sign * score(c, now - last)
                 if v < best or (v == best and last < best_last):
