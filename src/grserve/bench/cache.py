@@ -35,7 +35,8 @@ LEARNED = ("fpb", "hf", "laru")
 
 
 TRACES = ("zipf", "zipf-drift", "loop", "scan-hot", "conversations", "dlrm")
-POLICIES = ("lru", "opt", "fpb", "hf", "laru", "lfu")
+POLICIES = ("lru", "opt", "fpb", "hf", "laru", "lfu", "density", "leader")
+OWN_MODEL = ("density", "leader")  # learned policies with their own online model (no predictor, no noise rows)
 
 
 def _laru_decay(v: str) -> str | None:
@@ -49,7 +50,7 @@ class CacheBenchConfig(Checked):
     traces: str = flag(",".join(TRACES), f"comma-separated subset of: {', '.join(TRACES)}",
                        check=comma_list(allowed=TRACES))
     noise: str = flag("0,0.25,0.5,1", "comma-separated noise levels p", check=comma_list(float, each=fraction))
-    policies: str = flag("lru,opt,fpb,hf,laru", "comma-separated policies (lfu also available)",
+    policies: str = flag("lru,opt,fpb,hf,laru", "comma-separated policies (lfu, density, leader also available)",
                          check=comma_list(str.lower, allowed=POLICIES))
     learned: bool = flag(True, "the LightGBM-predictor rows (--no-learned: skip them)")
     quick: bool = flag(False, "small traces and one cache size per trace (~30 s)")
@@ -131,9 +132,9 @@ def _policy_kw(policy: str, args: CacheBenchConfig, predictor_kind: str) -> dict
 
 
 def run_paging(keys: list[int], k: int, policy: str, predictor: str, p: float, args) -> dict:
-    oracle_times = AccessListOracle.from_trace(keys)._times if policy != "lru" else None
-    if policy == "lru":
-        pol = make_policy("lru", k)
+    oracle_times = AccessListOracle.from_trace(keys)._times if policy not in ("lru", *OWN_MODEL) else None
+    if policy in ("lru", *OWN_MODEL):
+        pol = make_policy(policy, k)
     elif policy == "opt":
         pol = make_policy("belady", k, oracle=AccessListOracle(oracle_times))
     elif predictor == "lgbm":
@@ -151,10 +152,10 @@ def run_prefix(reqs, cap: int, policy: str, predictor: str, p: float, args, time
     from grserve.kvcache.radix import RadixCache, prefix_access_times
 
     prompts = [r.tokens for r in reqs]
-    if policy != "lru" and predictor != "lgbm" and "times" not in times_cache:
+    if policy not in ("lru", *OWN_MODEL) and predictor != "lgbm" and "times" not in times_cache:
         times_cache["times"] = prefix_access_times(prompts)
-    if policy == "lru":
-        pol = make_policy("lru", cap)
+    if policy in ("lru", *OWN_MODEL):
+        pol = make_policy(policy, cap)
     elif policy == "opt":
         pol = make_policy("belady", cap, oracle=AccessListOracle(times_cache["times"]))
     elif predictor == "lgbm":
@@ -192,8 +193,8 @@ def run_dlrm(batches, cap: int, policy: str, predictor: str, p: float, args, tim
                 times.setdefault(key, []).append(t)
         times_cache["times"] = times
     times = times_cache["times"]
-    if policy == "lru":
-        factory = lambda s, w: make_policy("lru", w)  # noqa: E731
+    if policy in ("lru", *OWN_MODEL):
+        factory = lambda s, w: make_policy(policy, w)  # noqa: E731
     elif policy == "opt":
         oracle = AccessListOracle(times)
         factory = lambda s, w: make_policy("belady", w, oracle=oracle)  # noqa: E731
