@@ -15,7 +15,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from grserve.cluster.block_hash import chained_block_hashes
+from grserve.kvcache.block_hash import chained_block_hashes
 from grserve.cluster.kv_index import GlobalKVIndex, KVEventPublisher, tree_blocks
 from grserve.cluster.recovery import RecoveryCost, RequestRecord, plan
 from grserve.cluster.router import Router
@@ -39,14 +39,14 @@ def test_block_hashes_chain_and_only_full_blocks():
 
 
 def test_block_hashes_stable_across_processes():
-    code = ("from grserve.cluster.block_hash import chained_block_hashes as h;"
-            "print(h(list(range(40)), 8)[-1].hex())")
+    code = ("from grserve.kvcache.block_hash import chained_block_hashes as h;"
+            "print(h(list(range(40)), 8)[-1])")
     outs = set()
     for seed in ("1", "2"):
         env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": os.pathsep.join(sys.path)}
         outs.add(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                                 check=True).stdout.strip())
-    assert outs == {chained_block_hashes(list(range(40)), 8)[-1].hex()}
+    assert outs == {str(chained_block_hashes(list(range(40)), 8)[-1])}
 
 
 # ---- the publisher follows the prefix cache's hooks exactly ----------------------------------------------------------
@@ -155,7 +155,7 @@ class IndexMachine(RuleBasedStateMachine):
             self.index.apply(i, [], pub.take_events()[1])
             if self.index.needs_snapshot(i):
                 self.index.apply_snapshot(pub.snapshot())
-        union: dict[bytes, dict[int, str]] = {}
+        union: dict[int, dict[int, str]] = {}
         for i, pub in self.pubs.items():
             for k, tier in pub.contents.items():
                 union.setdefault(k, {})[i] = tier

@@ -69,10 +69,12 @@ def test_prefix_cache_matches_hf_one_request_at_a_time(models, want, sched):
 
 
 def test_prefix_cache_batched_under_memory_pressure(models, want):
-    """All at once in a pool too small for them: preempted requests re-prefill through the cache too."""
+    """All at once in a pool too small for them: preempted requests re-prefill through the cache too (copy: the
+    store is outside the pool). Sharing needs so few blocks here that FCFS never preempts: see
+    test_shared_prefix.py for forced preemptions with sharing."""
     _, ours = models
     eng = build_model_engine(ours, make_llm_scheduler("fcfs"), num_blocks=60, block_size=4,
-                             prefix_cache_tokens=1024)
+                             prefix_cache_tokens=1024, prefix_cache_mode="copy")
     got = eng.generate(_prompts(), _params())
     assert got == want
     assert eng.stats["preemptions"] > 0 and eng.stats["prefix_hit_tokens"] > 0
@@ -83,7 +85,8 @@ def test_prefix_cache_batched_under_memory_pressure(models, want):
 def test_prefix_cache_under_eviction(models, want, policy):
     _, ours = models
     eng = build_model_engine(ours, make_llm_scheduler("fcfs"), num_blocks=256, block_size=4,
-                             prefix_cache_tokens=60, prefix_cache_policy=policy)  # < two prompts' worth
+                             prefix_cache_tokens=60, prefix_cache_policy=policy,
+                             prefix_cache_mode="copy")  # < two prompts' worth
     store = eng.prefix_cache
     got = []
     for p in _prompts():
@@ -123,9 +126,12 @@ def test_hidden_requests_bypass_the_store(models):
                 return SchedulerOutput("prefill", [ScheduledSeq(s.seq_id, s.num_tokens, "hidden")])
             return SchedulerOutput("decode", [ScheduledSeq(s.seq_id, 1, s.cache) for s in inp.running])
 
-    eng = build_model_engine(ours, AllHidden(), num_blocks=256, block_size=4, prefix_cache_tokens=512)
-    eng.generate(_prompts()[:3], _params())
-    assert eng.stats["prefix_hit_tokens"] == 0 and eng.prefix_cache.tree.size == 0
+    for mode in ("copy", "share"):
+        eng = build_model_engine(ours, AllHidden(), num_blocks=256, block_size=4, prefix_cache_tokens=512,
+                                 prefix_cache_mode=mode)
+        eng.generate(_prompts()[:3], _params())
+        pc = eng.prefix_cache
+        assert eng.stats["prefix_hit_tokens"] == 0 and (pc.tree.size if mode == "copy" else len(pc.entries)) == 0
 
 
 def test_store_slot_accounting_random():
@@ -170,7 +176,7 @@ def test_serve_llm_flags_build_a_prefix_cache():
                                                       "--prefix-cache-policy", "laru"]))
     engine = AsyncLLMEngine.build(cfg)
     assert engine.prefix_cache is not None and engine.prefix_cache.capacity == 256
-    assert engine.prefix_cache.tree.policy.name == "laru"
+    assert engine.prefix_cache.policy.name == "laru"  # the default mode shares blocks
     assert cli_main(["serve", "llm", "--prefix-cache-tokens", "-1"]) == 2
 
 
@@ -183,3 +189,5 @@ def test_prefix_bench_reports_the_saving():
     # the first wave's two requests are admitted together (nothing cached yet); the second wave hits 64 each
     assert r["prefix"]["prefill_tokens"] == 2 * 72 + 2 * 8
     assert r["prefix"]["prefix_hit_tokens"] == 2 * 64
+    # the copying store holds its own copy of the prompt; shared blocks are the requests' own
+    assert r["copy"]["prefix_hit_tokens"] == 2 * 64 and r["prefix"]["peak_blocks"] < r["copy"]["peak_blocks"]

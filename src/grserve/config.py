@@ -36,7 +36,7 @@ DTYPES = ("float32", "bfloat16", "float16", "float64")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 RANKING_POLICIES = ("bat", "user_prefix", "item_prefix", "greedy_size", "recompute")
 LLM_SCHEDULERS = ("fcfs", "chunked", "aptserve", "aptserve-kv")
-PREFIX_CACHE_POLICIES = ("lru", "lfu", "laru")
+PREFIX_CACHE_POLICIES = ("lru", "lfu", "laru", "density", "leader")
 
 
 @dataclass(frozen=True)
@@ -219,6 +219,8 @@ class LLMConfig(Checked):
                                        "prompt prefix copy its K/V instead of computing it", check=non_negative)
     prefix_cache_policy: str = flag("lru", "eviction policy of the prefix cache (laru: learning-augmented LRU)",
                                     choices=PREFIX_CACHE_POLICIES)
+    prefix_cache_mode: str = flag("share", "share: requests attach cached full blocks of the pool (ref-counted); "
+                                           "copy: cached K/V are copied from a separate store", choices=("share", "copy"))
     served_model_name: str | None = flag(None, "model id in the API (default: --model)")
 
 

@@ -26,6 +26,7 @@ from rich.table import Table
 from tqdm import tqdm
 
 from grserve.bench import traces as T
+from grserve.bench.cache_trace import TRACE_POLICIES
 from grserve.eviction import AccessListOracle, NoisyPredictor, PredictorConfig, make_policy, simulate
 from grserve.eviction.predictor import LearnedPredictor
 from grserve.flags import Checked, comma_list, config_command, flag, fraction, non_negative, positive_int, split_commas
@@ -34,7 +35,8 @@ LEARNED = ("fpb", "hf", "laru")
 
 
 TRACES = ("zipf", "zipf-drift", "loop", "scan-hot", "conversations", "dlrm")
-POLICIES = ("lru", "opt", "fpb", "hf", "laru", "lfu")
+POLICIES = ("lru", "opt", "fpb", "hf", "laru", "lfu", "density", "leader")
+OWN_MODEL = ("density", "leader")  # learned policies with their own online model (no predictor, no noise rows)
 
 
 def _laru_decay(v: str) -> str | None:
@@ -48,7 +50,7 @@ class CacheBenchConfig(Checked):
     traces: str = flag(",".join(TRACES), f"comma-separated subset of: {', '.join(TRACES)}",
                        check=comma_list(allowed=TRACES))
     noise: str = flag("0,0.25,0.5,1", "comma-separated noise levels p", check=comma_list(float, each=fraction))
-    policies: str = flag("lru,opt,fpb,hf,laru", "comma-separated policies (lfu also available)",
+    policies: str = flag("lru,opt,fpb,hf,laru", "comma-separated policies (lfu, density, leader also available)",
                          check=comma_list(str.lower, allowed=POLICIES))
     learned: bool = flag(True, "the LightGBM-predictor rows (--no-learned: skip them)")
     quick: bool = flag(False, "small traces and one cache size per trace (~30 s)")
@@ -58,6 +60,16 @@ class CacheBenchConfig(Checked):
                                 "when adversarial)", check=_laru_decay, metavar="N|auto")
     async_batch: int = flag(64, "ASYNC prediction batch for the learned predictor", check=positive_int)
     seed: int = flag(0, "seed of the traces and of the prediction noise", check=non_negative)
+    trace_file: str = flag("", "replay this trace instead (Mooncake JSONL with hash_ids, or one key per line); "
+                               "see bench/cache_trace.py", metavar="PATH")
+    sizes: str = flag("0.01,0.02,0.05,0.1,0.2", "--trace-file: cache sizes as fractions of the unique keys",
+                      check=comma_list(float, each=fraction))
+    modes: str = flag("block,radix", "--trace-file: block (each hash id one item) and/or radix (prefix tree, "
+                                     "leaves only evictable)", check=comma_list(allowed=("block", "radix")))
+    trace_policies: str = flag(",".join(TRACE_POLICIES), "--trace-file: policies to run (libcachesim: its ARC, "
+                               "S3FIFO, LIRS, Cacheus, LeCaR, block mode)", check=comma_list(allowed=TRACE_POLICIES))
+    max_requests: int = flag(0, "--trace-file: replay only the first N requests (0 = all; a sampled run)",
+                             check=non_negative)
 
 
 def add_command(sub) -> None:
@@ -120,9 +132,9 @@ def _policy_kw(policy: str, args: CacheBenchConfig, predictor_kind: str) -> dict
 
 
 def run_paging(keys: list[int], k: int, policy: str, predictor: str, p: float, args) -> dict:
-    oracle_times = AccessListOracle.from_trace(keys)._times if policy != "lru" else None
-    if policy == "lru":
-        pol = make_policy("lru", k)
+    oracle_times = AccessListOracle.from_trace(keys)._times if policy not in ("lru", *OWN_MODEL) else None
+    if policy in ("lru", *OWN_MODEL):
+        pol = make_policy(policy, k)
     elif policy == "opt":
         pol = make_policy("belady", k, oracle=AccessListOracle(oracle_times))
     elif predictor == "lgbm":
@@ -140,10 +152,10 @@ def run_prefix(reqs, cap: int, policy: str, predictor: str, p: float, args, time
     from grserve.kvcache.radix import RadixCache, prefix_access_times
 
     prompts = [r.tokens for r in reqs]
-    if policy != "lru" and predictor != "lgbm" and "times" not in times_cache:
+    if policy not in ("lru", *OWN_MODEL) and predictor != "lgbm" and "times" not in times_cache:
         times_cache["times"] = prefix_access_times(prompts)
-    if policy == "lru":
-        pol = make_policy("lru", cap)
+    if policy in ("lru", *OWN_MODEL):
+        pol = make_policy(policy, cap)
     elif policy == "opt":
         pol = make_policy("belady", cap, oracle=AccessListOracle(times_cache["times"]))
     elif predictor == "lgbm":
@@ -181,8 +193,8 @@ def run_dlrm(batches, cap: int, policy: str, predictor: str, p: float, args, tim
                 times.setdefault(key, []).append(t)
         times_cache["times"] = times
     times = times_cache["times"]
-    if policy == "lru":
-        factory = lambda s, w: make_policy("lru", w)  # noqa: E731
+    if policy in ("lru", *OWN_MODEL):
+        factory = lambda s, w: make_policy(policy, w)  # noqa: E731
     elif policy == "opt":
         oracle = AccessListOracle(times)
         factory = lambda s, w: make_policy("belady", w, oracle=oracle)  # noqa: E731
@@ -257,6 +269,8 @@ def plot(rows: list[dict], path: str) -> None:
 
 
 def run(cfg: CacheBenchConfig) -> int:
+    if cfg.trace_file:
+        return run_trace_file(cfg)
     noise = split_commas(cfg.noise, float)
     policies = split_commas(cfg.policies, str.lower)
     workloads = build_workloads(split_commas(cfg.traces), cfg.quick, cfg.seed)
@@ -305,6 +319,22 @@ def run(cfg: CacheBenchConfig) -> int:
     with open(os.path.join(cfg.out_dir, "cache.json"), "w") as f:
         json.dump(summary, f, indent=1)
     print(f"wrote {png}", file=sys.stderr)
+    print(json.dumps(summary))
+    return 0
+
+
+def run_trace_file(cfg: CacheBenchConfig) -> int:
+    from grserve.bench.cache_trace import print_tables, run_trace_bench
+    from grserve.flags import UsageError
+
+    if not os.path.exists(cfg.trace_file):
+        raise UsageError(f"--trace-file: no such file {cfg.trace_file!r}")
+    summary = run_trace_bench(cfg.trace_file, split_commas(cfg.sizes, float), split_commas(cfg.modes),
+                              split_commas(cfg.trace_policies), cfg.max_requests)
+    print_tables(summary)
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    with open(os.path.join(cfg.out_dir, f"cache_{summary['trace']}.json"), "w") as f:
+        json.dump(summary, f, indent=1)
     print(json.dumps(summary))
     return 0
 

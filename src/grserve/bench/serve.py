@@ -157,34 +157,50 @@ def decode_vs_hf(quick: bool = False, *, new_tokens: int | None = None, batch: i
             "ours_s": ours_t, "hf_s": hf_t, "hf_attn": cfg._attn_implementation}
 
 
-def prefix_vs_none(*, requests: int = 32, system_len: int = 512, user_len: int = 32, new_tokens: int = 8,
-                   batch: int = 8, repeats: int = 2) -> dict:
-    """Prefix cache: ``requests`` prompts = one shared ``system_len``-token system prompt + ``user_len`` own tokens,
-    ``new_tokens`` greedy each, in waves of ``batch`` (FCFS, tiny, fp32), with and without the prompt-prefix KV
-    cache. Reports prefill tokens computed, wall time (best of ``repeats``) and mean TTFT of each."""
+def _prefix_prompts(requests: int, system_len: int, user_len: int):
     import torch
 
-    from grserve.engine.llm import build_model_engine
-    from grserve.engine.sampling import SamplingParams
     from grserve.model import load_model
-    from grserve.scheduler.fcfs import FCFSScheduler
 
     model = load_model("tiny", seed=0)
     g = torch.Generator().manual_seed(1)
     system = torch.randint(3, model.spec.vocab_size, (system_len,), generator=g).tolist()
-    prompts = [system + torch.randint(3, model.spec.vocab_size, (user_len,), generator=g).tolist()
-               for _ in range(requests)]
+    return model, [system + torch.randint(3, model.spec.vocab_size, (user_len,), generator=g).tolist()
+                   for _ in range(requests)]
+
+
+def _blocks_in_use(eng, block_size: int) -> int:
+    """Pool blocks held (tables + shared cache), plus a copying store's cached tokens in K+V blocks."""
+    used = eng.pool.num_used
+    tree = getattr(eng.prefix_cache, "tree", None)
+    return used + (2 * -(-tree.size // block_size) if tree is not None else 0)
+
+
+def prefix_vs_none(*, requests: int = 32, system_len: int = 512, user_len: int = 32, new_tokens: int = 8,
+                   batch: int = 8, repeats: int = 2) -> dict:
+    """Prefix cache: ``requests`` prompts = one shared ``system_len``-token system prompt + ``user_len`` own tokens,
+    ``new_tokens`` greedy each, in waves of ``batch`` (FCFS, tiny, fp32), without a prefix cache ("none"), with
+    the copying store ("copy") and with shared blocks ("prefix", the default mode). Reports prefill tokens
+    computed, wall time (best of ``repeats``), mean TTFT and the peak blocks in use of each."""
+    from grserve.engine.llm import build_model_engine
+    from grserve.engine.sampling import SamplingParams
+    from grserve.scheduler.fcfs import FCFSScheduler
+
+    model, prompts = _prefix_prompts(requests, system_len, user_len)
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     blocks = 2 * batch * -(-(system_len + user_len + new_tokens) // 16) + 16
+    cap = 4 * (system_len + user_len)
     out: dict = {"requests": requests, "system_len": system_len, "user_len": user_len, "new_tokens": new_tokens,
                  "batch": batch}
     tokens = {}
-    for name, cap in (("none", 0), ("prefix", 4 * (system_len + user_len))):
+    for name, cap_, mode in (("none", 0, "copy"), ("copy", cap, "copy"), ("prefix", cap, "share")):
         best = None
         for _ in range(max(1, repeats)):
-            eng = build_model_engine(model, FCFSScheduler(), num_blocks=blocks, block_size=16,
-                                     prefix_cache_tokens=cap)
+            eng = build_model_engine(model, FCFSScheduler(), num_blocks=blocks + (cap // 8 if mode == "share" else 0),
+                                     block_size=16, prefix_cache_tokens=cap_, prefix_cache_mode=mode)
             eng.keep_finished = True
+            peak = [0]
+            eng.on_iteration = lambda plan, dt, e=eng, pk=peak: pk.__setitem__(0, max(pk[0], _blocks_in_use(e, 16)))
             got, t0 = [], time.perf_counter()
             for i in range(0, requests, batch):
                 got += eng.generate(prompts[i:i + batch], params)
@@ -192,12 +208,45 @@ def prefix_vs_none(*, requests: int = 32, system_len: int = 512, user_len: int =
             ttft = sum(s.token_times[0] - s.arrival for s in eng.finished) / len(eng.finished)
             if best is None or wall < best["wall_s"]:
                 best = {"wall_s": wall, "mean_ttft_s": ttft, "prefill_tokens": eng.stats["prefill_tokens"],
-                        "prefix_hit_tokens": eng.stats["prefix_hit_tokens"]}
+                        "prefix_hit_tokens": eng.stats["prefix_hit_tokens"], "peak_blocks": peak[0]}
             tokens[name] = got
         out[name] = best
-    out["same_tokens"] = tokens["none"] == tokens["prefix"]
+    out["same_tokens"] = tokens["none"] == tokens["prefix"] == tokens["copy"]
     out["speedup"] = out["none"]["wall_s"] / out["prefix"]["wall_s"]
     out["ttft_speedup"] = out["none"]["mean_ttft_s"] / out["prefix"]["mean_ttft_s"]
+    out["ttft_speedup_copy"] = out["none"]["mean_ttft_s"] / out["copy"]["mean_ttft_s"]
+    return out
+
+
+def shared_vs_copied_blocks(*, requests: int = 32, system_len: int = 512, user_len: int = 32,
+                            new_tokens: int = 8) -> dict:
+    """Blocks in use when ``requests`` requests sharing a ``system_len``-token prompt run *together* (after one
+    request has cached the prompt): the copying store gives each its own blocks for the whole prompt (and keeps
+    its cached copy), sharing attaches the same blocks to all. Peak blocks over the run, tokens checked equal."""
+    from grserve.engine.llm import build_model_engine
+    from grserve.engine.sampling import SamplingParams
+    from grserve.scheduler.fcfs import FCFSScheduler
+
+    model, prompts = _prefix_prompts(requests + 1, system_len, user_len)
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    per_req = 2 * -(-(system_len + user_len + new_tokens) // 16)
+    out: dict = {"requests": requests, "system_len": system_len, "user_len": user_len, "new_tokens": new_tokens}
+    tokens = {}
+    for mode in ("copy", "share"):
+        eng = build_model_engine(model, FCFSScheduler(max_num_batched_tokens=1 << 20), block_size=16,
+                                 num_blocks=(requests + 2) * per_req, prefix_cache_tokens=2 * (system_len + user_len),
+                                 prefix_cache_mode=mode)
+        eng.keep_finished = True
+        eng.generate(prompts[:1], params)  # caches the system prompt
+        peak = [0]
+        eng.on_iteration = lambda plan, dt, e=eng: peak.__setitem__(0, max(peak[0], _blocks_in_use(e, 16)))
+        n0 = len(eng.finished)
+        tokens[mode] = eng.generate(prompts[1:], params)
+        done = eng.finished[n0:]
+        out[mode] = {"peak_blocks": peak[0], "prefix_hit_tokens": eng.stats["prefix_hit_tokens"],
+                     "mean_ttft_s": sum(s.token_times[0] - s.arrival for s in done) / len(done)}
+    out["same_tokens"] = tokens["copy"] == tokens["share"]
+    out["block_ratio"] = out["share"]["peak_blocks"] / out["copy"]["peak_blocks"]
     return out
 
 
@@ -212,8 +261,14 @@ def run(cfg: ServeBenchConfig) -> int:
               f"{r['user_len']} own tokens, {r['new_tokens']} new, waves of {r['batch']}: prefill tokens "
               f"{r['none']['prefill_tokens']} -> {r['prefix']['prefill_tokens']}, wall {r['none']['wall_s']:.2f} -> "
               f"{r['prefix']['wall_s']:.2f} s ({r['speedup']:.2f}x), mean TTFT {r['none']['mean_ttft_s']*1e3:.0f} -> "
-              f"{r['prefix']['mean_ttft_s']*1e3:.0f} ms ({r['ttft_speedup']:.2f}x); same tokens: {r['same_tokens']}",
-              file=sys.stderr)
+              f"{r['prefix']['mean_ttft_s']*1e3:.0f} ms shared ({r['ttft_speedup']:.2f}x), "
+              f"{r['copy']['mean_ttft_s']*1e3:.0f} ms copied ({r['ttft_speedup_copy']:.2f}x); "
+              f"same tokens: {r['same_tokens']}", file=sys.stderr)
+        b = shared_vs_copied_blocks()
+        r["blocks"] = b
+        print(f"blocks in use, {b['requests']} concurrent requests sharing a {b['system_len']}-token prompt: "
+              f"copy {b['copy']['peak_blocks']}, share {b['share']['peak_blocks']} ({b['block_ratio']:.3f} of the "
+              f"copy's); same tokens: {b['same_tokens']}", file=sys.stderr)
         print(json.dumps(r), flush=True)
         return 0
     if cfg.decode_only:

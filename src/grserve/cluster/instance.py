@@ -19,6 +19,7 @@ event loop, which the engine thread wakes.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import socket
 import time
@@ -36,6 +37,9 @@ class EngineInstance:
 
         if torch_threads > 0:
             torch.set_num_threads(torch_threads)
+        # an instance runs the copying prefix store: it has the KV-index publisher hook and the snapshot export /
+        # import a migration uses (the shared-block store has neither yet; docs/cluster.md)
+        cfg = dataclasses.replace(cfg, llm=dataclasses.replace(cfg.llm, prefix_cache_mode="copy"))
         self.index, self.cfg, self.kv_block_size, self.kv_snapshot = index, cfg, kv_block_size, kv_snapshot
         self.engine = AsyncLLMEngine.build(cfg).start()
         self.publisher = self._attach(incarnation)

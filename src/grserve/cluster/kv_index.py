@@ -1,7 +1,7 @@
 """The global KV index (xLLM §3.4): which instance holds which prefix block, in which tier.
 
 Instance side, ``KVEventPublisher``: the prefix cache's hooks (``PrefixKVStore.listener``) report each span it
-stores or evicts; the publisher turns spans into block keys (``block_hash.chained_block_hashes``: block ``b`` is
+stores or evicts; the publisher turns spans into block keys (``kvcache/block_hash.chained_block_hashes``: block ``b`` is
 cached iff the tree holds tokens ``[0, (b+1)·B)``), keeps the instance's true contents ``block → tier`` and
 appends ordered ``KVEvent``\\ s, each with the instance's incarnation id and a sequence number (0, 1, 2, …).
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from grserve.cluster.block_hash import chained_block_hashes
+from grserve.kvcache.block_hash import chained_block_hashes
 
 TIERS = ("hbm", "dram", "ssd")  # fastest first; a store on a CUDA device is "hbm", a host-memory store "dram"
 
@@ -30,7 +30,7 @@ class KVEvent:
     incarnation: str
     seq: int
     kind: str  # "store" | "evict"
-    blocks: tuple[bytes, ...]
+    blocks: tuple[int, ...]
     tier: str = "dram"
 
 
@@ -39,7 +39,7 @@ class KVSnapshot:
     instance: int
     incarnation: str
     next_seq: int  # the snapshot holds the effect of every event with seq < next_seq
-    contents: dict[bytes, str] = field(default_factory=dict)
+    contents: dict[int, str] = field(default_factory=dict)
 
 
 def _block_range(start: int, stop: int, block_size: int) -> range:
@@ -54,7 +54,7 @@ class KVEventPublisher:
         if tier not in TIERS:
             raise ValueError(f"tier must be one of {TIERS}")
         self.instance, self.incarnation, self.block_size, self.tier = instance, incarnation, block_size, tier
-        self.contents: dict[bytes, str] = {}
+        self.contents: dict[int, str] = {}
         self.next_seq = 0
         self._pending: list[KVEvent] = []
         self._lock = threading.Lock()
@@ -112,7 +112,7 @@ class GlobalKVIndex:
     """block key → {instance: tier}, kept from ordered events and snapshots (thread-safe)."""
 
     def __init__(self) -> None:
-        self.blocks: dict[bytes, dict[int, str]] = {}
+        self.blocks: dict[int, dict[int, str]] = {}
         self._inst: dict[int, _InstanceState] = {}
         self._lock = threading.RLock()
         self.stats = {"events": 0, "ignored_events": 0, "gaps": 0, "snapshots": 0, "dropped_instances": 0}
@@ -204,12 +204,12 @@ class GlobalKVIndex:
             self.stats["snapshots"] += 1
 
     # ---- queries --------------------------------------------------------------------------------------------
-    def contents_of(self, instance: int) -> dict[bytes, str]:
+    def contents_of(self, instance: int) -> dict[int, str]:
         with self._lock:
             return {k: self.blocks[k][instance] for k in self._inst[instance].blocks} if instance in self._inst \
                 else {}
 
-    def prefix_match(self, keys: list[bytes], instances) -> dict[int, dict[str, int]]:
+    def prefix_match(self, keys: list[int], instances) -> dict[int, dict[str, int]]:
         """Per instance, how many leading blocks of ``keys`` it holds, counted per tier (the longest common
         block prefix: a block counts only if every block before it is held there too)."""
         out: dict[int, dict[str, int]] = {}
@@ -225,9 +225,9 @@ class GlobalKVIndex:
         return out
 
 
-def tree_blocks(store, block_size: int, tier: str = "dram") -> dict[bytes, str]:
+def tree_blocks(store, block_size: int, tier: str = "dram") -> dict[int, str]:
     """The true contents of a ``PrefixKVStore`` as block keys, by walking its radix tree (tests, snapshots)."""
-    out: dict[bytes, str] = {}
+    out: dict[int, str] = {}
     stack = [(store.tree.root, np.zeros(0, dtype=np.int64))]
     while stack:
         node, prefix = stack.pop()

@@ -22,7 +22,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from grserve.cluster.block_hash import chained_block_hashes
+from grserve.kvcache.block_hash import chained_block_hashes
 from grserve.cluster.kv_index import GlobalKVIndex
 from grserve.config import ROUTING_POLICIES  # "kv", "least_loaded", "round_robin"
 

@@ -75,7 +75,7 @@ class AsyncLLMEngine:
                                  max_num_seqs=c.max_num_seqs)
         core = build_model_engine(model, pol, num_blocks=c.num_blocks, block_size=c.block_size,
                                   prefix_cache_tokens=c.prefix_cache_tokens,
-                                  prefix_cache_policy=c.prefix_cache_policy,
+                                  prefix_cache_policy=c.prefix_cache_policy, prefix_cache_mode=c.prefix_cache_mode,
                                   eos_token_id=tok.eos_token_id, detokenize=tok.decode,
                                   decoder_factory=tok.decode_stream)
         return cls(core, tok, model, cfg.edge)
@@ -159,7 +159,7 @@ class AsyncLLMEngine:
                                           f"the queue"))
         elif ev.finish_reason in ("stop", "length"):
             handle.future.set_result(LLMResult(request_id, list(seq.output_ids), seq.text, ev.finish_reason,
-                                               len(seq.prompt_ids), seq.num_preemptions))
+                                               len(seq.prompt_ids), seq.num_preemptions, seq.cached_tokens))
         elif ev.finish_reason == "abort":
             _fail(handle, RequestCancelled(f"request {request_id} cancelled"))
         else:

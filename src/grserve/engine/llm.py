@@ -13,7 +13,9 @@ Prefix cache: ``prefix_cache`` (default None) is a ``kvcache.prefix_kv.PrefixKVS
 prompt spans with a pluggable eviction policy, e.g. LARU). A KV request admitted to prefill first copies its
 longest cached prefix into its blocks and computes only the rest, within the tokens the scheduler planned (so
 memory stays exactly as planned); its first sampled token (the end of its prefill) saves its computed tokens'
-K/V into the store. Hidden-cache requests do not use it.
+K/V into the store. Hidden-cache requests do not use it. With ``prefix_cache_mode="share"`` (the default of
+``build_model_engine``) the cache is a ``kvcache.shared_prefix.SharedPrefixCache`` instead: cached full blocks are
+attached to the request's table (reference-counted, no copy) and the pool counts the cache's idle blocks as free.
 """
 
 from __future__ import annotations
@@ -86,6 +88,7 @@ class Sequence:
     pending: str = ""  # decoded text held back (it could be the start of a stop string)
     error: str | None = None
     prefix_saved: bool = False  # this (re)prefill's tokens were offered to the prefix cache
+    cached_tokens: int = 0  # prompt tokens its last admission took from the prefix cache (usage.cached_tokens)
 
     @property
     def tokens(self) -> list[int]:
@@ -257,14 +260,19 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the iteration
     def _view(self, s: Sequence) -> SeqView:
+        p = self.pool
         return SeqView(s.seq_id, s.arrival, s.token_times[-1] if s.token_times else None, s.num_tokens,
-                       s.num_computed, len(s.output_ids), s.cache, self.pool.blocks_of(s.seq_id))
+                       s.num_computed, len(s.output_ids), s.cache, p.blocks_of(s.seq_id),
+                       p.freeable_blocks(s.seq_id) if p.shared_credit else -1)
 
     def scheduler_input(self) -> SchedulerInput:
+        """Shared prefix blocks: a table counts them all (its growth arithmetic), so the total is raised by the
+        blocks counted more than once (``shared_credit``) and a preemption frees only ``freeable_blocks``."""
         p = self.pool
         return SchedulerInput(self.clock(), tuple(self._view(s) for s in self.waiting),
                               tuple(self._view(s) for s in self.running),
-                              PoolView(p.num_blocks, p.num_free, p.block_size, p.kv_planes, p.hidden_planes))
+                              PoolView(p.num_blocks + p.shared_credit, p.num_free, p.block_size, p.kv_planes,
+                                       p.hidden_planes))
 
     def step(self) -> list[TokenEvent]:
         with self.lock:
@@ -313,8 +321,8 @@ class LLMEngine:
                 n, used = self._load_prefix(seq, n, spare)
                 spare -= used
             self.pool.reserve(x.seq_id, seq.num_computed + n, x.cache)
-            if admitted or seq.num_computed + n < seq.num_tokens or n > 1:  # not a decode step
-                self.stats["prefill_tokens"] += n
+            if admitted or seq.num_computed + n < seq.num_tokens or n > 1 or seq.num_computed < len(seq.prompt_ids):
+                self.stats["prefill_tokens"] += n  # not a decode step (a 1-token last prompt chunk included)
             self.stats["hidden_scheduled" if x.cache == "hidden" else "kv_scheduled"] += 1
             items.append(ExecItem(seq, seq.num_computed, n, x.cache, seq.num_computed + n == seq.num_tokens))
         # 3. forward
@@ -386,6 +394,11 @@ class LLMEngine:
         blocks (ones no other planned item needs) allow; otherwise it stays within the blocks planned for n
         tokens (m ≤ n − 1, computing n − m)."""
         pc = self.prefix_cache
+        if getattr(pc, "shares_blocks", False):  # SharedPrefixCache: attach cached blocks, no copy
+            m, n_after, extra = pc.attach(seq.seq_id, seq.tokens, n, spare, self._storage)
+            seq.num_computed = seq.cached_tokens = m
+            self.stats["prefix_hit_tokens"] += m
+            return n_after, extra
         slots = pc.match(seq.tokens)
         m = len(slots)
         if m == 0:
@@ -398,7 +411,7 @@ class LLMEngine:
             n_after, extra = n - m, 0
         pool.reserve(seq.seq_id, m + n_after, "kv")
         pc.copy_in(slots[:m], self._storage, pool.table(seq.seq_id))
-        seq.num_computed = m
+        seq.num_computed = seq.cached_tokens = m
         self.stats["prefix_hit_tokens"] += m
         return n_after, max(0, extra)
 
@@ -479,15 +492,22 @@ class LLMEngine:
 
 
 def build_model_engine(model, scheduler: LLMScheduler, *, num_blocks: int, block_size: int = 16,
-                       prefix_cache_tokens: int = 0, prefix_cache_policy: str = "lru", **kw) -> LLMEngine:
+                       prefix_cache_tokens: int = 0, prefix_cache_policy: str = "lru",
+                       prefix_cache_mode: str = "share", **kw) -> LLMEngine:
     """Engine over a real model: pool + storage sized from the model spec (planes of K/V width); with
-    ``prefix_cache_tokens`` > 0 a prompt-prefix KV store of that many tokens, evicting by ``prefix_cache_policy``."""
+    ``prefix_cache_tokens`` > 0 a prompt-prefix cache of that many tokens, evicting by ``prefix_cache_policy``:
+    ``prefix_cache_mode="share"`` shares full cached blocks of the pool (``SharedPrefixCache``, at most
+    ⌊tokens / block_size⌋ groups), ``"copy"`` copies from a separate store (``PrefixKVStore``)."""
     spec = model.spec
     pool = BlockPool.for_model(num_blocks, block_size, spec.hidden_size, spec.kv_size)
     storage = HybridCacheStorage(pool, spec.num_hidden_layers, spec.kv_size, spec.hidden_size, dtype=model.dtype,
                                  device=model.device)
     kw.setdefault("max_model_len", spec.max_position_embeddings)
-    if prefix_cache_tokens > 0:
+    if prefix_cache_tokens > 0 and prefix_cache_mode == "share":
+        from grserve.kvcache.shared_prefix import SharedPrefixCache
+
+        kw["prefix_cache"] = SharedPrefixCache(pool, max(1, prefix_cache_tokens // block_size), prefix_cache_policy)
+    elif prefix_cache_tokens > 0:
         from grserve.kvcache.prefix_kv import PrefixKVStore
 
         kw["prefix_cache"] = PrefixKVStore.for_storage(storage, prefix_cache_tokens, prefix_cache_policy)

@@ -69,3 +69,4 @@ class LLMResult:
     finish_reason: str
     prompt_tokens: int
     num_preemptions: int = 0
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache (its last admission)

@@ -8,6 +8,7 @@ from grserve.eviction.config import EvictionConfig, LARUConfig, PredictorConfig
 from grserve.eviction.fpb import FPBPolicy
 from grserve.eviction.hf import HFPolicy
 from grserve.eviction.laru import LARUPolicy
+from grserve.eviction.leader import DensityPolicy, LeaderPolicy
 from grserve.eviction.lfu import WindowLFUPolicy
 from grserve.eviction.lru import LRUPolicy
 from grserve.eviction.oracle import AccessListOracle, ConstantPredictor, NoisyPredictor, RandomPredictor
@@ -23,8 +24,8 @@ from grserve.eviction.policy import (
 from grserve.eviction.simulate import SimResult, simulate
 
 __all__ = [
-    "EVICTION_POLICIES", "AccessListOracle", "BeladyPolicy", "ConstantPredictor", "EvictionConfig", "EvictionPolicy", "FPBPolicy",
-    "HFPolicy", "LARUConfig", "LARUPolicy", "LRUPolicy", "NextAccessPredictor", "NoEvictableKey", "NoisyPredictor",
+    "EVICTION_POLICIES", "AccessListOracle", "BeladyPolicy", "DensityPolicy", "ConstantPredictor", "EvictionConfig", "EvictionPolicy", "FPBPolicy",
+    "HFPolicy", "LARUConfig", "LARUPolicy", "LRUPolicy", "LeaderPolicy", "NextAccessPredictor", "NoEvictableKey", "NoisyPredictor",
     "PredictorConfig", "RandomPredictor", "SimResult", "WindowLFUPolicy", "make_policy", "make_policy_from_config",
     "policy_names", "simulate",
 ]

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-PolicyName = Literal["lru", "lfu", "belady", "fpb", "hf", "laru"]
+PolicyName = Literal["lru", "lfu", "belady", "fpb", "hf", "laru", "density", "leader"]
 PredictMode = Literal["sync", "async"]
 
 

@@ -14,6 +14,15 @@ blocks of a KV one, exactly the paper's "half". For GQA ``hidden_planes ≥ 2`` 
 large as K+V, so the scheduler (which only ever sees these block counts) never picks it.
 
 ``BlockPool`` is pure bookkeeping (no tensors): the schedulers' simulator and the engine share it.
+
+Shared prefix blocks (``kvcache/shared_prefix.py``): a block may be held by several tables (requests whose prompts
+start with the same full blocks) and by the prefix cache (``retain``/``release``). Every used block has a
+reference count = tables holding it + 1 if the cache retains it; it returns to the free list when that reaches 0,
+never before. Blocks only the cache holds are *reclaimable*: ``num_free`` counts them (the schedulers see them as
+free) and ``reserve`` evicts them through the pool's ``reclaimer`` when the free list is short. What the schedulers
+see: ``blocks_of(owner)`` is the table's size (its growth arithmetic), ``freeable_blocks(owner)`` the blocks its
+release would free or make reclaimable (held by no other request), and ``shared_credit`` the blocks counted more
+than once when summing the tables (Σ (request holders − 1)), which the engine adds to the total it reports.
 ``HybridCacheStorage`` is the tensor that backs it: ``data[layer, block·B + offset, width]``; a block is the same
 rows in every layer.
 
@@ -24,7 +33,7 @@ token t lives at (``planes[p][t // B]``, ``t % B``). Blocks of a request need no
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Hashable, Literal
+from typing import Hashable, Literal, Protocol
 
 import torch
 
@@ -68,6 +77,10 @@ class BlockPool:
     hidden_planes: int = 1
     _free: list[int] = field(default_factory=list, repr=False)
     _tables: dict[Hashable, BlockTable] = field(default_factory=dict, repr=False)
+    _ref: dict[int, int] = field(default_factory=dict, repr=False)  # used block -> holders (tables + cache)
+    _retained: set[int] = field(default_factory=set, repr=False)  # blocks the prefix cache holds
+    reclaimer: "Reclaimer | None" = field(default=None, repr=False)
+    shared_credit: int = 0  # Σ over blocks of (request holders − 1)
 
     def __post_init__(self) -> None:
         if self.num_blocks <= 0 or self.block_size <= 0:
@@ -94,11 +107,21 @@ class BlockPool:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks a reservation can get: the free list plus the blocks only the prefix cache holds."""
+        return len(self._free) + (self.reclaimer.reclaimable() if self.reclaimer is not None else 0)
 
     @property
     def num_used(self) -> int:
+        """Blocks not on the free list (tables and the prefix cache, each block once)."""
         return self.num_blocks - len(self._free)
+
+    def request_holders(self, block: int) -> int:
+        return self._ref.get(block, 0) - (block in self._retained)
+
+    def freeable_blocks(self, owner: Hashable) -> int:
+        """Blocks of ``owner`` that no other table holds (freed, or left to the cache, when it is freed)."""
+        t = self._tables.get(owner)
+        return 0 if t is None else sum(self.request_holders(b) == 1 for p in t.planes for b in p)
 
     # ------------------------------------------------------------------ owners
     def __contains__(self, owner: Hashable) -> bool:
@@ -133,6 +156,8 @@ class BlockPool:
         nplanes = self.planes(kind)
         have = 0 if t is None else len(t.planes[0])
         need = max(0, groups - have) * nplanes
+        if need > len(self._free) and self.reclaimer is not None:
+            self.reclaimer.reclaim(need - len(self._free))
         if need > len(self._free):
             raise OutOfBlocks(f"need {need} blocks, {len(self._free)} free")
         if t is None:
@@ -140,37 +165,102 @@ class BlockPool:
             self._tables[owner] = t
         for _ in range(max(0, groups - have)):
             for p in t.planes:
-                p.append(self._free.pop())
+                b = self._free.pop()
+                self._ref[b] = 1
+                p.append(b)
         return t
 
+    def attach(self, owner: Hashable, groups: list[tuple[int, ...]], kind: CacheKind = "kv") -> BlockTable:
+        """Create ``owner``'s table holding the given shared token groups (one block per plane each) first."""
+        if owner in self._tables:
+            raise ValueError(f"owner {owner!r} already holds a table")
+        nplanes = self.planes(kind)
+        t = BlockTable(kind, [[] for _ in range(nplanes)])
+        for g in groups:
+            if len(g) != nplanes:
+                raise ValueError(f"a {kind} group has {nplanes} blocks, got {len(g)}")
+            for p, b in zip(t.planes, g):
+                if self._ref.get(b, 0) < 1:
+                    raise ValueError(f"block {b} is not in use: only held blocks can be shared")
+                self.shared_credit += self.request_holders(b) >= 1
+                self._ref[b] += 1
+                p.append(b)
+        self._tables[owner] = t
+        return t
+
+    def retain(self, blocks: tuple[int, ...] | list[int]) -> None:
+        """The prefix cache holds these (in-use) blocks too."""
+        for b in blocks:
+            if self._ref.get(b, 0) < 1 or b in self._retained:
+                raise ValueError(f"block {b}: retain needs a used block the cache does not hold yet")
+            self._ref[b] += 1
+            self._retained.add(b)
+
+    def release(self, blocks: tuple[int, ...] | list[int]) -> None:
+        """The prefix cache lets go of these blocks (freed if no table holds them)."""
+        for b in blocks:
+            self._retained.remove(b)
+            self._drop(b)
+
+    def _drop(self, b: int) -> None:
+        r = self._ref[b] - 1
+        if r:
+            self._ref[b] = r
+            if r == 1 and b in self._retained and self.reclaimer is not None:
+                self.reclaimer.unpinned(b)
+        else:
+            del self._ref[b]
+            self._free.append(b)
+
     def free(self, owner: Hashable) -> int:
-        """Return all of ``owner``'s blocks to the free list (no-op for an unknown owner); returns the count."""
+        """Drop ``owner``'s table: each block goes back to the free list unless another table or the prefix cache
+        still holds it (no-op for an unknown owner). Returns the number of blocks the table held."""
         t = self._tables.pop(owner, None)
         if t is None:
             return 0
         n = 0
         for p in t.planes:
-            self._free.extend(reversed(p))
+            for b in reversed(p):
+                self.shared_credit -= self.request_holders(b) >= 2
+                self._drop(b)
             n += len(p)
         return n
 
     def check(self) -> None:
-        """Assert the pool invariants (used by tests and debug runs)."""
-        seen: set[int] = set()
+        """Assert the pool invariants (used by tests and debug runs): reference counts equal the holders, a block
+        is free iff nobody holds it, used + free == total, and the shared credit equals Σ (request holders − 1)."""
+        holders: dict[int, int] = {}
         for owner, t in self._tables.items():
             groups = {len(p) for p in t.planes}
             assert len(groups) == 1, f"{owner!r}: planes of different lengths"
             assert len(t.planes) == self.planes(t.kind)
             assert t.num_tokens <= len(t.planes[0]) * self.block_size
+            own: set[int] = set()
             for p in t.planes:
                 for b in p:
                     assert 0 <= b < self.num_blocks
-                    assert b not in seen, f"block {b} owned twice"
-                    seen.add(b)
+                    assert b not in own, f"block {b} twice in {owner!r}"
+                    own.add(b)
+                    holders[b] = holders.get(b, 0) + 1
+        credit = sum(h - 1 for h in holders.values())
+        for b in self._retained:
+            holders[b] = holders.get(b, 0) + 1
+        assert holders == self._ref, "reference counts differ from the holders"
         free = set(self._free)
         assert len(free) == len(self._free), "free list has duplicates"
-        assert not (free & seen), "a block is both free and owned"
-        assert len(seen) + len(free) == self.num_blocks, "used + free != total"
+        assert not (free & set(holders)), "a block is both free and held"
+        assert len(holders) + len(free) == self.num_blocks, "used + free != total"
+        assert credit == self.shared_credit, f"shared credit {self.shared_credit} != {credit}"
+
+
+class Reclaimer(Protocol):
+    """The prefix cache as the pool sees it: blocks only it holds can be evicted on demand."""
+
+    def reclaimable(self) -> int: ...
+
+    def reclaim(self, n_blocks: int) -> int: ...
+
+    def unpinned(self, block: int) -> None: ...
 
 
 class HybridCacheStorage:

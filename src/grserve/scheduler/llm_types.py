@@ -36,6 +36,11 @@ class SeqView:
     num_output: int
     cache: CacheKind | None  # kind of the blocks it holds (None when waiting)
     held_blocks: int
+    freeable_blocks: int = -1  # blocks its preemption frees (shared prefix blocks excluded); -1: held_blocks
+
+    @property
+    def freed_by_preemption(self) -> int:
+        return self.held_blocks if self.freeable_blocks < 0 else self.freeable_blocks
 
     @property
     def prefilled(self) -> bool:
@@ -102,6 +107,6 @@ def preempt_until_fits(running: list[SeqView], pool: PoolView, need: dict[int, i
     while kept and total > free:
         victim = kept.pop()
         total -= need[victim.seq_id]
-        free += victim.held_blocks
+        free += victim.freed_by_preemption
         preempted.append(victim.seq_id)
     return kept, preempted, free - total

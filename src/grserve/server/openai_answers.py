@@ -21,6 +21,7 @@ from grserve.server.openai_schemas import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
+    PromptTokensDetails,
     TopLogprob,
     Usage,
 )
@@ -35,6 +36,7 @@ class Choice:
         self.reason = "stop"
         self.logprobs: list[TokenLogprobs] = []
         self.text_len = len(prefix)  # for completions' text_offset
+        self.cached_tokens = 0  # prompt tokens served from the prefix cache (set when the request ends)
 
     def add(self, ev: Any) -> None:
         self.parts.append(ev.text)
@@ -60,8 +62,10 @@ def sse_error(message: str, status: int) -> str:
     return f"data: {json.dumps({'error': err})}\n\n"
 
 
-def usage(n_prompt: int, n_out: int) -> Usage:
-    return Usage(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out)
+def usage(n_prompt: int, n_out: int, cached: int = 0) -> Usage:
+    """OpenAI usage; ``cached``: prompt tokens served from the prefix cache (``prompt_tokens_details``)."""
+    return Usage(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
 def _text(tokenizer: Any, token_id: int) -> tuple[str, bytes]:

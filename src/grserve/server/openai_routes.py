@@ -103,7 +103,7 @@ async def _collect(handle: RequestHandle, timer: RequestTimer) -> Choice:
         timer.on_event(ev)
         c.add(ev)
     try:
-        await handle.result()
+        c.cached_tokens = getattr(await handle.result(), "cached_tokens", 0)
     except BaseException:
         timer.failed()
         raise
@@ -169,7 +169,8 @@ async def _stream(group: _Group, shape: Shape, timers: list[RequestTimer], n_pro
                 timers[i].done(choices[i].reason)
         done = True
         if include_usage:
-            yield sse(shape.usage(usage(n_prompt, sum(c.n_out for c in choices))))
+            cached = getattr(await group.handles[0].result(), "cached_tokens", 0)  # finished: returns at once
+            yield sse(shape.usage(usage(n_prompt, sum(c.n_out for c in choices), cached)))
         yield "data: [DONE]\n\n"
     except Exception as exc:  # noqa: BLE001 - the status line is sent: an error event, never a clean finish
         log.exception("engine failed on streamed request %s", shape.rid)
@@ -251,7 +252,7 @@ async def generate(ctx: OpenAIContext, request: Request, body: SamplingRequest, 
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     choices = await finish(request, group, handles[0], _collect_all(group, timers))
-    return shape.whole(choices, usage(len(prompt_ids), sum(c.n_out for c in choices)))
+    return shape.whole(choices, usage(len(prompt_ids), sum(c.n_out for c in choices), choices[0].cached_tokens))
 
 
 def create_openai_router(engine: Any, tokenizer: Any, model_name: str, max_model_len: int, vocab_size: int,
