@@ -87,3 +87,36 @@ def test_edge_refusals_are_counted_under_the_route_they_targeted(llm):  # noqa: 
     assert 'grserve_requests_total{route="/v1/completions",status="413"} 1.0' in metrics, metrics
     assert 'grserve_requests_total{route="/v1/models/{model_id:path}",status="401"} 1.0' in metrics, metrics
     assert 'grserve_requests_total{route="unmatched",status="401"} 1.0' in metrics, metrics
+
+
+def test_a_failed_forward_fails_the_running_requests_only_the_queued_ones_are_served_after(llm):  # noqa: F811
+    """Leftover 3: a failing step failed every request, the ones still waiting in the queue included (never
+    part of the step). Now only the step's running requests fail (an error, never a normal finish)."""
+    import pytest
+
+    from grserve.engine.async_llm import EngineStepFailed
+    from grserve.engine.sampling import SamplingParams
+    from grserve.engine.types import LLMRequest
+
+    eng, _ = llm(EdgeConfig())
+    eng.core.scheduler.max_num_seqs = 1
+    eng._status = "ok"  # driven by hand, one iteration at a time
+    try:
+        a = eng.submit(LLMRequest([1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0)))
+        eng._iterate()  # a runs
+        b = eng.submit(LLMRequest([4, 5, 6], SamplingParams(max_tokens=2, temperature=0.0)))
+        real = eng.core.executor.execute
+        eng.core.executor.execute = lambda *args, **kw: (_ for _ in ()).throw(RuntimeError("device fault"))
+        eng._iterate()
+        eng.core.executor.execute = real
+        with pytest.raises(EngineStepFailed, match="RuntimeError"):
+            a.future.result(timeout=1)
+        assert eng.errors == 1 and not b.future.done()
+        for _ in range(20):
+            if b.future.done():
+                break
+            eng._iterate()
+        assert b.future.result(timeout=1).finish_reason == "length"
+        assert eng.core.pool.num_free == eng.core.pool.num_blocks
+    finally:
+        eng._status = "stopped"
