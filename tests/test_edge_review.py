@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 from grserve.config import EdgeConfig
@@ -9,9 +10,10 @@ from tests.test_security_limits import llm  # noqa: F401 - the shared small-LLM 
 
 
 def test_streamed_request_that_expires_in_the_queue_is_a_503_not_an_empty_200(llm):  # noqa: F811
+    """Leftover 1: a streamed request dropped at its queue deadline came back as a 200 stream that ended without
+    a token. Its status line now waits for its first event: it is a 503 ``queue_timeout`` in OpenAI's shape."""
     eng, client = llm(EdgeConfig(request_timeout=0.05))
     eng._status = "ok"  # accepting, no engine thread: the request stays queued
-    import threading
 
     def expire_later():
         time.sleep(0.2)
@@ -22,8 +24,8 @@ def test_streamed_request_that_expires_in_the_queue_is_a_503_not_an_empty_200(ll
     r = client.post("/v1/completions", json={"model": "m", "prompt": [1, 2, 3], "max_tokens": 2, "stream": True})
     t.join()
     eng._status = "stopped"
-    print(r.status_code, r.text)
-    assert r.status_code == 503, r.text
+    assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text  # before: 200 and no token
+    assert r.json()["error"]["code"] == "queue_timeout" and r.json()["error"]["type"] == "server_error"
 
 
 def _asgi_call(app, method: str, path: str, headers: list, body_chunks: list[bytes]):
@@ -118,5 +120,44 @@ def test_a_failed_forward_fails_the_running_requests_only_the_queued_ones_are_se
             eng._iterate()
         assert b.future.result(timeout=1).finish_reason == "length"
         assert eng.core.pool.num_free == eng.core.pool.num_blocks
+    finally:
+        eng._status = "stopped"
+
+
+def test_a_streaming_client_that_leaves_while_queued_has_its_request_cancelled(llm):  # noqa: F811
+    """The stream's status line now waits for the first token: a client that disconnects in that wait must
+    still have its request cancelled (it leaves the queue, nothing computed), and nothing is answered."""
+    import asyncio
+    import json
+
+    eng, client = llm(EdgeConfig())
+    eng._status = "ok"  # accepting, no engine thread: the request stays queued
+    body = json.dumps({"model": "m", "prompt": [1, 2, 3], "max_tokens": 2, "stream": True}).encode()
+    sent: list[dict] = []
+
+    async def call():
+        state = {"n": 0}
+
+        async def receive():
+            state["n"] += 1
+            if state["n"] == 1:
+                return {"type": "http.request", "body": body, "more_body": False}
+            while not eng.core.waiting:  # the request is queued: now the client goes away
+                await asyncio.sleep(0.01)
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "raw_path": b"/v1/completions",
+                 "query_string": b"", "headers": [(b"content-type", b"application/json")], "http_version": "1.1",
+                 "scheme": "http", "server": ("t", 80), "client": ("c", 1), "root_path": ""}
+        await asyncio.wait_for(client.app(scope, receive, send), 5)
+
+    try:
+        asyncio.run(call())
+        assert not eng.core.waiting and not eng._live and eng.core.iterations == 0
+        starts = [m["status"] for m in sent if m["type"] == "http.response.start"]
+        assert starts in ([], [499]), starts
     finally:
         eng._status = "stopped"

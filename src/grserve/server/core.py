@@ -387,6 +387,11 @@ class EdgeMiddleware:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
+        full = self.overloaded(scope)  # again, now the body is in: the queue may have filled meanwhile
+        if full is not None:
+            self.label(scope)
+            await self.render(full)(scope, receive, send)
+            return
         body: list[dict] = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
 
         async def replay() -> dict:
