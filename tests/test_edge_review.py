@@ -6,7 +6,7 @@ import threading
 import time
 
 from grserve.config import EdgeConfig
-from tests.test_security_limits import llm  # noqa: F401 - the shared small-LLM fixture
+from tests.test_security_limits import llm, ranking_engine  # noqa: F401 - shared fixtures
 
 
 def test_streamed_request_that_expires_in_the_queue_is_a_503_not_an_empty_200(llm):  # noqa: F811
@@ -161,3 +161,87 @@ def test_a_streaming_client_that_leaves_while_queued_has_its_request_cancelled(l
         assert starts in ([], [499]), starts
     finally:
         eng._status = "stopped"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the hostile-input pass, kept as a guard: every route of the three servers, each field replaced by absurd
+# values, raw bodies that are not JSON or are nested 100k deep, wrong content types, missing and extra fields
+# ----------------------------------------------------------------------------------------------------------
+HOSTILE = [None, True, -1, -0.0, 1e-300, 2**80, -2**80, 2**64, 1e308, "NaN", "16", float("nan"), float("inf"), "",
+           "\ud800", [], {}, [None], ["a"], [2**80], [-1], [float("nan")], [[2**80]], [["\ud800"]], [{}]]
+RAW = [b"", b"{", b"[" * 100_000, b'{"a":' * 50_000, b"null", b"[]", b"1e999", b"\xff\xfe", b'"\\ud800"', b"NaN"]
+
+
+def _hostile_pass(client, path: str, base: dict, headers: dict | None = None) -> list:
+    """Every answer to a hostile variant of ``base``; returns the ones that are a 5xx or took over 5 s."""
+    import json
+
+    bad = []
+
+    def send(raw: bytes, ctype: str = "application/json") -> None:
+        t = time.perf_counter()
+        r = client.post(path, content=raw, headers={"content-type": ctype, **(headers or {})})
+        if r.status_code >= 500 or time.perf_counter() - t > 5:
+            bad.append((path, r.status_code, raw[:120], r.text[:200]))
+
+    variants = [{**base, k: v} for k in [*base, "extra_field"] for v in HOSTILE]
+    variants += [{k: v for k, v in base.items() if k != drop} for drop in base]
+    for body in variants:
+        send(json.dumps(body, allow_nan=True).encode())
+    for raw in RAW:
+        send(raw)
+    for ctype in ("text/plain", "application/x-www-form-urlencoded", ""):
+        send(json.dumps(base).encode(), ctype)
+    return bad
+
+
+def test_hostile_inputs_on_every_llm_route_are_never_a_5xx(llm):  # noqa: F811
+    eng, client = llm(EdgeConfig())
+    eng.start()
+    try:
+        assert client.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2}).status_code == 200
+        bad = _hostile_pass(client, "/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 2, "top_p": 0.9,
+                                                        "temperature": 0.7, "seed": 3, "logprobs": 2, "n": 1,
+                                                        "logit_bias": {"5": 1.0}, "stop": ["x"]})
+        bad += _hostile_pass(client, "/v1/chat/completions", {"model": "m", "max_tokens": 2, "stream": True,
+                                                             "messages": [{"role": "user", "content": "hi"}]})
+        bad += _hostile_pass(client, "/tokenize", {"model": "m", "prompt": "hi"})
+        bad += _hostile_pass(client, "/detokenize", {"model": "m", "tokens": [1, 2]})
+        for path in ("/v1/models/m", "/v1/models/%ff", "/v1/models/" + "a" * 5000, "/version"):
+            r = client.get(path)
+            bad += [(path, r.status_code)] if r.status_code >= 500 else []
+    finally:
+        eng.stop()
+    assert not bad, bad
+
+
+def test_hostile_inputs_on_every_retrieval_and_ranking_route_are_never_a_5xx(tiny_model, ranking_engine):  # noqa: F811
+    from fastapi.testclient import TestClient
+
+    from grserve.catalog import CatalogStore, generate_catalog
+    from grserve.config import RankingLimits, SchedulerConfig, SearchConfig, ServerConfig
+    from grserve.engine.retrieval_engine import RetrievalEngine
+    from grserve.server.ranking_app import create_ranking_app
+    from grserve.server.retrieval_app import create_app
+
+    model = tiny_model(seed=0)
+    eng = RetrievalEngine(model, CatalogStore(generate_catalog(300, 3, 8, 1), vocab_size=model.spec.vocab_size),
+                          SearchConfig(beam_width=4), SchedulerConfig(max_batch_requests=4), edge=EdgeConfig()).start()
+    admin = {"Authorization": "Bearer adm"}
+    retrieval = TestClient(create_app(eng, ServerConfig(), edge=EdgeConfig(admin_api_key="adm")),
+                           raise_server_exceptions=False)
+    ranking = TestClient(create_ranking_app(ranking_engine, RankingLimits(), edge=EdgeConfig(admin_api_key="adm")),
+                         raise_server_exceptions=False)
+    try:
+        bad = _hostile_pass(retrieval, "/v1/recommend", {"history_tokens": [20, 30], "top_n": 2, "beam_width": 4,
+                                                         "exclude_items": [1, 2]})
+        bad += _hostile_pass(retrieval, "/v1/recommend", {"history_sids": [[1, 2, 3]], "top_n": 2})
+        bad += _hostile_pass(retrieval, "/v1/catalog", {"name": "a.jsonl"}, admin)
+        bad += _hostile_pass(ranking, "/v1/rank", {"user_tokens": [5, 6, 7], "candidate_tokens": [[8, 9], [10, 11]],
+                                                   "top_k": 2})
+        bad += _hostile_pass(ranking, "/v1/rank", {"user_id": 0, "candidates": [0, 1, 2]})
+        bad += _hostile_pass(ranking, "/v1/users", {"users": [{"user_id": 900, "tokens": [5, 6]}]}, admin)
+        bad += _hostile_pass(ranking, "/v1/items", {"items": [{"item_id": 900, "tokens": [5, 301]}]}, admin)
+    finally:
+        eng.stop()
+    assert not bad, bad
