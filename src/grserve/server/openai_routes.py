@@ -7,9 +7,11 @@ LLM engine through the Engine protocol: ``submit`` → its handle's token events
 → ``result()``; ``n > 1`` submits n engine requests (choice i seeded ``choice_seed(seed, i)``). A client that
 disconnects has its requests cancelled, which frees their blocks at once.
 
-An engine error is never a normal finish: non-streaming, a 500 in OpenAI's error shape; streaming (the 200 is
-already sent), an ``data: {"error": {...}}`` event and the stream ends without ``[DONE]`` (the ``openai`` client
-raises ``APIError`` on it).
+An engine error is never a normal finish: non-streaming, a 500 in OpenAI's error shape; streaming, the status
+line waits for the request's first event (``_opened``), so a request that never starts (queue deadline, engine
+stopping, first step failed) is a 503/500 in OpenAI's shape; a failure after that (the 200 is sent) is a
+``data: {"error": {...}}`` event and the stream ends without ``[DONE]`` (the ``openai`` client raises
+``APIError`` on it).
 """
 
 from __future__ import annotations
