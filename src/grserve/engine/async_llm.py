@@ -210,18 +210,30 @@ class AsyncLLMEngine:
                     self._cv.wait(timeout=0.5)
                 if self._status == "stopped":
                     return
-            try:
-                self._expire()
-                self.core.step()
-                if not self.core.last_step_progressed:  # the policy is idle: let time pass, don't spin
-                    with self._cv:
-                        self._cv.wait(timeout=0.002)
-            except Exception:  # never die: fail the in-flight requests with an error, keep serving
-                log.exception("engine step failed")
-                self.errors += 1
-                with self.core.lock:
-                    for s in list(self.core.running) + list(self.core.waiting):
-                        self.core._finish(s, "error")
+            self._iterate()
+
+    def _iterate(self) -> None:
+        """One loop iteration: expire, step; a step that raises never kills the loop (``_fail_step``)."""
+        try:
+            self._expire()
+            self.core.step()
+            if not self.core.last_step_progressed:  # the policy is idle: let time pass, don't spin
+                with self._cv:
+                    self._cv.wait(timeout=0.002)
+        except Exception as exc:  # never die: fail the requests of the failed step with an error, keep serving
+            log.exception("engine step failed")
+            self.errors += 1
+            self._fail_step(exc)
+
+    def _fail_step(self, exc: BaseException) -> None:
+        """Fail the requests a failed step held: the running ones (their blocks may be half written, and the
+        failure cannot be pinned on one of them: docs/llm.md). Requests still waiting were not part of the step
+        and stay queued — unless nothing was running (the failure came from scheduling the queue itself): then
+        they fail too, so a failure that repeats cannot loop forever."""
+        message = f"engine step failed: {type(exc).__name__}"
+        with self.core.lock:
+            for s in list(self.core.running) or list(self.core.waiting):
+                self.core.fail(s, message)
 
 
 def _fail(handle: RequestHandle, exc: BaseException) -> None:

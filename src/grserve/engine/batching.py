@@ -266,6 +266,10 @@ class BatchedEngine:
         return self._core.queue_depth
 
     @property
+    def max_waiting(self) -> int | None:
+        return self._core.max_waiting
+
+    @property
     def on_batch(self) -> Callable[[int, int], None] | None:
         return self._core.on_batch
 

@@ -302,14 +302,39 @@ def _content_length(scope: dict) -> int | None:
 
 class EdgeMiddleware:
     """Pure-ASGI gate in front of the routes: the API key (every path but ``OPEN_PATHS``), the admin routes (the
-    admin key, off while it is unset), and the request-body size limit, checked on the declared
-    ``Content-Length`` and again while the body streams in (never more than the limit is buffered). A refusal is
-    answered here, in the app's error shape, before routing or body parsing; an accepted body is replayed to the
-    app, then ``receive`` passes through (so the app still sees a client disconnect)."""
+    admin key, off while it is unset), the request-body size limit, checked on the declared ``Content-Length``
+    and again while the body streams in (never more than the limit is buffered), and — on the routes that queue
+    work in the engine (``queued_routes``) — a full queue (``overloaded``), checked before the body is read, parsed
+    or tokenized, so that a refusal under a burst costs almost nothing (the engine's own check at submit stays the
+    authority). A refusal is answered here, in the app's error shape, labelled in the metrics by the route it
+    targeted (``router``); an accepted body is replayed to the app, then ``receive`` passes through (so the app
+    still sees a client disconnect)."""
 
     def __init__(self, app: Any, edge: EdgeConfig, render: Callable[[ApiError], JSONResponse],
-                 admin_routes: frozenset[tuple[str, str]] = frozenset()) -> None:
+                 admin_routes: frozenset[tuple[str, str]] = frozenset(), engine: Any = None,
+                 queued_routes: frozenset[tuple[str, str]] = frozenset(), router: Any = None) -> None:
         self.app, self.edge, self.render, self.admin_routes = app, edge, render, admin_routes
+        self.engine, self.queued_routes, self.router = engine, queued_routes, router
+        self._routes: list[Any] | None = None
+
+    def overloaded(self, scope: dict) -> ApiError | None:
+        """429 when ``scope`` targets a queued route while the engine's queue is at its bound, else None."""
+        if (scope["method"], scope["path"]) not in self.queued_routes:
+            return None
+        bound = getattr(self.engine, "max_waiting", None)
+        depth = int(getattr(self.engine, "queue_depth", 0))
+        return overloaded(f"{depth} requests waiting (max_waiting={bound})") \
+            if bound is not None and depth >= bound else None
+
+    def label(self, scope: dict) -> None:
+        """Put the route whose path template ``scope``'s path matches into it (as routing would), for the metrics
+        label of a refusal; nothing for a path no route has (labelled "unmatched")."""
+        if self._routes is None:  # first request: every route is in place by now
+            self._routes = list(_leaf_routes(getattr(self.router, "routes", ())))
+        for route in self._routes:
+            if route.path_regex.match(scope["path"]):
+                scope["route"] = route
+                return
 
     def refusal(self, scope: dict) -> ApiError | None:
         """Why the request may not proceed (401/403), or None."""
@@ -339,7 +364,10 @@ class EdgeMiddleware:
         declared = _content_length(scope)
         if refusal is None and declared is not None and declared > limit:
             refusal = _too_large(limit)
+        if refusal is None:
+            refusal = self.overloaded(scope)
         if refusal is not None:
+            self.label(scope)
             await self.render(refusal)(scope, receive, send)
             return
         if scope["method"] not in _BODY_METHODS:
@@ -353,11 +381,17 @@ class EdgeMiddleware:
             chunk = message.get("body", b"")
             total += len(chunk)
             if total > limit:
+                self.label(scope)
                 await self.render(_too_large(limit))(scope, receive, send)
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
+        full = self.overloaded(scope)  # again, now the body is in: the queue may have filled meanwhile
+        if full is not None:
+            self.label(scope)
+            await self.render(full)(scope, receive, send)
+            return
         body: list[dict] = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
 
         async def replay() -> dict:
@@ -366,9 +400,26 @@ class EdgeMiddleware:
         await self.app(scope, replay, send)
 
 
+def _leaf_routes(routes: Sequence[Any]) -> Any:
+    """The routes with a path template, descending into included routers (FastAPI wraps an included router in
+    one route object; the apps include theirs without a prefix)."""
+    for route in routes:
+        inner = getattr(route, "original_router", None)
+        if inner is not None:
+            yield from _leaf_routes(inner.routes)
+        elif hasattr(route, "path_regex") and hasattr(route, "path"):
+            yield route
+
+
 def _unauthorized() -> ApiError:
     return ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'", None, "invalid_api_key",
                     {"WWW-Authenticate": "Bearer"})
+
+
+def overloaded(detail: str = "") -> ApiError:
+    """429 ``overloaded`` with ``Retry-After``: the queue is full."""
+    return ApiError(429, f"server overloaded: {detail}" if detail else "server overloaded, retry later", None,
+                    "overloaded", {"Retry-After": "1"})
 
 
 def _too_large(limit: int) -> ApiError:
@@ -377,10 +428,12 @@ def _too_large(limit: int) -> ApiError:
 
 def new_app(engine: Any, metrics: Metrics | None, *, title: str, description: str, openai: bool = False,
             groups: Sequence[str] = (), detail: Callable[[], dict] | None = None, edge: EdgeConfig | None = None,
-            admin_routes: frozenset[tuple[str, str]] = frozenset()) -> FastAPI:
+            admin_routes: frozenset[tuple[str, str]] = frozenset(),
+            queued_routes: frozenset[tuple[str, str]] = frozenset()) -> FastAPI:
     """A FastAPI app around ``engine`` with the shared parts installed: the error handlers of one API family
     (``openai``: OpenAI's shape; else the house shape, ``groups`` its one-of field groups), the edge middleware
-    (``edge``; ``admin_routes``: the (method, path) pairs that change state), the metrics middleware (outermost:
+    (``edge``; ``admin_routes``: the (method, path) pairs that change state; ``queued_routes``: those that queue
+    work in the engine, refused at the edge while its queue is full), the metrics middleware (outermost:
     it counts the edge's refusals too), ``GET /health`` (``engine.health()`` plus ``detail()``) and
     ``GET /metrics``."""
     metrics = metrics if metrics is not None else Metrics()
@@ -390,7 +443,8 @@ def new_app(engine: Any, metrics: Metrics | None, *, title: str, description: st
     app.state.metrics = metrics
     app.state.edge = edge = edge or EdgeConfig()
     render = openai_error if openai else house_error
-    app.add_middleware(EdgeMiddleware, edge=edge, render=render, admin_routes=admin_routes)
+    app.add_middleware(EdgeMiddleware, edge=edge, render=render, admin_routes=admin_routes, engine=engine,
+                       queued_routes=queued_routes, router=app.router)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     if openai:
         install_error_handlers(app, openai_error, openai_validation_error)
@@ -422,8 +476,7 @@ def submit(engine: Any, request: Any, invalid_field: str | None = None) -> Reque
     try:
         return engine.submit(request)
     except EngineOverloaded as exc:
-        raise ApiError(429, f"server overloaded: {exc}" if str(exc) else "server overloaded, retry later", None,
-                       "overloaded", {"Retry-After": "1"}) from None
+        raise overloaded(str(exc)) from None
     except EngineStopped as exc:
         raise _stopped(exc) from None
     except ValueError as exc:

@@ -27,6 +27,7 @@ def create_llm_app(engine: Any, tokenizer: Any, model_name: str, max_model_len: 
         return {"model": model_name, **{k: stats[k] for k in HEALTH_STATS if k in stats}}
 
     app = new_app(engine, metrics, title="grserve LLM", openai=True, detail=detail, edge=edge,
+                  queued_routes=frozenset({("POST", "/v1/completions"), ("POST", "/v1/chat/completions")}),
                   description="An LLM behind an OpenAI-compatible API, on the hybrid-cache continuous-batching engine.")
     app.state.metrics.bind_llm_stats(engine.stats)
     llm_metrics = LLMMetrics(app.state.metrics.registry, model_name)

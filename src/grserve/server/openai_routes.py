@@ -7,9 +7,11 @@ LLM engine through the Engine protocol: ``submit`` → its handle's token events
 → ``result()``; ``n > 1`` submits n engine requests (choice i seeded ``choice_seed(seed, i)``). A client that
 disconnects has its requests cancelled, which frees their blocks at once.
 
-An engine error is never a normal finish: non-streaming, a 500 in OpenAI's error shape; streaming (the 200 is
-already sent), an ``data: {"error": {...}}`` event and the stream ends without ``[DONE]`` (the ``openai`` client
-raises ``APIError`` on it).
+An engine error is never a normal finish: non-streaming, a 500 in OpenAI's error shape; streaming, the status
+line waits for the request's first event (``_opened``), so a request that never starts (queue deadline, engine
+stopping, first step failed) is a 503/500 in OpenAI's shape; a failure after that (the 200 is sent) is a
+``data: {"error": {...}}`` event and the stream ends without ``[DONE]`` (the ``openai`` client raises
+``APIError`` on it).
 """
 
 from __future__ import annotations
@@ -115,9 +117,7 @@ async def _collect_all(group: _Group, timers: list[RequestTimer]) -> list[Choice
     try:
         return list(await asyncio.gather(*(_collect(h, t) for h, t in zip(group.handles, timers))))
     except EngineStepFailed as exc:  # the request failed in the engine: a 500 that says why
-        group.cancel()
-        log.error("request %s failed in the engine: %s", group.handles[0].request_id, exc)
-        raise ApiError(500, f"the request failed in the engine: {exc}", None, "engine_error") from None
+        raise _engine_error(group, exc) from None
     except BaseException:
         group.cancel()
         raise
@@ -152,15 +152,55 @@ async def _merged(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, Any]
             t.cancel()
 
 
+async def _first_event(events: AsyncIterator[tuple[int, Any]]) -> tuple[int, Any] | None:
+    """The first (choice index, event) of a request, None if it ended without one; raises its failure."""
+    try:
+        return await events.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+async def _opened(request: Request, group: _Group, timers: list[RequestTimer]) -> tuple[Any, Any]:
+    """Wait for the request's first event before the stream's status line is sent, so a request that never
+    starts (dropped at its queue deadline, engine stopping, failed in the engine) is an error status (503/500),
+    never a 200 with an empty stream. Returns (the events, the first one)."""
+    events = _merged(group.handles)
+    try:
+        first = await finish(request, group, group.handles[0], _first_event(events))
+    except EngineStepFailed as exc:
+        raise _engine_error(group, exc) from None
+    except BaseException:
+        group.cancel()
+        for t in timers:
+            t.failed()
+        raise
+    return events, first
+
+
+def _engine_error(group: _Group, exc: BaseException) -> ApiError:
+    group.cancel()
+    log.error("request %s failed in the engine: %s", group.handles[0].request_id, exc)
+    return ApiError(500, f"the request failed in the engine: {exc}", None, "engine_error")
+
+
 async def _stream(group: _Group, shape: Shape, timers: list[RequestTimer], n_prompt: int, include_usage: bool,
-                  metrics: LLMMetrics) -> AsyncIterator[str]:
-    """SSE chunks of one request (its n choices). Closed early (the client went away): requests cancelled."""
+                  metrics: LLMMetrics, events: AsyncIterator[tuple[int, Any]],
+                  first: tuple[int, Any] | None) -> AsyncIterator[str]:
+    """SSE chunks of one request (its n choices), from its ``first`` event on (``_opened``). Closed early (the
+    client went away): requests cancelled."""
     done = False
     choices = [Choice() for _ in group.handles]
+
+    async def rest() -> AsyncIterator[tuple[int, Any]]:
+        if first is not None:
+            yield first
+        async for item in events:
+            yield item
+
     try:
         for chunk in shape.opening(len(choices)):
             yield sse(chunk)
-        async for i, ev in _merged(group.handles):
+        async for i, ev in rest():
             timers[i].on_event(ev)
             choices[i].add(ev)
             if ev.text or ev.finished or ev.logprobs:
@@ -248,7 +288,9 @@ async def generate(ctx: OpenAIContext, request: Request, body: SamplingRequest, 
     group = _Group(ctx.engine, handles)
     timers = [ctx.metrics.timer(len(prompt_ids) if i == 0 else 0) for i in range(len(handles))]  # prompt once
     if body.stream:
-        return StreamingResponse(_stream(group, shape, timers, len(prompt_ids), body.include_usage, ctx.metrics),
+        events, first = await _opened(request, group, timers)
+        return StreamingResponse(_stream(group, shape, timers, len(prompt_ids), body.include_usage, ctx.metrics,
+                                         events, first),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     choices = await finish(request, group, handles[0], _collect_all(group, timers))

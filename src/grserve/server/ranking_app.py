@@ -22,7 +22,7 @@ def create_ranking_app(engine: Any, limits: RankingLimits | None = None, metrics
                   groups=("user", "candidates"),
                   detail=lambda: {"policy": runner.policy.name, "users": runner.registry.num_users,
                                   "items": runner.registry.num_items, "vocab_size": runner.registry.vocab_size},
-                  edge=edge, admin_routes=ADMIN_ROUTES)
+                  edge=edge, admin_routes=ADMIN_ROUTES, queued_routes=frozenset({("POST", "/v1/rank")}))
     engine.on_batch = app.state.metrics.on_batch
     app.include_router(build_router(engine, limits or RankingLimits()))
     return app

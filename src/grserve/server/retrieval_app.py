@@ -154,7 +154,7 @@ def create_app(engine: Any, server_cfg: ServerConfig, metrics: Metrics | None = 
                   description="Generative-recommender retrieval: history in, top items by SID beam search out.",
                   groups=("history",), detail=lambda: {"catalog": catalog_info(engine.catalogs.current()).model_dump(),
                                                        "vocab_size": int(engine.vocab_size)},
-                  edge=edge, admin_routes=ADMIN_ROUTES)
+                  edge=edge, admin_routes=ADMIN_ROUTES, queued_routes=frozenset({("POST", "/v1/recommend")}))
     metrics = app.state.metrics
     app.state.server_cfg = server_cfg
     reloader = CatalogReloader(reload or CatalogReloadConfig(), engine.catalogs, int(engine.vocab_size))
