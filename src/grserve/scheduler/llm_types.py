@@ -36,6 +36,7 @@ class SeqView:
     num_output: int
     cache: CacheKind | None  # kind of the blocks it holds (None when waiting)
     held_blocks: int
+    last_scheduled: float | None = None  # start of the last iteration that computed tokens for it
 
     @property
     def prefilled(self) -> bool:
@@ -44,6 +45,15 @@ class SeqView:
     def pending(self, now: float) -> float:
         """p_i (§4.2): time since arrival before the first token, else since the last token."""
         return now - (self.arrival if self.last_token_time is None else self.last_token_time)
+
+    def pending_since_scheduled(self, now: float) -> float:
+        """Time since the request was last *scheduled* (the start of the last iteration that computed tokens
+        for it), or since arrival if never: the gap its next token will close, which — unlike the time since
+        its last token — does not read 0 right after every decode (docs/llm.md, real clocks)."""
+        t = self.last_scheduled
+        if t is None:
+            t = self.arrival if self.last_token_time is None else self.last_token_time
+        return now - t
 
 
 @dataclass(frozen=True)
