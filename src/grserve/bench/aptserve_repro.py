@@ -18,7 +18,10 @@ Deterministic: every trace is seeded (lengths by ``seed``, arrivals by ``seed``)
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -106,15 +109,43 @@ def trace_for(s: Setting, dataset: str, rate: float, cv: float) -> list[TraceIte
     return trace
 
 
-class Runner:
-    """Runs and caches simulation points: (setting, dataset, system, rate, CV) → attainment dict."""
+_SOURCES = ("bench/aptserve_repro.py", "bench/simulator.py", "bench/llm_workloads.py", "engine/llm.py",
+            "kvcache/blocks.py", "scheduler/aptserve.py", "scheduler/fcfs.py", "scheduler/chunked.py",
+            "scheduler/knapsack.py", "scheduler/llm_types.py")
 
-    def __init__(self, progress=None):
+
+def code_version() -> str:
+    """Hash of the sources a simulation point depends on (a disk-cached point is reused only by the same code)."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha1()
+    for rel in _SOURCES:
+        h.update((root / rel).read_bytes())
+    return h.hexdigest()[:16]
+
+
+class Runner:
+    """Runs and caches simulation points: (setting, dataset, system, rate, CV) → attainment dict. With
+    ``cache_dir`` the points are also kept on disk (one small JSON file per point, keyed by the point and
+    ``code_version()``), so ``bench serve``'s real run reuses what ``--paper-tables`` computed."""
+
+    def __init__(self, progress=None, cache_dir: str | Path | None = None):
         self.cache: dict = {}
         self.progress = progress
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else None
+        self._version = code_version() if cache_dir is not None else ""
+
+    def _disk(self, key) -> Path | None:
+        if self.cache_dir is None:
+            return None
+        s, *rest = key
+        text = json.dumps([dataclasses.asdict(s), *rest, self._version])
+        return self.cache_dir / f"{hashlib.sha1(text.encode()).hexdigest()[:20]}.json"
 
     def point(self, s: Setting, dataset: str, system: str, rate: float, cv: float = 1.0) -> dict:
         key = (s, dataset, system, round(rate, 6), cv)
+        path = self._disk(key)
+        if key not in self.cache and path is not None and path.exists():
+            self.cache[key] = json.loads(path.read_text())
         if key not in self.cache:
             from grserve.bench.simulator import CostModel, simulate
 
@@ -126,6 +157,11 @@ class Runner:
             a = attainment(res.requests, ttft, tbt, strict=s.strict)
             a.update(preemptions=res.stats["preemptions"], hidden_scheduled=res.stats["hidden_scheduled"])
             self.cache[key] = a
+            if path is not None:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_suffix(".tmp")
+                tmp.write_text(json.dumps(a))
+                tmp.replace(path)
             if self.progress is not None:
                 self.progress()
         return self.cache[key]
@@ -173,7 +209,7 @@ ALTERNATIVES = (
 )
 
 
-def ladder(runner: Runner, systems=("fcfs", "chunked", "aptserve", "aptserve-kv"), dataset: str = "sharegpt",
+def ladder(runner: Runner, systems=("fcfs", "chunked", "aptserve"), dataset: str = "sharegpt",
            steps: int = 3) -> list[dict]:
     """Each piece applied on top of the previous ones (then two alternatives to the final setting): effective
     throughput at 90 % (and 60 %) on ``dataset``, Poisson."""

@@ -57,6 +57,8 @@ class ServeBenchConfig(Checked):
                                     check=positive_int)
     rates: str | None = flag(None, "comma-separated req/s (default: auto sweep)",
                              check=comma_list(float, each=positive))
+    stop_below: float = flag(0.5, "a system whose attainment fell below this is not run at higher grid rates",
+                             check=non_negative)
     refine: int = flag(3, "bisection steps on each system's 90%% crossing after the grid (0 = grid only)",
                        check=non_negative)
     cv: float = flag(1.0, "arrival CV (1 = Poisson, >1 Gamma bursts)", check=positive)
@@ -108,11 +110,17 @@ def _refine(run_one, system: str, pts: list, steps: int, progress, level: float 
     return sorted(pts, key=lambda x: x[0])
 
 
-def _sweep(run_one, rates, systems, progress) -> dict[str, list[dict]]:
-    out = {s: [] for s in systems}
-    for rate in rates:
+def _sweep(run_one, rates, systems, progress, stop_below: float = 0.0) -> dict[str, list[dict | None]]:
+    """Each system at each rate (ascending); a system whose attainment fell below ``stop_below`` is not run at
+    the higher rates (None there): past its wall it only costs time, and the crossings lie below."""
+    out: dict[str, list[dict | None]] = {s: [] for s in systems}
+    for rate in sorted(rates):
         for s in systems:
-            out[s].append(run_one(s, rate))
+            last = next((x for x in reversed(out[s]) if x is not None), None)
+            if last is not None and last["attainment"] < stop_below:
+                out[s].append(None)
+            else:
+                out[s].append(run_one(s, rate))
             progress.update(1)
     return out
 
@@ -331,10 +339,12 @@ def run(cfg: ServeBenchConfig) -> int:
 
     total = len(rates) * len(systems)
     with tqdm(total=total, desc="rate sweep", file=sys.stderr) as bar:
-        sweep = _sweep(run_one, rates, systems, bar)
+        rates = sorted(rates)
+        sweep = _sweep(run_one, rates, systems, bar, cfg.stop_below)
     # each system's own points: the grid, then bisection of its 90 % crossing (a coarse grid's linear
     # interpolation can misplace a cliff by most of a grid step)
-    points = {s: sorted(zip(rates, sweep[s]), key=lambda x: x[0]) for s in systems}
+    points = {s: sorted(((r, x) for r, x in zip(rates, sweep[s]) if x is not None), key=lambda x: x[0])
+              for s in systems}
     if cfg.refine > 0:
         with tqdm(total=cfg.refine * len(systems), desc="refine crossing", file=sys.stderr) as bar:
             for s in systems:
@@ -348,7 +358,8 @@ def run(cfg: ServeBenchConfig) -> int:
     for s in systems:
         table.add_column(s, justify="right")
     for i, r in enumerate(rates):
-        table.add_row(f"{r:.3g}", *[f"{sweep[s][i]['attainment']:.0%} (ttft {sweep[s][i]['ttft_attainment']:.0%})"
+        table.add_row(f"{r:.3g}", *["—" if sweep[s][i] is None else
+                                    f"{sweep[s][i]['attainment']:.0%} (ttft {sweep[s][i]['ttft_attainment']:.0%})"
                                     for s in systems])
     if cfg.refine > 0:
         table.add_row("refined points", *[", ".join(f"{r:.3g}: {x['attainment']:.0%}" for r, x in points[s]
@@ -387,8 +398,8 @@ def run(cfg: ServeBenchConfig) -> int:
         from grserve.bench import aptserve_repro as repro
 
         with tqdm(desc="simulated effective throughput", file=sys.stderr) as bar:
-            sim = repro.effective_table(repro.Runner(lambda: bar.update(1)), repro.Setting(cost=cfg.cost_model),
-                                        levels=(0.9,), steps=2)
+            sim = repro.effective_table(repro.Runner(lambda: bar.update(1), cache_dir=out_dir / "sim-cache"),
+                                        repro.Setting(cost=cfg.cost_model), levels=(0.9,), steps=2)
         summary["simulated_effective_throughput"] = {ds: {x: v[0.9] for x, v in row.items()} for ds, row in
                                                      sim.items()}
         console.print(f"simulated (OPT-13B/A100, {cfg.cost_model}) effective throughput @90%: "
@@ -421,9 +432,9 @@ def _run_paper(cfg: ServeBenchConfig) -> int:
     summary: dict = {"mode": "simulate", "setting": dataclasses.asdict(s)}
     t0 = time.perf_counter()
     with tqdm(desc="simulations", file=sys.stderr) as bar:
-        runner = R.Runner(lambda: bar.update(1))
+        runner = R.Runner(lambda: bar.update(1), cache_dir=out_dir / "sim-cache")
         if cfg.ladder:
-            rows = R.ladder(runner)
+            rows = R.ladder(runner, systems=("fcfs", "aptserve"))
             systems = list(rows[0]["eff"])
             t = Table(title="ShareGPT, Poisson: effective throughput (req/s) at 90% (60%) after each piece")
             t.add_column("piece")

@@ -79,12 +79,13 @@ class AptServeScheduler:
         everyone = inp.waiting + inp.running
         late = {s.seq_id for s in everyone if self.violated(s, now)}
         n = max(1, len(everyone) - len(late))
-        waiting_p = [pending_time(s, now, self.pending) for s in inp.waiting]
+        since_scheduled = self.pending != "last_token"
+        waiting_p = [s.pending_since_scheduled(now) if since_scheduled else s.pending(now) for s in inp.waiting]
         eps = (min(waiting_p) * 1e-4 / pool.total_blocks) if waiting_p else 1e-6
         eps = max(eps, 1e-12)
         out = []
         for s in seqs:
-            p = pending_time(s, now, self.pending)
+            p = s.pending_since_scheduled(now) if since_scheduled else s.pending(now)
             c_kv = pool.blocks_for(s.num_tokens, "kv")
             c_h = pool.blocks_for(s.num_tokens, "hidden") if self.hybrid else None
             g_h = p - n * self.rho * s.num_tokens if self.hybrid else None

@@ -18,7 +18,7 @@ is decoding (its newest token is not yet in the cache).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Literal, NamedTuple, Protocol
 
 from grserve.kvcache.blocks import CacheKind
 from grserve.registry import Registry
@@ -26,8 +26,10 @@ from grserve.registry import Registry
 IterationKind = Literal["prefill", "decode", "mixed", "idle"]
 
 
-@dataclass(frozen=True)
-class SeqView:
+class SeqView(NamedTuple):
+    """One request as a policy sees it (a named tuple: immutable, and cheap to build — the engine builds one per
+    request per iteration, the simulator's hot path)."""
+
     seq_id: int
     arrival: float
     last_token_time: float | None  # None until the first output token
