@@ -60,7 +60,7 @@ def kv_blocks_opt13b_a100(*, gpu_bytes: float = 42_505_273_344, utilization: flo
     """Blocks of one plane (K or V) for ``block_size`` tokens that fit the KV memory vLLM leaves on an A100-40GB:
     utilisation × the device's 39.59 GiB − the 26 GB of OPT-13B weights (Table 2) − the profiling peak of
     activations and the CUDA context (≈ 0.75 GB, our estimate), at 819,200 bytes of K+V per token
-    (2 · 40 layers · 5120 · fp16). 11.5 GB → 14,040 tokens → 1,755 planes of 16 tokens."""
+    (2 · 40 layers · 5120 · fp16). 11.5 GB → 14,038 tokens → 1,754 planes of 16 tokens."""
     kv = utilization * gpu_bytes - weight_bytes - other_bytes
     tokens = int(kv // (2 * 40 * 5120 * 2))
     return 2 * (tokens // block_size)
@@ -196,11 +196,11 @@ class Runner:
 LADDER = (
     ("before issue 17 (session 3)", {}),
     ("+ ShareGPT lengths of vLLM's filter (outputs mean 197, was ≈ 300)", {"lengths": "vllm"}),
-    ("+ KV memory of OPT-13B / A100-40GB at 0.9 (1,755 planes, was 1,625)", {"num_blocks": kv_blocks_opt13b_a100()}),
+    ("+ KV memory of OPT-13B / A100-40GB at 0.9 (1,754 planes, was 1,625)", {"num_blocks": kv_blocks_opt13b_a100()}),
     ("+ vLLM 0.5 FCFS watermark (1 %)", {"watermark": 0.01}),
     ("+ the client's rule (TTFT < SLO and P99 < SLO)", {"strict": True}),
     ("+ cost shape: roofline slopes, same 120 ms anchor", {"cost": "roofline"}),
-    ("+ cost: A100 roofline, no anchor (≈ 45 ms @ 50)", {"cost": "physical"}),
+    ("+ cost: A100 roofline, no anchor (≈ 41 ms @ 50)", {"cost": "physical"}),
     ("+ Apt-Serve pending time since last scheduling", {"pending": "last_scheduled"}),
 )
 ALTERNATIVES = (

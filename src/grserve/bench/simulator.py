@@ -14,7 +14,7 @@ time splits between a per-iteration part and a per-request part — the assumpti
 (docs/llm.md, "what moved the result"): ``opt13b_a100()`` (per-request heavy: ≈ 1.1 ms per request, the time
 grows almost linearly with the batch) and ``opt13b_a100_roofline()`` (A100 roofline slopes, the rest fixed:
 decode is memory-bound, a bigger batch costs little). ``opt13b_a100_physical()`` is the roofline without the
-anchor (≈ 45 ms at 50 requests).
+anchor (≈ 41 ms at 50 requests).
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ class CostModel:
         under the weight read (b_dec = 0); 0.1 ms per request (sampling, Python); prefill compute-bound
         (0.13 ms per token). With ``anchor_s`` the per-iteration part is raised so a 50-request decode at 350
         tokens of context takes ``anchor_s`` (the paper's 120 ms: eager vLLM 0.5 overheads, per iteration);
-        None: 20 ms + 5 ms launch overhead (the physical estimate, ≈ 45 ms at the anchor point)."""
+        None: 20 ms + 5 ms launch overhead (≈ 41 ms at the anchor point; ``opt13b_a100_physical`` adds the overlap)."""
         c_dec = OPT13B_KV_BYTES_PER_TOKEN / A100_HBM_BPS
         c_seq = 1.0e-4
         a = 2 * OPT13B_PARAMS / A100_HBM_BPS + 0.005
