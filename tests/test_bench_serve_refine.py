@@ -31,3 +31,17 @@ def test_refine_finds_a_cliff_between_grid_points():
 def test_refine_leaves_curves_without_a_crossing_alone():
     pts = [(r, {"attainment": 1.0}) for r in (1.0, 2.0)]
     assert _refine(lambda s, r: {"attainment": 0.0}, "x", pts, 3, _Bar()) == pts
+
+
+def test_sweep_stops_a_system_past_its_wall():
+    from grserve.bench.serve import _sweep
+
+    calls = []
+
+    def run_one(system, rate):
+        calls.append((system, rate))
+        return {"attainment": 1.0 if system == "good" or rate < 2 else 0.1}
+
+    out = _sweep(run_one, [1, 2, 3, 4], ["good", "bad"], _Bar(), stop_below=0.5)
+    assert [x is None for x in out["bad"]] == [False, False, True, True]
+    assert ("bad", 3) not in calls and ("good", 4) in calls

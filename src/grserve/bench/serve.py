@@ -6,7 +6,9 @@ Two modes, one engine (same schedulers, same block pool):
   measured single-request latencies (TTFT: prefill of the mean prompt; TBT: one decode step); the pool holds
   ``--mem-requests`` mean-size requests' KV, so memory binds as on a GPU.
 - ``--simulate``: the discrete-event simulator with the OPT-13B / A100-40GB cost model (Table 3 SLOs,
-  1,625 blocks ≈ 13k tokens of KV).
+  1,754 blocks ≈ 14k tokens of KV; ``--cost-model``); ``--simulate --paper-tables``: the paper's Tables 4 and 5
+  in shape next to its numbers, then effective throughput at 90 % / 60 % of FCFS, chunked and Apt-Serve on the
+  three datasets (``bench.aptserve_repro``); ``--simulate --ladder``: the reconstruction, piece by piece.
 
 Rates sweep multiples of the single-request service rate; effective throughput = the highest rate with ≥ 90 %
 attainment. Also measures decode throughput at batch 32 vs HF transformers ``generate`` (target P7).
@@ -36,6 +38,16 @@ class ServeBenchConfig(Checked):
 
     quick: bool = flag(False, "few requests, few rates, short decode benchmark")
     simulate: bool = flag(False, "discrete-event simulator, OPT-13B on an A100")
+    paper_tables: bool = flag(False, "with --simulate: the paper's Tables 4 and 5 in shape, then effective "
+                                     "throughput at 90%% / 60%% attainment of fcfs, chunked, aptserve on the three "
+                                     "datasets")
+    ladder: bool = flag(False, "with --simulate: the reconstruction of the paper's setting, piece by piece "
+                               "(ShareGPT effective throughput after each piece)")
+    cost_model: str = flag("physical", "simulator iteration time: physical (A100 roofline with overlap), roofline "
+                                       "(its slopes, anchored at 120 ms for a 50-request decode), linear (the "
+                                       "same anchor, per-request heavy)", choices=("physical", "roofline", "linear"))
+    sim_effective: bool = flag(True, "real mode: also report the simulator's effective throughput at 90%% per "
+                                     "dataset (--no-sim-effective: skip it)")
     dataset: str = flag("sharegpt", "workload lengths", choices=DATASETS)
     systems: str = flag(",".join(SYSTEMS), "comma list of fcfs, chunked, aptserve, aptserve-kv (Apt-Serve "
                                            "scheduling, KV cache only: the paper's ablation); fcfs and aptserve are "
@@ -45,6 +57,8 @@ class ServeBenchConfig(Checked):
                                     check=positive_int)
     rates: str | None = flag(None, "comma-separated req/s (default: auto sweep)",
                              check=comma_list(float, each=positive))
+    stop_below: float = flag(0.5, "a system whose attainment fell below this is not run at higher grid rates",
+                             check=non_negative)
     refine: int = flag(3, "bisection steps on each system's 90%% crossing after the grid (0 = grid only)",
                        check=non_negative)
     cv: float = flag(1.0, "arrival CV (1 = Poisson, >1 Gamma bursts)", check=positive)
@@ -63,6 +77,9 @@ class ServeBenchConfig(Checked):
     threads: int = flag(1, "torch intra-op threads (0 = torch default). 1 by default: the per-iteration GEMMs are "
                            "tiny and two OpenMP threads on a shared 2-core machine stall on a busy core",
                         check=non_negative)
+    timer: str = flag("thread", "real mode: an iteration's time is the engine thread's CPU time (thread: what it "
+                                "takes on an idle core, robust on a shared machine; needs --threads 1, else wall) "
+                                "or the wall time (wall)", choices=("thread", "wall"))
     seed: int = flag(0, "seed of the traces and the weights", check=non_negative)
     out_dir: str = flag("bench-results", "where the PNG and the JSON are written", metavar="DIR")
 
@@ -93,11 +110,17 @@ def _refine(run_one, system: str, pts: list, steps: int, progress, level: float 
     return sorted(pts, key=lambda x: x[0])
 
 
-def _sweep(run_one, rates, systems, progress) -> dict[str, list[dict]]:
-    out = {s: [] for s in systems}
-    for rate in rates:
+def _sweep(run_one, rates, systems, progress, stop_below: float = 0.0) -> dict[str, list[dict | None]]:
+    """Each system at each rate (ascending); a system whose attainment fell below ``stop_below`` is not run at
+    the higher rates (None there): past its wall it only costs time, and the crossings lie below."""
+    out: dict[str, list[dict | None]] = {s: [] for s in systems}
+    for rate in sorted(rates):
         for s in systems:
-            out[s].append(run_one(s, rate))
+            last = next((x for x in reversed(out[s]) if x is not None), None)
+            if last is not None and last["attainment"] < stop_below:
+                out[s].append(None)
+            else:
+                out[s].append(run_one(s, rate))
             progress.update(1)
     return out
 
@@ -279,6 +302,8 @@ def run(cfg: ServeBenchConfig) -> int:
               file=sys.stderr)
         print(json.dumps(dec), flush=True)
         return 0
+    if cfg.simulate and (cfg.paper_tables or cfg.ladder):
+        return _run_paper(cfg)
     from rich.console import Console
     from rich.table import Table
     from tqdm import tqdm
@@ -289,6 +314,7 @@ def run(cfg: ServeBenchConfig) -> int:
     from grserve.scheduler.llm_factory import make_llm_scheduler
 
     systems = split_commas(cfg.systems)
+    timer = cfg.timer if torch.get_num_threads() == 1 else "wall"  # thread CPU time misses other OpenMP threads
     console = Console(stderr=False)
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -301,9 +327,11 @@ def run(cfg: ServeBenchConfig) -> int:
                   "num_requests": n_req, "mean_prompt": mean_p, "mean_output": mean_o}
 
     if cfg.simulate:
-        cost = CostModel.opt13b_a100()
+        from grserve.bench.aptserve_repro import kv_blocks_opt13b_a100
+
+        cost = CostModel.preset(cfg.cost_model)
         ttft_slo, tbt_slo = TABLE3[cfg.dataset]
-        num_blocks, hidden_planes = 1625, 1
+        num_blocks, hidden_planes = kv_blocks_opt13b_a100(), 1
         rho = cost.rho_h
         single = cost.iteration_time([_Item(0, int(mean_p), "kv")]) + mean_o * cost.iteration_time(
             [_Item(int(mean_p + mean_o / 2), 1, "kv")])
@@ -313,10 +341,11 @@ def run(cfg: ServeBenchConfig) -> int:
 
         model = load_model(cfg.model, seed=cfg.seed)
         spec = model.spec
-        rho = calibrate_rho(model)
+        rho = calibrate_rho(model, timer=time.thread_time if timer == "thread" else time.perf_counter)
         hidden_planes = -(-spec.hidden_size // spec.kv_size)
-        # single-request latencies (engine, FCFS, one request alone)
-        eng = build_model_engine(model, make_llm_scheduler("fcfs"), num_blocks=4096, block_size=cfg.block_size)
+        # single-request latencies (engine, FCFS, one request alone), timed as the sweep is
+        cal = build_model_engine(model, make_llm_scheduler("fcfs"), num_blocks=4096, block_size=cfg.block_size)
+        eng = LLMEngine(cal.scheduler, cal.pool, TimedExecutor(cal.executor, timer), clock=VirtualClock())
         from grserve.engine.sampling import SamplingParams
 
         eng.generate([[5] * 16], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))  # warm-up
@@ -334,7 +363,7 @@ def run(cfg: ServeBenchConfig) -> int:
         per_tok_kv = 2 * cfg.block_size
         num_blocks = int(cfg.mem_requests * (mean_p + mean_o) / cfg.block_size * 2) + per_tok_kv
         single = prefill_lat + mean_o * step_lat
-        info.update(single_prefill_s=prefill_lat, single_step_s=step_lat, model=cfg.model)
+        info.update(single_prefill_s=prefill_lat, single_step_s=step_lat, model=cfg.model, timer=timer)
     mu = 1.0 / single  # single-request service rate
     if cfg.rates:
         rates = split_commas(cfg.rates, float)
@@ -351,12 +380,13 @@ def run(cfg: ServeBenchConfig) -> int:
         pool = BlockPool(num_blocks, cfg.block_size, kv_planes=2, hidden_planes=hidden_planes)
         pol = make_llm_scheduler(system, ttft_slo=ttft_slo, tbt_slo=tbt_slo, rho=rho,
                                  token_budget=512 if cfg.simulate else 128,
-                                 max_num_batched_tokens=2048 if cfg.simulate else 512)
+                                 max_num_batched_tokens=2048 if cfg.simulate else 512,
+                                 watermark=0.01 if cfg.simulate else 0.0)
         if cfg.simulate:
             eng = LLMEngine(pol, pool, SimulatedExecutor(cost), clock=clock)
         else:
             real = build_model_engine(model, pol, num_blocks=num_blocks, block_size=cfg.block_size)
-            eng = LLMEngine(pol, real.pool, TimedExecutor(real.executor), clock=clock)
+            eng = LLMEngine(pol, real.pool, TimedExecutor(real.executor, timer), clock=clock)
         res = run_trace(eng, trace, clock)
         a = attainment(res.requests, ttft_slo, tbt_slo)
         a.update(rate=rate, hidden_scheduled=res.stats["hidden_scheduled"], preemptions=res.stats["preemptions"])
@@ -364,10 +394,12 @@ def run(cfg: ServeBenchConfig) -> int:
 
     total = len(rates) * len(systems)
     with tqdm(total=total, desc="rate sweep", file=sys.stderr) as bar:
-        sweep = _sweep(run_one, rates, systems, bar)
+        rates = sorted(rates)
+        sweep = _sweep(run_one, rates, systems, bar, cfg.stop_below)
     # each system's own points: the grid, then bisection of its 90 % crossing (a coarse grid's linear
     # interpolation can misplace a cliff by most of a grid step)
-    points = {s: sorted(zip(rates, sweep[s]), key=lambda x: x[0]) for s in systems}
+    points = {s: sorted(((r, x) for r, x in zip(rates, sweep[s]) if x is not None), key=lambda x: x[0])
+              for s in systems}
     if cfg.refine > 0:
         with tqdm(total=cfg.refine * len(systems), desc="refine crossing", file=sys.stderr) as bar:
             for s in systems:
@@ -381,7 +413,8 @@ def run(cfg: ServeBenchConfig) -> int:
     for s in systems:
         table.add_column(s, justify="right")
     for i, r in enumerate(rates):
-        table.add_row(f"{r:.3g}", *[f"{sweep[s][i]['attainment']:.0%} (ttft {sweep[s][i]['ttft_attainment']:.0%})"
+        table.add_row(f"{r:.3g}", *["—" if sweep[s][i] is None else
+                                    f"{sweep[s][i]['attainment']:.0%} (ttft {sweep[s][i]['ttft_attainment']:.0%})"
                                     for s in systems])
     if cfg.refine > 0:
         table.add_row("refined points", *[", ".join(f"{r:.3g}: {x['attainment']:.0%}" for r, x in points[s]
@@ -416,10 +449,101 @@ def run(cfg: ServeBenchConfig) -> int:
               for a in ("aptserve", "aptserve-kv") for b in ("fcfs", "chunked") if a in eff and b in eff}
     summary = {"effective_throughput": eff, **ratios, "decode_speedup_vs_hf": dec["speedup"] if dec else None,
                "png": str(png), **{k: v for k, v in info.items() if k != "rates"}}
+    if not cfg.simulate and cfg.sim_effective:  # the paper-scale counterpart, at 90 % (the simulator, seconds)
+        from grserve.bench import aptserve_repro as repro
+
+        with tqdm(desc="simulated effective throughput", file=sys.stderr) as bar:
+            sim = repro.effective_table(repro.Runner(lambda: bar.update(1), cache_dir=out_dir / "sim-cache"),
+                                        repro.Setting(cost=cfg.cost_model), levels=(0.9,), steps=2)
+        summary["simulated_effective_throughput"] = {ds: {x: v[0.9] for x, v in row.items()} for ds, row in
+                                                     sim.items()}
+        console.print(f"simulated (OPT-13B/A100, {cfg.cost_model}) effective throughput @90%: "
+                      f"{summary['simulated_effective_throughput']}")
     (out_dir / f"serve_{info['mode']}_{cfg.dataset}.json").write_text(json.dumps(
         {"summary": summary, "sweep": sweep, "points": {k: [[r, x] for r, x in v] for k, v in points.items()},
          "decode": dec}, indent=2))
     print(json.dumps(summary), flush=True)
+    return 0
+
+
+def _pct(x) -> str:
+    return "—" if x is None else f"{x:.1f}"
+
+
+def _run_paper(cfg: ServeBenchConfig) -> int:
+    """``--simulate --paper-tables`` / ``--ladder``: the paper-scale reproduction (bench/aptserve_repro.py)."""
+    import dataclasses
+
+    from rich.console import Console
+    from rich.table import Table
+    from tqdm import tqdm
+
+    from grserve.bench import aptserve_repro as R
+
+    console = Console()
+    s = R.Setting(cost=cfg.cost_model, seed=cfg.seed, num_requests=cfg.num_requests or 500)
+    out_dir = Path(cfg.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    summary: dict = {"mode": "simulate", "setting": dataclasses.asdict(s)}
+    t0 = time.perf_counter()
+    with tqdm(desc="simulations", file=sys.stderr) as bar:
+        runner = R.Runner(lambda: bar.update(1), cache_dir=out_dir / "sim-cache")
+        if cfg.ladder:  # each piece on top of the previous ones, then alternatives to the final setting (90 %)
+            systems = ("fcfs", "aptserve")
+            rows, st = [], R.BEFORE
+            for label, change in R.LADDER + R.ALTERNATIVES:
+                cur = (st := st.replace(**change)) if (label, change) in R.LADDER else st.replace(**change)
+                rows.append({"piece": label, "setting": dataclasses.asdict(cur),
+                             "eff": {x: runner.crossings(cur, "sharegpt", x, levels=(0.9,))[0.9] for x in systems}})
+            t = Table(title="ShareGPT, Poisson: effective throughput (req/s) at 90% after each piece")
+            t.add_column("piece")
+            for x in systems:
+                t.add_column(x, justify="right")
+            t.add_column("aptserve / fcfs", justify="right")
+            for row in rows:
+                e = row["eff"]
+                t.add_row(row["piece"], *[f"{e[x]:.2f}" for x in systems],
+                          f"{e['aptserve'] / e['fcfs']:.2f}x" if e["fcfs"] else "—")
+            console.print(t)
+            summary["ladder"] = [{"piece": r["piece"], "eff_90": r["eff"]} for r in rows]
+        if cfg.paper_tables:
+            abl = R.ablation_tables(runner, s)
+            t = Table(title=f"Tables 4 and 5 in shape: SLO attainment (%), ours (paper) — cost model {s.cost}")
+            for c in ("dataset", "rate", "CV", "T5 FCFS (hybrid)", "T5/T4 adaptive (hybrid)", "T4 KV-only",
+                      "vLLM FCFS (KV)"):
+                t.add_column(c, justify="right")
+            for r in abl:
+                o, p = r["ours"], r["paper"]
+                t.add_row(r["dataset"], f"{r['rate']:g}", f"{r['cv']:g}",
+                          *[f"{o[x]:.1f} ({_pct(p.get(x))})" for x in ("fcfs-hybrid", "aptserve", "aptserve-kv")],
+                          f"{o['fcfs']:.1f}")
+            console.print(t)
+            eff = R.effective_table(runner, s)
+            t = Table(title="Effective throughput (req/s) at 90% / 60% attainment; Apt-Serve's gain (paper's)")
+            for c in ("dataset", "fcfs", "chunked", "aptserve", "apt/fcfs @90", "apt/chunked @90", "apt/fcfs @60",
+                      "apt/chunked @60"):
+                t.add_column(c, justify="right")
+            gains: dict = {}
+            for ds, row in eff.items():
+                g = {}
+                for lv in (0.9, 0.6):
+                    for b in ("fcfs", "chunked"):
+                        g[f"{b}_{int(lv * 100)}"] = row["aptserve"][lv] / row[b][lv] if row[b][lv] else None
+                gains[ds] = g
+                pg = R.PAPER_GAIN[ds]
+                t.add_row(ds, *[f"{row[x][0.9]:.2f} / {row[x][0.6]:.2f}" for x in ("fcfs", "chunked", "aptserve")],
+                          *[f"{_pct(g[k]) if g[k] is None else format(g[k], '.2f')}x ({pg[lv][i]}x)"
+                            for k, lv, i in (("fcfs_90", 0.9, 0), ("chunked_90", 0.9, 1), ("fcfs_60", 0.6, 0),
+                                             ("chunked_60", 0.6, 1))])
+            console.print(t)
+            summary.update(table45=[{**r, "ours": {k: round(v, 1) for k, v in r["ours"].items()}} for r in abl],
+                           effective_throughput={ds: {x: {"90": v[0.9], "60": v[0.6]} for x, v in row.items()}
+                                                 for ds, row in eff.items()},
+                           aptserve_gain=gains)
+    summary["wall_s"] = time.perf_counter() - t0
+    summary["simulations"] = len(runner.cache)
+    (out_dir / "paper_tables.json").write_text(json.dumps(summary, indent=2, default=str))
+    print(json.dumps(summary, default=str), flush=True)
     return 0
 
 

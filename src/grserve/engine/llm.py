@@ -89,6 +89,7 @@ class Sequence:
     error: str | None = None
     prefix_saved: bool = False  # this (re)prefill's tokens were offered to the prefix cache
     cached_tokens: int = 0  # prompt tokens its last admission took from the prefix cache (usage.cached_tokens)
+    last_scheduled: float | None = None  # start of the last iteration that computed tokens for it (pending time)
 
     @property
     def tokens(self) -> list[int]:
@@ -161,7 +162,7 @@ class ModelExecutor:
             return self.model.logits(last), None
 
 
-def calibrate_rho(model, token_counts=(32, 128, 512), repeats: int = 3) -> float:
+def calibrate_rho(model, token_counts=(32, 128, 512), repeats: int = 3, timer=time.perf_counter) -> float:
     """ρ (seconds per cached token): the slope of the all-layer K/V re-projection time vs tokens (§4.2 'profiled
     before serving'; the Repo times the fused QKV linear and divides by 5 — we time exactly ``kv_from_hidden``
     and do not divide)."""
@@ -173,10 +174,10 @@ def calibrate_rho(model, token_counts=(32, 128, 512), repeats: int = 3) -> float
             pos = torch.arange(n, device=model.device)
             best = float("inf")
             for _ in range(repeats):
-                t0 = time.perf_counter()
+                t0 = timer()
                 for layer in range(spec.num_hidden_layers):
                     model.kv_from_hidden(layer, h, pos)
-                best = min(best, time.perf_counter() - t0)
+                best = min(best, timer() - t0)
             xs.append(n), ys.append(best)
     n = len(xs)
     mx, my = sum(xs) / n, sum(ys) / n
@@ -263,7 +264,7 @@ class LLMEngine:
         p = self.pool
         return SeqView(s.seq_id, s.arrival, s.token_times[-1] if s.token_times else None, s.num_tokens,
                        s.num_computed, len(s.output_ids), s.cache, p.blocks_of(s.seq_id),
-                       p.freeable_blocks(s.seq_id) if p.shared_credit else -1)
+                       p.freeable_blocks(s.seq_id) if p.shared_credit else -1, s.last_scheduled)
 
     def scheduler_input(self) -> SchedulerInput:
         """Shared prefix blocks: a table counts them all (its growth arithmetic), so the total is raised by the
@@ -327,6 +328,8 @@ class LLMEngine:
             items.append(ExecItem(seq, seq.num_computed, n, x.cache, seq.num_computed + n == seq.num_tokens))
         # 3. forward
         t0 = self.clock()
+        for it in items:
+            it.seq.last_scheduled = t0
         logits, duration = self.executor.execute(items, self.pool)
         if duration is not None:  # simulated executor: advance the virtual clock
             self.clock_advance(duration)

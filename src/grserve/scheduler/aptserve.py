@@ -2,8 +2,12 @@
 
 Per iteration (digest §5.7; our decisions are in docs/llm.md):
 
-1. p_i = time since arrival (no token yet) or since the last token; m_i = KV blocks for all n_i tokens
-   (for a running request that includes the slot of the token it is about to compute).
+1. p_i = time since arrival (no token yet) or since the last token (``pending="last_token"``, the paper's
+   words), or since the request was last scheduled (``pending="last_scheduled"``, the default: the start of the
+   last iteration that computed for it; on a real clock the time since the last token reads ≈ 0 right after
+   every decode, so Σ_R p ≈ 0 and any waiting request wins the iteration type — docs/llm.md); m_i = KV blocks
+   for all n_i tokens (for a running request that includes the slot of the token it is about to compute).
+   The SLO-violation test (4.) always uses the time since the last token (that is what the TBT SLO measures).
 2. Iteration type: with R empty → prefill. Otherwise prefill iff Σ_W p > Σ_R p **and** the prefill greedy picks
    something (Repo's fallback); else decode.
 3. Values (Eq. 5–6): g_kv = p_i, g_hidden = p_i − N·ρ·n_i with N = |W| + |R| minus the requests already past their
@@ -25,15 +29,25 @@ from grserve.scheduler.knapsack import Candidate, greedy
 from grserve.scheduler.llm_types import LLM_SCHEDULERS, ScheduledSeq, SchedulerInput, SchedulerOutput, SeqView
 
 
+PENDING_RULES = ("last_token", "last_scheduled")
+
+
+def pending_time(s: SeqView, now: float, rule: str) -> float:
+    return s.pending(now) if rule == "last_token" else s.pending_since_scheduled(now)
+
+
 @LLM_SCHEDULERS.register("aptserve")
 class AptServeScheduler:
     name = "aptserve"
 
     def __init__(self, ttft_slo: float = 1.0, tbt_slo: float = 1.0, rho: float = 0.0, hybrid: bool = True,
                  demotion: str = "near_zero", decay: float = 0.4, max_num_batched_tokens: int = 2048,
-                 max_num_seqs: int = 256, **_ignored):
+                 max_num_seqs: int = 256, pending: str = "last_scheduled", **_ignored):
         if demotion not in ("near_zero", "decay"):
             raise ValueError("demotion must be 'near_zero' or 'decay'")
+        if pending not in PENDING_RULES:
+            raise ValueError(f"pending must be one of {PENDING_RULES}")
+        self.pending = pending
         self.ttft_slo, self.tbt_slo = ttft_slo, tbt_slo
         self.rho = rho
         self.hybrid = hybrid
@@ -47,15 +61,15 @@ class AptServeScheduler:
         return s.pending(now) > (self.tbt_slo if s.prefilled else self.ttft_slo)
 
     @staticmethod
-    def iteration_type(inp: SchedulerInput) -> str:
+    def iteration_type(inp: SchedulerInput, pending: str = "last_token") -> str:
         """The paper's rule: prefill iff Σ_W p > Σ_R p (R empty → prefill; W empty → decode)."""
         if not inp.waiting:
             return "decode"
         if not inp.running:
             return "prefill"
         now = inp.now
-        return "prefill" if sum(s.pending(now) for s in inp.waiting) > sum(s.pending(now) for s in inp.running) \
-            else "decode"
+        return "prefill" if sum(pending_time(s, now, pending) for s in inp.waiting) > \
+            sum(pending_time(s, now, pending) for s in inp.running) else "decode"
 
     def candidates(self, inp: SchedulerInput, seqs: tuple[SeqView, ...], decode: bool = False) -> list[Candidate]:
         """One candidate per request. ``decode=True`` (U = R): a running request can only be kept in the kind
@@ -63,14 +77,15 @@ class AptServeScheduler:
         valued g_kv or g_hidden, costing that kind's blocks; the solution's "kv" then means "keep"."""
         now, pool = inp.now, inp.pool
         everyone = inp.waiting + inp.running
-        n_violated = sum(self.violated(s, now) for s in everyone)
-        n = max(1, len(everyone) - n_violated)
-        waiting_p = [s.pending(now) for s in inp.waiting]
+        late = {s.seq_id for s in everyone if self.violated(s, now)}
+        n = max(1, len(everyone) - len(late))
+        since_scheduled = self.pending != "last_token"
+        waiting_p = [s.pending_since_scheduled(now) if since_scheduled else s.pending(now) for s in inp.waiting]
         eps = (min(waiting_p) * 1e-4 / pool.total_blocks) if waiting_p else 1e-6
         eps = max(eps, 1e-12)
         out = []
         for s in seqs:
-            p = s.pending(now)
+            p = s.pending_since_scheduled(now) if since_scheduled else s.pending(now)
             c_kv = pool.blocks_for(s.num_tokens, "kv")
             c_h = pool.blocks_for(s.num_tokens, "hidden") if self.hybrid else None
             g_h = p - n * self.rho * s.num_tokens if self.hybrid else None
@@ -79,7 +94,7 @@ class AptServeScheduler:
                     None, None
             elif decode:  # keep-as-KV is the only option
                 c_h, g_h = None, None
-            if self.violated(s, now):
+            if s.seq_id in late:
                 if self.demotion == "near_zero":
                     out.append(Candidate(s.seq_id, p, c_kv, theta_override=eps))
                     continue
@@ -92,7 +107,7 @@ class AptServeScheduler:
     def schedule(self, inp: SchedulerInput) -> SchedulerOutput:
         if not inp.waiting and not inp.running:
             return SchedulerOutput("idle")
-        if self.iteration_type(inp) == "prefill":
+        if self.iteration_type(inp, self.pending) == "prefill":
             out = self._prefill(inp)
             if out.scheduled or not inp.running:
                 return out

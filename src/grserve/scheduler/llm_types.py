@@ -18,7 +18,7 @@ is decoding (its newest token is not yet in the cache).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Literal, NamedTuple, Protocol
 
 from grserve.kvcache.blocks import CacheKind
 from grserve.registry import Registry
@@ -26,8 +26,10 @@ from grserve.registry import Registry
 IterationKind = Literal["prefill", "decode", "mixed", "idle"]
 
 
-@dataclass(frozen=True)
-class SeqView:
+class SeqView(NamedTuple):
+    """One request as a policy sees it (a named tuple: immutable, and cheap to build — the engine builds one per
+    request per iteration, the simulator's hot path)."""
+
     seq_id: int
     arrival: float
     last_token_time: float | None  # None until the first output token
@@ -37,6 +39,7 @@ class SeqView:
     cache: CacheKind | None  # kind of the blocks it holds (None when waiting)
     held_blocks: int
     freeable_blocks: int = -1  # blocks its preemption frees (shared prefix blocks excluded); -1: held_blocks
+    last_scheduled: float | None = None  # start of the last iteration that computed tokens for it
 
     @property
     def freed_by_preemption(self) -> int:
@@ -49,6 +52,15 @@ class SeqView:
     def pending(self, now: float) -> float:
         """p_i (§4.2): time since arrival before the first token, else since the last token."""
         return now - (self.arrival if self.last_token_time is None else self.last_token_time)
+
+    def pending_since_scheduled(self, now: float) -> float:
+        """Time since the request was last *scheduled* (the start of the last iteration that computed tokens
+        for it), or since arrival if never: the gap its next token will close, which — unlike the time since
+        its last token — does not read 0 right after every decode (docs/llm.md, real clocks)."""
+        t = self.last_scheduled
+        if t is None:
+            t = self.arrival if self.last_token_time is None else self.last_token_time
+        return now - t
 
 
 @dataclass(frozen=True)
