@@ -18,7 +18,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 from rich.console import Console
@@ -26,9 +26,8 @@ from rich.table import Table
 from tqdm import tqdm
 
 from grserve.bench import traces as T
-from grserve.bench.cache_trace import TRACE_POLICIES
-from grserve.eviction import AccessListOracle, NoisyPredictor, PredictorConfig, make_policy, simulate
-from grserve.eviction.predictor import LearnedPredictor
+from grserve.bench.cache_trace import TRACE_POLICIES, bench_predictor
+from grserve.eviction import AccessListOracle, NoisyPredictor, make_policy, simulate
 from grserve.flags import Checked, comma_list, config_command, flag, fraction, non_negative, positive_int, split_commas
 
 LEARNED = ("fpb", "hf", "laru")
@@ -116,12 +115,6 @@ def build_workloads(names: list[str], quick: bool, seed: int) -> list[Workload]:
 
 
 # ---- one run per (workload, size, policy, predictor, p) -----------------------------------------------------------
-def _learned(k: int, static: Callable | None = None) -> LearnedPredictor:
-    cfg = PredictorConfig(horizon=8 * k, window=max(32 * k, 16_384), retrain_every=max(4 * k, 2048),
-                          min_train=256)
-    return LearnedPredictor(cfg, static_feature=static)
-
-
 def _policy_kw(policy: str, args: CacheBenchConfig, predictor_kind: str) -> dict:
     kw: dict = {}
     if predictor_kind == "lgbm":
@@ -138,7 +131,7 @@ def run_paging(keys: list[int], k: int, policy: str, predictor: str, p: float, a
     elif policy == "opt":
         pol = make_policy("belady", k, oracle=AccessListOracle(oracle_times))
     elif predictor == "lgbm":
-        pol = make_policy(policy, k, predictor=_learned(k), **_policy_kw(policy, args, "lgbm"))
+        pol = make_policy(policy, k, predictor=bench_predictor(k), **_policy_kw(policy, args, "lgbm"))
     else:
         pred = NoisyPredictor(AccessListOracle(oracle_times), p, seed=args.seed)
         pol = make_policy(policy, k, predictor=pred, **_policy_kw(policy, args, "oracle"))
@@ -159,7 +152,7 @@ def run_prefix(reqs, cap: int, policy: str, predictor: str, p: float, args, time
     elif policy == "opt":
         pol = make_policy("belady", cap, oracle=AccessListOracle(times_cache["times"]))
     elif predictor == "lgbm":
-        pol = make_policy(policy, cap, predictor=_learned(256, static=lambda ident: float(ident[0])),
+        pol = make_policy(policy, cap, predictor=bench_predictor(256, static=lambda ident: float(ident[0])),
                           **_policy_kw(policy, args, "lgbm"))
     else:
         pred = NoisyPredictor(AccessListOracle(times_cache["times"]), p, seed=args.seed)
@@ -199,7 +192,7 @@ def run_dlrm(batches, cap: int, policy: str, predictor: str, p: float, args, tim
         oracle = AccessListOracle(times)
         factory = lambda s, w: make_policy("belady", w, oracle=oracle)  # noqa: E731
     elif predictor == "lgbm":
-        shared = _learned(cap, static=float)
+        shared = bench_predictor(cap, static=float)
         factory = lambda s, w: make_policy(policy, w, predictor=shared, **_policy_kw(policy, args, "lgbm"))  # noqa: E731
     else:
         shared = NoisyPredictor(AccessListOracle(times), p, seed=args.seed)

@@ -21,14 +21,22 @@ import os
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, Callable
 
 from grserve.bench.trace_file import (
     LCS_ALGOS, PathTrace, libcachesim_available, load_trace, run_libcachesim, write_lcs_csv)
-from grserve.eviction import AccessListOracle, make_policy
+from grserve.eviction import AccessListOracle, PredictorConfig, make_policy
+from grserve.eviction.predictor import LearnedPredictor
 from grserve.eviction.prefix_sim import simulate_paths
 
 TRACE_POLICIES = ("lru", "opt", "lfu", "fpb", "hf", "laru", "density", "leader", "leader-inverted", "libcachesim")
+
+
+def bench_predictor(k: int, static: Callable | None = None) -> LearnedPredictor:
+    """The online LightGBM predictor at the cache benches' settings for a cache of ``k`` items."""
+    cfg = PredictorConfig(horizon=8 * k, window=max(32 * k, 16_384), retrain_every=max(4 * k, 2048),
+                          min_train=256)
+    return LearnedPredictor(cfg, static_feature=static)
 
 
 def default_prefix_policy() -> str:
@@ -45,10 +53,8 @@ def _policy(name: str, k: int, keys: list, oracle_cache: dict) -> tuple[Any, str
     if name == "lfu":
         return make_policy("lfu", k, window=10 * k), "none"
     if name in ("fpb", "hf", "laru"):
-        from grserve.bench.cache import _learned
-
         kw: dict = dict(mode="async", async_batch=64)
-        return make_policy(name, k, predictor=_learned(k), **kw), "lgbm"
+        return make_policy(name, k, predictor=bench_predictor(k), **kw), "lgbm"
     if name in ("density", "leader"):
         return make_policy(name, k), "learned"
     if name == "leader-inverted":
