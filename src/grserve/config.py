@@ -353,4 +353,5 @@ class ClusterConfig(Checked):
                                 check=non_negative)
     kv_snapshot: bool = flag(True, "instances hand the front end a copy of each prompt's KV at the end of its "
                                    "prefill, so a request can migrate with its KV instead of recomputing")
-    instance_threads: int = flag(1, "torch threads per instance actor", check=positive_int)
+    instance_threads: int = flag(0, "torch threads per instance actor; 0 = a share of this machine's cores, "
+                                    "max(1, cores // instances)", check=non_negative)
