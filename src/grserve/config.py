@@ -347,7 +347,7 @@ class ClusterConfig(Checked):
                                check=non_negative)
     heartbeat_timeout_s: float = flag(2.0, "an instance whose poll has not answered for this long is fenced "
                                            "(killed) and its requests move", check=positive)
-    poll_wait_s: float = flag(0.05, "longest wait of one poll of an instance (the heartbeat period)",
+    poll_wait_s: float = flag(0.25, "longest wait of one poll of an instance (the heartbeat period when idle)",
                               check=positive)
     migration_limit: int = flag(2, "moves per request after instance deaths; one more death fails it (503)",
                                 check=non_negative)

@@ -9,7 +9,7 @@ trace's timestamps compressed so the slice spans ``--duration-s``.
 
 Every policy (round_robin, least_loaded, kv) replays the same requests at the same arrivals on the same instances,
 each starting from empty prefix caches. Per policy: prefix-cache hit rate (prompt tokens copied from a prefix
-cache ÷ prompt tokens), mean and P99 TTFT (submit → first token at the front end), requests per instance. Then the
+cache ÷ prompt tokens; also in blocks: hit tokens ÷ ``--block-tokens`` ÷ prompt blocks), mean, median and P99 TTFT (submit → first token at the front end), requests per instance. Then the
 fault run: the kv policy again, and when one instance holds a request still in prefill and one in decode, that
 instance is killed by its own PID (SIGKILL); the run is compared with the kv run without the fault. Last line: one
 JSON object (keys in ``docs/cluster.md``).
@@ -42,11 +42,12 @@ class ClusterBenchConfig(Checked):
                       metavar="FILE")
     start: int = flag(0, "first request of the slice", check=lambda v: None if v >= 0 else "must be >= 0")
     requests: int = flag(600, "requests in the slice", check=positive_int)
-    block_tokens: int = flag(8, "tokens per trace block (512 in the trace)", check=positive_int)
-    max_prompt_blocks: int = flag(64, "prompts are cut after this many blocks", check=positive_int)
+    block_tokens: int = flag(32, "tokens per trace block (512 in the trace); 32 makes an uncached prompt's prefill "
+                                 "outweigh the fixed per-request cost here (docs/cluster.md)", check=positive_int)
+    max_prompt_blocks: int = flag(32, "prompts are cut after this many blocks", check=positive_int)
     output_scale: float = flag(1 / 64, "output tokens = trace output_length × this", check=positive)
     max_output: int = flag(16, "most output tokens per request", check=positive_int)
-    duration_s: float = flag(60.0, "the slice's arrivals are compressed to span this many seconds", check=positive)
+    duration_s: float = flag(120.0, "the slice's arrivals are compressed to span this many seconds", check=positive)
     instances: int = flag(3, "engine instances (Ray actors)", check=positive_int)
     model: str = flag("tiny", "preset or HF dir", metavar="PRESET_OR_DIR")
     prefix_cache_tokens: int = flag(65536, "prefix cache per instance (tokens)", check=positive_int)
