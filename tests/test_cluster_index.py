@@ -285,3 +285,12 @@ def test_cache_weight_trades_balance_for_affinity():
         r = Router(2, "kv", block_size=4, index=idx, cache_weight=cw)
         r.load[0].prefill_tokens = 60
         assert r.route("x", prompt, 4).instance == expect
+
+
+def test_instance_threads_share_the_cores():
+    from grserve.cluster.ray_runtime import instance_threads
+
+    assert instance_threads(0, 3, cores=2) == 1
+    assert instance_threads(0, 2, cores=16) == 8
+    assert instance_threads(0, 4, cores=16) == 4
+    assert instance_threads(3, 4, cores=16) == 3  # an explicit count wins

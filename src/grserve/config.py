@@ -349,10 +349,11 @@ class ClusterConfig(Checked):
                                check=non_negative)
     heartbeat_timeout_s: float = flag(2.0, "an instance whose poll has not answered for this long is fenced "
                                            "(killed) and its requests move", check=positive)
-    poll_wait_s: float = flag(0.05, "longest wait of one poll of an instance (the heartbeat period)",
+    poll_wait_s: float = flag(0.25, "longest wait of one poll of an instance (the heartbeat period when idle)",
                               check=positive)
     migration_limit: int = flag(2, "moves per request after instance deaths; one more death fails it (503)",
                                 check=non_negative)
     kv_snapshot: bool = flag(True, "instances hand the front end a copy of each prompt's KV at the end of its "
                                    "prefill, so a request can migrate with its KV instead of recomputing")
-    instance_threads: int = flag(1, "torch threads per instance actor", check=positive_int)
+    instance_threads: int = flag(0, "torch threads per instance actor; 0 = a share of this machine's cores, "
+                                    "max(1, cores // instances)", check=non_negative)

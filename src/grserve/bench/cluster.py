@@ -9,7 +9,7 @@ trace's timestamps compressed so the slice spans ``--duration-s``.
 
 Every policy (round_robin, least_loaded, kv) replays the same requests at the same arrivals on the same instances,
 each starting from empty prefix caches. Per policy: prefix-cache hit rate (prompt tokens copied from a prefix
-cache ÷ prompt tokens), mean and P99 TTFT (submit → first token at the front end), requests per instance. Then the
+cache ÷ prompt tokens; also in blocks: hit tokens ÷ ``--block-tokens`` ÷ prompt blocks), mean, median and P99 TTFT (submit → first token at the front end), requests per instance. Then the
 fault run: the kv policy again, and when one instance holds a request still in prefill and one in decode, that
 instance is killed by its own PID (SIGKILL); the run is compared with the kv run without the fault. Last line: one
 JSON object (keys in ``docs/cluster.md``).
@@ -42,11 +42,12 @@ class ClusterBenchConfig(Checked):
                       metavar="FILE")
     start: int = flag(0, "first request of the slice", check=lambda v: None if v >= 0 else "must be >= 0")
     requests: int = flag(600, "requests in the slice", check=positive_int)
-    block_tokens: int = flag(8, "tokens per trace block (512 in the trace)", check=positive_int)
-    max_prompt_blocks: int = flag(64, "prompts are cut after this many blocks", check=positive_int)
+    block_tokens: int = flag(32, "tokens per trace block (512 in the trace); 32 makes an uncached prompt's prefill "
+                                 "outweigh the fixed per-request cost here (docs/cluster.md)", check=positive_int)
+    max_prompt_blocks: int = flag(32, "prompts are cut after this many blocks", check=positive_int)
     output_scale: float = flag(1 / 64, "output tokens = trace output_length × this", check=positive)
     max_output: int = flag(16, "most output tokens per request", check=positive_int)
-    duration_s: float = flag(60.0, "the slice's arrivals are compressed to span this many seconds", check=positive)
+    duration_s: float = flag(120.0, "the slice's arrivals are compressed to span this many seconds", check=positive)
     instances: int = flag(3, "engine instances (Ray actors)", check=positive_int)
     model: str = flag("tiny", "preset or HF dir", metavar="PRESET_OR_DIR")
     prefix_cache_tokens: int = flag(65536, "prefix cache per instance (tokens)", check=positive_int)
@@ -151,11 +152,14 @@ def replay(engine, reqs: list[TraceRequest], on_submit=None) -> dict:
             if f"r{k}" in recs and recs[f"r{k}"].first_token_at is not None]
     prompt_tokens = sum(len(r.prompt) for r in reqs)
     hits = sum(inst.stats.get("prefix_hit_tokens", 0) for inst in engine.instances)
+    block = max(1, engine.cc.kv_block_size)  # the bench sets it to --block-tokens: one trace block
+    hit_blocks = sum(inst.stats.get("prefix_hit_tokens", 0) // block for inst in engine.instances)
     detail = [(recs[f"r{k}"].instance, len(r.prompt), recs[f"r{k}"].submitted_at - t0,
                (recs[f"r{k}"].first_token_at or float("nan")) - recs[f"r{k}"].submitted_at)
               for k, r in enumerate(reqs) if f"r{k}" in recs]
     return {"outputs": outputs, "lost": lost, "requests": detail, "ttft_mean": float(np.mean(ttft)), "ttft_p99": float(np.percentile(ttft, 99)),
-            "hit_rate": hits / prompt_tokens, "per_instance": list(engine.router.routed),
+            "ttft_median": float(np.median(ttft)), "hit_rate": hits / prompt_tokens,
+            "hit_rate_blocks": hit_blocks / max(1, sum(r.blocks for r in reqs)), "per_instance": list(engine.router.routed),
             "decisions": dict(engine.router.decisions), "wall_s": time.perf_counter() - t0,
             "counters": dict(engine.counters)}
 
@@ -235,7 +239,8 @@ def _warm_up(engine, reqs: list[TraceRequest]) -> None:
 
 
 def _row(name: str, r: dict) -> str:
-    return (f"{name:>13}  hit rate {r['hit_rate']:.3f}  TTFT mean {r['ttft_mean'] * 1e3:8.1f} ms  "
+    return (f"{name:>13}  hit rate {r['hit_rate']:.3f} (blocks {r['hit_rate_blocks']:.3f})  TTFT mean "
+            f"{r['ttft_mean'] * 1e3:8.1f} ms  median {r['ttft_median'] * 1e3:8.1f} ms  "
             f"P99 {r['ttft_p99'] * 1e3:8.1f} ms  per instance {r['per_instance']}  wall {r['wall_s']:.1f} s")
 
 
@@ -276,9 +281,10 @@ def run(cfg: ClusterBenchConfig) -> int:
 def _mean_runs(runs: list[dict]) -> dict:
     """One policy's rounds: means of the numbers; the outputs of the first round (all rounds must agree)."""
     out = dict(runs[0])
-    for key in ("hit_rate", "ttft_mean", "ttft_p99", "wall_s"):
+    for key in ("hit_rate", "hit_rate_blocks", "ttft_mean", "ttft_median", "ttft_p99", "wall_s"):
         out[key] = float(np.mean([r[key] for r in runs]))
-    out["rounds"] = [{k: r[k] for k in ("hit_rate", "ttft_mean", "ttft_p99", "per_instance", "requests")}
+    out["rounds"] = [{k: r[k] for k in ("hit_rate", "hit_rate_blocks", "ttft_mean", "ttft_median", "ttft_p99",
+                                        "per_instance", "requests")}
                      for r in runs]
     out["outputs_agree_across_rounds"] = all(r["outputs"] == runs[0]["outputs"] for r in runs)
     return out
@@ -288,7 +294,11 @@ def _summary(results: dict, fault: dict) -> dict:
     rr, kv = results["round_robin"], results["kv"]
     out = {"hit_rate_ratio_vs_rr": kv["hit_rate"] / max(rr["hit_rate"], 1e-9),
            "ttft_ratio_rr_over_kv": rr["ttft_mean"] / kv["ttft_mean"],
+           "hit_rate_blocks_ratio_vs_rr": kv["hit_rate_blocks"] / max(rr["hit_rate_blocks"], 1e-9),
+           "ttft_median_ratio_rr_over_kv": rr["ttft_median"] / kv["ttft_median"],
            "hit_rate": {p: results[p]["hit_rate"] for p in POLICIES},
+           "hit_rate_blocks": {p: results[p]["hit_rate_blocks"] for p in POLICIES},
+           "ttft_median_s": {p: results[p]["ttft_median"] for p in POLICIES},
            "ttft_mean_s": {p: results[p]["ttft_mean"] for p in POLICIES},
            "ttft_p99_s": {p: results[p]["ttft_p99"] for p in POLICIES},
            "requests_per_instance": {p: results[p]["per_instance"] for p in POLICIES},

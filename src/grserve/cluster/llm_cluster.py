@@ -250,7 +250,7 @@ class ClusterLLMEngine:
         last_ok, ref = time.monotonic(), None
         while self._status != "stopped" and inst.up:
             if ref is None:
-                ref = inst.actor.poll.remote(self.cc.poll_wait_s)
+                ref = inst.actor.poll.remote(min(self.cc.poll_wait_s, self.cc.heartbeat_timeout_s / 8))
             try:
                 res = ray.get(ref, timeout=min(0.1, self.cc.heartbeat_timeout_s))
             except GetTimeoutError:
