@@ -107,25 +107,12 @@ class PrefixKVStore:
     def save(self, tokens: list[int], storage: HybridCacheStorage, table: BlockTable) -> int:
         """Cache ``tokens`` (all computed into ``table``): the part beyond the cached prefix is copied from the
         request's rows into free slots (evicting per the policy). Returns how many tokens were new."""
-        new: list[tuple[int, int, np.ndarray]] = []
-
-        def make(start: int, stop: int) -> np.ndarray:
-            slots = self._alloc(start, stop)
-            new.append((start, stop, slots))
-            return slots
-
-        self.tree.insert(np.asarray(tokens, dtype=np.int64), make)
-        for start, stop, slots in new:
+        def write(start: int, stop: int, dst: torch.Tensor) -> None:
             rows = storage.row_index(table, start, stop)
-            dst = torch.from_numpy(slots).to(self.kv.device)
             for plane in (0, 1):
                 self.kv[:, plane].index_copy_(1, dst, storage.data[:, rows[plane]])
-        added = sum(stop - start for start, stop, _ in new)
-        self.stats["inserted_tokens"] += added
-        if self.listener is not None:
-            for start, stop, _ in new:
-                self.listener.stored(tokens, start, stop)
-        return added
+
+        return self._insert(tokens, write)
 
     # ---- KV hand-off (cluster migration): the K/V of a cached prefix out, a prefix's K/V in ----------------------
     def export(self, tokens: list[int]) -> torch.Tensor:
@@ -136,6 +123,12 @@ class PrefixKVStore:
     def put(self, tokens: list[int], kv: torch.Tensor) -> int:
         """Cache ``tokens`` whose K/V ``[L, 2, len(tokens), width]`` were computed elsewhere (a migrated
         request's snapshot). Returns how many tokens were new."""
+        return self._insert(tokens,
+                            lambda start, stop, dst: self.kv.index_copy_(2, dst, kv[:, :, start:stop].to(self.kv)))
+
+    def _insert(self, tokens: list[int], write) -> int:
+        """Insert ``tokens`` into the tree; ``write(start, stop, dst_slots)`` fills each new span's slots. Counts the
+        new tokens and tells the listener (the cluster's KV index publisher) what was stored."""
         new: list[tuple[int, int, np.ndarray]] = []
 
         def make(start: int, stop: int) -> np.ndarray:
@@ -145,7 +138,7 @@ class PrefixKVStore:
 
         self.tree.insert(np.asarray(tokens, dtype=np.int64), make)
         for start, stop, slots in new:
-            self.kv.index_copy_(2, torch.from_numpy(slots).to(self.kv.device), kv[:, :, start:stop].to(self.kv))
+            write(start, stop, torch.from_numpy(slots).to(self.kv.device))
         added = sum(stop - start for start, stop, _ in new)
         self.stats["inserted_tokens"] += added
         if self.listener is not None:
