@@ -14,8 +14,12 @@ change their weights, dtype or device (build its own model for that).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import socket
+import threading
+import time
 
 import pytest
 import torch
@@ -93,3 +97,25 @@ def hf_qwen3(tmp_path_factory):
         return hf, load_model(str(d))
 
     return build
+
+
+@contextlib.contextmanager
+def live_server(app, log_level: str = "error"):
+    """``app`` served by uvicorn on a free loopback port in a daemon thread; yields its base URL, then stops it."""
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level=log_level))
+    th = threading.Thread(target=srv.run, daemon=True)
+    th.start()
+    for _ in range(200):
+        if srv.started:
+            break
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        srv.should_exit = True
+        th.join(timeout=5)

@@ -3,16 +3,14 @@ usage, stop, max_tokens, seeded sampling, 4xx in OpenAI's error shape naming the
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 
 import httpx
 import pytest
-import uvicorn
 
 openai = pytest.importorskip("openai")
 
+from conftest import live_server  # noqa: E402
 from grserve.engine.async_llm import AsyncLLMEngine  # noqa: E402
 from grserve.engine.llm import build_model_engine  # noqa: E402
 from grserve.engine.tokenizer import load_tokenizer  # noqa: E402
@@ -37,19 +35,8 @@ def server(tmp_path_factory):
                              decoder_factory=tok.decode_stream)
     loop = AsyncLLMEngine(eng, tok).start()
     app = create_llm_app(loop, tok, "test-model", SPEC.max_position_embeddings, SPEC.vocab_size)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-    th = threading.Thread(target=srv.run, daemon=True)
-    th.start()
-    for _ in range(200):
-        if srv.started:
-            break
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", eng
-    srv.should_exit = True
-    th.join(timeout=5)
+    with live_server(app, "error") as url:
+        yield url, eng
     loop.stop()
     del Decoder
 

@@ -7,17 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
-import time
 
 import httpx
 import pytest
 import torch
-import uvicorn
 
 openai = pytest.importorskip("openai")
 
+from conftest import live_server  # noqa: E402
 from grserve.engine.async_llm import AsyncLLMEngine  # noqa: E402
 from grserve.engine.llm import build_model_engine  # noqa: E402
 from grserve.engine.tokenizer import load_tokenizer  # noqa: E402
@@ -55,19 +52,8 @@ def server(random_decoder, tmp_path_factory):
     core.executor = PoisonExecutor(core.executor)
     eng = AsyncLLMEngine(core, tok).start()
     app = create_llm_app(eng, tok, M, SPEC.max_position_embeddings, SPEC.vocab_size, max_n=4, max_logprobs=5)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical"))
-    th = threading.Thread(target=srv.run, daemon=True)
-    th.start()
-    for _ in range(200):
-        if srv.started:
-            break
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", eng, tok
-    srv.should_exit = True
-    th.join(timeout=5)
+    with live_server(app, "critical") as url:
+        yield url, eng, tok
     eng.stop()
 
 
