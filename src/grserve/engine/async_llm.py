@@ -65,10 +65,8 @@ class AsyncLLMEngine:
 
         m, c = cfg.model, cfg.llm
         model = load_model(m.source, dtype=m.dtype, device=m.device, seed=m.seed)
-        api = getattr(cfg, "api", None)
-        tok = load_tokenizer(api.tokenizer or m.source if api else m.source, model.spec.vocab_size,
-                             model.spec.max_position_embeddings,
-                             api.tokenizer_cache if api else ".grserve-cache/tokenizers")
+        tok = load_tokenizer(cfg.api.tokenizer or m.source, model.spec.vocab_size,
+                             model.spec.max_position_embeddings, cfg.api.tokenizer_cache)
         rho = c.rho if c.rho is not None else (calibrate_rho(model) if c.scheduler == "aptserve" else 0.0)
         pol = make_llm_scheduler(c.scheduler, ttft_slo=c.ttft_slo, tbt_slo=c.tbt_slo, rho=rho,
                                  token_budget=c.token_budget, max_num_batched_tokens=c.max_batched_tokens,
