@@ -234,6 +234,9 @@ class LLMServeConfig:
     edge: "EdgeConfig" = field(default_factory=lambda: EdgeConfig())
     api: LLMApiConfig = field(default_factory=lambda: LLMApiConfig())
     cluster: "ClusterConfig" = field(default_factory=lambda: ClusterConfig())  # --instances N (end of file)
+    slo: "SLOConfig" = field(default_factory=lambda: SLOConfig())  # latency targets (end of file)
+    pd: "PDConfig" = field(default_factory=lambda: PDConfig())  # --pd, role flips (end of file)
+    colocation: "ColocationConfig" = field(default_factory=lambda: ColocationConfig())  # online/offline
 
 
 # ---- the API edge (security and limits), shared by the three servers ------------------------------------------
@@ -357,3 +360,43 @@ class ClusterConfig(Checked):
                                    "prefill, so a request can migrate with its KV instead of recomputing")
     instance_threads: int = flag(0, "torch threads per instance actor; 0 = a share of this machine's cores, "
                                     "max(1, cores // instances)", check=non_negative)
+
+
+# ---- issue 13: prefill/decode disaggregation, role flips, online/offline co-location (docs/cluster.md) ----------
+PRIORITIES = ("online", "offline")
+
+
+@dataclass(frozen=True)
+class SLOConfig(Checked):
+    """The latency targets the PD router, the role flips and the co-location admission all judge against."""
+
+    ttft_slo_s: float = flag(1.0, "time-to-first-token SLO of online requests, seconds", check=positive)
+    tpot_slo_s: float = flag(0.1, "time-per-output-token SLO of online requests, seconds", check=positive)
+
+
+@dataclass(frozen=True)
+class PDConfig(Checked):
+    """Prefill/decode disaggregation across instances and the dynamic role flips of xLLM §3.2 (digest §3.3)."""
+
+    pd: bool = flag(False, "prefill/decode disaggregation across instances (needs --instances >= 2): long "
+                           "uncached prompts prefill on one instance and decode on another")
+    prefill_instances: int = flag(1, "instances that start in the prefill pool (the rest start in the decode pool)",
+                                  check=positive_int)
+    split_min_tokens: int = flag(0, "split a request only when its uncached prompt has at least this many tokens; "
+                                    "0 = the break-even length from the measured cost model", check=non_negative)
+    role_flips: bool = flag(True, "move instances between the prefill and decode pools when a pool's predicted "
+                                  "TTFT or TPOT breaks its SLO")
+    min_dwell_s: float = flag(2.0, "an instance stays at least this long in a pool before it may flip again",
+                              check=non_negative)
+    min_per_role: int = flag(1, "instances always kept in each role", check=positive_int)
+
+
+@dataclass(frozen=True)
+class ColocationConfig(Checked):
+    """Online/offline co-location (xLLM §3.1, digest §3.2): online work preempts offline work; offline decodes
+    join a latency-strict batch only while the latency model keeps it inside the online TPOT SLO."""
+
+    max_offline_preemptions: int = flag(3, "times one offline request may be preempted by online work; after "
+                                           "that it is no longer preempted", check=non_negative)
+    offline_admission: bool = flag(True, "admit offline decodes into a batch with online work only when the "
+                                         "latency model predicts the step stays inside --tpot-slo-s")

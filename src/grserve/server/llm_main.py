@@ -7,7 +7,17 @@ from __future__ import annotations
 
 import argparse
 
-from grserve.config import ClusterConfig, LLMApiConfig, LLMConfig, LLMServeConfig, ModelConfig, ServerConfig
+from grserve.config import (
+    ClusterConfig,
+    ColocationConfig,
+    LLMApiConfig,
+    LLMConfig,
+    LLMServeConfig,
+    ModelConfig,
+    PDConfig,
+    ServerConfig,
+    SLOConfig,
+)
 from grserve.flags import UsageError, add_flags, command_parser, from_args
 from grserve.server.startup import add_edge_flags, check_model, edge_from_args
 
@@ -24,6 +34,9 @@ def add_command(sub) -> None:
     add_flags(p, d.api, title="OpenAI API")
     add_edge_flags(p)
     add_flags(p, ClusterConfig, title="cluster (several instances on Ray; docs/cluster.md)")
+    add_flags(p, SLOConfig, title="latency SLOs (PD routing, role flips, co-location)")
+    add_flags(p, PDConfig, title="prefill/decode disaggregation (needs --instances >= 2; docs/cluster.md)")
+    add_flags(p, ColocationConfig, title="online/offline co-location (docs/llm.md)")
     p.set_defaults(handler=lambda ns: run(config_from_args(ns)))
 
 
@@ -32,7 +45,8 @@ def config_from_args(ns: argparse.Namespace) -> LLMServeConfig:
     model = from_args(ModelConfig, ns, **({"source": tag} if tag else {}))
     return LLMServeConfig(model=model, llm=from_args(LLMConfig, ns), server=from_args(ServerConfig, ns),
                           api=from_args(LLMApiConfig, ns), edge=edge_from_args(ns),
-                          cluster=from_args(ClusterConfig, ns))
+                          cluster=from_args(ClusterConfig, ns), slo=from_args(SLOConfig, ns),
+                          pd=from_args(PDConfig, ns), colocation=from_args(ColocationConfig, ns))
 
 
 def run(cfg: LLMServeConfig) -> int:
