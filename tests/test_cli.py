@@ -45,6 +45,7 @@ LEAVES = dict(_leaves(cli.build_parser()))
 def test_the_command_list():
     expected = {("serve", "retrieval"), ("serve", "ranking"), ("serve", "llm"), ("bench", "retrieval"),
                 ("bench", "cache"), ("bench", "ranking"), ("bench", "serve"), ("bench", "quality"), ("bench", "cluster"),
+                ("bench", "pd"),
                 ("catalog", "generate"), ("catalog", "validate"), ("catalog", "build")}
     assert expected == set(LEAVES)
 
