@@ -57,6 +57,7 @@ class LLMRequest:
     prompt_ids: list[int]
     params: "SamplingParams"
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
+    priority: str = "online"  # "online" | "offline" (co-location, issue 13: online work preempts offline work)
 
 
 @dataclass
