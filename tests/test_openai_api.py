@@ -147,10 +147,19 @@ def test_disconnect_frees_blocks(server):
     assert eng.pool.num_free == eng.pool.num_blocks and not eng.has_work()
 
 
-def test_non_streaming_disconnect_frees_blocks(server):
+def test_non_streaming_disconnect_frees_blocks(server, monkeypatch):
     """A non-streaming client that goes away mid-generation: its request is cancelled and its blocks freed (the
-    old BaseHTTPMiddleware hid the disconnect and the request decoded on to max_tokens)."""
+    old BaseHTTPMiddleware hid the disconnect and the request decoded on to max_tokens). Each model step is slowed
+    to >= 5 ms here, so the 900 tokens take >= 4.5 s: on an idle machine the tiny model could otherwise decode
+    them all before the server noticed the disconnect, and the test could not tell a cancel from a finish."""
     url, eng = server
+    execute = eng.executor.execute
+
+    def slow_execute(*a, **kw):
+        time.sleep(0.005)
+        return execute(*a, **kw)
+
+    monkeypatch.setattr(eng.executor, "execute", slow_execute)
     before = eng.iterations
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(url + "/v1/completions", json={"model": "test-model", "prompt": "a long one", "max_tokens": 900,
