@@ -271,13 +271,15 @@ def predicted_tpot(s: InstanceSignals, tpot: TPOTPredictor | None, context_token
     return s.recent_tpot_s or 0.0
 
 
-def pick_decode(pools: RolePools, signals: dict[int, InstanceSignals], slo: SLOConfig, prefill_instance: int,
+def pick_decode(pools: RolePools, signals: dict[int, InstanceSignals], slo: SLOConfig, prefill_instance: int | None,
                 tpot: TPOTPredictor | None = None, context_tokens: int = 0) -> int:
     """Stay on ``prefill_instance`` (no KV transfer) when it is in the decode role and meets the TPOT SLO; else the
-    first decode-role instance, lightest first, whose predicted TPOT meets it; else the least predicted TPOT."""
+    first decode-role instance, lightest first, whose predicted TPOT meets it; else the least predicted TPOT.
+    ``prefill_instance`` None: a request not split (both phases on the instance returned)."""
     pred = {i: predicted_tpot(signals[i], tpot, context_tokens) for i in signals}
-    if pools.role(prefill_instance) is Role.DECODE and pred[prefill_instance] <= slo.tpot_slo_s:
-        return prefill_instance
+    home = prefill_instance
+    if home is not None and pools.role(home) is Role.DECODE and pred[home] <= slo.tpot_slo_s:
+        return home
     members = sorted(pools.members(Role.DECODE), key=lambda i: (signals[i].running_decode_tokens, i))
     for i in members:
         if pred[i] <= slo.tpot_slo_s:
