@@ -89,6 +89,17 @@ class GPUCostModel:
         comp = (2 * self.params * new + 4 * self.layers * self.d_model * attn) / self.flops
         return self.launch_s + max(mem, comp)
 
+    def max_chunk_within(self, n_dec: int, dec_ctx: int, seconds: float) -> int:
+        """The largest new prefill (from position 0) that, batched with these decodes, keeps ``iteration_s`` within
+        ``seconds`` (0 if none): the memory bound is linear in the chunk x, the compute bound quadratic
+        (``2·layers·d·x² + 2·params·x + c <= (seconds - launch)·flops``)."""
+        t = seconds - self.launch_s
+        x_mem = (t * self.hbm_bytes_per_s - 2 * self.params) / self.kv_bytes_per_token - dec_ctx
+        a, b = 2 * self.layers * self.d_model, 2 * self.params
+        c = 2 * self.params * n_dec + 4 * self.layers * self.d_model * dec_ctx - t * self.flops
+        x_comp = (-b + math.sqrt(b * b - 4 * a * c)) / (2 * a) if b * b - 4 * a * c >= 0 else -1.0
+        return max(0, math.floor(min(x_mem, x_comp) * (1 - 1e-12)))
+
     def prefill_s(self, tokens: int) -> float:
         return self.iteration_s(0, 0, [(0, tokens)])
 
@@ -190,6 +201,9 @@ def make_trace(kind: str, rate: float, duration_s: float, shape: TraceShape, see
 
 # ---------------------------------------------------------------------------------------------------- cluster
 
+MIN_CHUNK = 32
+
+
 @dataclass
 class _Instance:
     idx: int
@@ -227,6 +241,8 @@ class SimSetup:
     monitor_interval_s: float = 0.5
     monitor_window_s: float = 2.0
     chunk_when_decoding: bool = True  # a prefill-role instance still finishing decodes prefills in chunks
+    slo_chunking: bool = True  # with decodes running, chunks are cut to keep the iteration inside the TPOT SLO
+    slo_chunk_fraction: float = 0.9
     pd: PDConfig = PDConfig(pd=True)
     slo: SLOConfig = SLOConfig()
 
@@ -347,11 +363,19 @@ class ClusterSim:
 
     # -- instance loop
     def _budget(self, inst: _Instance) -> int:
-        if self.s.mode != "colocated" and self.pools.role(inst.idx) is Role.PREFILL:
-            if inst.n_running and self.s.chunk_when_decoding:
-                return self.s.chunk_tokens
-            return self.s.prefill_budget
-        return self.s.chunk_tokens
+        prefill_role = self.s.mode != "colocated" and self.pools.role(inst.idx) is Role.PREFILL
+        if not inst.n_running:
+            return self.s.prefill_budget if prefill_role else self.s.chunk_tokens
+        budget = self.s.chunk_tokens if (self.s.chunk_when_decoding or not prefill_role) else self.s.prefill_budget
+        if self.s.slo_chunking:
+            budget = min(budget, self._slo_chunk(inst))
+        return budget
+
+    def _slo_chunk(self, inst: _Instance) -> int:
+        """The largest prefill chunk that keeps this iteration (with its running decodes) within
+        ``slo_chunk_fraction`` of the TPOT SLO by the cost model; at least ``MIN_CHUNK`` (progress)."""
+        target = self.s.slo_chunk_fraction * self.s.slo.tpot_slo_s
+        return max(MIN_CHUNK, self.cost.max_chunk_within(inst.n_running, inst.ctx_sum, target))
 
     def _kick(self, inst: _Instance, now: float) -> None:
         if inst.busy:
