@@ -185,3 +185,24 @@ def test_flip_keeps_min_per_role():
     pools = _pools(4, 2, k=2)  # two per role: D->P impossible even if TTFT breaks
     sig = {0: _sig(q=50000), 1: _sig(q=50000), 2: _sig(reqs=1, toks=10), 3: _sig(reqs=1, toks=10)}
     assert decide_flip(pools, sig, ttft, SLO, PDConfig(min_dwell_s=0.0, min_per_role=2), 1.0) is None
+
+
+def test_ttft_break_with_decode_instances_allowed_counts_every_instance():
+    pools = _pools(4, 1)  # 0 P; 1, 2, 3 D
+    ttft = TTFTPredictor(a=0.0, b=1e-4)
+    sig = {0: _sig(q=20000), 1: _sig(reqs=1, toks=100), 2: _sig(q=15000), 3: _sig(reqs=1, toks=100)}
+    cfg = PDConfig(min_dwell_s=0.0)
+    assert decide_flip(pools, sig, ttft, SLO, cfg, 1.0) == (1, Role.PREFILL)  # the prefill pool breaks the SLO
+    # ... but instance 1 (a decode instance with no queue) could take the prefill in time: no flip needed
+    assert decide_flip(pools, sig, ttft, SLO, cfg, 1.0, allow_decode_instances=True) is None
+    sig[1].queued_prefill_tokens = sig[3].queued_prefill_tokens = 12000
+    assert decide_flip(pools, sig, ttft, SLO, cfg, 1.0, allow_decode_instances=True) == (1, Role.PREFILL)
+
+
+def test_memory_shortage_in_decode_pool_flips_p_to_d():
+    pools = _pools(4, 2)
+    ttft = TTFTPredictor(a=0.0, b=1e-4)
+    sig = {0: _sig(q=100), 1: _sig(q=200), 2: _sig(reqs=5, toks=900, tpot=0.03), 3: _sig(reqs=5, toks=900, tpot=0.03)}
+    assert decide_flip(pools, sig, ttft, SLO, PDConfig(min_dwell_s=0.0), 1.0) is None
+    sig[3].waiting_decode_requests = 2  # decodes wait for KV space: resource shortage
+    assert decide_flip(pools, sig, ttft, SLO, PDConfig(min_dwell_s=0.0), 1.0) == (0, Role.DECODE)

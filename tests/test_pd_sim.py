@@ -59,7 +59,7 @@ def test_static_pd_keeps_roles_and_every_request_finishes():
 
 
 def test_dynamic_pd_flips_both_ways_within_pool_invariants():
-    reqs = make_trace("bursty", 4.0, 90.0, TraceShape(), 0)
+    reqs = make_trace("bursty", 6.0, 90.0, TraceShape(), 0)  # past goodput: both pools under pressure
     res = simulate(_setup("dynamic", p=2, n=4, dwell=2.0), COST, reqs, 200.0, check_pools=True)
     assert res.flips["p_to_d"] >= 1 and res.flips["d_to_p"] >= 1
     assert res.pool_checks == res.flips["p_to_d"] + res.flips["d_to_p"]  # the invariants held after every flip
@@ -77,7 +77,7 @@ def test_colocated_never_transfers():
 
 
 def test_sim_part_runs_small():
-    cfg = pd_sim.PartConfig(sim_instances=3, sim_duration_s=20.0, sim_drain_s=20.0, sim_search_steps=1,
+    cfg = pd_sim.PartConfig(sim_instances=3, sim_duration_s=20.0, sim_drain_s=20.0, sim_grid_per_doubling=2,
                             sim_rate_lo=2.0)
     out = pd_sim.run_part(cfg)
     for key in ("goodput_dynamic_over_static_bursty", "goodput_dynamic_over_static_stable", "goodput_static_stable",

@@ -4,8 +4,8 @@ docs/cluster.md, "PD disaggregation: policy and simulation").
 
 Goodput of a configuration on a trace shape = the highest arrival rate (requests/s) at which at least
 ``sim_attainment`` (90 %) of the requests meet both SLOs (TTFT ≤ ``sim_ttft_slo_s`` and TPOT ≤ ``sim_tpot_slo_s``),
-found by a geometric bisection over rates (``sim_search_steps`` halvings of the bracket, after doubling up from
-``sim_rate_lo`` until attainment falls below the threshold). Each rate runs a fresh trace of ``sim_duration_s``
+searched on the rate grid ``sim_rate_lo · 2^(k/16)`` (4.4 % apart): doubling from ``sim_rate_lo`` until a rate
+fails, then bisection between the last passing and the first failing rate (``_Search.goodput``). Each rate runs a fresh trace of ``sim_duration_s``
 seconds (same seed at every rate: common random numbers); requests not done ``sim_drain_s`` after the trace ends
 count as misses.
 
@@ -33,7 +33,7 @@ class PartConfig(Checked):
     sim_model: str = flag("llama2-13b", "model shape of the simulation", choices=("llama2-13b", "llama2-7b"))
     sim_gpu: str = flag("a100-80gb", "GPU of every instance", choices=("a100-80gb", "h100-sxm"))
     sim_link_gbps: float = flag(200.0, "KV-transfer link bandwidth per instance, Gbit/s", check=positive)
-    sim_instances: int = flag(4, "instances (one GPU each)", check=at_least(2))
+    sim_instances: int = flag(6, "instances (one GPU each)", check=at_least(2))
     sim_ttft_slo_s: float = flag(1.5, "TTFT SLO, seconds", check=positive)
     sim_tpot_slo_s: float = flag(0.06, "TPOT SLO, seconds", check=positive)
     sim_attainment: float = flag(0.9, "share of requests that must meet both SLOs at the goodput rate",
@@ -42,8 +42,8 @@ class PartConfig(Checked):
     sim_drain_s: float = flag(60.0, "simulated time after the trace ends before unfinished requests count as "
                                     "misses", check=non_negative)
     sim_rate_lo: float = flag(1.0, "lowest arrival rate of the goodput search, requests/s", check=positive)
-    sim_search_steps: int = flag(6, "bisection steps of the goodput search (each halves the bracket in log rate)",
-                                 check=positive_int)
+    sim_grid_per_doubling: int = flag(16, "goodput search grid: rates sim_rate_lo · 2^(k/this)",
+                                      check=positive_int)
     sim_burst_period_s: float = flag(30.0, "bursty trace: one burst of prompt-heavy requests every this many "
                                            "seconds", check=positive)
     sim_burst_duty: float = flag(0.25, "bursty trace: the share of each period the burst lasts", check=fraction)
@@ -56,15 +56,20 @@ class PartConfig(Checked):
     sim_monitor_interval_s: float = flag(0.5, "dynamic PD: the monitor checks the flip rules this often (and at "
                                               "every arrival)", check=positive)
     sim_seed: int = flag(0, "trace seed")
+    sim_ablations: bool = flag(False, "also search dynamic PD without role flips (overflow prefills to decode "
+                                      "instances only) and without overflow (flips only)")
 
 
 
 def _setup(cfg: PartConfig, mode: str, prefill: int):
+    """``mode``: static, dynamic, colocated, or the ablations dynamic-noflip / dynamic-nooverflow."""
     from grserve.bench.pd_simulator import SimSetup
 
-    pd = PDConfig(pd=True, prefill_instances=max(1, prefill), min_dwell_s=cfg.sim_min_dwell_s)
-    return SimSetup(mode, cfg.sim_instances, max(1, prefill), cfg.sim_prefill_budget, cfg.sim_chunk_tokens,
-                    cfg.sim_monitor_interval_s, pd=pd, slo=_slo(cfg))
+    pd = PDConfig(pd=True, prefill_instances=max(1, prefill), min_dwell_s=cfg.sim_min_dwell_s,
+                  role_flips=mode != "dynamic-noflip")
+    return SimSetup(mode.split("-")[0], cfg.sim_instances, max(1, prefill), cfg.sim_prefill_budget,
+                    cfg.sim_chunk_tokens, cfg.sim_monitor_interval_s, pd=pd, slo=_slo(cfg),
+                    overflow_to_decode=mode != "dynamic-nooverflow")
 
 
 def _slo(cfg: PartConfig) -> SLOConfig:
@@ -95,20 +100,23 @@ class _Search:
         return res.attainment(_slo(c))
 
     def goodput(self, mode: str, prefill: int, kind: str) -> tuple[float, dict]:
+        """The highest rate of the grid ``sim_rate_lo · 2^(k / sim_grid_per_doubling)`` that meets the attainment,
+        by bisection: double k by whole doublings until a rate fails, then bisect the grid indices in between
+        (goodput 0 when ``sim_rate_lo`` already fails). Returns (rate, the flips of the run at that rate)."""
         c = self.cfg
-        ok = lambda r: self.attainment(mode, prefill, kind, r) >= c.sim_attainment  # noqa: E731
-        lo = c.sim_rate_lo
-        if not ok(lo):
+        g = c.sim_grid_per_doubling
+        rate = lambda k: c.sim_rate_lo * 2 ** (k / g)  # noqa: E731
+        ok = lambda k: self.attainment(mode, prefill, kind, rate(k)) >= c.sim_attainment  # noqa: E731
+        if not ok(0):
             return 0.0, {}
-        hi = lo * 2
+        lo, hi = 0, g
         while ok(hi):
-            lo, hi = hi, hi * 2
-        for _ in range(c.sim_search_steps):
-            mid = (lo * hi) ** 0.5
+            lo, hi = hi, hi + g
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
             lo, hi = (mid, hi) if ok(mid) else (lo, mid)
-        res = self.last.get((mode, prefill, kind, lo))
-        flips = dict(res.flips) if res is not None else {}
-        return lo, flips
+        res = self.last.get((mode, prefill, kind, rate(lo)))
+        return rate(lo), (dict(res.flips) if res is not None else {})
 
 
 def run_part(cfg: PartConfig) -> dict:
@@ -142,6 +150,12 @@ def run_part(cfg: PartConfig) -> dict:
         "sim_model": s.cost.name,
         "sim_slo": {"ttft_s": cfg.sim_ttft_slo_s, "tpot_s": cfg.sim_tpot_slo_s, "attainment": cfg.sim_attainment},
         "sim_runs": s.runs,
-        "sim_seconds": round(time.perf_counter() - t0, 2),
     }
+    if cfg.sim_ablations:
+        for mode in ("dynamic-noflip", "dynamic-nooverflow"):
+            for kind in ("stable", "bursty"):
+                g = s.goodput(mode, best_p, kind)[0]
+                out[f"goodput_{mode.replace('-', '_')}_{kind}"] = round(g, 3)
+        out["sim_runs"] = s.runs
+    out["sim_seconds"] = round(time.perf_counter() - t0, 2)
     return out

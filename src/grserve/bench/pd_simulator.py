@@ -221,14 +221,17 @@ class _Instance:
     decode_iters: deque = field(default_factory=deque)  # (end time, duration) of iterations with decodes
     cur_chunks: list = field(default_factory=list)
     cur_decodes: int = 0
+    decode_sum: float = 0.0  # sum of the durations in decode_iters
+    blocked: int = 0  # decodes left waiting for KV space at the last iteration boundary
 
     def signals(self, now: float, window_s: float) -> InstanceSignals:
         while self.decode_iters and self.decode_iters[0][0] < now - window_s:
-            self.decode_iters.popleft()
-        tp = (sum(d for _, d in self.decode_iters) / len(self.decode_iters)) if self.decode_iters else None
+            self.decode_sum -= self.decode_iters.popleft()[1]
+        tp = self.decode_sum / len(self.decode_iters) if self.decode_iters else None
         return InstanceSignals(queued_prefill_tokens=self.queued_tokens, running_decode_requests=self.n_running,
                                running_decode_tokens=self.ctx_sum, recent_tpot_s=tp,
-                               idle=not (self.prefill_q or self.n_running or self.joining or self.busy))
+                               idle=not (self.prefill_q or self.n_running or self.joining or self.busy),
+                               waiting_decode_requests=self.blocked)
 
 
 @dataclass(frozen=True)
@@ -241,6 +244,7 @@ class SimSetup:
     monitor_interval_s: float = 0.5
     monitor_window_s: float = 2.0
     chunk_when_decoding: bool = True  # a prefill-role instance still finishing decodes prefills in chunks
+    overflow_to_decode: bool = True  # dynamic: a prefill the prefill pool cannot serve in time may go to D
     slo_chunking: bool = True  # with decodes running, chunks are cut to keep the iteration inside the TPOT SLO
     slo_chunk_fraction: float = 0.9
     pd: PDConfig = PDConfig(pd=True)
@@ -326,7 +330,7 @@ class ClusterSim:
             if self.s.mode == "dynamic":
                 self._maybe_flip(now, r.prompt)
             i = pick_prefill(self.pools, self._signals(now), self.ttft, r.prompt, self.s.slo,
-                             allow_decode_instances=self.s.mode == "dynamic")
+                             allow_decode_instances=self.s.mode == "dynamic" and self.s.overflow_to_decode)
         inst = self.inst[i]
         r.prefill_at = i
         inst.prefill_q.append([r, 0])
@@ -339,7 +343,8 @@ class ClusterSim:
         return pick_decode(self.pools, self._signals(now), self.s.slo, i, self.tpot, r.prompt + r.output)
 
     def _maybe_flip(self, now: float, input_tokens: int) -> None:
-        d = decide_flip(self.pools, self._signals(now), self.ttft, self.s.slo, self.s.pd, now, input_tokens)
+        d = decide_flip(self.pools, self._signals(now), self.ttft, self.s.slo, self.s.pd, now, input_tokens,
+                        allow_decode_instances=self.s.overflow_to_decode)
         if d is not None:
             i, role = d
             assert self.pools.flip(i, now) is role
@@ -388,6 +393,7 @@ class ClusterSim:
             left = r.output - r.generated
             inst.booked_out += left
             inst.finish_at.setdefault(inst.step + left, []).append(r)
+        inst.blocked = len(inst.joining)
         budget, chunks = self._budget(inst), []
         for item in inst.prefill_q:
             if budget <= 0:
@@ -409,6 +415,7 @@ class ClusterSim:
         self._push(now + dt, 1, inst.idx)
         if inst.n_running:
             inst.decode_iters.append((now + dt, dt))
+            inst.decode_sum += dt
 
     def _iteration_end(self, inst: _Instance, now: float) -> None:
         inst.busy = False

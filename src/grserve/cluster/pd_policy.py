@@ -71,6 +71,7 @@ class InstanceSignals:
     running_decode_tokens: int = 0  # context tokens of running decodes (KV read per step)
     recent_tpot_s: float | None = None  # measured mean token interval over a recent window (None: no data)
     idle: bool = True  # nothing queued or running
+    waiting_decode_requests: int = 0  # decodes whose KV waits for memory there (resource shortage)
 
     @property
     def load_tokens(self) -> int:
@@ -307,7 +308,8 @@ def _first_flippable(pools: RolePools, pool_order: tuple[str, ...], key, now: fl
 
 
 def decide_flip(pools: RolePools, signals: dict[int, InstanceSignals], ttft: TTFTPredictor, slo: SLOConfig,
-                cfg: PDConfig, now: float, input_tokens: int = 0) -> tuple[int, Role] | None:
+                cfg: PDConfig, now: float, input_tokens: int = 0,
+                allow_decode_instances: bool = False) -> tuple[int, Role] | None:
     """The report's role switching rule; returns (instance, new role) or None. Does not flip (the caller does).
 
     D->P when even the best prefill-role instance's predicted TTFT (for ``input_tokens``) breaks the SLO: the
@@ -318,12 +320,14 @@ def decide_flip(pools: RolePools, signals: dict[int, InstanceSignals], ttft: TTF
         return None
     load = lambda i: signals[i].load_tokens  # noqa: E731
     prefill = pools.members(Role.PREFILL)
-    best_ttft = min(ttft.predict(signals[i].queued_prefill_tokens, input_tokens) for i in prefill)
+    judged = list(signals) if allow_decode_instances else prefill
+    best_ttft = min(ttft.predict(signals[i].queued_prefill_tokens, input_tokens) for i in judged)
     if best_ttft > slo.ttft_slo_s:
         i = _first_flippable(pools, ("P->D", "D"), load, now)
         return (i, Role.PREFILL) if i is not None else None
     tp = pool_tpot(pools, signals)
-    if tp is not None and tp > slo.tpot_slo_s:
+    shortage = any(signals[i].waiting_decode_requests > 0 for i in pools.members(Role.DECODE))
+    if shortage or (tp is not None and tp > slo.tpot_slo_s):
         i = _first_flippable(pools, ("D->P", "P"), load, now)
         if i is not None:
             return i, Role.DECODE
