@@ -104,7 +104,9 @@ class GPUCostModel:
         return self.iteration_s(0, 0, [(0, tokens)])
 
     def decode_step_s(self, batch: int, ctx_tokens: int) -> float:
-        return self.iteration_s(batch, ctx_tokens, [])
+        mem = (2 * self.params + self.kv_bytes_per_token * ctx_tokens) / self.hbm_bytes_per_s
+        comp = (2 * self.params * batch + 4 * self.layers * self.d_model * ctx_tokens) / self.flops
+        return self.launch_s + max(mem, comp)
 
     def transfer_s(self, tokens: int) -> float:
         return self.pd_cost().transfer_s(tokens)
@@ -202,6 +204,7 @@ def make_trace(kind: str, rate: float, duration_s: float, shape: TraceShape, see
 # ---------------------------------------------------------------------------------------------------- cluster
 
 MIN_CHUNK = 32
+REF_PREFILL = 2048
 
 
 @dataclass
@@ -260,6 +263,7 @@ class SimResult:
     transferred_tokens: int
     aborted: bool
     pool_checks: int = 0
+    flip_log: list = field(default_factory=list)  # (time, instance, from pool, to pool)
 
     def attainment(self, slo: SLOConfig) -> float:
         ok = sum(1 for r in self.requests if r.ttft <= slo.ttft_slo_s and r.tpot <= slo.tpot_slo_s)
@@ -279,6 +283,9 @@ class ClusterSim:
         self.pools = RolePools(setup.instances, p, setup.pd, now=0.0)
         self.ttft, self.tpot, self.pd_cost = cost.profiled_ttft(), cost.profiled_tpot(), cost.pd_cost()
         self.cap = cost.kv_capacity_tokens()
+        h = setup.pd.slo_headroom  # decisions plan against the SLOs with a margin; attainment uses the real ones
+        self.plan_slo = SLOConfig(ttft_slo_s=h * setup.slo.ttft_slo_s, tpot_slo_s=h * setup.slo.tpot_slo_s)
+        self.ref_per_token = cost.prefill_s(REF_PREFILL) / REF_PREFILL
         self.ev: list = []
         self.seq = 0
         self.failed = 0
@@ -312,10 +319,25 @@ class ClusterSim:
             elif kind == 3:
                 self._monitor(now)
         return SimResult(self.reqs, now, dict(self.pools.flips), self.split, self.transferred, aborted,
-                         self.pool_checks)
+                         self.pool_checks, list(self.pools.log))
 
     def _signals(self, now: float) -> dict[int, InstanceSignals]:
-        return {i.idx: i.signals(now, self.s.monitor_window_s) for i in self.inst}
+        out = {}
+        for inst in self.inst:
+            sig = inst.signals(now, self.s.monitor_window_s)
+            sig.prefill_slowdown = self._prefill_slowdown(inst)
+            out[inst.idx] = sig
+        return out
+
+    def _prefill_slowdown(self, inst: _Instance) -> float:
+        """The monitor's estimate of how much slower than profiled ``inst`` prefills now: seconds per prefill
+        token of one iteration at its current budget next to its running decodes, over the profiled seconds per
+        token (of ``REF_PREFILL`` tokens alone)."""
+        if not inst.n_running:
+            return 1.0
+        budget = self._budget(inst)
+        per_token = self.cost.iteration_s(inst.n_running, inst.ctx_sum, [(0, budget)]) / budget
+        return max(1.0, per_token / self.ref_per_token)
 
     # -- routing
     def _arrive(self, r: SimRequest, now: float) -> None:
@@ -324,12 +346,12 @@ class ClusterSim:
         if self.s.mode == "colocated":
             i = min(self.inst, key=lambda x: (x.queued_tokens + x.booked_out, x.n_running, x.idx)).idx
         elif not should_split(r.prompt, self.s.pd, self.pd_cost):
-            i = pick_decode(self.pools, self._signals(now), self.s.slo, None, self.tpot, r.prompt + r.output)
+            i = pick_decode(self.pools, self._signals(now), self.plan_slo, None, self.tpot, r.prompt + r.output)
         else:
             self.split += 1
             if self.s.mode == "dynamic":
                 self._maybe_flip(now, r.prompt)
-            i = pick_prefill(self.pools, self._signals(now), self.ttft, r.prompt, self.s.slo,
+            i = pick_prefill(self.pools, self._signals(now), self.ttft, r.prompt, self.plan_slo,
                              allow_decode_instances=self.s.mode == "dynamic" and self.s.overflow_to_decode)
         inst = self.inst[i]
         r.prefill_at = i
@@ -340,10 +362,10 @@ class ClusterSim:
     def _choose_decode(self, r: SimRequest, i: int, now: float) -> int:
         if self.s.mode == "colocated":
             return i
-        return pick_decode(self.pools, self._signals(now), self.s.slo, i, self.tpot, r.prompt + r.output)
+        return pick_decode(self.pools, self._signals(now), self.plan_slo, i, self.tpot, r.prompt + r.output)
 
     def _maybe_flip(self, now: float, input_tokens: int) -> None:
-        d = decide_flip(self.pools, self._signals(now), self.ttft, self.s.slo, self.s.pd, now, input_tokens,
+        d = decide_flip(self.pools, self._signals(now), self.ttft, self.plan_slo, self.s.pd, now, input_tokens,
                         allow_decode_instances=self.s.overflow_to_decode)
         if d is not None:
             i, role = d
@@ -394,7 +416,7 @@ class ClusterSim:
             inst.booked_out += left
             inst.finish_at.setdefault(inst.step + left, []).append(r)
         inst.blocked = len(inst.joining)
-        budget, chunks = self._budget(inst), []
+        budget, chunks = (self._budget(inst) if inst.prefill_q else 0), []
         for item in inst.prefill_q:
             if budget <= 0:
                 break
@@ -410,7 +432,8 @@ class ClusterSim:
             return
         inst.cur_chunks = chunks
         inst.cur_decodes = inst.n_running
-        dt = self.cost.iteration_s(inst.n_running, inst.ctx_sum, [(d, n) for _, d, n in chunks])
+        dt = (self.cost.iteration_s(inst.n_running, inst.ctx_sum, [(d, n) for _, d, n in chunks]) if chunks
+              else self.cost.decode_step_s(inst.n_running, inst.ctx_sum))
         inst.busy = True
         self._push(now + dt, 1, inst.idx)
         if inst.n_running:
