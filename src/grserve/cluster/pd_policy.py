@@ -40,9 +40,14 @@ Decisions where the paper is ambiguous (also in docs/cluster.md, "PD disaggregat
   TPOT meets the SLO; else the first decode-role instance, lightest first (fewest running decode tokens), whose
   predicted TPOT meets the SLO; else the least predicted TPOT.
 - **TTFT break** (D->P): even the best prefill-role instance's predicted TTFT for ``input_tokens`` exceeds the
-  SLO. **TPOT break** (P->D): the request-weighted mean recent TPOT of the decode pool exceeds the SLO.
-  **Idle** (P->D): a prefill-role instance is idle while the decode pool holds running requests (the report's
+  SLO; when prefills may overflow to decode instances (``allow_decode_instances``), the best of *every*
+  instance (the report's pseudo-code converts an instance only when no candidate meets the SLO).
+  **P->D**: "resource shortage" = a decode-role instance has decodes waiting for KV space
+  (``waiting_decode_requests``); **TPOT break** = the request-weighted mean recent TPOT of the decode pool exceeds
+  the SLO; **idle** = a prefill-role instance is idle while the decode pool holds running requests (the report's
   "prefill instances are idle"; an idle cluster does not flip). TTFT is checked first.
+- **Margins**: the functions judge against the ``SLOConfig`` they are given; callers pass the SLOs scaled by
+  ``PDConfig.slo_headroom`` (0.8) so that a prediction a little short does not put requests just past the SLO.
 """
 
 from __future__ import annotations
@@ -324,10 +329,11 @@ def decide_flip(pools: RolePools, signals: dict[int, InstanceSignals], ttft: TTF
                 allow_decode_instances: bool = False) -> tuple[int, Role] | None:
     """The report's role switching rule; returns (instance, new role) or None. Does not flip (the caller does).
 
-    D->P when even the best prefill-role instance's predicted TTFT (for ``input_tokens``) breaks the SLO: the
-    lightest instance of P->D, else of D. P->D when the decode pool's mean TPOT breaks the SLO (the lightest of
-    D->P, else of P) or a prefill-role instance is idle while decodes run (that idle instance, D->P first).
-    ``min_per_role`` and ``min_dwell_s`` are respected (``RolePools.can_flip``)."""
+    D->P when even the best prefill-role instance's predicted TTFT (for ``input_tokens``; with
+    ``allow_decode_instances`` the best of every instance) breaks the SLO: the lightest instance of P->D, else of
+    D. P->D when a decode instance has decodes waiting for memory or the decode pool's mean TPOT breaks the SLO
+    (the lightest of D->P, else of P), or when a prefill-role instance is idle while decodes run (that idle
+    instance, D->P first). ``min_per_role`` and ``min_dwell_s`` are respected (``RolePools.can_flip``)."""
     if not cfg.role_flips:
         return None
     load = lambda i: signals[i].load_tokens  # noqa: E731
