@@ -47,6 +47,9 @@ class PartConfig(Checked):
     sim_burst_period_s: float = flag(30.0, "bursty trace: one burst of prompt-heavy requests every this many "
                                            "seconds", check=positive)
     sim_burst_duty: float = flag(0.25, "bursty trace: the share of each period the burst lasts", check=fraction)
+    sim_prompt_heavy_share: float = flag(0.5, "share of prompt-heavy requests (prompt 1500-4000, output 16-64) in "
+                                              "both traces; the rest output-heavy (prompt 100-400, output "
+                                              "200-600)", check=fraction)
     sim_chunk_tokens: int = flag(512, "prefill tokens per iteration on decode-role and co-located instances",
                                  check=positive_int)
     sim_prefill_budget: int = flag(8192, "prefill tokens per iteration on prefill-role instances",
@@ -84,7 +87,8 @@ class _Search:
 
         self.cfg = cfg
         self.cost = GPUCostModel.preset(cfg.sim_model, cfg.sim_gpu, cfg.sim_link_gbps)
-        self.shape = TraceShape(burst_period_s=cfg.sim_burst_period_s, burst_duty=cfg.sim_burst_duty)
+        self.shape = TraceShape(burst_period_s=cfg.sim_burst_period_s, burst_duty=cfg.sim_burst_duty,
+                                prompt_heavy_share=cfg.sim_prompt_heavy_share)
         self.runs = 0
         self.last: dict = {}
 

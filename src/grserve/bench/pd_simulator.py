@@ -161,27 +161,30 @@ class SimRequest:
 
 @dataclass(frozen=True)
 class TraceShape:
-    """Two request classes (uniform lengths) mixed half and half on average.
+    """Two request classes (uniform lengths), a share ``h = prompt_heavy_share`` (0.5) prompt-heavy on average.
 
     ``stable``: Poisson arrivals at ``rate``, each request's class drawn independently.
-    ``bursty``: the output-heavy half arrives as a Poisson stream at ``rate/2``; the prompt-heavy half arrives only
-    in bursts: the first ``burst_duty`` of every ``burst_period_s`` at ``rate/2/burst_duty``. Same mean rate and
+    ``bursty``: the output-heavy requests arrive as a Poisson stream at ``rate·(1-h)``; the prompt-heavy ones only
+    in bursts: the first ``burst_duty`` of every ``burst_period_s`` at ``rate·h/burst_duty``. Same mean rate and
     mix as ``stable``."""
 
     prompt_heavy: tuple[int, int, int, int] = (1500, 4000, 16, 64)  # prompt lo, hi, output lo, hi
     output_heavy: tuple[int, int, int, int] = (100, 400, 200, 600)
     burst_period_s: float = 30.0
     burst_duty: float = 0.25
+    prompt_heavy_share: float = 0.5
 
 
 def make_trace(kind: str, rate: float, duration_s: float, shape: TraceShape, seed: int) -> list[SimRequest]:
     rng = random.Random(seed)
+    h = shape.prompt_heavy_share
     # (class, rate while on, length of the on window of each period or None: always on)
     if kind == "stable":
-        streams = [("prompt_heavy", rate / 2, None), ("output_heavy", rate / 2, None)]
+        streams = [("prompt_heavy", rate * h, None), ("output_heavy", rate * (1 - h), None)]
     elif kind == "bursty":
         duty = shape.burst_duty
-        streams = [("prompt_heavy", rate / 2 / duty, duty * shape.burst_period_s), ("output_heavy", rate / 2, None)]
+        streams = [("prompt_heavy", rate * h / duty, duty * shape.burst_period_s),
+                   ("output_heavy", rate * (1 - h), None)]
     else:
         raise ValueError(f"unknown trace kind {kind!r}")
     arrivals = []
