@@ -372,7 +372,8 @@ class ClusterSim:
                         allow_decode_instances=self.s.overflow_to_decode)
         if d is not None:
             i, role = d
-            assert self.pools.flip(i, now) is role
+            new_role = self.pools.flip(i, now)
+            assert new_role is role
             if self.check_pools:
                 self._assert_pools(now)
             self._kick(self.inst[i], now)
