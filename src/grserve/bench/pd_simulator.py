@@ -276,7 +276,8 @@ class SimResult:
 class ClusterSim:
     """One run: ``requests`` through ``setup.instances`` instances under ``setup.mode``. ``give_up`` (a fraction)
     stops the run once that share of requests has certainly missed an SLO (a goodput search only needs to know the
-    attainment is below its threshold). ``check_pools`` asserts the pool invariants after every flip."""
+    attainment is below its threshold). ``check_pools`` asserts the pool invariants after every flip and the KV
+    capacity at every iteration."""
 
     def __init__(self, setup: SimSetup, cost: GPUCostModel, requests: list[SimRequest],
                  give_up: float | None = None, check_pools: bool = False):
@@ -420,6 +421,8 @@ class ClusterSim:
             inst.booked_out += left
             inst.finish_at.setdefault(inst.step + left, []).append(r)
         inst.blocked = len(inst.joining)
+        if self.check_pools:
+            assert 0 <= inst.kv_reserved <= self.cap, (inst.idx, inst.kv_reserved, self.cap)
         budget, chunks = (self._budget(inst) if inst.prefill_q else 0), []
         for item in inst.prefill_q:
             if budget <= 0:
