@@ -50,7 +50,8 @@ class PartConfig(Checked):
     sim_prompt_heavy_share: float = flag(0.5, "share of prompt-heavy requests (prompt 1500-4000, output 16-64) in "
                                               "both traces; the rest output-heavy (prompt 100-400, output "
                                               "200-600)", check=fraction)
-    sim_chunk_tokens: int = flag(512, "prefill tokens per iteration on decode-role and co-located instances",
+    sim_chunk_tokens: int = flag(512, "prefill tokens per iteration on an instance that is decode-role, co-located or "
+                                         "still running decodes",
                                  check=positive_int)
     sim_prefill_budget: int = flag(8192, "prefill tokens per iteration on prefill-role instances",
                                    check=positive_int)
