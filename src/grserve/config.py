@@ -389,6 +389,8 @@ class PDConfig(Checked):
     min_dwell_s: float = flag(2.0, "an instance stays at least this long in a pool before it may flip again",
                               check=non_negative)
     min_per_role: int = flag(1, "instances always kept in each role", check=positive_int)
+    slo_headroom: float = flag(0.8, "the PD router and the flip rules plan against this fraction of the TTFT and "
+                                    "TPOT SLOs (a margin for prediction error)", check=fraction)
 
 
 @dataclass(frozen=True)
