@@ -21,7 +21,9 @@ miniature is a full instance of that expert with capacity k/R fed only the keys 
 key space (a hash of the key, SHARDS-style), R = min(8, k // 64) (R = 1 for small caches: exact shadows). The
 leader changes only when another expert's decayed hits exceed the leader's by ``margin`` (hysteresis), so the
 real cache keeps one expert's state on a stationary trace. This is what keeps the learned ranking safe: if its
-predictions are bad, its miniature loses and the real cache runs LRU or LFU.
+predictions are bad, its miniature loses and the real cache runs LRU or LFU. The learned miniature scores with
+the leader's own ``HitModel`` (``shared_model``: learned from every real access, never fed by the miniature), so
+it is not handicapped by learning from a 1/R sample; the start and ties go to it.
 
 Prefix structure: ``on_path(keys, now)`` (called by the cache with each request's block-hash path before its
 accesses) records each key's depth and counts each key's distinct children. Without it every key is a depth-1
