@@ -102,3 +102,60 @@ def test_bench_cache_trace_file_cli(tmp_path):
     assert hr[("block", "opt")] >= hr[("block", "lru")]
     pytest.importorskip("libcachesim")
     assert ("block", "lcs:ARC") in hr
+
+
+class _Recorder:
+    """Wraps a policy's ``victim`` to record (now, key) of every eviction."""
+
+    def __init__(self, pol):
+        self.pol, self.log = pol, []
+        inner = pol.victim
+
+        def victim(now):
+            z = inner(now)
+            self.log.append((now, z))
+            return z
+
+        pol.victim = victim
+
+
+@pytest.mark.parametrize("name,kw", [("density", {}), ("leader", {}), ("leader", {"invert": True}), ("opt", {})])
+def test_decisions_do_not_depend_on_the_future(name, kw):
+    """No lookahead: two replays that share a prefix of requests and differ after it (the future shuffled, and a
+    different future altogether) make exactly the same evictions while the prefix is replayed. Belady (which reads
+    the future) is the control: its prefix decisions do change."""
+    paths = _conversations(n_conv=30, seed=5)
+    cut = len(paths) // 2
+    t_cut = sum(len(p) for p in paths[:cut])
+    future = paths[cut:]
+    other = list(future)
+    random.Random(1).shuffle(other)
+    logs = []
+    for fut in (future, other, _conversations(n_conv=15, seed=9)):
+        run = paths[:cut] + fut
+        rec = _Recorder(make_policy("belady", 30, oracle=AccessListOracle.from_trace([k for p in run for k in p]))
+                        if name == "opt" else make_policy(name, 30, **kw))
+        simulate_paths(run, rec.pol)
+        logs.append([e for e in rec.log if e[0] < t_cut])
+    assert len(logs[0]) > 50
+    if name == "opt":
+        assert logs[0] != logs[1] and logs[0] != logs[2]
+    else:
+        assert logs[0] == logs[1] == logs[2]
+
+
+def test_deep_prefix_blocks_have_coarse_count_classes():
+    from grserve.eviction.hit_model import klass
+
+    # below the root: 1, 2, 3+ accesses; the root keeps the fine bins (a one-key trace is all roots)
+    assert len({klass(c, 0, 2) for c in range(1, 40)}) == 3
+    assert klass(3, 0, 2) == klass(30, 0, 2) != klass(2, 0, 2) != klass(1, 0, 2)
+    assert len({klass(c, 0, 0) for c in range(1, 40)}) == 7  # 1, 2, 3, 4, 5-7, 8-15, 16+
+    assert klass(3, 0, 0) != klass(30, 0, 0)
+
+
+def test_leader_miniature_reads_the_leaders_model_without_feeding_it():
+    pol = make_policy("leader", 640)
+    assert pol.rate == 8 and pol.shadows["learned"].model is pol.model and not pol.shadows["learned"].learns
+    res = simulate_paths(_conversations(n_conv=100, seed=3), pol)
+    assert pol.model.events == res.accesses  # one event per real access; the 1/8 miniature adds none

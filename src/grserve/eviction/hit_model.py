@@ -2,7 +2,10 @@
 
 A block's *class* is a few prefix-tree and frequency features known at its last access (``features``):
 
-* accesses within the owner's LFU window (1, 2, 3, 4, 5–7, 8–15, 16+; counted for uncached keys too),
+* accesses within the owner's LFU window (counted for uncached keys too): 1, 2, 3, 4, 5–7, 8–15, 16+ for a root
+  block (depth 0: every key of a one-key-per-request trace), 1, 2, 3+ for a deeper prefix block (its count is in
+  practice its conversation's turns since it was written, and its reuse odds stop changing after 3; finer bins
+  only split the histograms — docs/eviction.md, "Conversation signals"),
 * cached-tree shape: a leaf (no child seen yet), one child, or a branch point (2+ children),
 * the root block (depth 0) or not.
 
@@ -21,7 +24,8 @@ lookups. No gradient training: the "learning" is counting, which keeps the cost 
 from __future__ import annotations
 
 N_COUNT, N_SHAPE, N_DEPTH = 7, 3, 2
-_COUNT_BIN = (0, 0, 1, 2, 3, 4, 4, 4) + (5,) * 8  # 1, 2, 3, 4, 5-7, 8-15, 16+ accesses
+_COUNT_BIN = (0, 0, 1, 2, 3, 4, 4, 4) + (5,) * 8  # 1, 2, 3, 4, 5-7, 8-15, 16+ accesses (root blocks)
+_DEEP_COUNT_BIN = (0, 0, 1, 2)  # 1, 2, 3+ accesses (blocks below the root)
 N_CLASSES = N_COUNT * N_SHAPE * N_DEPTH
 N_BUCKETS = 2 * 40 + 2
 
@@ -43,7 +47,10 @@ def bucket_low(i: int) -> int:
 
 
 def klass(count: int, children: int, depth: int) -> int:
-    cb = _COUNT_BIN[count] if count < 16 else N_COUNT - 1
+    if depth:
+        cb = _DEEP_COUNT_BIN[min(count, 3)]
+    else:
+        cb = _COUNT_BIN[count] if count < 16 else N_COUNT - 1
     return (cb * N_SHAPE + min(children, N_SHAPE - 1)) * N_DEPTH + (depth == 0)
 
 

@@ -21,7 +21,9 @@ miniature is a full instance of that expert with capacity k/R fed only the keys 
 key space (a hash of the key, SHARDS-style), R = min(8, k // 64) (R = 1 for small caches: exact shadows). The
 leader changes only when another expert's decayed hits exceed the leader's by ``margin`` (hysteresis), so the
 real cache keeps one expert's state on a stationary trace. This is what keeps the learned ranking safe: if its
-predictions are bad, its miniature loses and the real cache runs LRU or LFU.
+predictions are bad, its miniature loses and the real cache runs LRU or LFU. The learned miniature scores with
+the leader's own ``HitModel`` (``shared_model``: learned from every real access, never fed by the miniature), so
+it is not handicapped by learning from a 1/R sample; the start and ties go to it.
 
 Prefix structure: ``on_path(keys, now)`` (called by the cache with each request's block-hash path before its
 accesses) records each key's depth and counts each key's distinct children. Without it every key is a depth-1
@@ -53,12 +55,14 @@ class ExpertsPolicy(EvictionPolicy):
     name = "experts"
 
     def __init__(self, capacity: int, follow: str = "learned", invert: bool = False, lfu_window: int | None = None,
-                 max_keys: int = 1 << 21, structure: tuple[dict, dict] | None = None):
+                 max_keys: int = 1 << 21, structure: tuple[dict, dict] | None = None, model: HitModel | None = None):
         super().__init__(capacity)
         if follow not in EXPERTS:
             raise ValueError(f"follow must be one of {EXPERTS}, got {follow!r}")
         self.follow, self.invert, self.max_keys = follow, invert, max_keys
-        self.model = HitModel(horizon=capacity, refresh_every=max(1024, min(4096, 4 * capacity)))
+        # a shared ``model`` (a miniature of ``leader``) is read, never fed: its owner learns from every access
+        self.learns = model is None
+        self.model = model or HitModel(horizon=capacity, refresh_every=max(1024, min(4096, 4 * capacity)))
         self.lfu = WindowLFUPolicy(capacity, window=lfu_window or 10 * capacity)
         self._meta: dict[Hashable, tuple[int, int]] = {}  # key -> (last access, class then)
         self._depth, self._children = structure if structure is not None else ({}, {})
@@ -81,12 +85,15 @@ class ExpertsPolicy(EvictionPolicy):
     # ---- events --------------------------------------------------------------------------------------------
     def _access(self, key: Hashable, now: int) -> None:
         m = self._meta.get(key)
+        learns = self.learns
         if m is not None:
-            self.model.close_event(m[1], now - m[0])
+            if learns:
+                self.model.close_event(m[1], now - m[0])
             if self._cached.get(key):
                 del self._by_class[m[1]][key]
         c = klass(self.lfu._count.get(key, 1), self._children.get(key, 0), self._depth.get(key, 1))
-        self.model.open_event(c)
+        if learns:
+            self.model.open_event(c)
         self._meta[key] = (now, c)
         if len(self._meta) > self.max_keys:  # forget the oldest-inserted history (dicts keep insertion order)
             old = next(iter(self._meta))
@@ -176,7 +183,8 @@ class ExpertsPolicy(EvictionPolicy):
             raise NoEvictableKey("no evictable key")
         oldest = self.lfu.index.oldest(1)
         model = self.model
-        model.horizon += (now - self._meta[oldest][0] - model.horizon) / 64.0  # the LRU eviction age
+        if self.learns:
+            model.horizon += (now - self._meta[oldest][0] - model.horizon) / 64.0  # the LRU eviction age
         lead = self.leader()
         z = self.choice(lead, now)
         self.stats[lead + "_evictions"] += 1
@@ -218,9 +226,10 @@ class LeaderPolicy(ExpertsPolicy):
 
     name = "leader"
 
-    def __init__(self, capacity: int, invert: bool = False, memory: int = 4096, margin: float = 0.02,
-                 sample_rate: int | None = None, min_shadow: int = 64, **kw):
-        super().__init__(capacity, follow="lru", invert=invert, **kw)
+    def __init__(self, capacity: int, invert: bool = False, memory: int = 4096, margin: float = 0.01,
+                 sample_rate: int | None = None, min_shadow: int = 64, start: str = "learned",
+                 shared_model: bool = True, **kw):
+        super().__init__(capacity, follow=start, invert=invert, **kw)
         self.rate = sample_rate or max(1, min(8, capacity // min_shadow))
         ks = max(1, capacity // self.rate)
         win = kw.get("lfu_window")
@@ -228,7 +237,8 @@ class LeaderPolicy(ExpertsPolicy):
             "lru": LRUPolicy(ks),
             "lfu": WindowLFUPolicy(ks, window=(win or 10 * capacity) // self.rate or 1),
             "learned": DensityPolicy(ks, invert=invert, structure=(self._depth, self._children),
-                                     lfu_window=(win or 10 * capacity) // self.rate or 1),
+                                     lfu_window=(win or 10 * capacity) // self.rate or 1,
+                                     model=self.model if shared_model else None),
         }
         self._shadow_cached: dict[str, set] = {e: set() for e in EXPERTS}
         self.hits = dict.fromkeys(EXPERTS, 0.0)
