@@ -236,3 +236,24 @@ def _fresh_catalog():
     from grserve.engine.retrieval_engine import build_catalog
 
     return build_catalog(RCFG)
+
+
+def test_instances_flag_on_serve_and_serve_ranking():
+    """``grserve serve --instances N`` (the default mode) and ``serve ranking --instances N`` carry the cluster flags
+    that apply; the LLM-only ones are not offered."""
+    from grserve.cli import _with_default_serve_mode, build_parser
+    from grserve.server import ranking_main, retrieval_main
+
+    parser = build_parser()
+    ns = parser.parse_args(_with_default_serve_mode(["serve", "--instances", "3", "--routing", "round_robin",
+                                                      "--migration-limit", "1"]))
+    cfg = retrieval_main.config_from_args(ns)
+    assert (cfg.cluster.instances, cfg.cluster.routing, cfg.cluster.migration_limit) == (3, "round_robin", 1)
+    ns = parser.parse_args(["serve", "ranking", "--instances", "2", "--ray-address", "10.0.0.1:6379",
+                            "--cache-weight", "1.5"])
+    cfg = ranking_main.config_from_args(ns)
+    assert (cfg.cluster.instances, cfg.cluster.ray_address, cfg.cluster.cache_weight) == (2, "10.0.0.1:6379", 1.5)
+    assert retrieval_main.config_from_args(parser.parse_args(["serve", "retrieval"])).cluster.instances == 1
+    for argv in (["serve", "retrieval", "--kv-block-size", "8"], ["serve", "ranking", "--decode-weight", "1"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(argv)
