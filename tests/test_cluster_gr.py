@@ -257,3 +257,11 @@ def test_instances_flag_on_serve_and_serve_ranking():
     for argv in (["serve", "retrieval", "--kv-block-size", "8"], ["serve", "ranking", "--decode-weight", "1"]):
         with pytest.raises(SystemExit):
             parser.parse_args(argv)
+
+
+def test_user_keys_are_stable_across_processes():
+    """The index key of a user's KV is a fixed function of the id (blake2b, never ``hash()``), distinct per user."""
+    import hashlib
+
+    assert user_key(7) == int.from_bytes(hashlib.blake2b(b"grserve-user:7", digest_size=16).digest(), "little")
+    assert len({user_key(u) for u in range(-500, 500)} | {user_key(2**80)}) == 1001

@@ -36,7 +36,7 @@ MODES = ("retrieval", "ranking")
 def user_key(user_id: int) -> int:
     """The global-index key of a ranking user's cached KV (stable across processes, disjoint from the LLM's
     chained block hashes by its domain prefix)."""
-    digest = hashlib.blake2b(b"grserve-user:" + np.int64(user_id).tobytes(), digest_size=16).digest()
+    digest = hashlib.blake2b(b"grserve-user:" + str(int(user_id)).encode(), digest_size=16).digest()
     return int.from_bytes(digest, "little")
 
 
