@@ -254,8 +254,8 @@ class ClusterGREngine:
                         raise RequestLost(f"request {rec.request.request_id} lost: its instance died {rec.moves + 1} "
                                           f"times (migration limit {self.cc.migration_limit})")
                     rec.moves += 1
-                    self.counters["recomputed"] += 1
                     self._send(rec, recovery=True)
+                    self.counters["recomputed"] += 1
                 except RequestLost as exc:
                     self.counters["lost"] += 1
                     self.records.pop(rec.request.request_id, None)

@@ -56,6 +56,8 @@ def fence(actor: Any) -> None:
     """Kill an instance actor for good (a dead one is fine)."""
     import ray
 
+    if not ray.is_initialized():  # no Ray, no actor (and ray.kill would start a Ray)
+        return
     try:
         ray.kill(actor, no_restart=True)
     except Exception:  # noqa: BLE001 - already gone
