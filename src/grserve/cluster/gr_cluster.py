@@ -60,6 +60,7 @@ class GRRecord:
     instance: int = -1
     attempt: int = 0
     moves: int = 0
+    ref: Any = None  # the current attempt's ObjectRef (kept alive until the answer)
 
 
 class ClusterGREngine:
@@ -172,7 +173,7 @@ class ClusterGREngine:
         except NoInstance:
             raise RequestLost("no live instance is left") from None
         rec.instance, rec.attempt = d.instance, rec.attempt + 1
-        ref = self.instances[d.instance].actor.run.remote(rec.request)
+        ref = rec.ref = self.instances[d.instance].actor.run.remote(rec.request)
         attempt = rec.attempt
         ref.future().add_done_callback(lambda fut: self._on_answer(rec, attempt, d.instance, fut))
 
