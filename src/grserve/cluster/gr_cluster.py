@@ -22,6 +22,7 @@ ranking --instances N`` hand the unchanged retrieval / ranking app instead of a 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from dataclasses import dataclass
@@ -86,6 +87,8 @@ class ClusterGREngine:
                          "failed": 0}
         self.on_batch: Any = None  # the app's batch histograms: called for every batch an instance ran
         self.on_death: list[Any] = []  # callbacks(instance index, seconds since its last answer) — tests
+        self._answers: queue.SimpleQueue = queue.SimpleQueue()
+        self._answerer: threading.Thread | None = None
 
     # ---- what subclasses define ----------------------------------------------------------------------------------
     def _tokens(self, request: Any) -> int:
@@ -139,6 +142,10 @@ class ClusterGREngine:
                 inst.thread = None
         for inst in self.instances:
             heartbeat.fence(inst.actor)
+        if self._answerer is not None:
+            self._answers.put(None)
+            self._answerer.join(timeout=5)
+            self._answerer = None
         if self.owns_ray and ray.is_initialized():
             ray.shutdown()
 
@@ -175,20 +182,36 @@ class ClusterGREngine:
         rec.instance, rec.attempt = d.instance, rec.attempt + 1
         ref = rec.ref = self.instances[d.instance].actor.run.remote(rec.request)
         attempt = rec.attempt
-        ref.future().add_done_callback(lambda fut: self._on_answer(rec, attempt, d.instance, fut))
+        self._answer_thread()
+        # Ray's callback thread only queues the answer: our lock and further Ray calls there could deadlock
+        ref.future().add_done_callback(lambda fut: self._answers.put((rec, attempt, d.instance, fut)))
+
+    def _answer_thread(self) -> None:
+        """Start the thread that handles the instances' answers (once; lock held)."""
+        if self._answerer is None or not self._answerer.is_alive():
+            self._answerer = threading.Thread(target=self._answer_loop, daemon=True, name="grserve-cluster-answers")
+            self._answerer.start()
+
+    def _answer_loop(self) -> None:
+        while True:
+            item = self._answers.get()
+            if item is None:
+                return
+            try:
+                self._on_answer(*item)
+            except Exception:  # noqa: BLE001 - one bad answer must not stop the others
+                log.exception("answer of request %s failed", item[0].request.request_id)
 
     def _on_answer(self, rec: GRRecord, attempt: int, instance: int, fut: Any) -> None:
-        """A Ray thread: the instance answered the call (a result, the engine's error, or the actor's death). No Ray
-        call may be made here (a ``.remote()`` from Ray's callback thread can deadlock)."""
+        """The instance answered the call: a result, the engine's error, or the actor's death."""
         from ray.exceptions import RayActorError, RayTaskError
 
         exc = fut.exception()
         with self._lock:
             if self.records.get(rec.request.request_id) is not rec or rec.attempt != attempt:
                 return  # cancelled, or an older attempt of a moved request
-        if isinstance(exc, RayActorError):  # moved on a thread of ours: Ray calls from its callback thread can hang
-            threading.Thread(target=self.instance_down, args=(instance, f"actor died ({type(exc).__name__})"),
-                             daemon=True, name=f"grserve-cluster-down-{instance}").start()
+        if isinstance(exc, RayActorError):
+            self.instance_down(instance, f"actor died ({type(exc).__name__})")
             return
         if isinstance(exc, RayTaskError):  # the engine's own error (overloaded, timed out, ...): the client's answer
             exc = getattr(exc, "cause", None) or exc
