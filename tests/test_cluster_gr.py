@@ -28,6 +28,7 @@ from grserve.cluster.gr_modes import ClusterRankingEngine, ClusterRetrievalEngin
 from grserve.cluster.ray_runtime import new_incarnation, start_ray  # noqa: E402
 from grserve.config import (  # noqa: E402
     CatalogConfig,
+    CatalogReloadConfig,
     ClusterConfig,
     EdgeConfig,
     RankingConfig,
@@ -148,7 +149,7 @@ def test_ranking_prefers_the_instance_with_the_users_kv(clusters, references):
         _same_ranking(r, ref.submit(req).future.result(60))
 
 
-def test_http_apps_admin_changes_reach_every_instance(clusters, references):
+def test_http_apps_admin_changes_reach_every_instance(clusters, references, tmp_path):
     from grserve.server.ranking_app import create_ranking_app
     from grserve.server.retrieval_main import cluster_app, create_app_for
 
@@ -175,14 +176,22 @@ def test_http_apps_admin_changes_reach_every_instance(clusters, references):
                  "grserve_cluster_instance_users_cached", "grserve_batch_size_count", "grserve_cluster_kv_index_blocks"):
         assert name in metrics, name
     assert client.get("/health").json()["instances_up"] == 2
-    # retrieval: a catalog reload reaches every instance (versions agree)
-    rclient = TestClient(cluster_app(ret, lambda m: create_app_for(ret, RCFG, m)))
+    # retrieval: POST /v1/catalog (admin key) reloads the catalog on every instance before it answers
     from grserve.catalog import generate_catalog
+    from grserve.catalog.io import save_catalog
 
-    assert ret.catalogs.replace(generate_catalog(600, 3, 256, 1, 16)) == 2
+    save_catalog(generate_catalog(300, 3, 256, 1, 16), tmp_path / "new.grcat")
+    cfg = dataclasses.replace(RCFG, edge=EdgeConfig(admin_api_key="adm"),
+                              reload=CatalogReloadConfig(catalog_dir=str(tmp_path)))
+    rclient = TestClient(cluster_app(ret, lambda m: create_app_for(ret, cfg, m)))
+    assert rclient.post("/v1/catalog", json={"name": "new.grcat"}).status_code == 401
+    r = rclient.post("/v1/catalog", json={"name": "new.grcat"}, headers={"Authorization": "Bearer adm"})
+    assert r.status_code == 200 and r.json()["catalog"]["version"] == 2, r.text
     items = [int(i) for i in ret.catalogs.current().item_ids[:4]]
-    r = rclient.post("/v1/recommend", json={"history_items": items, "top_n": 3})
+    r = rclient.post("/v1/recommend", json={"history_items": items, "top_n": 3},
+                     headers={"Authorization": "Bearer adm"})
     assert r.status_code == 200 and r.json()["catalog_version"] == 2, r.text
+    assert ret.broadcast("info")[0]["catalog_items"] == 300  # the instance serves the new catalog
 
 
 def _kill(eng, victim):
