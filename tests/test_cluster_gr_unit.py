@@ -123,3 +123,20 @@ def test_engine_errors_reach_the_client_and_cancel_reaches_the_instance():
         h.future.result(1)
     assert [c[0] for c in actors[0].calls] == ["run", "run", "cancel"] and not eng.records
     assert eng.router.load[0].requests == 0
+
+
+def test_the_front_end_refuses_instances_serving_another_catalog():
+    from grserve.cluster.gr_instance import catalog_digest
+    from grserve.cluster.gr_modes import ClusterRetrievalEngine
+    from grserve.config import CatalogConfig, ServeConfig
+    from grserve.engine.retrieval_engine import build_catalog
+
+    cfg = ServeConfig(catalog=CatalogConfig(num_items=300))
+    good = {"index": 0, "incarnation": "a", "vocab_size": 32000, "catalog_version": 1,
+            "catalog": catalog_digest(build_catalog(cfg))}
+    eng = ClusterRetrievalEngine([_Actor()], [good], ClusterConfig(), cfg)
+    assert eng.catalogs.current().version == 1 and len(eng.catalogs.current()) == 300
+    other = dataclasses.replace(cfg, catalog=CatalogConfig(num_items=300, seed=1))
+    bad = dict(good, index=1, catalog=catalog_digest(build_catalog(other)))
+    with pytest.raises(ValueError, match="same catalog"):
+        ClusterRetrievalEngine([_Actor(), _Actor()], [good, bad], ClusterConfig(instances=2), cfg)

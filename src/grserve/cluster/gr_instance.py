@@ -52,6 +52,14 @@ def registry_digest(reg: Any) -> str:
     return h.hexdigest()
 
 
+def catalog_digest(catalog: Any) -> str:
+    """A fingerprint of a retrieval catalog (item ids and their SIDs, in the catalog's order)."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(np.ascontiguousarray(catalog.item_ids, dtype=np.int64).tobytes())
+    h.update(np.ascontiguousarray(catalog.sids, dtype=np.int64).tobytes())
+    return h.hexdigest()
+
+
 def build_ranking_engine(cfg: Any) -> Any:
     """The single-process ranking engine of ``serve ranking`` (model, registry, runner, engine)."""
     from grserve.engine.ranking_engine import RankingEngine
@@ -98,7 +106,8 @@ class GRInstance:
                "torch_threads": _threads()}
         if self.mode == "retrieval":
             cat = e.catalogs.current()
-            out.update(vocab_size=int(e.vocab_size), catalog_items=len(cat), catalog_version=int(cat.version))
+            out.update(vocab_size=int(e.vocab_size), catalog_items=len(cat), catalog_version=int(cat.version),
+                       catalog=catalog_digest(cat))
         else:
             r = e.runner
             uc = r.user_cache

@@ -24,7 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from grserve.catalog import CatalogStore
 from grserve.cluster import heartbeat
 from grserve.cluster.gr_cluster import ClusterGREngine, launch_instances
-from grserve.cluster.gr_instance import registry_digest, user_key
+from grserve.cluster.gr_instance import catalog_digest, registry_digest, user_key
 
 log = logging.getLogger("grserve.cluster")
 
@@ -79,9 +79,9 @@ class ClusterRetrievalEngine(_Launch, ClusterGREngine):
         self.catalogs = BroadcastCatalogStore(build_catalog(cfg), self.vocab_size, self)
         cat = self.catalogs.current()
         for info in infos:
-            if (info["catalog_items"], info["catalog_version"]) != (len(cat), cat.version):
-                raise ValueError(f"instance {info['index']} serves a catalog of {info['catalog_items']} items "
-                                 f"(version {info['catalog_version']}), the front end {len(cat)} (version "
+            if (info["catalog"], info["catalog_version"]) != (catalog_digest(cat), cat.version):
+                raise ValueError(f"instance {info['index']} serves another catalog than the front end (fingerprint "
+                                 f"{info['catalog']} version {info['catalog_version']} vs {catalog_digest(cat)} version "
                                  f"{cat.version}): the catalog flags must name the same catalog on every node")
 
     def _tokens(self, request: Any) -> int:
