@@ -133,6 +133,7 @@ class ServeConfig:
     edge: "EdgeConfig" = field(default_factory=lambda: EdgeConfig())
     reload: "CatalogReloadConfig" = field(default_factory=lambda: CatalogReloadConfig())
     accel: "AccelConfig" = field(default_factory=lambda: AccelConfig())  # defined at the end (GPU fast path)
+    cluster: "ClusterConfig" = field(default_factory=lambda: ClusterConfig())  # --instances N (end of file)
 
 
 # ---- ranking (BAT) -------------------------------------------------------------------------------------------
@@ -197,6 +198,7 @@ class RankingServeConfig:
     limits: RankingLimits = field(default_factory=RankingLimits)
     server: ServerConfig = field(default_factory=lambda: ServerConfig(port=8001))
     edge: "EdgeConfig" = field(default_factory=lambda: EdgeConfig())
+    cluster: "ClusterConfig" = field(default_factory=lambda: ClusterConfig())  # --instances N (end of file)
 
 
 # ---- LLM (Apt-Serve) -----------------------------------------------------------------------------------------

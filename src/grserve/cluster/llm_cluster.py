@@ -244,36 +244,15 @@ class ClusterLLMEngine:
 
     # ---- instances: polls, heartbeats, deaths -------------------------------------------------------------------------
     def _poll_loop(self, inst: Instance) -> None:
-        import ray
-        from ray.exceptions import GetTimeoutError, RayActorError
+        from grserve.cluster import heartbeat
 
-        last_ok, ref = time.monotonic(), None
-        while self._status != "stopped" and inst.up:
-            if ref is None:
-                ref = inst.actor.poll.remote(min(self.cc.poll_wait_s, self.cc.heartbeat_timeout_s / 8))
-            try:
-                res = ray.get(ref, timeout=min(0.1, self.cc.heartbeat_timeout_s))
-            except GetTimeoutError:
-                if time.monotonic() - last_ok > self.cc.heartbeat_timeout_s:
-                    self.instance_down(inst.index, "heartbeat timeout", fence=True, silent_s=time.monotonic() - last_ok)
-                    return
-                continue
-            except RayActorError as exc:
-                self.instance_down(inst.index, f"actor died ({type(exc).__name__})", fence=True,
-                                   silent_s=time.monotonic() - last_ok)
-                return
-            except Exception:  # noqa: BLE001 - e.g. an error while deserialising: count it as a failed poll
-                log.exception("poll of instance %d failed", inst.index)
-                ref = None
-                continue
-            ref, last_ok = None, time.monotonic()
+        def answered(res: dict) -> None:
             self._on_poll(inst, res)
-            if self.index.needs_snapshot(inst.index):
-                try:
-                    self.index.apply_snapshot(ray.get(inst.actor.kv_snapshot.remote(),
-                                                      timeout=self.cc.heartbeat_timeout_s))
-                except Exception:  # noqa: BLE001 - the next poll decides whether it is dead
-                    pass
+            heartbeat.resync(self.index, inst.index, inst.actor, self.cc.heartbeat_timeout_s)
+
+        heartbeat.watch(inst.actor, self.cc, lambda: self._status != "stopped" and inst.up, answered,
+                        lambda why, silent: self.instance_down(inst.index, why, fence=True, silent_s=silent),
+                        f"instance {inst.index}")
 
     def _on_poll(self, inst: Instance, res: dict) -> None:
         with self._lock:

@@ -91,13 +91,19 @@ class Router:
         return [i for i, u in enumerate(self.up) if u]
 
     # ---- the decision -----------------------------------------------------------------------------------------
-    def costs(self, prompt_ids: list[int], exclude=()) -> dict[int, tuple[float, int]]:
-        """cost and cached tokens of every live instance (not in ``exclude``) for this prompt."""
+    def costs(self, prompt_ids: list[int], exclude=(), cached_tokens: dict[int, int] | None = None
+              ) -> dict[int, tuple[float, int]]:
+        """cost and cached tokens of every live instance (not in ``exclude``) for this prompt. ``cached_tokens``
+        (instance → prompt tokens cached there, e.g. a ranking user's KV) replaces the KV-index lookup."""
         live = [i for i in self.live() if i not in exclude]
         n = len(prompt_ids)
         cached = {i: 0.0 for i in live}
         raw = {i: 0 for i in live}
-        if self.policy == "kv" and n > 1:
+        if self.policy == "kv" and cached_tokens is not None:
+            for i in live:
+                raw[i] = int(cached_tokens.get(i, 0))
+                cached[i] = float(raw[i])
+        elif self.policy == "kv" and n > 1:
             keys = chained_block_hashes(prompt_ids[:n - 1], self.block_size)  # the last token is always computed
             for i, tiers in self.index.prefix_match(keys, live).items():
                 raw[i] = sum(tiers.values()) * self.block_size
@@ -110,13 +116,13 @@ class Router:
         return out
 
     def route(self, request_id: str, prompt_ids: list[int], max_tokens: int, exclude=(),
-              recovery: bool = False) -> Decision:
+              recovery: bool = False, cached_tokens: dict[int, int] | None = None) -> Decision:
         """Choose an instance and book the request's load on it."""
         with self._lock:
             live = [i for i in self.live() if i not in exclude]
             if not live:
                 raise NoInstance("no live instance")
-            costs = self.costs(prompt_ids, exclude)
+            costs = self.costs(prompt_ids, exclude, cached_tokens)
             if self.policy == "round_robin":
                 order = sorted(live, key=lambda i: (i - self._rr) % len(self.up))
                 best = order[0]

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from grserve.config import (
+    ClusterConfig,
     ModelConfig,
     RankingConfig,
     RankingDataConfig,
@@ -21,6 +22,7 @@ from grserve.config import (
     ServerConfig,
 )
 from grserve.flags import Checked, UsageError, add_flags, command_parser, flag, from_args, non_negative, split_commas
+from grserve.server.retrieval_main import GR_CLUSTER_SKIP
 from grserve.server.startup import add_edge_flags, check_model, edge_from_args
 
 if TYPE_CHECKING:
@@ -48,6 +50,7 @@ def add_command(sub) -> None:
     add_flags(p, d.limits, title="request limits")
     add_flags(p, d.server, title="HTTP", skip=("max_prompt_tokens", "max_top_n", "max_exclude_items"))
     add_edge_flags(p)
+    add_flags(p, ClusterConfig, title="cluster (several instances on Ray; docs/cluster.md)", skip=GR_CLUSTER_SKIP)
     p.set_defaults(handler=lambda ns: run(config_from_args(ns)))
 
 
@@ -56,7 +59,8 @@ def config_from_args(ns: argparse.Namespace) -> RankingServeConfig:
     return RankingServeConfig(model=from_args(ModelConfig, ns),
                               ranking=from_args(RankingConfig, ns, user_cache_bytes=cache_bytes),
                               data=from_args(RankingDataConfig, ns), limits=from_args(RankingLimits, ns),
-                              server=from_args(ServerConfig, ns), edge=edge_from_args(ns))
+                              server=from_args(ServerConfig, ns), edge=edge_from_args(ns),
+                              cluster=from_args(ClusterConfig, ns))
 
 
 def build_registry(data: RankingDataConfig, vocab_size: int) -> RankingRegistry:
@@ -83,6 +87,8 @@ def build_registry(data: RankingDataConfig, vocab_size: int) -> RankingRegistry:
 
 def run(cfg: RankingServeConfig) -> int:
     check_model(cfg.model)
+    if cfg.cluster.instances > 1 or cfg.cluster.ray_address:
+        return run_cluster(cfg)
 
     from grserve.engine.ranking_engine import RankingEngine
     from grserve.engine.ranking_runner import RankingRunner
@@ -104,5 +110,30 @@ def run(cfg: RankingServeConfig) -> int:
     app = create_ranking_app(engine, cfg.limits, edge=cfg.edge)
     s = cfg.server
     print(f"grserve ranking -> http://{s.host}:{s.port}  (POST /v1/rank)", flush=True)
+    engine.start()
+    return serve_until_exit(app, s.host, s.port, s.log_level, engine.stop)
+
+
+def run_cluster(cfg: RankingServeConfig) -> int:
+    """``--instances N`` (or ``--ray-address``): N ranking engine actors on Ray behind this front end."""
+    from grserve.cluster.gr_modes import ClusterRankingEngine
+    from grserve.ranking.registry import RegistryError
+    from grserve.server.core import serve_until_exit
+    from grserve.server.ranking_app import create_ranking_app
+    from grserve.server.retrieval_main import cluster_app
+
+    print(f"grserve ranking: starting {cfg.cluster.instances} instances (each precomputes the item KV)",
+          file=sys.stderr, flush=True)
+    try:
+        engine = ClusterRankingEngine.launch(cfg, cfg.cluster)
+    except (ValueError, RegistryError, OSError) as e:
+        raise UsageError(str(e)) from None
+    app = cluster_app(engine, lambda m: create_ranking_app(engine, cfg.limits, m, edge=cfg.edge))
+    for line in engine.describe():
+        print(f"grserve: {line}", flush=True)
+    s = cfg.server
+    reg = engine.registry
+    print(f"grserve ranking: {reg.num_items} items, {reg.num_users} users, policy {engine.runner.policy.name}, "
+          f"{cfg.cluster.instances} instances -> http://{s.host}:{s.port}  (POST /v1/rank)", flush=True)
     engine.start()
     return serve_until_exit(app, s.host, s.port, s.log_level, engine.stop)

@@ -14,6 +14,7 @@ from grserve.config import (
     AccelConfig,
     CatalogConfig,
     CatalogReloadConfig,
+    ClusterConfig,
     ModelConfig,
     SchedulerConfig,
     SearchConfig,
@@ -22,6 +23,10 @@ from grserve.config import (
 )
 from grserve.flags import UsageError, add_flags, command_parser, from_args
 from grserve.server.startup import add_edge_flags, check_catalog_dir, check_model, edge_from_args
+
+# ClusterConfig flags of the LLM cluster that retrieval/ranking instances have no use for (no prefix blocks, no
+# decode phase, no KV snapshots: a request is recomputed when its instance dies)
+GR_CLUSTER_SKIP = ("kv_block_size", "decode_weight", "kv_snapshot")
 
 
 def add_command(sub) -> None:
@@ -35,6 +40,7 @@ def add_command(sub) -> None:
     add_flags(p, d.server, title="HTTP")
     add_edge_flags(p, reload=True)
     add_flags(p, d.accel, title="accelerator (docs/gpu.md)")
+    add_flags(p, ClusterConfig, title="cluster (several instances on Ray; docs/cluster.md)", skip=GR_CLUSTER_SKIP)
     p.set_defaults(handler=lambda ns: run(config_from_args(ns)))
 
 
@@ -50,6 +56,7 @@ def config_from_args(ns: argparse.Namespace) -> ServeConfig:
         edge=edge_from_args(ns),
         reload=from_args(CatalogReloadConfig, ns),
         accel=from_args(AccelConfig, ns),
+        cluster=from_args(ClusterConfig, ns),
     )
 
 
@@ -58,6 +65,8 @@ def run(cfg: ServeConfig) -> int:
         raise UsageError(f"catalog file not found: {cfg.catalog.path}")
     check_model(cfg.model)
     check_catalog_dir(cfg.reload)
+    if cfg.cluster.instances > 1 or cfg.cluster.ray_address:
+        return run_cluster(cfg)
 
     from grserve.engine.retrieval_engine import RetrievalEngine
     from grserve.server.core import serve_until_exit
@@ -77,3 +86,45 @@ def run(cfg: ServeConfig) -> int:
           f"-> http://{host}:{cfg.server.port}", flush=True)
     engine.start()
     return serve_until_exit(app, cfg.server.host, cfg.server.port, cfg.server.log_level, engine.stop)
+
+
+def run_cluster(cfg: ServeConfig) -> int:
+    """``--instances N`` (or ``--ray-address``): N retrieval engine actors on Ray behind this front end."""
+    from grserve.cluster.gr_modes import ClusterRetrievalEngine
+    from grserve.server.core import serve_until_exit
+
+    try:
+        engine = ClusterRetrievalEngine.launch(cfg, cfg.cluster)
+    except (ValueError, KeyError, OSError) as exc:
+        raise UsageError(exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)) from None
+    app = cluster_app(engine, lambda m: create_app_for(engine, cfg, m))
+    cat = engine.catalogs.current()
+    for line in engine.describe():
+        print(f"grserve: {line}", flush=True)
+    host = f"[{cfg.server.host}]" if ":" in cfg.server.host else cfg.server.host
+    print(f"grserve: model {cfg.model.source} ({cfg.model.dtype}, {cfg.model.device}) on {cfg.cluster.instances} "
+          f"instances, catalog {len(cat):,} items, default beam width {cfg.search.beam_width} "
+          f"-> http://{host}:{cfg.server.port}", flush=True)
+    engine.start()
+    return serve_until_exit(app, cfg.server.host, cfg.server.port, cfg.server.log_level, engine.stop)
+
+
+def create_app_for(engine, cfg: ServeConfig, metrics):
+    from grserve.server.retrieval_app import create_app
+
+    return create_app(engine, cfg.server, metrics, cfg.edge, cfg.reload)
+
+
+def cluster_app(engine, make_app):
+    """The unchanged app around a cluster front end, its /metrics with the cluster's collectors and every
+    instance's batches in the batch histograms."""
+    from grserve.cluster.gr_modes import GRClusterCollector
+    from grserve.cluster.metrics import ClusterCollector
+    from grserve.server.metrics import Metrics
+
+    metrics = Metrics()
+    app = make_app(metrics)
+    engine.on_batch = metrics.on_batch
+    metrics.registry.register(ClusterCollector(engine))
+    metrics.registry.register(GRClusterCollector(engine))
+    return app

@@ -1,0 +1,383 @@
+"""The cluster front end for retrieval and ranking: N ``GRInstance`` actors behind the one Engine contract.
+
+``ClusterRetrievalEngine`` / ``ClusterRankingEngine`` are what ``grserve serve --instances N`` / ``grserve serve
+ranking --instances N`` hand the unchanged retrieval / ranking app instead of a ``RetrievalEngine`` /
+``RankingEngine``. A request is single-step, so the front end's journal is just the request itself:
+
+- **routing** (``router.Router``, the LLM cluster's): cost(i) = tokens booked on i + the request's tokens −
+  ``cache_weight`` · its tokens cached on i. Retrieval has no reusable KV across requests: load alone (the cached
+  term is empty; ``round_robin`` for comparison). Ranking: the user's profile tokens count as cached on every
+  instance whose BAT user cache holds the user, as the global KV index says (key ``user_key(user_id)``, kept from
+  the instances' user-cache events, resynced from a snapshot after a gap or a restart). Load is booked at the
+  decision and released with the answer;
+- **the answer** is the actor call's own result (``ObjectRef.future()``: no poll in between);
+- **death**: the call fails with an actor error, or the instance's heartbeat (``heartbeat.watch``) stops: the
+  instance is fenced and every request it held is re-submitted to a live one — recompute is the recovery of a
+  single-step request — at most ``migration_limit`` times, then ``RequestLost`` (HTTP 503);
+- **state changes** reach every live instance before the admin route answers (``broadcast``): a catalog reload
+  (retrieval), replaced users and new or replaced items (ranking). An instance that fails to apply one is fenced,
+  so no instance keeps serving stale state.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from grserve.cluster import heartbeat
+from grserve.cluster.kv_index import GlobalKVIndex
+from grserve.cluster.llm_cluster import Instance
+from grserve.cluster.recovery import RequestLost
+from grserve.cluster.router import NoInstance, Router
+from grserve.engine.protocol import (
+    EngineError,
+    EngineHealth,
+    EngineOverloaded,
+    EngineStopped,
+    RequestCancelled,
+    RequestHandle,
+)
+
+log = logging.getLogger("grserve.cluster")
+SUMMED_STATS = ("batches_run", "batches_failed", "requests_done", "requests_expired", "queue_depth", "running")
+
+
+class InstanceOverloaded(EngineError):
+    """The chosen instance's queue was full (HTTP 429)."""
+
+    http_status = 429
+    error_type = "overloaded"
+
+
+@dataclass
+class GRRecord:
+    request: Any
+    handle: RequestHandle
+    tokens: int  # the request's size for the router
+    instance: int = -1
+    attempt: int = 0
+    moves: int = 0
+    ref: Any = None  # the current attempt's ObjectRef (kept alive until the answer)
+
+
+class ClusterGREngine:
+    """The mode-free part: instances, routing, answers, deaths, broadcasts, lifecycle, stats."""
+
+    mode = ""
+
+    def __init__(self, actors: list[Any], infos: list[dict], cluster: Any, owns_ray: bool = False,
+                 max_waiting: int | None = None):
+        self.cc = cluster
+        self.instances = [Instance(i, a, info) for i, (a, info) in enumerate(zip(actors, infos))]
+        self.owns_ray = owns_ray
+        self.index = GlobalKVIndex()
+        for inst in self.instances:
+            self.index.register(inst.index, inst.info["incarnation"])
+        self.router = Router(len(self.instances), cluster.routing, block_size=1, index=self.index,
+                             decode_weight=0.0, cache_weight=cluster.cache_weight)
+        self.records: dict[str, GRRecord] = {}
+        self._lock = threading.RLock()
+        self._status = "stopped"
+        self._max_waiting = max_waiting
+        self.counters = {"migrated": 0, "recomputed": 0, "lost": 0, "instance_deaths": 0, "finished": 0,
+                         "failed": 0}
+        self.on_batch: Any = None  # the app's batch histograms: called for every batch an instance ran
+        self.on_death: list[Any] = []  # callbacks(instance index, seconds since its last answer) — tests
+        self._answers: queue.SimpleQueue = queue.SimpleQueue()
+        self._answerer: threading.Thread | None = None
+
+    # ---- what subclasses define ----------------------------------------------------------------------------------
+    def _tokens(self, request: Any) -> int:
+        raise NotImplementedError
+
+    def _cached(self, request: Any) -> dict[int, int]:
+        """Tokens of ``request`` cached per instance (the router's cached term); empty: load alone."""
+        return {}
+
+    # ---- lifecycle ------------------------------------------------------------------------------------------------
+    def start(self) -> "ClusterGREngine":
+        with self._lock:
+            if self._status == "ok":
+                return self
+            self._status = "ok"
+        for inst in self.instances:
+            if inst.up and inst.thread is None:
+                inst.thread = threading.Thread(target=self._watch, args=(inst,), daemon=True,
+                                               name=f"grserve-cluster-poll-{inst.index}")
+                inst.thread.start()
+        return self
+
+    def _watch(self, inst: Instance) -> None:
+        heartbeat.watch(inst.actor, self.cc, lambda: self._status != "stopped" and inst.up,
+                        lambda res: self._on_poll(inst, res),
+                        lambda why, silent: self.instance_down(inst.index, why, silent), f"instance {inst.index}")
+
+    def drain(self, timeout_s: float | None = None) -> bool:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._lock:
+            if self._status == "ok":
+                self._status = "draining"
+        while self.records:
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
+    def stop(self) -> None:
+        import ray
+
+        with self._lock:
+            self._status = "stopped"
+            left = list(self.records.values())
+            self.records.clear()
+        for rec in left:
+            _fail(rec.handle, EngineStopped("engine stopped"))
+        for inst in self.instances:
+            if inst.thread is not None:
+                inst.thread.join(timeout=5)
+                inst.thread = None
+        for inst in self.instances:
+            heartbeat.fence(inst.actor)
+        if self._answerer is not None:
+            self._answers.put(None)
+            self._answerer.join(timeout=5)
+            self._answerer = None
+        if self.owns_ray and ray.is_initialized():
+            ray.shutdown()
+
+    def __enter__(self) -> "ClusterGREngine":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # ---- requests -------------------------------------------------------------------------------------------------
+    def submit(self, request: Any) -> RequestHandle:
+        if self._status != "ok":
+            raise EngineStopped(f"engine is {self._status}")
+        handle: RequestHandle = RequestHandle(request.request_id, self.cancel)
+        rec = GRRecord(request, handle, max(1, self._tokens(request)))
+        with self._lock:
+            if request.request_id in self.records:
+                raise ValueError(f"request id {request.request_id} is already running")
+            self.records[request.request_id] = rec
+            try:
+                self._send(rec, recovery=False)
+            except RequestLost:
+                del self.records[request.request_id]
+                raise EngineStopped("no live instance") from None
+        return handle
+
+    def _send(self, rec: GRRecord, recovery: bool) -> None:
+        """Route one attempt of ``rec`` and call its instance (lock held)."""
+        rid = rec.request.request_id
+        try:
+            d = self.router.route(rid, range(rec.tokens), 0, recovery=recovery, cached_tokens=self._cached(rec.request))
+        except NoInstance:
+            raise RequestLost("no live instance is left") from None
+        rec.instance, rec.attempt = d.instance, rec.attempt + 1
+        ref = rec.ref = self.instances[d.instance].actor.run.remote(rec.request)
+        attempt = rec.attempt
+        self._answer_thread()
+        # Ray's callback thread only queues the answer: our lock and further Ray calls there could deadlock
+        ref.future().add_done_callback(lambda fut: self._answers.put((rec, attempt, d.instance, fut)))
+
+    def _answer_thread(self) -> None:
+        """Start the thread that handles the instances' answers (once; lock held)."""
+        if self._answerer is None or not self._answerer.is_alive():
+            self._answerer = threading.Thread(target=self._answer_loop, daemon=True, name="grserve-cluster-answers")
+            self._answerer.start()
+
+    def _answer_loop(self) -> None:
+        while True:
+            item = self._answers.get()
+            if item is None:
+                return
+            try:
+                self._on_answer(*item)
+            except Exception:  # noqa: BLE001 - one bad answer must not stop the others
+                log.exception("answer of request %s failed", item[0].request.request_id)
+
+    def _on_answer(self, rec: GRRecord, attempt: int, instance: int, fut: Any) -> None:
+        """The instance answered the call: a result, the engine's error, or the actor's death."""
+        from ray.exceptions import RayActorError, RayTaskError
+
+        exc = fut.exception()
+        with self._lock:
+            if self.records.get(rec.request.request_id) is not rec or rec.attempt != attempt:
+                return  # cancelled, or an older attempt of a moved request
+        if isinstance(exc, RayActorError):
+            self.instance_down(instance, f"actor died ({type(exc).__name__})")
+            return
+        if isinstance(exc, RayTaskError):  # the engine's own error (overloaded, timed out, ...): the client's answer
+            exc = getattr(exc, "cause", None) or exc
+        if isinstance(exc, EngineOverloaded):  # raised after submit returned: it must carry its own status
+            exc = InstanceOverloaded(str(exc))
+        with self._lock:
+            if self.records.get(rec.request.request_id) is not rec or rec.attempt != attempt:
+                return
+            self._end(rec)
+        if exc is not None:
+            self.counters["failed"] += 1
+            _fail(rec.handle, exc)
+        elif not rec.handle.future.done():
+            self.counters["finished"] += 1
+            rec.handle.future.set_result(fut.result())
+
+    def _end(self, rec: GRRecord) -> None:
+        self.records.pop(rec.request.request_id, None)
+        self.router.release(rec.request.request_id)
+
+    def cancel(self, request_id: str) -> bool:
+        with self._lock:
+            rec = self.records.get(request_id)
+            if rec is None:
+                return False
+            self._end(rec)
+            inst = self.instances[rec.instance]
+            if inst.up:
+                inst.actor.cancel.remote(request_id)
+        _fail(rec.handle, RequestCancelled(f"request {request_id} cancelled"))
+        return True
+
+    # ---- instances: polls, deaths, broadcasts ----------------------------------------------------------------------
+    def _on_poll(self, inst: Instance, res: dict) -> None:
+        with self._lock:
+            if not inst.up:
+                return  # a fenced instance's late answer
+            inst.stats = res["stats"]
+            inst.stats["users_cached"] = res.get("users_cached", 0)
+            self.index.apply(inst.index, res["kv_events"], res["kv_next_seq"])
+        if self.on_batch is not None:
+            for n, tokens in res["batches"]:
+                self.on_batch(n, tokens)
+        heartbeat.resync(self.index, inst.index, inst.actor, self.cc.heartbeat_timeout_s)
+
+    def instance_down(self, index: int, why: str, silent_s: float = 0.0) -> None:
+        """Take an instance out (fencing it first) and re-submit every request it held elsewhere."""
+        inst = self.instances[index]
+        with self._lock:
+            if not inst.up or self._status == "stopped":
+                return
+            inst.up, inst.down_at, inst.down_reason = False, time.perf_counter(), why
+            self.counters["instance_deaths"] += 1
+            self.router.mark_down(index)
+            self.index.drop_instance(index)
+        log.warning("instance %d is down (%s); re-submitting its requests", index, why)
+        heartbeat.fence(inst.actor)
+        lost = []
+        with self._lock:
+            for rec in [r for r in self.records.values() if r.instance == index]:
+                self.router.release(rec.request.request_id)
+                try:
+                    if rec.moves >= self.cc.migration_limit:
+                        raise RequestLost(f"request {rec.request.request_id} lost: its instance died {rec.moves + 1} "
+                                          f"times (migration limit {self.cc.migration_limit})")
+                    rec.moves += 1
+                    self._send(rec, recovery=True)
+                    self.counters["recomputed"] += 1
+                except RequestLost as exc:
+                    self.counters["lost"] += 1
+                    self.records.pop(rec.request.request_id, None)
+                    lost.append((rec, exc))
+        for rec, exc in lost:
+            _fail(rec.handle, exc)
+        for cb in self.on_death:
+            cb(index, silent_s)
+
+    def broadcast(self, method: str, *args: Any) -> list[Any]:
+        """Call ``method(*args)`` on every live instance and wait for all; an instance that fails to apply it is
+        taken out (so none serves stale state). Returns the live instances' answers."""
+        import ray
+
+        calls = [(inst, getattr(inst.actor, method).remote(*args)) for inst in self.instances if inst.up]
+        out = []
+        for inst, ref in calls:
+            try:
+                out.append(ray.get(ref, timeout=max(30.0, self.cc.heartbeat_timeout_s)))
+            except Exception as exc:  # noqa: BLE001 - dead, hung or refused: fenced
+                self.instance_down(inst.index, f"{method} failed ({type(exc).__name__})")
+        if not any(inst.up for inst in self.instances):
+            raise RequestLost("no live instance is left")
+        return out
+
+    # ---- state ------------------------------------------------------------------------------------------------------
+    @property
+    def queue_depth(self) -> int:
+        return int(sum(inst.stats.get("queue_depth", 0) for inst in self.instances if inst.up))
+
+    @property
+    def max_waiting(self) -> int | None:
+        """The edge's queue bound, per live instance (each instance's engine queue has it)."""
+        if self._max_waiting is None:
+            return None
+        return self._max_waiting * max(1, sum(inst.up for inst in self.instances))
+
+    def health_detail(self) -> dict:
+        return {}
+
+    def health(self) -> EngineHealth:
+        up = sum(inst.up for inst in self.instances)
+        status = self._status if up or self._status != "ok" else "stopped"
+        stats = self.stats()
+        return EngineHealth(status, int(stats["queue_depth"]), int(stats["running"]),  # type: ignore[arg-type]
+                            {"instances_up": up, "instances": len(self.instances), "routing": self.cc.routing,
+                             **self.health_detail()})
+
+    def stats(self) -> dict[str, float]:
+        out: dict[str, float] = {k: 0.0 for k in SUMMED_STATS}
+        for inst in self.instances:
+            if inst.up:
+                for k in SUMMED_STATS:
+                    out[k] += float(inst.stats.get(k, 0))
+        out.update({f"cluster_{k}": float(v) for k, v in self.counters.items()})
+        out["instances_up"] = float(sum(inst.up for inst in self.instances))
+        out["in_flight"] = float(len(self.records))
+        return out
+
+    def describe(self) -> list[str]:
+        """What runs where (the start-up lines)."""
+        import os
+        import socket
+
+        lines = [f"front end: pid {os.getpid()} on {socket.gethostname()}, {self.mode}, routing {self.cc.routing}, "
+                 f"heartbeat timeout {self.cc.heartbeat_timeout_s}s, migration limit {self.cc.migration_limit}"]
+        for inst in self.instances:
+            i = inst.info
+            lines.append(f"instance {inst.index}: Ray actor pid {i['pid']} on {i['host']} ({i['node_ip']}), "
+                         f"{i['device']}, {i['torch_threads']} torch threads, {self._instance_facts(i)}, "
+                         f"incarnation {i['incarnation']}")
+        return lines
+
+    def _instance_facts(self, info: dict) -> str:
+        return ""
+
+
+def _fail(handle: RequestHandle, exc: BaseException) -> None:
+    if not handle.future.done():
+        handle.future.set_exception(exc)
+
+
+def launch_instances(mode: str, cfg: Any, cluster: Any) -> tuple[list[Any], list[dict], bool]:
+    """Start (or join) Ray, create ``cluster.instances`` instance actors of ``mode`` from ``cfg`` and wait until every
+    one has built its engine; returns (actors, their infos, whether this call started Ray)."""
+    import ray
+
+    from grserve.cluster.gr_instance import spawn_gr_instance
+    from grserve.cluster.ray_runtime import new_incarnation, start_ray
+
+    owns = start_ray(cluster.ray_address)
+    actors = [spawn_gr_instance(i, mode, cfg, cluster, new_incarnation()) for i in range(cluster.instances)]
+    try:
+        infos = ray.get([a.info.remote() for a in actors])
+    except Exception:
+        for a in actors:
+            heartbeat.fence(a)
+        if owns:
+            ray.shutdown()
+        raise
+    return actors, infos, owns
