@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from grserve.flags import Checked, config_command, flag, fraction, positive, positive_int
+from grserve.flags import Checked, config_command, flag, fraction, non_negative, positive, positive_int
 
 POLICIES = ("round_robin", "least_loaded", "kv")
 TRACE_NAME = "mooncake_conversation_trace.jsonl"
@@ -47,10 +47,17 @@ class ClusterBenchConfig(Checked):
     max_prompt_blocks: int = flag(32, "prompts are cut after this many blocks", check=positive_int)
     output_scale: float = flag(1 / 64, "output tokens = trace output_length × this", check=positive)
     max_output: int = flag(16, "most output tokens per request", check=positive_int)
-    duration_s: float = flag(120.0, "the slice's arrivals are compressed to span this many seconds", check=positive)
+    duration_s: float = flag(0.0, "the slice's arrivals are compressed to span this many seconds; 0 = from --load "
+                                  "and the measured prefill capacity", check=non_negative)
+    load: float = flag(0.85, "with --duration-s 0: offered prompt tokens per second = this × the instances' "
+                             "prefill throughput, measured at start-up on prompts of the slice's lengths (no cache "
+                             "hits counted: misses queue)", check=positive)
     instances: int = flag(3, "engine instances (Ray actors)", check=positive_int)
     model: str = flag("tiny", "preset or HF dir", metavar="PRESET_OR_DIR")
-    prefix_cache_tokens: int = flag(65536, "prefix cache per instance (tokens)", check=positive_int)
+    prefix_cache_tokens: int = flag(65536, "prefix cache per instance (tokens), when --cache-fraction is 0",
+                                    check=positive_int)
+    cache_fraction: float = flag(0.33, "prefix cache per instance = this × the slice's unique prompt blocks × "
+                                       "--block-tokens (0: --prefix-cache-tokens)", check=non_negative)
     num_blocks: int = flag(4096, "KV pool blocks per instance", check=positive_int)
     decode_weight: float = flag(0.1, "router: weight of a booked decode token", check=lambda v: None if v >= 0
                                 else "must be >= 0")
@@ -58,9 +65,9 @@ class ClusterBenchConfig(Checked):
                                else "must be >= 0")
     kill_after: float = flag(0.3, "fault run: look for a victim once this fraction of requests was submitted",
                              check=fraction)
-    rounds: int = flag(2, "rounds over the policies, odd rounds in reverse order (the machine's background load "
-                          "drifts: every policy sees early and late slots); per-policy numbers are means over rounds",
-                       check=positive_int)
+    rounds: int = flag(3, "rounds over the policies; round_robin and kv run in adjacent slots, in turn first "
+                          "(the machine's background load drifts); the TTFT ratio is the median of the per-round "
+                          "ratios, the other per-policy numbers are means over rounds", check=positive_int)
     fault: bool = flag(True, "run the fault run (--no-fault: policies only)")
     seed: int = flag(0, "seed of the synthesized block tokens", check=lambda v: None if v >= 0 else "must be >= 0")
     out: str | None = flag(None, "also write the JSON result here", metavar="FILE")
@@ -108,6 +115,7 @@ def load_trace(cfg: ClusterBenchConfig) -> list[TraceRequest]:
                 rows.append(json.loads(line))
     t0, t1 = rows[0]["timestamp"], rows[-1]["timestamp"]
     span = max(t1 - t0, 1)
+    duration = cfg.duration_s or 1.0  # 0: arrivals as fractions of the span, scaled once capacity is measured
     B = cfg.block_tokens
     out = []
     for r in rows:
@@ -119,8 +127,41 @@ def load_trace(cfg: ClusterBenchConfig) -> list[TraceRequest]:
         for j, h in enumerate(ids):
             prompt += block_tokens(h, B if j < len(ids) - 1 else last, cfg.seed)
         out_len = max(1, min(cfg.max_output, round(r["output_length"] * cfg.output_scale)))
-        out.append(TraceRequest((r["timestamp"] - t0) / span * cfg.duration_s, prompt, out_len, len(ids)))
+        out.append(TraceRequest((r["timestamp"] - t0) / span * duration, prompt, out_len, len(ids)))
     return out
+
+
+def unique_blocks(cfg: ClusterBenchConfig) -> int:
+    """Distinct prompt blocks of the slice (a trace hash id names its whole prefix), after the prompt cut."""
+    seen: set[int] = set()
+    with open(find_trace(cfg.trace)) as f:
+        for i, line in enumerate(f):
+            if i >= cfg.start + cfg.requests:
+                break
+            if i >= cfg.start:
+                seen.update(json.loads(line)["hash_ids"][:cfg.max_prompt_blocks])
+    return len(seen)
+
+
+def measure_capacity(engine, reqs: list[TraceRequest], seed: int, tries: int = 3) -> float:
+    """Prefill throughput of the instances together (prompt tokens/s), on the machine as it is now: a burst of
+    prompts with the slice's first lengths and fresh tokens (no cache hits), one output token each, all submitted
+    at once (least-loaded placement); the median of ``tries`` bursts."""
+    from grserve.engine.sampling import SamplingParams
+    from grserve.engine.types import LLMRequest
+
+    lengths = [len(r.prompt) for r in reqs[:4 * len(engine.instances)]]
+    rates = []
+    for t in range(tries):
+        engine.reset("least_loaded")
+        t0 = time.perf_counter()
+        hs = [engine.submit(LLMRequest(block_tokens(10 ** 9 + 100 * t + k, n, seed),
+                                       SamplingParams(max_tokens=1, temperature=0, ignore_eos=True),
+                                       request_id=f"cap{t}.{k}")) for k, n in enumerate(lengths)]
+        for h in hs:
+            h.future.result(timeout=300)
+        rates.append(sum(lengths) / (time.perf_counter() - t0))
+    return float(np.median(rates))
 
 
 # ---- one replay ----------------------------------------------------------------------------------------------------
@@ -216,13 +257,13 @@ def fault_run(engine, reqs: list[TraceRequest], kill_after: float) -> tuple[dict
 
 
 # ---- the command -------------------------------------------------------------------------------------------------------
-def _launch(cfg: ClusterBenchConfig):
+def _launch(cfg: ClusterBenchConfig, cache_tokens: int):
     from grserve.cluster.llm_cluster import ClusterLLMEngine
     from grserve.config import ClusterConfig, LLMConfig, LLMServeConfig, ModelConfig
 
     serve = LLMServeConfig(model=ModelConfig(source=cfg.model),
                            llm=LLMConfig(scheduler="fcfs", num_blocks=cfg.num_blocks,
-                                         prefix_cache_tokens=cfg.prefix_cache_tokens))
+                                         prefix_cache_tokens=cache_tokens))
     cc = ClusterConfig(instances=cfg.instances, routing="kv", decode_weight=cfg.decode_weight,
                        cache_weight=cfg.cache_weight, kv_block_size=cfg.block_tokens, heartbeat_timeout_s=2.0)
     return ClusterLLMEngine.launch(serve, cc).start()
@@ -244,21 +285,42 @@ def _row(name: str, r: dict) -> str:
             f"P99 {r['ttft_p99'] * 1e3:8.1f} ms  per instance {r['per_instance']}  wall {r['wall_s']:.1f} s")
 
 
+def round_order(rnd: int) -> tuple[str, ...]:
+    """round_robin and kv in adjacent slots, each first in turn (their ratio is taken within a round)."""
+    return ("round_robin", "kv", "least_loaded") if rnd % 2 == 0 else ("least_loaded", "kv", "round_robin")
+
+
 def run(cfg: ClusterBenchConfig) -> int:
+    import dataclasses
+
     reqs = load_trace(cfg)
-    print(f"bench cluster: {len(reqs)} requests of {cfg.trace} from #{cfg.start}, "
-          f"{sum(len(r.prompt) for r in reqs)} prompt tokens, {sum(r.max_tokens for r in reqs)} output tokens, "
-          f"over {cfg.duration_s:.0f} s, {cfg.instances} instances of {cfg.model}", flush=True)
-    engine = _launch(cfg)
+    prompt_tokens = sum(len(r.prompt) for r in reqs)
+    unique = unique_blocks(cfg)
+    cache_tokens = round(cfg.cache_fraction * unique * cfg.block_tokens) or cfg.prefix_cache_tokens
+    print(f"bench cluster: {len(reqs)} requests of {cfg.trace} from #{cfg.start}, {prompt_tokens} prompt tokens, "
+          f"{sum(r.max_tokens for r in reqs)} output tokens, {unique} unique prompt blocks; prefix cache "
+          f"{cache_tokens} tokens per instance ({cache_tokens / (unique * cfg.block_tokens):.2f} of the slice's "
+          f"unique blocks), {cfg.instances} instances of {cfg.model}", flush=True)
+    engine = _launch(cfg, cache_tokens)
     for line in engine.describe():
         print(f"  {line}", flush=True)
     runs: dict[str, list[dict]] = {p: [] for p in POLICIES}
     results: dict[str, dict] = {}
     fault: dict = {}
+    setup: dict = {"unique_blocks": unique, "prefix_cache_tokens": cache_tokens, "prompt_tokens": prompt_tokens}
     try:
         _warm_up(engine, reqs)
+        duration = cfg.duration_s
+        if not duration:
+            setup["capacity_tokens_per_s"] = measure_capacity(engine, reqs, cfg.seed)
+            duration = prompt_tokens / (cfg.load * setup["capacity_tokens_per_s"])
+            reqs = [dataclasses.replace(r, arrival=r.arrival * duration) for r in reqs]
+        setup["duration_s"] = duration
+        print(f"  prefill capacity {setup.get('capacity_tokens_per_s', float('nan')):.0f} tokens/s -> the slice "
+              f"spans {duration:.1f} s (offered load {cfg.load if not cfg.duration_s else float('nan'):.2f})",
+              flush=True)
         for rnd in range(cfg.rounds):
-            for policy in (POLICIES if rnd % 2 == 0 else POLICIES[::-1]):
+            for policy in round_order(rnd):
                 engine.reset(policy)
                 runs[policy].append(replay(engine, reqs))
                 print(_row(f"{policy} #{rnd}", runs[policy][-1]), flush=True)
@@ -269,7 +331,7 @@ def run(cfg: ClusterBenchConfig) -> int:
             print(_row("kv + fault", results["kv_fault"]), flush=True)
     finally:
         engine.stop()
-    summary = _summary(results, fault)
+    summary = {**_summary(results, fault), **setup}
     if cfg.out:
         Path(cfg.out).write_text(json.dumps({**summary, "policies": {k: {kk: vv for kk, vv in v.items()
                                                                            if kk not in ("outputs", "requests")}
@@ -292,8 +354,12 @@ def _mean_runs(runs: list[dict]) -> dict:
 
 def _summary(results: dict, fault: dict) -> dict:
     rr, kv = results["round_robin"], results["kv"]
+    per_round = [a["ttft_mean"] / b["ttft_mean"] for a, b in zip(rr["rounds"], kv["rounds"])]
     out = {"hit_rate_ratio_vs_rr": kv["hit_rate"] / max(rr["hit_rate"], 1e-9),
-           "ttft_ratio_rr_over_kv": rr["ttft_mean"] / kv["ttft_mean"],
+           "ttft_ratio_rr_over_kv": float(np.median(per_round)),  # adjacent slots per round; median over rounds
+           "ttft_ratio_rr_over_kv_of_means": rr["ttft_mean"] / kv["ttft_mean"],
+           "ttft_median_ratio_rr_over_kv_per_round": [a["ttft_median"] / b["ttft_median"]
+                                                      for a, b in zip(rr["rounds"], kv["rounds"])],
            "hit_rate_blocks_ratio_vs_rr": kv["hit_rate_blocks"] / max(rr["hit_rate_blocks"], 1e-9),
            "ttft_median_ratio_rr_over_kv": rr["ttft_median"] / kv["ttft_median"],
            "hit_rate": {p: results[p]["hit_rate"] for p in POLICIES},
@@ -302,8 +368,7 @@ def _summary(results: dict, fault: dict) -> dict:
            "ttft_mean_s": {p: results[p]["ttft_mean"] for p in POLICIES},
            "ttft_p99_s": {p: results[p]["ttft_p99"] for p in POLICIES},
            "requests_per_instance": {p: results[p]["per_instance"] for p in POLICIES},
-           "ttft_ratio_rr_over_kv_per_round": [a["ttft_mean"] / b["ttft_mean"] for a, b in
-                                               zip(results["round_robin"]["rounds"], kv["rounds"])],
+           "ttft_ratio_rr_over_kv_per_round": per_round,
            "outputs_agree_across_policies": all(results[p]["outputs"] == kv["outputs"] for p in POLICIES)}
     if "kv_fault" in results:
         f = results["kv_fault"]
