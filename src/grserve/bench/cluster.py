@@ -65,7 +65,7 @@ class ClusterBenchConfig(Checked):
                                else "must be >= 0")
     kill_after: float = flag(0.3, "fault run: look for a victim once this fraction of requests was submitted",
                              check=fraction)
-    rounds: int = flag(3, "rounds over the policies; round_robin and kv run in adjacent slots, in turn first "
+    rounds: int = flag(2, "rounds over the policies; round_robin and kv run in adjacent slots, in turn first "
                           "(the machine's background load drifts); the TTFT ratio is the median of the per-round "
                           "ratios, the other per-policy numbers are means over rounds", check=positive_int)
     fault: bool = flag(True, "run the fault run (--no-fault: policies only)")
@@ -265,7 +265,8 @@ def _launch(cfg: ClusterBenchConfig, cache_tokens: int):
                            llm=LLMConfig(scheduler="fcfs", num_blocks=cfg.num_blocks,
                                          prefix_cache_tokens=cache_tokens))
     cc = ClusterConfig(instances=cfg.instances, routing="kv", decode_weight=cfg.decode_weight,
-                       cache_weight=cfg.cache_weight, kv_block_size=cfg.block_tokens, heartbeat_timeout_s=2.0)
+                       cache_weight=cfg.cache_weight, kv_block_size=cfg.block_tokens, heartbeat_timeout_s=2.0,
+                       restart_instances=False)  # the fault run compares with two instances left
     return ClusterLLMEngine.launch(serve, cc).start()
 
 

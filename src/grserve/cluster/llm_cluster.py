@@ -52,6 +52,7 @@ class ClusterLLMEngine:
                  owns_ray: bool = False, eos_token_id: int | None = None, edge: Any = None):
         self.cc = cluster
         self.admission = FrontAdmission(edge)  # --max-waiting / --request-timeout at the front end (admission.py)
+        self.serve_cfg: Any = None  # the LLMServeConfig the instances run (set by launch): a restart needs it
         self.instances = [Instance(i, a, info) for i, (a, info) in enumerate(zip(actors, infos))]
         self.tokenizer = tokenizer
         self.owns_ray = owns_ray
@@ -64,7 +65,7 @@ class ClusterLLMEngine:
         self._lock = threading.RLock()
         self._status = "stopped"
         self.counters = {"migrated": 0, "recomputed": 0, "lost": 0, "instance_deaths": 0, "kv_snapshots_taken": 0,
-                         "duplicate_tokens": 0, "finished": 0, "expired": 0}
+                         "duplicate_tokens": 0, "finished": 0, "expired": 0, "restarts": 0}
         self.on_death: list[Any] = []  # callbacks(instance index, seconds since its last answer) — benchmarks
         self.keep_finished = False  # keep ended requests' records in ``finished`` (benchmarks, tests)
         self.finished: list[RequestRecord] = []
@@ -93,7 +94,9 @@ class ClusterLLMEngine:
                 ray.shutdown()
             raise
         tok = load_tokenizer(cfg.model.source, infos[0]["vocab_size"])
-        return cls(actors, infos, cluster, tok, owns, getattr(tok, "eos_token_id", None), getattr(cfg, "edge", None))
+        eng = cls(actors, infos, cluster, tok, owns, getattr(tok, "eos_token_id", None), getattr(cfg, "edge", None))
+        eng.serve_cfg = cfg
+        return eng
 
     def describe(self) -> list[str]:
         """What runs where (the start-up lines)."""
@@ -380,6 +383,27 @@ class ClusterLLMEngine:
                 self._recover(rec)
         for cb in self.on_death:
             cb(index, silent_s)
+        if getattr(self.cc, "restart_instances", False) and self.serve_cfg is not None and self._status == "ok":
+            from grserve.cluster import respawn
+
+            respawn.respawn_later(self, index)  # a new actor, a new incarnation (respawn.py)
+
+    def instance_up(self, index: int, actor: Any, info: dict) -> bool:
+        """A restarted instance (a new actor under a new incarnation) takes dead ``index``'s place: registered in
+        the KV index (resynced by its first snapshot), back in the router, polled. False if ``index`` is up."""
+        inst = self.instances[index]
+        with self._lock:
+            if inst.up or self._status == "stopped":
+                return False
+            inst.actor, inst.info, inst.stats = actor, info, {}
+            inst.up, inst.down_at, inst.down_reason = True, None, ""
+            self.index.register(index, info["incarnation"])
+            self.router.mark_up(index)
+            self.counters["restarts"] += 1
+            inst.thread = threading.Thread(target=self._poll_loop, args=(inst,), daemon=True,
+                                           name=f"grserve-cluster-poll-{index}")
+            inst.thread.start()
+        return True
 
     def _recover(self, rec: RequestRecord) -> None:
         self.router.release(rec.request_id)

@@ -1,8 +1,9 @@
-"""The cluster front end's admission (``cluster/admission.py``): ``--max-waiting`` bounds the requests waiting for
-their first token (429 with Retry-After beyond it), ``--request-timeout`` fails the ones that wait too long (503
-``queue_timeout``), both through the real ``ClusterLLMEngine`` and LLM app, with fake instances (no Ray: the
-front end's calls to an instance are ``actor.submit.remote(...)`` / ``actor.cancel.remote(...)``; the test plays
-the pollers by handing the front end poll answers)."""
+"""The cluster front end with fake instances (no Ray: the front end's calls to an instance are
+``actor.submit.remote(...)`` / ``actor.cancel.remote(...)``; the tests play the pollers by handing the front end
+poll answers). Admission (``cluster/admission.py``): ``--max-waiting`` bounds the requests waiting for their first
+token (429 with Retry-After beyond it), ``--request-timeout`` fails the ones that wait too long (503
+``queue_timeout``), through the real ``ClusterLLMEngine`` and LLM app. Restart: a death triggers a respawn only
+with ``--restart-instances`` (the respawn itself runs on Ray: ``test_cluster_ray.py``)."""
 
 from __future__ import annotations
 
@@ -34,12 +35,14 @@ class FakeActor:
         self.submit, self.cancel = _Call(self.calls, "submit"), _Call(self.calls, "cancel")
 
 
-def _engine(max_waiting: int, timeout_s: float, instances: int = 2) -> tuple[ClusterLLMEngine, list[FakeActor]]:
+def _engine(max_waiting: int, timeout_s: float, instances: int = 2,
+            restart: bool = False) -> tuple[ClusterLLMEngine, list[FakeActor]]:
     actors = [FakeActor() for _ in range(instances)]
     infos = [{"incarnation": f"inc{i}", "max_model_len": 256, "num_blocks": 64, "block_size": 16, "pid": 0,
               "vocab_size": 300, "host": "h", "node_ip": "127.0.0.1", "device": "cpu", "prefix_cache_tokens": 0}
              for i in range(instances)]
-    eng = ClusterLLMEngine(actors, infos, ClusterConfig(instances=instances, routing="round_robin"),
+    eng = ClusterLLMEngine(actors, infos, ClusterConfig(instances=instances, routing="round_robin",
+                                                         restart_instances=restart),
                            edge=EdgeConfig(max_waiting=max_waiting, request_timeout=timeout_s))
     eng._status = "ok"  # no pollers: the test delivers the poll answers
     return eng, actors
@@ -112,3 +115,19 @@ def test_http_429_with_retry_after_and_503_queue_timeout():
         r = client.post("/v1/completions", json=body)
         t.join()
         assert r.status_code == 503 and r.json()["error"]["code"] == "queue_timeout"
+
+
+@pytest.mark.parametrize("restart", [True, False])
+def test_a_death_triggers_a_restart_only_when_asked(monkeypatch, restart):
+    from grserve.cluster import respawn
+
+    asked: list[int] = []
+    monkeypatch.setattr(respawn, "respawn_later", lambda engine, index: asked.append(index))
+    eng, actors = _engine(max_waiting=8, timeout_s=60, restart=restart)
+    eng.serve_cfg = object()  # launch sets it: what a new actor is built from
+    h = eng.submit(_req("r0"))
+    victim = eng.records["r0"].instance
+    eng.instance_down(victim, "actor died", fence=False)
+    assert asked == ([victim] if restart else [])
+    assert eng.records["r0"].instance != victim and not h.future.done()  # its request moved first
+    assert not eng.instance_up(1 - victim, FakeActor(), {"incarnation": "x"})  # a live index is not replaced
