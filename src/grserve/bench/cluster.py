@@ -5,10 +5,13 @@ Workload: a contiguous slice of the Mooncake conversation trace (``--trace``; FA
 generator seeded by (``--seed``, hash id), so equal ids give equal tokens in every run and process. The last
 block keeps its share of ``input_length``; prompts are cut at ``--max-prompt-blocks`` blocks. Output lengths are
 ``output_length × --output-scale`` (1 … ``--max-output``), decoded greedily with EOS ignored. Arrivals are the
-trace's timestamps compressed so the slice spans ``--duration-s``.
+trace's timestamps compressed so the slice spans ``--duration-s``, or (``--duration-s 0``, the default) so that
+the offered prompt tokens per second are ``--load`` × the instances' throughput measured at start-up. Each
+instance's prefix cache holds ``--cache-fraction`` of the slice's unique prompt blocks.
 
 Every policy (round_robin, least_loaded, kv) replays the same requests at the same arrivals on the same instances,
-each starting from empty prefix caches. Per policy: prefix-cache hit rate (prompt tokens copied from a prefix
+each starting from empty prefix caches; round_robin and kv run in adjacent slots of each round, and the TTFT ratio
+is the median of the per-round ratios. Per policy: prefix-cache hit rate (prompt tokens copied from a prefix
 cache ÷ prompt tokens; also in blocks: hit tokens ÷ ``--block-tokens`` ÷ prompt blocks), mean, median and P99 TTFT (submit → first token at the front end), requests per instance. Then the
 fault run: the kv policy again, and when one instance holds a request still in prefill and one in decode, that
 instance is killed by its own PID (SIGKILL); the run is compared with the kv run without the fault. Last line: one
@@ -42,16 +45,17 @@ class ClusterBenchConfig(Checked):
                       metavar="FILE")
     start: int = flag(0, "first request of the slice", check=lambda v: None if v >= 0 else "must be >= 0")
     requests: int = flag(600, "requests in the slice", check=positive_int)
-    block_tokens: int = flag(32, "tokens per trace block (512 in the trace); 32 makes an uncached prompt's prefill "
-                                 "outweigh the fixed per-request cost here (docs/cluster.md)", check=positive_int)
+    block_tokens: int = flag(24, "tokens per trace block (512 in the trace); 24-32 makes an uncached prompt's "
+                                 "prefill outweigh the fixed per-request cost here (docs/cluster.md)",
+                             check=positive_int)
     max_prompt_blocks: int = flag(32, "prompts are cut after this many blocks", check=positive_int)
     output_scale: float = flag(1 / 64, "output tokens = trace output_length × this", check=positive)
     max_output: int = flag(16, "most output tokens per request", check=positive_int)
     duration_s: float = flag(0.0, "the slice's arrivals are compressed to span this many seconds; 0 = from --load "
                                   "and the measured prefill capacity", check=non_negative)
-    load: float = flag(0.85, "with --duration-s 0: offered prompt tokens per second = this × the instances' "
-                             "prefill throughput, measured at start-up on prompts of the slice's lengths (no cache "
-                             "hits counted: misses queue)", check=positive)
+    load: float = flag(0.8, "with --duration-s 0: offered prompt tokens per second = this × the instances' "
+                            "throughput, measured at start-up on a burst of requests shaped like the slice's (no "
+                            "cache hits counted: misses queue)", check=positive)
     instances: int = flag(3, "engine instances (Ray actors)", check=positive_int)
     model: str = flag("tiny", "preset or HF dir", metavar="PRESET_OR_DIR")
     prefix_cache_tokens: int = flag(65536, "prefix cache per instance (tokens), when --cache-fraction is 0",
@@ -63,12 +67,17 @@ class ClusterBenchConfig(Checked):
                                 else "must be >= 0")
     cache_weight: float = flag(2.0, "router: weight of a cached prompt token", check=lambda v: None if v >= 0
                                else "must be >= 0")
+    heartbeat_timeout_s: float = flag(5.0, "instances silent this long are fenced (a SIGKILL is seen by Ray at once, "
+                                           "so the fault run's detection does not wait for it; 2 s fenced all three "
+                                           "instances under a load average of 15)", check=positive)
     kill_after: float = flag(0.3, "fault run: look for a victim once this fraction of requests was submitted",
                              check=fraction)
     rounds: int = flag(2, "rounds over the policies; round_robin and kv run in adjacent slots, in turn first "
                           "(the machine's background load drifts); the TTFT ratio is the median of the per-round "
                           "ratios, the other per-policy numbers are means over rounds", check=positive_int)
     fault: bool = flag(True, "run the fault run (--no-fault: policies only)")
+    fault_fraction: float = flag(0.5, "the fault run replays this first fraction of the slice (same arrivals)",
+                                 check=fraction)
     seed: int = flag(0, "seed of the synthesized block tokens", check=lambda v: None if v >= 0 else "must be >= 0")
     out: str | None = flag(None, "also write the JSON result here", metavar="FILE")
 
@@ -144,23 +153,24 @@ def unique_blocks(cfg: ClusterBenchConfig) -> int:
 
 
 def measure_capacity(engine, reqs: list[TraceRequest], seed: int, tries: int = 3) -> float:
-    """Prefill throughput of the instances together (prompt tokens/s), on the machine as it is now: a burst of
-    prompts with the slice's first lengths and fresh tokens (no cache hits), one output token each, all submitted
-    at once (least-loaded placement); the median of ``tries`` bursts."""
+    """Throughput of the instances together in prompt tokens/s, on the machine as it is now: a burst of the
+    slice's first ``4 × instances`` requests (their prompt lengths and output lengths, so decode and the KV
+    snapshots are paid as in the replay) with fresh tokens (no cache hits), all submitted at once (least-loaded
+    placement), timed until the last one ends; the median of ``tries`` bursts."""
     from grserve.engine.sampling import SamplingParams
     from grserve.engine.types import LLMRequest
 
-    lengths = [len(r.prompt) for r in reqs[:4 * len(engine.instances)]]
+    shapes = [(len(r.prompt), r.max_tokens) for r in reqs[:4 * len(engine.instances)]]
     rates = []
     for t in range(tries):
         engine.reset("least_loaded")
         t0 = time.perf_counter()
         hs = [engine.submit(LLMRequest(block_tokens(10 ** 9 + 100 * t + k, n, seed),
-                                       SamplingParams(max_tokens=1, temperature=0, ignore_eos=True),
-                                       request_id=f"cap{t}.{k}")) for k, n in enumerate(lengths)]
+                                       SamplingParams(max_tokens=m, temperature=0, ignore_eos=True),
+                                       request_id=f"cap{t}.{k}")) for k, (n, m) in enumerate(shapes)]
         for h in hs:
             h.future.result(timeout=300)
-        rates.append(sum(lengths) / (time.perf_counter() - t0))
+        rates.append(sum(n for n, _ in shapes) / (time.perf_counter() - t0))
     return float(np.median(rates))
 
 
@@ -265,7 +275,7 @@ def _launch(cfg: ClusterBenchConfig, cache_tokens: int):
                            llm=LLMConfig(scheduler="fcfs", num_blocks=cfg.num_blocks,
                                          prefix_cache_tokens=cache_tokens))
     cc = ClusterConfig(instances=cfg.instances, routing="kv", decode_weight=cfg.decode_weight,
-                       cache_weight=cfg.cache_weight, kv_block_size=cfg.block_tokens, heartbeat_timeout_s=2.0,
+                       cache_weight=cfg.cache_weight, kv_block_size=cfg.block_tokens, heartbeat_timeout_s=cfg.heartbeat_timeout_s,
                        restart_instances=False)  # the fault run compares with two instances left
     return ClusterLLMEngine.launch(serve, cc).start()
 
@@ -328,7 +338,8 @@ def run(cfg: ClusterBenchConfig) -> int:
         results = {p: _mean_runs(r) for p, r in runs.items()}
         if cfg.fault:
             engine.reset("kv")
-            results["kv_fault"], fault = fault_run(engine, reqs, cfg.kill_after)
+            results["kv_fault"], fault = fault_run(engine, reqs[:max(1, round(cfg.fault_fraction * len(reqs)))],
+                                                   cfg.kill_after)
             print(_row("kv + fault", results["kv_fault"]), flush=True)
     finally:
         engine.stop()
@@ -373,10 +384,10 @@ def _summary(results: dict, fault: dict) -> dict:
            "outputs_agree_across_policies": all(results[p]["outputs"] == kv["outputs"] for p in POLICIES)}
     if "kv_fault" in results:
         f = results["kv_fault"]
-        same = all(f["outputs"].get(k) == v for k, v in kv["outputs"].items()) and len(f["outputs"]) == len(
-            kv["outputs"])
+        same = all(kv["outputs"].get(k) == v for k, v in f["outputs"].items()) and f["lost"] == 0
         out.update(fault_lost_requests=f["lost"], fault_identical_outputs=bool(same),
                    fault_migrated=f["counters"]["migrated"], fault_recomputed=f["counters"]["recomputed"],
                    detect_seconds=fault.get("detect_seconds"), fault_killed_instance=fault.get("killed"),
-                   fault_in_flight_on_victim=fault.get("in_flight"), fault_ttft_mean_s=f["ttft_mean"])
+                   fault_in_flight_on_victim=fault.get("in_flight"), fault_ttft_mean_s=f["ttft_mean"],
+                   fault_requests=len(f["outputs"]) + f["lost"])
     return out
