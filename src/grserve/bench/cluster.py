@@ -45,8 +45,8 @@ class ClusterBenchConfig(Checked):
                       metavar="FILE")
     start: int = flag(0, "first request of the slice", check=lambda v: None if v >= 0 else "must be >= 0")
     requests: int = flag(600, "requests in the slice", check=positive_int)
-    block_tokens: int = flag(24, "tokens per trace block (512 in the trace); 24-32 makes an uncached prompt's "
-                                 "prefill outweigh the fixed per-request cost here (docs/cluster.md)",
+    block_tokens: int = flag(16, "tokens per trace block (512 in the trace; 16: 600 requests = 170k prompt "
+                                 "tokens, about 10 min for the whole bench here; docs/cluster.md)",
                              check=positive_int)
     max_prompt_blocks: int = flag(32, "prompts are cut after this many blocks", check=positive_int)
     output_scale: float = flag(1 / 64, "output tokens = trace output_length × this", check=positive)
@@ -54,7 +54,7 @@ class ClusterBenchConfig(Checked):
     duration_s: float = flag(0.0, "the slice's arrivals are compressed to span this many seconds; 0 = from --load "
                                   "and the measured prefill capacity", check=non_negative)
     load: float = flag(0.8, "with --duration-s 0: offered prompt tokens per second = this × the instances' "
-                            "throughput, measured at start-up on a burst of requests shaped like the slice's (no "
+                            "sustained throughput, measured at start-up on requests shaped like the slice's (no "
                             "cache hits counted: misses queue)", check=positive)
     instances: int = flag(3, "engine instances (Ray actors)", check=positive_int)
     model: str = flag("tiny", "preset or HF dir", metavar="PRESET_OR_DIR")
@@ -152,26 +152,25 @@ def unique_blocks(cfg: ClusterBenchConfig) -> int:
     return len(seen)
 
 
-def measure_capacity(engine, reqs: list[TraceRequest], seed: int, tries: int = 3) -> float:
-    """Throughput of the instances together in prompt tokens/s, on the machine as it is now: a burst of the
-    slice's first ``4 × instances`` requests (their prompt lengths and output lengths, so decode and the KV
-    snapshots are paid as in the replay) with fresh tokens (no cache hits), all submitted at once (least-loaded
-    placement), timed until the last one ends; the median of ``tries`` bursts."""
+def measure_capacity(engine, reqs: list[TraceRequest], seed: int, per_instance: int = 20) -> float:
+    """Throughput of the instances together in prompt tokens/s, on the machine as it is now: a queue of
+    ``per_instance`` requests per instance shaped like the slice's first requests (prompt and output lengths, so
+    decode and the KV snapshots are paid as in the replay) with fresh tokens (no cache hits), all submitted at once
+    (least-loaded placement), timed until the last one ends. A deep queue, because an instance's throughput falls
+    with the requests it holds: a burst of 4 per instance, or a closed loop of 2 in flight, measured ~2x what the
+    replays then sustained (docs/cluster.md)."""
     from grserve.engine.sampling import SamplingParams
     from grserve.engine.types import LLMRequest
 
-    shapes = [(len(r.prompt), r.max_tokens) for r in reqs[:4 * len(engine.instances)]]
-    rates = []
-    for t in range(tries):
-        engine.reset("least_loaded")
-        t0 = time.perf_counter()
-        hs = [engine.submit(LLMRequest(block_tokens(10 ** 9 + 100 * t + k, n, seed),
-                                       SamplingParams(max_tokens=m, temperature=0, ignore_eos=True),
-                                       request_id=f"cap{t}.{k}")) for k, (n, m) in enumerate(shapes)]
-        for h in hs:
-            h.future.result(timeout=300)
-        rates.append(sum(n for n, _ in shapes) / (time.perf_counter() - t0))
-    return float(np.median(rates))
+    engine.reset("least_loaded")
+    shapes = [(len(r.prompt), r.max_tokens) for r in reqs[:per_instance * sum(i.up for i in engine.instances)]]
+    t0 = time.perf_counter()
+    hs = [engine.submit(LLMRequest(block_tokens(10 ** 9 + k, n, seed),
+                                   SamplingParams(max_tokens=m, temperature=0, ignore_eos=True),
+                                   request_id=f"cap{k}")) for k, (n, m) in enumerate(shapes)]
+    for h in hs:
+        h.future.result(timeout=600)
+    return sum(n for n, _ in shapes) / (time.perf_counter() - t0)
 
 
 # ---- one replay ----------------------------------------------------------------------------------------------------
@@ -269,11 +268,12 @@ def fault_run(engine, reqs: list[TraceRequest], kill_after: float) -> tuple[dict
 # ---- the command -------------------------------------------------------------------------------------------------------
 def _launch(cfg: ClusterBenchConfig, cache_tokens: int):
     from grserve.cluster.llm_cluster import ClusterLLMEngine
-    from grserve.config import ClusterConfig, LLMConfig, LLMServeConfig, ModelConfig
+    from grserve.config import ClusterConfig, EdgeConfig, LLMConfig, LLMServeConfig, ModelConfig
 
     serve = LLMServeConfig(model=ModelConfig(source=cfg.model),
                            llm=LLMConfig(scheduler="fcfs", num_blocks=cfg.num_blocks,
-                                         prefix_cache_tokens=cache_tokens))
+                                         prefix_cache_tokens=cache_tokens),
+                           edge=EdgeConfig(max_waiting=1 << 20, request_timeout=1e6))  # every request is served
     cc = ClusterConfig(instances=cfg.instances, routing="kv", decode_weight=cfg.decode_weight,
                        cache_weight=cfg.cache_weight, kv_block_size=cfg.block_tokens, heartbeat_timeout_s=cfg.heartbeat_timeout_s,
                        restart_instances=False)  # the fault run compares with two instances left
