@@ -44,10 +44,11 @@ class ClusterBenchConfig(Checked):
                                                          "here is also looked for from each parent directory",
                       metavar="FILE")
     start: int = flag(0, "first request of the slice", check=lambda v: None if v >= 0 else "must be >= 0")
-    requests: int = flag(600, "requests in the slice", check=positive_int)
-    block_tokens: int = flag(16, "tokens per trace block (512 in the trace; 16: 600 requests = 170k prompt "
-                                 "tokens, about 10 min for the whole bench here; docs/cluster.md)",
-                             check=positive_int)
+    requests: int = flag(300, "requests in the slice (300: the whole bench takes ~7 min here; 600 overloaded "
+                              "the shared machine when its load rose after the capacity was measured)",
+                         check=positive_int)
+    block_tokens: int = flag(16, "tokens per trace block (512 in the trace; 16: the default slice is 85k prompt "
+                                 "tokens; docs/cluster.md)", check=positive_int)
     max_prompt_blocks: int = flag(32, "prompts are cut after this many blocks", check=positive_int)
     output_scale: float = flag(1 / 64, "output tokens = trace output_length × this", check=positive)
     max_output: int = flag(16, "most output tokens per request", check=positive_int)
