@@ -56,7 +56,8 @@ def cfg(model_dir):
 @pytest.fixture(scope="module")
 def cluster(cfg):
     # 3 s of silence fences an instance: a loaded CI machine can starve a healthy instance's poll for over 1 s
-    eng = ClusterLLMEngine.launch(cfg, ClusterConfig(instances=3, routing="kv", heartbeat_timeout_s=HEARTBEAT_S))
+    eng = ClusterLLMEngine.launch(cfg, ClusterConfig(instances=3, routing="kv", heartbeat_timeout_s=HEARTBEAT_S,
+                                                     restart_instances=False))  # the tests use the instances up
     eng.start()
     yield eng
     eng.stop()
@@ -228,3 +229,31 @@ def test_last_instance_death_fails_with_request_lost(cluster):
     assert cluster.health().status == "stopped" and cluster.counters["lost"] == 2
     assert torch.equal(torch.tensor(cluster.router.routed).sign(), torch.ones(3, dtype=torch.int64))
 
+
+
+def test_dead_instance_restarts_and_rejoins(cluster):
+    """With every instance dead, a restart (the function --restart-instances runs after a death) brings instance 0
+    back as a new actor and incarnation: it serves again, the KV index resyncs it by snapshot, /metrics shows it."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from grserve.cluster.metrics import ClusterCollector
+    from grserve.cluster.respawn import respawn
+
+    old = cluster.instances[0].info
+    assert not cluster.instances[0].up
+    assert respawn(cluster, 0)
+    new = cluster.instances[0].info
+    assert cluster.instances[0].up and new["pid"] != old["pid"] and new["incarnation"] != old["incarnation"]
+    prompt = _prompts(7, 1, 80, 81)[0]
+    assert len(cluster.submit(LLMRequest(prompt, GREEDY)).future.result(timeout=60).output_ids) == 40
+    deadline = time.monotonic() + 10
+    while not any(0 in holders for holders in cluster.index.blocks.values()):  # resynced, then its events
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    registry = CollectorRegistry()
+    registry.register(ClusterCollector(cluster))
+    text = generate_latest(registry).decode()
+    assert 'grserve_cluster_instance_up{instance="0"} 1.0' in text
+    assert 'grserve_cluster_instance_up{instance="1"} 0.0' in text
+    assert "grserve_cluster_instance_restarts_total 1.0" in text
+    assert cluster.health().status == "ok"

@@ -362,6 +362,8 @@ class ClusterConfig(Checked):
                                    "prefill, so a request can migrate with its KV instead of recomputing")
     instance_threads: int = flag(0, "torch threads per instance actor; 0 = a share of this machine's cores, "
                                     "max(1, cores // instances)", check=non_negative)
+    restart_instances: bool = flag(True, "restart a dead (or fenced) instance as a new actor with a new "
+                                         "incarnation; it rejoins the KV index (by snapshot) and the router")
 
 
 # ---- issue 13: prefill/decode disaggregation, role flips, online/offline co-location (docs/cluster.md) ----------

@@ -42,6 +42,7 @@ class EngineInstance:
         cfg = dataclasses.replace(cfg, llm=dataclasses.replace(cfg.llm, prefix_cache_mode="copy"))
         self.index, self.cfg, self.kv_block_size, self.kv_snapshot = index, cfg, kv_block_size, kv_snapshot
         self.engine = AsyncLLMEngine.build(cfg).start()
+        self.engine.max_waiting = self.engine.request_timeout_s = None  # the front end admits (admission.py)
         self.publisher = self._attach(incarnation)
         self._out: list[tuple] = []
         self._snapshots: list[tuple] = []

@@ -21,12 +21,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from grserve.cluster.admission import FrontAdmission
 from grserve.cluster.kv_index import GlobalKVIndex
 from grserve.cluster.recovery import RecoveryCost, RequestLost, RequestRecord, plan
 from grserve.cluster.router import NoInstance, Router
 from grserve.cluster.stream import TokenStream
 from grserve.engine.llm import TokenEvent
-from grserve.engine.protocol import EngineHealth, EngineStopped, RequestCancelled, RequestHandle
+from grserve.engine.protocol import EngineHealth, EngineStopped, RequestCancelled, RequestHandle, RequestTimedOut
 from grserve.engine.types import LLMRequest, LLMResult
 
 log = logging.getLogger("grserve.cluster")
@@ -48,8 +49,10 @@ class Instance:
 
 class ClusterLLMEngine:
     def __init__(self, actors: list[Any], infos: list[dict], cluster: Any, tokenizer: Any = None,
-                 owns_ray: bool = False, eos_token_id: int | None = None):
+                 owns_ray: bool = False, eos_token_id: int | None = None, edge: Any = None):
         self.cc = cluster
+        self.admission = FrontAdmission(edge)  # --max-waiting / --request-timeout at the front end (admission.py)
+        self.serve_cfg: Any = None  # the LLMServeConfig the instances run (set by launch): a restart needs it
         self.instances = [Instance(i, a, info) for i, (a, info) in enumerate(zip(actors, infos))]
         self.tokenizer = tokenizer
         self.owns_ray = owns_ray
@@ -62,7 +65,7 @@ class ClusterLLMEngine:
         self._lock = threading.RLock()
         self._status = "stopped"
         self.counters = {"migrated": 0, "recomputed": 0, "lost": 0, "instance_deaths": 0, "kv_snapshots_taken": 0,
-                         "duplicate_tokens": 0, "finished": 0}
+                         "duplicate_tokens": 0, "finished": 0, "expired": 0, "restarts": 0}
         self.on_death: list[Any] = []  # callbacks(instance index, seconds since its last answer) — benchmarks
         self.keep_finished = False  # keep ended requests' records in ``finished`` (benchmarks, tests)
         self.finished: list[RequestRecord] = []
@@ -91,7 +94,9 @@ class ClusterLLMEngine:
                 ray.shutdown()
             raise
         tok = load_tokenizer(cfg.model.source, infos[0]["vocab_size"])
-        return cls(actors, infos, cluster, tok, owns, getattr(tok, "eos_token_id", None))
+        eng = cls(actors, infos, cluster, tok, owns, getattr(tok, "eos_token_id", None), getattr(cfg, "edge", None))
+        eng.serve_cfg = cfg
+        return eng
 
     def describe(self) -> list[str]:
         """What runs where (the start-up lines)."""
@@ -213,11 +218,13 @@ class ClusterLLMEngine:
         with self._lock:
             if req.request_id in self.records:
                 raise ValueError(f"request id {req.request_id} is already running")
+            self.admission.admit(req.request_id)  # EngineOverloaded beyond --max-waiting
             self.records[req.request_id] = rec
             try:
                 self._send(rec, rec.prompt_ids, req.params, None, recovery=False)
             except RequestLost:
                 del self.records[req.request_id]
+                self.admission.started(req.request_id)
                 raise EngineStopped("no live instance") from None
         return handle
 
@@ -236,6 +243,7 @@ class ClusterLLMEngine:
             if rec is None:
                 return False
             self.router.release(request_id)
+            self.admission.started(request_id)
             inst = self.instances[rec.instance]
             if inst.up:
                 inst.actor.cancel.remote(request_id)
@@ -248,6 +256,7 @@ class ClusterLLMEngine:
 
         def answered(res: dict) -> None:
             self._on_poll(inst, res)
+            self._expire()
             heartbeat.resync(self.index, inst.index, inst.actor, self.cc.heartbeat_timeout_s)
 
         heartbeat.watch(inst.actor, self.cc, lambda: self._status != "stopped" and inst.up, answered,
@@ -286,6 +295,7 @@ class ClusterLLMEngine:
         if new:
             if rec.first_token_at is None:
                 rec.first_token_at = time.perf_counter()
+                self.admission.started(rid)
             self.router.on_tokens(rid, len(new))
         if finished and reason not in ("stop", "length"):
             if reason == "error":
@@ -303,8 +313,23 @@ class ClusterLLMEngine:
             self._end(rec, LLMResult(rid, list(st.output_ids), st.text, reason or "stop", len(rec.prompt_ids),
                                      rec.migrations), None)
 
+    def _expire(self) -> None:
+        """Fail every request that waited for its first token past ``--request-timeout`` (``admission.py``)."""
+        with self._lock:
+            for rid in self.admission.expired():
+                rec = self.records.get(rid)
+                if rec is None:
+                    continue
+                inst = self.instances[rec.instance]
+                if inst.up:
+                    inst.actor.cancel.remote(rid)
+                self.counters["expired"] += 1
+                self._end(rec, None, RequestTimedOut(f"request {rid} waited more than "
+                                                     f"{self.admission.request_timeout_s:g} s for its first token"))
+
     def _end(self, rec: RequestRecord, result: LLMResult | None, exc: BaseException | None) -> None:
         self.records.pop(rec.request_id, None)
+        self.admission.started(rec.request_id)
         self.router.release(rec.request_id)
         if self.keep_finished:
             self.finished.append(rec)
@@ -337,6 +362,27 @@ class ClusterLLMEngine:
                 self._recover(rec)
         for cb in self.on_death:
             cb(index, silent_s)
+        if getattr(self.cc, "restart_instances", False) and self.serve_cfg is not None and self._status == "ok":
+            from grserve.cluster import respawn
+
+            respawn.respawn_later(self, index)  # a new actor, a new incarnation (respawn.py)
+
+    def instance_up(self, index: int, actor: Any, info: dict) -> bool:
+        """A restarted instance (a new actor under a new incarnation) takes dead ``index``'s place: registered in
+        the KV index (resynced by its first snapshot), back in the router, polled. False if ``index`` is up."""
+        inst = self.instances[index]
+        with self._lock:
+            if inst.up or self._status == "stopped":
+                return False
+            inst.actor, inst.info, inst.stats = actor, info, {}
+            inst.up, inst.down_at, inst.down_reason = True, None, ""
+            self.index.register(index, info["incarnation"])
+            self.router.mark_up(index)
+            self.counters["restarts"] += 1
+            inst.thread = threading.Thread(target=self._poll_loop, args=(inst,), daemon=True,
+                                           name=f"grserve-cluster-poll-{index}")
+            inst.thread.start()
+        return True
 
     def _recover(self, rec: RequestRecord) -> None:
         self.router.release(rec.request_id)
@@ -359,7 +405,12 @@ class ClusterLLMEngine:
     # ---- state ------------------------------------------------------------------------------------------------------
     @property
     def queue_depth(self) -> int:
-        return int(sum(inst.stats.get("waiting", 0) for inst in self.instances if inst.up))
+        """Requests waiting for their first token (the edge's ``--max-waiting`` bounds it; ``admission.py``)."""
+        return self.admission.depth
+
+    @property
+    def max_waiting(self) -> int | None:
+        return self.admission.max_waiting
 
     def health(self) -> EngineHealth:
         up = [inst.index for inst in self.instances if inst.up]

@@ -37,7 +37,9 @@ class ClusterCollector:
         for key, name, help_text in (("migrated", "migrations", "Requests moved with their KV snapshot."),
                                      ("recomputed", "recomputes", "Requests moved and recomputed."),
                                      ("lost", "lost_requests", "Requests failed after instance deaths."),
-                                     ("instance_deaths", "instance_deaths", "Instances taken out (dead/fenced).")):
+                                     ("instance_deaths", "instance_deaths", "Instances taken out (dead/fenced)."),
+                                     ("restarts", "instance_restarts", "Dead instances restarted (new actor, "
+                                      "new incarnation).")):
             yield CounterMetricFamily(f"grserve_cluster_{name}", help_text, value=e.counters[key])
         idx = e.index
         yield GaugeMetricFamily("grserve_cluster_kv_index_blocks", "Blocks in the global KV index.",

@@ -50,6 +50,9 @@ def spawn_instance(index: int, cfg: Any, cluster: Any, incarnation: str) -> Any:
     from grserve.cluster.instance import EngineInstance
 
     actor_cls = ray.remote(EngineInstance)
-    return actor_cls.options(num_cpus=0, max_restarts=0, max_concurrency=64, scheduling_strategy="SPREAD",
+    # max_concurrency: calls (coroutines) in flight per actor. Each ``submit`` waits in a worker thread for the
+    # engine lock; at 64, an overloaded instance's pending submits filled every slot and its polls (the heartbeat)
+    # queued behind them until the front end fenced all three instances (bench cluster, cluster12 session)
+    return actor_cls.options(num_cpus=0, max_restarts=0, max_concurrency=4096, scheduling_strategy="SPREAD",
                              name=None).remote(index, cfg, incarnation, cluster.kv_block_size, cluster.kv_snapshot,
                                                instance_threads(cluster.instance_threads, cluster.instances))

@@ -1,0 +1,66 @@
+"""Restart of a dead instance (``--restart-instances``): a new actor under a new incarnation takes the dead one's
+place.
+
+When the front end takes an instance out (actor death, or fenced after a heartbeat timeout), its requests move
+first (``recovery.py``); then, with ``ClusterConfig.restart_instances``, a background thread spawns a fresh
+``EngineInstance`` actor with the same index and a new incarnation id and waits until it has loaded its model.
+``ClusterLLMEngine.instance_up`` then puts it back: the KV index registers the new incarnation (no entries until its
+first snapshot, which the instance's poller fetches at once: the resync of ``kv_index.py``), the router takes it
+back with an empty booking, ``grserve_cluster_instance_up`` shows 1 again and ``grserve_cluster_instance_restarts``
+counts it. The dead actor is never reused (it was fenced: ``ray.kill``), so nothing it says can come back.
+
+A spawn that fails (or loads for longer than ``load_timeout_s``) is retried after 1, 2, 4 … s, at most
+``attempts`` times; an engine that stops meanwhile kills what was spawned.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+log = logging.getLogger("grserve.cluster")
+
+
+def respawn_later(engine: Any, index: int) -> threading.Thread:
+    """Restart instance ``index`` in a background thread (the caller is a poller or a death callback)."""
+    t = threading.Thread(target=respawn, args=(engine, index), daemon=True, name=f"grserve-cluster-respawn-{index}")
+    t.start()
+    return t
+
+
+def respawn(engine: Any, index: int, attempts: int = 3, load_timeout_s: float = 300.0,
+            backoff_s: float = 1.0) -> bool:
+    """Spawn a new actor for instance ``index``, wait for its model, and hand it to ``engine.instance_up``.
+    Returns True when the instance is back."""
+    import ray
+
+    from grserve.cluster.ray_runtime import new_incarnation, spawn_instance
+
+    for attempt in range(attempts):
+        if engine._status == "stopped":
+            return False
+        actor = spawn_instance(index, engine.serve_cfg, engine.cc, new_incarnation())
+        try:
+            info = ray.get(actor.info.remote(), timeout=load_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - a failed start: kill what was spawned, retry later
+            log.warning("restart of instance %d failed (attempt %d): %s", index, attempt + 1, exc)
+            _kill(actor)
+            time.sleep(backoff_s * 2 ** attempt)
+            continue
+        if engine._status == "stopped" or not engine.instance_up(index, actor, info):
+            _kill(actor)
+            return False
+        log.warning("instance %d restarted: pid %s, incarnation %s", index, info["pid"], info["incarnation"])
+        return True
+    return False
+
+
+def _kill(actor: Any) -> None:
+    import ray
+
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception:  # noqa: BLE001 - already gone
+        pass

@@ -1,0 +1,133 @@
+"""The cluster front end with fake instances (no Ray: the front end's calls to an instance are
+``actor.submit.remote(...)`` / ``actor.cancel.remote(...)``; the tests play the pollers by handing the front end
+poll answers). Admission (``cluster/admission.py``): ``--max-waiting`` bounds the requests waiting for their first
+token (429 with Retry-After beyond it), ``--request-timeout`` fails the ones that wait too long (503
+``queue_timeout``), through the real ``ClusterLLMEngine`` and LLM app. Restart: a death triggers a respawn only
+with ``--restart-instances`` (the respawn itself runs on Ray: ``test_cluster_ray.py``)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from grserve.cluster.llm_cluster import ClusterLLMEngine
+from grserve.config import ClusterConfig, EdgeConfig
+from grserve.engine.protocol import EngineOverloaded, RequestTimedOut
+from grserve.engine.sampling import SamplingParams
+from grserve.engine.types import LLMRequest
+
+
+class _Call:
+    def __init__(self, log: list, name: str):
+        self.log, self.name = log, name
+
+    def remote(self, *args):
+        self.log.append((self.name, args))
+
+
+class FakeActor:
+    """Records what the front end sends; never answers by itself."""
+
+    def __init__(self):
+        self.calls: list = []
+        self.submit, self.cancel = _Call(self.calls, "submit"), _Call(self.calls, "cancel")
+
+
+def _engine(max_waiting: int, timeout_s: float, instances: int = 2,
+            restart: bool = False) -> tuple[ClusterLLMEngine, list[FakeActor]]:
+    actors = [FakeActor() for _ in range(instances)]
+    infos = [{"incarnation": f"inc{i}", "max_model_len": 256, "num_blocks": 64, "block_size": 16, "pid": 0,
+              "vocab_size": 300, "host": "h", "node_ip": "127.0.0.1", "device": "cpu", "prefix_cache_tokens": 0}
+             for i in range(instances)]
+    eng = ClusterLLMEngine(actors, infos, ClusterConfig(instances=instances, routing="round_robin",
+                                                         restart_instances=restart),
+                           edge=EdgeConfig(max_waiting=max_waiting, request_timeout=timeout_s))
+    eng._status = "ok"  # no pollers: the test delivers the poll answers
+    return eng, actors
+
+
+def _poll(eng: ClusterLLMEngine, inst: int, tokens: list[tuple]) -> None:
+    eng._on_poll(eng.instances[inst], {"stats": {}, "kv_events": [], "kv_next_seq": 0, "snapshots": [],
+                                       "tokens": tokens})
+
+
+def _req(rid: str) -> LLMRequest:
+    return LLMRequest([5, 6, 7, 8], SamplingParams(max_tokens=3, temperature=0), request_id=rid)
+
+
+def test_max_waiting_bounds_the_front_end_and_a_first_token_frees_a_slot():
+    eng, actors = _engine(max_waiting=3, timeout_s=60)
+    handles = [eng.submit(_req(f"r{k}")) for k in range(3)]
+    assert eng.queue_depth == 3 and eng.max_waiting == 3
+    with pytest.raises(EngineOverloaded):
+        eng.submit(_req("r3"))
+    assert "r3" not in eng.records and sum(len(a.calls) for a in actors) == 3  # refused before routing
+    _poll(eng, eng.records["r0"].instance, [("r0", 0, 0, [11], False, None)])  # r0's first token: no longer waits
+    assert eng.queue_depth == 2
+    eng.submit(_req("r3"))
+    with pytest.raises(EngineOverloaded):
+        eng.submit(_req("r4"))
+    eng.cancel("r1")  # a cancel frees its slot too
+    eng.submit(_req("r4"))
+    _poll(eng, eng.records["r0"].instance, [("r0", 0, 1, [12, 13], True, "length")])
+    assert handles[0].future.result(timeout=1).output_ids == [11, 12, 13]
+
+
+def test_request_timeout_applies_while_waiting_at_the_front_end():
+    eng, actors = _engine(max_waiting=8, timeout_s=0.2)
+    slow, started = eng.submit(_req("slow")), eng.submit(_req("started"))
+    _poll(eng, eng.records["started"].instance, [("started", 0, 0, [11], False, None)])
+    eng._expire()
+    assert not slow.future.done()  # not yet past the deadline
+    time.sleep(0.25)
+    eng._expire()
+    with pytest.raises(RequestTimedOut):
+        slow.future.result(timeout=1)
+    assert ("cancel", ("slow",)) in actors[0].calls + actors[1].calls  # its instance drops it
+    assert not started.future.done() and eng.queue_depth == 0  # one with a first token is not timed out
+    assert eng.counters["expired"] == 1
+
+
+def test_http_429_with_retry_after_and_503_queue_timeout():
+    from fastapi.testclient import TestClient
+
+    from grserve.server.llm_app import create_llm_app
+
+    eng, _ = _engine(max_waiting=1, timeout_s=0.3)
+    app = create_llm_app(eng, None, "m", 256, 300, edge=EdgeConfig(max_waiting=1, request_timeout=0.3))
+    eng.submit(_req("held"))  # fills the front end's queue
+    with TestClient(app) as client:
+        body = {"model": "m", "prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0}
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 429 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["code"] == "overloaded"
+        eng.cancel("held")
+
+        def expire_soon():
+            for _ in range(50):
+                time.sleep(0.05)
+                eng._expire()
+
+        t = threading.Thread(target=expire_soon)
+        t.start()
+        r = client.post("/v1/completions", json=body)
+        t.join()
+        assert r.status_code == 503 and r.json()["error"]["code"] == "queue_timeout"
+
+
+@pytest.mark.parametrize("restart", [True, False])
+def test_a_death_triggers_a_restart_only_when_asked(monkeypatch, restart):
+    from grserve.cluster import respawn
+
+    asked: list[int] = []
+    monkeypatch.setattr(respawn, "respawn_later", lambda engine, index: asked.append(index))
+    eng, actors = _engine(max_waiting=8, timeout_s=60, restart=restart)
+    eng.serve_cfg = object()  # launch sets it: what a new actor is built from
+    h = eng.submit(_req("r0"))
+    victim = eng.records["r0"].instance
+    eng.instance_down(victim, "actor died", fence=False)
+    assert asked == ([victim] if restart else [])
+    assert eng.records["r0"].instance != victim and not h.future.done()  # its request moved first
+    assert not eng.instance_up(1 - victim, FakeActor(), {"incarnation": "x"})  # a live index is not replaced
