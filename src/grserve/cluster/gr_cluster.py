@@ -83,8 +83,9 @@ class ClusterGREngine:
         self._lock = threading.RLock()
         self._status = "stopped"
         self._max_waiting = max_waiting
-        self.counters = {"migrated": 0, "recomputed": 0, "lost": 0, "instance_deaths": 0, "finished": 0,
-                         "failed": 0}
+        # "restarts" stays 0: GR instances are not respawned (the shared ClusterCollector reports it for both)
+        self.counters = {"migrated": 0, "recomputed": 0, "lost": 0, "instance_deaths": 0, "restarts": 0,
+                         "finished": 0, "failed": 0}
         self.on_batch: Any = None  # the app's batch histograms: called for every batch an instance ran
         self.on_death: list[Any] = []  # callbacks(instance index, seconds since its last answer) — tests
         self._answers: queue.SimpleQueue = queue.SimpleQueue()
