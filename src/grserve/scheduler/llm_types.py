@@ -40,6 +40,8 @@ class SeqView(NamedTuple):
     held_blocks: int
     freeable_blocks: int = -1  # blocks its preemption frees (shared prefix blocks excluded); -1: held_blocks
     last_scheduled: float | None = None  # start of the last iteration that computed tokens for it
+    priority: str = "online"  # "online" | "offline" (co-location: scheduler/colocation.py)
+    num_preemptions: int = 0  # times it was preempted so far
 
     @property
     def freed_by_preemption(self) -> int:
