@@ -133,6 +133,17 @@ def test_fcfs_offline_prefill_deferred_falls_back_to_decoding_online():
     assert out.kind == "decode" and [x.seq_id for x in out.scheduled] == [1]
 
 
+def test_chunked_offline_prefill_is_cut_to_fit_the_slo():
+    class _Pre(_Fixed):
+        def predict(self, f):
+            return self.a + 0.001 * f.prefill_tokens + self.c * f.decode_requests
+
+    # 10 ms + 1 ms (the online decode) leaves 9 ms: a 9-token chunk of the 40-token offline prompt
+    pol = ColocationScheduler(ChunkedPrefillScheduler(token_budget=64), tpot_slo_s=0.020, model=_Pre(0.01, 0.001))
+    out = pol.schedule(_inp([_v(5, 40, prio="offline")], [_v(1, 9, computed=8)], free=100))
+    assert {x.seq_id: x.num_tokens for x in out.scheduled} == {1: 1, 5: 9}
+
+
 def test_step_latency_model_recovers_a_linear_cost():
     rng = np.random.default_rng(0)
     m = StepLatencyModel(forget=1.0)

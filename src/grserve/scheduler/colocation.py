@@ -12,14 +12,17 @@
 3. **preempts offline work for online work**: when the first online request still to prefill (waiting, or a
    running prefill that got no tokens) was not scheduled and its blocks do not fit the free pool (or R is at the
    policy's ``max_num_seqs``), it picks offline victims (beyond the policy's own), newest first among those still
-   preemptable, until the request fits, and re-plans without them (recompute: the engine frees their blocks and puts them back at the
-   front of W). If all victims together would not make it fit, nobody is preempted;
+   preemptable, until the request fits, and re-plans without them (recompute: the engine frees their blocks and
+   puts them back at the front of W). If all victims together would not make it fit, nobody is preempted;
 4. **admits offline rows into a latency-strict batch by the latency model**: when the batch holds online work (an
    online row is scheduled or an online request is running), the online rows stay and the offline rows join —
-   decodes first, then prefill chunks — only while ``StepLatencyModel`` predicts the step within
-   ``tpot_slo_s``; the others are deferred (they keep their blocks and wait; ``stats["offline_deferred"]`` counts
-   them per step). If that leaves nothing to run (fcfs planned a prefill of offline requests only), it re-plans
-   without the deferred waiting requests (fcfs then decodes). Without online work offline runs freely.
+   decodes first, then prefill chunks, a chunk cut to the largest size that fits (an offline prefill proceeds in
+   SLO-sized pieces: our stand-in for the paper's interruptible offline prefill) — only while
+   ``StepLatencyModel`` predicts the step within ``tpot_slo_s``; the others are deferred (they keep their blocks
+   and wait; ``stats["offline_deferred"]`` counts them per step). A step with no online row while online
+   requests run (fcfs planned a prefill of offline requests only) would stall them all: its offline rows are all
+   deferred and it re-plans without the deferred waiting requests (fcfs then decodes).
+   Without online work offline runs freely.
 
 The engine calls ``observe_step(plan, seconds)`` after each executed step: the model learns from every step.
 """
@@ -28,7 +31,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from grserve.scheduler.llm_types import LLMScheduler, SchedulerInput, SchedulerOutput, SeqView
+from grserve.scheduler.llm_types import LLMScheduler, ScheduledSeq, SchedulerInput, SchedulerOutput, SeqView
 from grserve.scheduler.step_latency import StepFeatures, StepLatencyModel, item_features
 
 _OWN = frozenset({"inner", "name", "tpot_slo_s", "max_offline_preemptions", "offline_admission", "model",
@@ -147,19 +150,38 @@ class ColocationScheduler:
         total = StepFeatures()
         for x in online:
             total = total + feats[x.seq_id]
-        keep: set[int] = set()
+        plan: dict[int, ScheduledSeq] = {x.seq_id: x for x in online}
         for x in sorted(offline, key=lambda x: feats[x.seq_id].decode_requests == 0):  # decodes first
-            t = self.model.predict(total + feats[x.seq_id])
-            if t is None or t <= self.tpot_slo_s:  # no model yet: admit (and learn)
-                keep.add(x.seq_id)
-                total = total + feats[x.seq_id]
-        deferred = [x.seq_id for x in offline if x.seq_id not in keep]
-        if not deferred:
+            v = views[x.seq_id]
+            # a step that runs none of the running online requests stalls them all: no offline row may take it
+            n = self._fitting_tokens(total, v, x.num_tokens) if online else 0
+            if n > 0:  # the whole row, or a prefill chunk cut to fit (the rest of the prompt waits)
+                plan[x.seq_id] = x if n == x.num_tokens else ScheduledSeq(x.seq_id, n, x.cache)
+                total = total + item_features(v.num_tokens, v.num_computed, n)
+        deferred = [x.seq_id for x in offline if x.seq_id not in plan]
+        if len(plan) == len(out.scheduled) and all(plan[x.seq_id] is x for x in out.scheduled):
             return out, set()
         self.stats["offline_deferred"] += len(deferred)
-        plan = [x for x in out.scheduled if x.seq_id not in deferred]
-        new = SchedulerOutput(out.kind if plan else "idle", plan, list(out.preempted), dict(out.info))
+        rows = [plan[x.seq_id] for x in out.scheduled if x.seq_id in plan]
+        new = SchedulerOutput(out.kind if rows else "idle", rows, list(out.preempted), dict(out.info))
         return new, {i for i in deferred if views[i].cache is None}
+
+    def _fitting_tokens(self, total: StepFeatures, v: SeqView, n: int) -> int:
+        """How many of the row's ``n`` tokens keep the step within the SLO: n, or for a prefill row the largest
+        chunk that does (binary search on the model), or 0."""
+        def fits(k: int) -> bool:
+            t = self.model.predict(total + item_features(v.num_tokens, v.num_computed, k))
+            return t is None or t <= self.tpot_slo_s  # no model yet: admit (and learn)
+
+        if fits(n):
+            return n
+        if item_features(v.num_tokens, v.num_computed, n).decode_requests or not fits(1):
+            return 0
+        lo, hi = 1, n  # fits(lo), not fits(hi)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        return lo
 
 
 def _growth(out: SchedulerOutput, inp: SchedulerInput) -> dict[int, int]:
