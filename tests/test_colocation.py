@@ -139,7 +139,7 @@ def test_chunked_offline_prefill_is_cut_to_fit_the_slo():
             return self.a + 0.001 * f.prefill_tokens + self.c * f.decode_requests
 
     # 10 ms + 1 ms (the online decode) leaves 9 ms: a 9-token chunk of the 40-token offline prompt
-    pol = ColocationScheduler(ChunkedPrefillScheduler(token_budget=64), tpot_slo_s=0.020, model=_Pre(0.01, 0.001))
+    pol = ColocationScheduler(ChunkedPrefillScheduler(token_budget=64), tpot_slo_s=0.0205, model=_Pre(0.01, 0.001))
     out = pol.schedule(_inp([_v(5, 40, prio="offline")], [_v(1, 9, computed=8)], free=100))
     assert {x.seq_id: x.num_tokens for x in out.scheduled} == {1: 1, 5: 9}
 
