@@ -21,8 +21,11 @@
    ``StepLatencyModel`` predicts the step within ``tpot_slo_s``; the others are deferred (they keep their blocks
    and wait; ``stats["offline_deferred"]`` counts them per step). A step with no online row while online
    requests run (fcfs planned a prefill of offline requests only) would stall them all: its offline rows are all
-   deferred and it re-plans without the deferred waiting requests (fcfs then decodes).
-   Without online work offline runs freely.
+   deferred. Whenever rows were deferred it re-plans without the deferred requests (at most twice), so the token
+   budget they held goes to the rows that run (an online prompt gets its whole chunk; fcfs decodes instead).
+   While an online prompt is pending (waiting, or partly prefilled) offline prefill rows are deferred too (online
+   prompts first: chunked serves running prefills before W). Without online work offline runs freely; a step the
+   layer would leave empty (nothing scheduled or preempted) is replaced by the policy's own plan (liveness).
 
 The engine calls ``observe_step(plan, seconds)`` after each executed step: the model learns from every step.
 """
@@ -89,7 +92,7 @@ class ColocationScheduler:
 
     def _colocated(self, inp: SchedulerInput) -> SchedulerOutput:
         inp = self._ordered(inp)
-        out = self.inner.schedule(inp)
+        out = first = self.inner.schedule(inp)
         victims = self._victims_for_online(inp, out)
         if victims:
             gone = {v.seq_id for v in victims}
@@ -98,13 +101,19 @@ class ColocationScheduler:
                           pool=replace(inp.pool, free_blocks=inp.pool.free_blocks + freed))
             out = self.inner.schedule(inp)
             self.stats["offline_victims"] += sum(v.priority == "offline" for v in victims)
-        for attempt in range(2):
-            out, deferred_waiting = self._admit_offline(inp, out)
-            if out.scheduled or out.preempted or not deferred_waiting or attempt == 1:
+        for attempt in range(3):
+            gated, deferred = self._admit_offline(inp, out)
+            if not deferred or attempt == 2:
+                out = gated
                 break
-            inp = replace(inp, waiting=tuple(s for s in inp.waiting if s.seq_id not in deferred_waiting))
+            # re-plan without the deferred requests (they keep their blocks): the budget they were given goes to
+            # the rows that run — an online prompt gets its whole chunk, fcfs decodes instead of an offline prefill
+            inp = replace(inp, waiting=tuple(s for s in inp.waiting if s.seq_id not in deferred),
+                          running=tuple(s for s in inp.running if s.seq_id not in deferred))
             out = self.inner.schedule(inp)
         out.preempted = [v.seq_id for v in victims] + list(out.preempted)
+        if not out.scheduled and not out.preempted:
+            return first  # co-location never idles the engine: the policy's own plan (liveness)
         return out
 
     def _victims_for_online(self, inp: SchedulerInput, out: SchedulerOutput) -> list[SeqView]:
@@ -134,16 +143,19 @@ class ColocationScheduler:
         return already + chosen if chosen and free >= need else []
 
     def _admit_offline(self, inp: SchedulerInput, out: SchedulerOutput) -> tuple[SchedulerOutput, set[int]]:
-        """Drop the offline rows that would take a latency-strict step past the TPOT SLO; return the new plan
-        and the ids of the deferred requests that were waiting."""
-        if not self.offline_admission or not out.scheduled:
+        """Drop the offline rows that would take a latency-strict step past the TPOT SLO (cut a prefill chunk to
+        fit); return the new plan and the ids of the deferred requests."""
+        if not out.scheduled:
             return out, set()
         views = {s.seq_id: s for s in (*inp.waiting, *inp.running)}
         gone = set(out.preempted)
         online = [x for x in out.scheduled if views[x.seq_id].priority != "offline"]
-        strict = bool(online) or any(s.priority != "offline" and s.seq_id not in gone for s in inp.running)
+        online_running = any(s.priority != "offline" and s.seq_id not in gone for s in inp.running)
+        prompt_pending = any(s.priority != "offline" for s in inp.waiting) or any(
+            s.priority != "offline" and s.num_computed < s.num_tokens - 1 and s.seq_id not in gone
+            for s in inp.running)
         offline = [x for x in out.scheduled if views[x.seq_id].priority == "offline"]
-        if not strict or not offline:
+        if not (online or online_running or prompt_pending) or not offline:
             return out, set()
         feats = {x.seq_id: item_features(views[x.seq_id].num_tokens, views[x.seq_id].num_computed, x.num_tokens)
                  for x in out.scheduled}
@@ -152,19 +164,22 @@ class ColocationScheduler:
             total = total + feats[x.seq_id]
         plan: dict[int, ScheduledSeq] = {x.seq_id: x for x in online}
         for x in sorted(offline, key=lambda x: feats[x.seq_id].decode_requests == 0):  # decodes first
-            v = views[x.seq_id]
-            # a step that runs none of the running online requests stalls them all: no offline row may take it
-            n = self._fitting_tokens(total, v, x.num_tokens) if online else 0
+            v, f = views[x.seq_id], feats[x.seq_id]
+            if (online_running and not online) or (prompt_pending and not f.decode_requests):
+                n = 0  # a step without the running online requests stalls them; online prompts go first
+            elif not self.offline_admission or not (online or online_running):
+                n = x.num_tokens  # no latency-strict work in the batch: offline runs freely
+            else:
+                n = self._fitting_tokens(total, v, x.num_tokens)
             if n > 0:  # the whole row, or a prefill chunk cut to fit (the rest of the prompt waits)
                 plan[x.seq_id] = x if n == x.num_tokens else ScheduledSeq(x.seq_id, n, x.cache)
                 total = total + item_features(v.num_tokens, v.num_computed, n)
-        deferred = [x.seq_id for x in offline if x.seq_id not in plan]
+        deferred = {x.seq_id for x in offline if x.seq_id not in plan}
         if len(plan) == len(out.scheduled) and all(plan[x.seq_id] is x for x in out.scheduled):
             return out, set()
         self.stats["offline_deferred"] += len(deferred)
         rows = [plan[x.seq_id] for x in out.scheduled if x.seq_id in plan]
-        new = SchedulerOutput(out.kind if rows else "idle", rows, list(out.preempted), dict(out.info))
-        return new, {i for i in deferred if views[i].cache is None}
+        return SchedulerOutput(out.kind if rows else "idle", rows, list(out.preempted), dict(out.info)), deferred
 
     def _fitting_tokens(self, total: StepFeatures, v: SeqView, n: int) -> int:
         """How many of the row's ``n`` tokens keep the step within the SLO: n, or for a prefill row the largest
