@@ -49,6 +49,8 @@ def _inp(waiting, running, free) -> SchedulerInput:
 class _Fixed:
     """A latency 'model' that predicts a + c·decodes (no fitting), to test the admission rule alone."""
 
+    coef = (1.0,)  # "fitted"
+
     def __init__(self, a, c):
         self.a, self.c = a, c
 

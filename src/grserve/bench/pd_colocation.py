@@ -9,8 +9,8 @@ iteration costs on an idle core, not how long other tenants kept the core) and r
 2. **calibration**: online-only Poisson arrivals at ``--coloc-load`` × capacity; its P90 TPOT × ``--coloc-slo-factor``
    becomes the online TPOT SLO the offline admission keeps (the operator's SLO is "what online sees today");
 3. ``--coloc-reps`` rounds, each running the three runs back to back — **online-only** (the same Poisson trace,
-   fixed seed), **offline-only** (a backlog of offline requests at t=0, measured over the online-only run's
-   makespan W), **co-located** (both; offline output counted over the same W) — so that drift of the shared
+   fixed seed), **offline-only** (a backlog of requests at t=0 run as plain work — the policy alone, at its best
+   for throughput — measured over the online-only run's makespan W), **co-located** (both; offline output counted over the same W) — so that drift of the shared
    machine hits the three alike. Online TTFT / TPOT P90 are over the pooled requests of every round.
 
 Keys: ``online_ttft_p90_ratio``, ``online_tpot_p90_ratio`` (co-located / online-only; target ≤ 1.15),
@@ -19,6 +19,7 @@ Keys: ``online_ttft_p90_ratio``, ``online_tpot_p90_ratio`` (co-located / online-
 
 from __future__ import annotations
 
+import dataclasses as dc
 import sys
 import time
 from dataclasses import dataclass
@@ -39,7 +40,8 @@ class PartConfig(Checked):
                                    check=positive)
     coloc_max_offline_preemptions: int = flag(3, "bound on preemptions of one offline request", check=non_negative)
     coloc_reps: int = flag(2, "rounds of (online-only, offline-only, co-located)", check=positive_int)
-    coloc_max_num_seqs: int = flag(64, "running requests at most", check=positive_int)
+    coloc_max_num_seqs: int = flag(32, "running requests at most", check=positive_int)
+    coloc_token_budget: int = flag(512, "chunked: tokens per iteration; fcfs: max batched tokens", check=positive_int)
     coloc_num_blocks: int = flag(4096, "blocks in the pool (16 tokens each)", check=positive_int)
     coloc_timer: str = flag("thread", "iteration time: engine-thread CPU time (thread) or wall time (wall)",
                             choices=("thread", "wall"))
@@ -52,6 +54,7 @@ class _Req:
     prompt: list[int]
     max_tokens: int
     priority: str
+    tag: str = ""  # "offline": a backlog request (counted as offline output even when run as plain work)
     seq_id: int = -1
     times: list[float] | None = None
 
@@ -64,7 +67,7 @@ def _workload(n: int, prio: str, rate: float | None, seed: int, lens: tuple[int,
     p = rng.integers(lens[0], lens[1] + 1, n)
     o = rng.integers(lens[2], lens[3] + 1, n)
     t = np.cumsum(rng.exponential(1.0 / rate, n)) if rate else np.zeros(n)
-    return [_Req(float(t[i]), [3 + (i * 31 + j * 7) % 500 for j in range(int(p[i]))], int(o[i]), prio)
+    return [_Req(float(t[i]), [3 + (i * 31 + j * 7) % 500 for j in range(int(p[i]))], int(o[i]), prio, prio)
             for i in range(n)]
 
 
@@ -72,25 +75,29 @@ ONLINE_LENS = (32, 160, 16, 48)  # prompt lo, hi, output lo, hi
 OFFLINE_LENS = (64, 256, 32, 96)
 
 
-def _run(model, cfg: PartConfig, slo: float, reqs: list[_Req], *, horizon: float | None = None) -> dict:
+def _run(model, cfg: PartConfig, latency_model, slo: float, reqs: list[_Req], *,
+         horizon: float | None = None) -> dict:
     """Run ``reqs`` (copies) on a fresh engine until every online request is done, and at least to ``horizon``
-    when offline requests remain (or until all are done without online ones and without a horizon)."""
+    when offline requests remain (or until all are done without online ones and without a horizon). The step
+    latency model is shared by every run (a serving process keeps its fitted model)."""
     from grserve.bench.simulator import TimedExecutor, VirtualClock
     from grserve.engine.llm import LLMEngine, build_model_engine
     from grserve.engine.sampling import SamplingParams
     from grserve.scheduler.colocation import ColocationScheduler
     from grserve.scheduler.llm_factory import make_llm_scheduler
 
-    inner = make_llm_scheduler(cfg.coloc_scheduler, token_budget=128, max_num_batched_tokens=512,
+    inner = make_llm_scheduler(cfg.coloc_scheduler, token_budget=cfg.coloc_token_budget,
+                               max_num_batched_tokens=cfg.coloc_token_budget,
                                max_num_seqs=cfg.coloc_max_num_seqs)
-    pol = ColocationScheduler(inner, tpot_slo_s=slo, max_offline_preemptions=cfg.coloc_max_offline_preemptions)
+    pol = ColocationScheduler(inner, tpot_slo_s=slo, max_offline_preemptions=cfg.coloc_max_offline_preemptions,
+                              model=latency_model)
     real = build_model_engine(model, pol, num_blocks=cfg.coloc_num_blocks, block_size=16)
     clock = VirtualClock()
     eng = LLMEngine(pol, real.pool, TimedExecutor(real.executor, cfg.coloc_timer), clock=clock)
     eng.keep_finished = True
-    reqs = sorted((_Req(r.arrival, r.prompt, r.max_tokens, r.priority) for r in reqs), key=lambda r: r.arrival)
+    reqs = sorted((dc.replace(r) for r in reqs), key=lambda r: r.arrival)
     by_id: dict[int, _Req] = {}
-    online_left = sum(r.priority == "online" for r in reqs)
+    online_left = sum(r.tag == "online" for r in reqs)
     nxt = 0
     while True:
         while nxt < len(reqs) and reqs[nxt].arrival <= clock():
@@ -115,7 +122,7 @@ def _run(model, cfg: PartConfig, slo: float, reqs: list[_Req], *, horizon: float
             s = eng.finished.pop()
             r = by_id[s.seq_id]
             r.times = list(s.token_times)
-            online_left -= r.priority == "online"
+            online_left -= r.tag == "online"
     for s in list(eng.running) + list(eng.waiting):  # unfinished offline work: its tokens so far
         by_id[s.seq_id].times = list(s.token_times)
     return {"reqs": list(by_id.values()), "end": clock(), "stats": dict(eng.stats), "pol": dict(pol.stats),
@@ -126,7 +133,7 @@ def _online(run: dict) -> tuple[list[float], list[float], float]:
     """TTFTs, TPOTs of the online requests, and the time the last one finished."""
     ttft, tpot, end = [], [], 0.0
     for r in run["reqs"]:
-        if r.priority != "online" or not r.times:
+        if r.tag != "online" or not r.times:
             continue
         ttft.append(r.times[0] - r.arrival)
         if len(r.times) > 1:
@@ -136,7 +143,7 @@ def _online(run: dict) -> tuple[list[float], list[float], float]:
 
 
 def _offline_tokens(run: dict, until: float) -> int:
-    return sum(sum(t <= until for t in (r.times or [])) for r in run["reqs"] if r.priority == "offline")
+    return sum(sum(t <= until for t in (r.times or [])) for r in run["reqs"] if r.tag == "offline")
 
 
 def _p90(xs: list[float]) -> float:
@@ -155,16 +162,19 @@ def run_part(cfg: PartConfig) -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one intra-op thread: thread CPU time is then the iteration's whole cost
     try:
+        from grserve.scheduler.step_latency import StepLatencyModel
+
         model = load_model(cfg.coloc_model, seed=cfg.coloc_seed)
+        lm = StepLatencyModel()  # learns from every step of every run
         n_on, seed = cfg.coloc_online_requests, cfg.coloc_seed
         log = lambda msg: print(f"[colocation {time.perf_counter() - t_start:5.1f}s] {msg}", file=sys.stderr)  # noqa: E731
-        _run(model, cfg, 1.0, _workload(4, "online", None, seed + 99, ONLINE_LENS))  # warm-up
-        cap_run = _run(model, cfg, 1.0, _workload(n_on, "online", None, seed, ONLINE_LENS))
+        _run(model, cfg, lm, 1.0, _workload(4, "online", None, seed + 99, ONLINE_LENS))  # warm-up
+        cap_run = _run(model, cfg, lm, 1.0, _workload(n_on, "online", None, seed, ONLINE_LENS))
         capacity = n_on / _online(cap_run)[2]
         rate = cfg.coloc_load * capacity
         online = _workload(n_on, "online", rate, seed + 1, ONLINE_LENS)
         offline = _workload(cfg.coloc_offline_requests, "offline", None, seed + 2, OFFLINE_LENS)
-        calib = _online(_run(model, cfg, 1.0, online))
+        calib = _online(_run(model, cfg, lm, 1.0, online))
         slo = cfg.coloc_slo_factor * _p90(calib[1])
         log(f"capacity {capacity:.1f} req/s, online rate {rate:.1f} req/s, TPOT SLO {slo * 1e3:.1f} ms")
         pooled = {"on": ([], []), "co": ([], [])}
@@ -173,10 +183,11 @@ def run_part(cfg: PartConfig) -> dict:
         stats = {"offline_preemptions": 0, "offline_deferred": 0, "offline_victims": 0}
         coef = None
         for rep in range(cfg.coloc_reps):
-            a = _run(model, cfg, slo, online)
+            a = _run(model, cfg, lm, slo, online)
             ttft_a, tpot_a, w = _online(a)
-            b = _run(model, cfg, slo, offline, horizon=w)
-            c = _run(model, cfg, slo, online + offline, horizon=w)
+            # offline alone: the backlog as plain work (the policy inside, no co-location rule applies)
+            b = _run(model, cfg, lm, slo, [dc.replace(r, priority="online") for r in offline], horizon=w)
+            c = _run(model, cfg, lm, slo, online + offline, horizon=w)
             ttft_c, tpot_c, _ = _online(c)
             tok_b, tok_c = _offline_tokens(b, w), _offline_tokens(c, w)
             for k, (t1, t2) in (("on", (ttft_a, tpot_a)), ("co", (ttft_c, tpot_c))):

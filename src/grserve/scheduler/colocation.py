@@ -24,8 +24,11 @@
    deferred. Whenever rows were deferred it re-plans without the deferred requests (at most twice), so the token
    budget they held goes to the rows that run (an online prompt gets its whole chunk; fcfs decodes instead).
    While an online prompt is pending (waiting, or partly prefilled) offline prefill rows are deferred too (online
-   prompts first: chunked serves running prefills before W). Without online work offline runs freely; a step the
-   layer would leave empty (nothing scheduled or preempted) is replaced by the policy's own plan (liveness).
+   prompts first: chunked serves running prefills before W). Without online work offline decodes run freely,
+   but an offline prefill chunk is always cut to what keeps the step within the SLO: the paper interrupts an
+   offline prefill when online work arrives; one step cannot be interrupted here, so a step is kept short enough
+   that an arriving online request waits about one TPOT SLO at most. A step the layer would leave empty (nothing
+   scheduled or preempted) is replaced by the policy's own plan (liveness).
 
 The engine calls ``observe_step(plan, seconds)`` after each executed step: the model learns from every step.
 """
@@ -155,7 +158,7 @@ class ColocationScheduler:
             s.priority != "offline" and s.num_computed < s.num_tokens - 1 and s.seq_id not in gone
             for s in inp.running)
         offline = [x for x in out.scheduled if views[x.seq_id].priority == "offline"]
-        if not (online or online_running or prompt_pending) or not offline:
+        if not offline:
             return out, set()
         feats = {x.seq_id: item_features(views[x.seq_id].num_tokens, views[x.seq_id].num_computed, x.num_tokens)
                  for x in out.scheduled}
@@ -167,10 +170,10 @@ class ColocationScheduler:
             v, f = views[x.seq_id], feats[x.seq_id]
             if (online_running and not online) or (prompt_pending and not f.decode_requests):
                 n = 0  # a step without the running online requests stalls them; online prompts go first
-            elif not self.offline_admission or not (online or online_running):
-                n = x.num_tokens  # no latency-strict work in the batch: offline runs freely
-            else:
-                n = self._fitting_tokens(total, v, x.num_tokens)
+            elif not self.offline_admission or (f.decode_requests and not (online or online_running)):
+                n = x.num_tokens  # no latency-strict work in the batch: offline decodes run freely
+            else:  # a strict batch; or an offline prefill chunk, always cut to the SLO (interruptible prefill)
+                n = self._fitting_tokens(total, v, x.num_tokens, bool(online or online_running))
             if n > 0:  # the whole row, or a prefill chunk cut to fit (the rest of the prompt waits)
                 plan[x.seq_id] = x if n == x.num_tokens else ScheduledSeq(x.seq_id, n, x.cache)
                 total = total + item_features(v.num_tokens, v.num_computed, n)
@@ -181,12 +184,15 @@ class ColocationScheduler:
         rows = [plan[x.seq_id] for x in out.scheduled if x.seq_id in plan]
         return SchedulerOutput(out.kind if rows else "idle", rows, list(out.preempted), dict(out.info)), deferred
 
-    def _fitting_tokens(self, total: StepFeatures, v: SeqView, n: int) -> int:
+    def _fitting_tokens(self, total: StepFeatures, v: SeqView, n: int, strict: bool) -> int:
         """How many of the row's ``n`` tokens keep the step within the SLO: n, or for a prefill row the largest
         chunk that does (binary search on the model), or 0."""
+        if self.model.coef is None:  # no model yet: nothing joins a strict batch; an offline-only step is not cut
+            return 0 if strict else n
+
         def fits(k: int) -> bool:
             t = self.model.predict(total + item_features(v.num_tokens, v.num_computed, k))
-            return t is None or t <= self.tpot_slo_s  # no model yet: admit (and learn)
+            return t is not None and t <= self.tpot_slo_s
 
         if fits(n):
             return n
