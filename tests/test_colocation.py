@@ -203,6 +203,26 @@ def test_preempted_offline_requests_finish_identical(small, inner, sampling):
     assert [done[i].output_ids for i in ids] == ref
 
 
+def test_aptserve_inside_the_layer_finishes_everything_identically(small):
+    """Apt-Serve inside: no priority guarantee against its own knapsack (docs/llm.md), but liveness and exact
+    outputs hold."""
+    from grserve.scheduler.aptserve import AptServeScheduler
+
+    rng = random.Random(2)
+    prompts = [[rng.randrange(1, 500) for _ in range(16)] for _ in range(6)]
+    sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    ref = _engine(small, 256).generate(prompts, sp)
+    eng = _engine(small, 2 * 4 * 8, inner=AptServeScheduler(ttft_slo=0.5, tbt_slo=0.5, rho=1e-6))
+    eng.keep_finished = True
+    ids = [eng.add_request(p, sp, priority="offline" if i % 2 else "online") for i, p in enumerate(prompts)]
+    for _ in range(3000):
+        if not eng.has_work():
+            break
+        eng.step()
+    done = {s.seq_id: s for s in eng.finished}
+    assert [done[i].output_ids for i in ids] == ref
+
+
 def test_priority_is_validated_by_the_engine(small):
     eng = _engine(small, 64)
     with pytest.raises(ValueError, match="priority"):
