@@ -122,6 +122,17 @@ def test_offline_decodes_join_a_strict_batch_only_within_the_tpot_slo(inner):
     assert len(pol.schedule(_inp([], running, free=100)).scheduled) == 5
 
 
+def test_an_online_request_already_over_its_tpot_gets_no_offline_company():
+    pol = ColocationScheduler(ChunkedPrefillScheduler(token_budget=64), tpot_slo_s=0.026, model=_Fixed(0.010, 0.005))
+    # 5 tokens out, the first at t=0.9; now = 1.0: TPOT so far would be (0.1 + step) / 5 <= 26 ms iff step <= 30 ms
+    fresh = _v(1, 9, computed=8)._replace(num_output=5, first_token_time=0.9)
+    offline = [_v(i, 9, prio="offline", computed=8) for i in (2, 3, 4)]
+    assert len(pol.schedule(_inp([], [fresh] + offline, free=100)).scheduled) == 3  # the step limit (26 ms) binds
+    # first token at t=0.88: 0.12 s for 4 gaps already; a step may take 10 ms only: the online decode alone
+    slow = fresh._replace(first_token_time=0.88)
+    assert [x.seq_id for x in pol.schedule(_inp([], [slow] + offline, free=100)).scheduled] == [1]
+
+
 def test_fcfs_offline_prefill_deferred_falls_back_to_decoding_online():
     """fcfs planned a prefill of offline requests only while an online request decodes; the model says no: the
     step decodes instead (the online request is not stalled)."""

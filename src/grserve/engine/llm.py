@@ -282,7 +282,7 @@ class LLMEngine:
         return SeqView(s.seq_id, s.arrival, s.token_times[-1] if s.token_times else None, s.num_tokens,
                        s.num_computed, len(s.output_ids), s.cache, p.blocks_of(s.seq_id),
                        p.freeable_blocks(s.seq_id) if p.shared_credit else -1, s.last_scheduled, s.priority,
-                       s.num_preemptions)
+                       s.num_preemptions, s.token_times[0] if s.token_times else None)
 
     def scheduler_input(self) -> SchedulerInput:
         """Shared prefix blocks: a table counts them all (its growth arithmetic), so the total is raised by the

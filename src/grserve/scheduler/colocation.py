@@ -18,7 +18,9 @@
    online row is scheduled or an online request is running), the online rows stay and the offline rows join —
    decodes first, then prefill chunks, a chunk cut to the largest size that fits (an offline prefill proceeds in
    SLO-sized pieces: our stand-in for the paper's interruptible offline prefill) — only while
-   ``StepLatencyModel`` predicts the step within ``tpot_slo_s``; the others are deferred (they keep their blocks
+   ``StepLatencyModel`` predicts the step within ``tpot_slo_s`` — and within what keeps every running online
+   request's TPOT so far inside the SLO (a request already slowed by prefill steps gets no offline work added
+   to its steps, which protects the TPOT tail); the others are deferred (they keep their blocks
    and wait; ``stats["offline_deferred"]`` counts them per step). A step with no online row while online
    requests run (fcfs planned a prefill of offline requests only) would stall them all: its offline rows are all
    deferred. Whenever rows were deferred it re-plans without the deferred requests (at most twice), so the token
@@ -165,6 +167,7 @@ class ColocationScheduler:
         total = StepFeatures()
         for x in online:
             total = total + feats[x.seq_id]
+        limit = self._step_limit(inp, gone)
         plan: dict[int, ScheduledSeq] = {x.seq_id: x for x in online}
         for x in sorted(offline, key=lambda x: feats[x.seq_id].decode_requests == 0):  # decodes first
             v, f = views[x.seq_id], feats[x.seq_id]
@@ -173,7 +176,7 @@ class ColocationScheduler:
             elif not self.offline_admission or (f.decode_requests and not (online or online_running)):
                 n = x.num_tokens  # no latency-strict work in the batch: offline decodes run freely
             else:  # a strict batch; or an offline prefill chunk, always cut to the SLO (interruptible prefill)
-                n = self._fitting_tokens(total, v, x.num_tokens, bool(online or online_running))
+                n = self._fitting_tokens(total, v, x.num_tokens, bool(online or online_running), limit)
             if n > 0:  # the whole row, or a prefill chunk cut to fit (the rest of the prompt waits)
                 plan[x.seq_id] = x if n == x.num_tokens else ScheduledSeq(x.seq_id, n, x.cache)
                 total = total + item_features(v.num_tokens, v.num_computed, n)
@@ -184,7 +187,16 @@ class ColocationScheduler:
         rows = [plan[x.seq_id] for x in out.scheduled if x.seq_id in plan]
         return SchedulerOutput(out.kind if rows else "idle", rows, list(out.preempted), dict(out.info)), deferred
 
-    def _fitting_tokens(self, total: StepFeatures, v: SeqView, n: int, strict: bool) -> int:
+    def _step_limit(self, inp: SchedulerInput, gone: set[int]) -> float:
+        """The longest step that keeps every running online request's TPOT so far within the SLO (at most the
+        SLO itself): a request already slowed by prefill steps gets no offline work added to its steps."""
+        limit = self.tpot_slo_s
+        for s in inp.running:
+            if s.priority != "offline" and s.seq_id not in gone and s.first_token_time is not None:
+                limit = min(limit, self.tpot_slo_s * s.num_output - (inp.now - s.first_token_time))
+        return limit
+
+    def _fitting_tokens(self, total: StepFeatures, v: SeqView, n: int, strict: bool, limit: float) -> int:
         """How many of the row's ``n`` tokens keep the step within the SLO: n, or for a prefill row the largest
         chunk that does (binary search on the model), or 0."""
         if self.model.coef is None:  # no model yet: nothing joins a strict batch; an offline-only step is not cut
@@ -192,7 +204,7 @@ class ColocationScheduler:
 
         def fits(k: int) -> bool:
             t = self.model.predict(total + item_features(v.num_tokens, v.num_computed, k))
-            return t is not None and t <= self.tpot_slo_s
+            return t is not None and t <= limit
 
         if fits(n):
             return n
