@@ -314,3 +314,20 @@ def test_cluster_front_end_carries_priority_to_the_instance():
     inst._submit("r", 0, [1, 2], SamplingParams(max_tokens=1), None, "offline")
     assert got == ["offline"]
     assert inspect.signature(EngineInstance.submit).parameters["priority"].default == "online"
+
+
+# ---------------------------------------------------------------------------------------------------- the benchmark
+def test_bench_part_colocation_smoke(small, tmp_path):
+    """A miniature of ``grserve bench pd --parts colocation``: the keys, finite (a small model saved as a dir)."""
+    import math
+
+    from grserve.bench import pd_colocation
+    from grserve.model.loader import save_pretrained
+
+    save_pretrained(small, tmp_path)
+    cfg = pd_colocation.PartConfig(coloc_model=str(tmp_path), coloc_online_requests=6, coloc_offline_requests=12,
+                                   coloc_reps=1, coloc_max_num_seqs=8, coloc_num_blocks=512)
+    out = pd_colocation.run_part(cfg)
+    for k in ("online_ttft_p90_ratio", "online_tpot_p90_ratio", "offline_throughput_share"):
+        assert math.isfinite(out[k]) and out[k] > 0, (k, out[k])
+    assert out["coloc_offline_tokens_per_s"]["offline_only"] > 0
