@@ -328,6 +328,7 @@ def test_bench_part_colocation_smoke(small, tmp_path):
     cfg = pd_colocation.PartConfig(coloc_model=str(tmp_path), coloc_online_requests=6, coloc_offline_requests=12,
                                    coloc_reps=1, coloc_max_num_seqs=8, coloc_num_blocks=512)
     out = pd_colocation.run_part(cfg)
-    for k in ("online_ttft_p90_ratio", "online_tpot_p90_ratio", "offline_throughput_share"):
+    for k in ("online_ttft_p90_ratio", "online_tpot_p90_ratio"):
         assert math.isfinite(out[k]) and out[k] > 0, (k, out[k])
+    assert 0 <= out["offline_throughput_share"] <= 1.5  # a tiny window: offline may get nothing in it
     assert out["coloc_offline_tokens_per_s"]["offline_only"] > 0

@@ -6,13 +6,15 @@ iteration's measured time (``TimedExecutor``, thread CPU time by default — on 
 iteration costs on an idle core, not how long other tenants kept the core) and requests arrive on that clock.
 
 1. **capacity**: the online workload's requests all at t=0, online only: capacity = requests / makespan (req/s);
-2. ``--coloc-reps`` rounds, each running three runs back to back — **online-only** (Poisson arrivals at
-   ``--coloc-load`` × capacity, fixed seed), **offline-only** (a backlog of requests at t=0 run as plain work — the
-   policy alone, at its best for throughput — measured over the online-only run's makespan W), **co-located**
-   (the same online trace + the same backlog as offline requests; offline output counted over the same W) — so
-   that drift of the shared machine hits the three alike. The online TPOT SLO the offline admission keeps is
-   round 0's online-only P90 TPOT × ``--coloc-slo-factor`` (the operator's SLO: "what online sees today"). Online
-   TTFT / TPOT P90 are over the pooled requests of every round; the per-round ratios are printed and returned.
+2. **calibration**: online-only Poisson arrivals at ``--coloc-load`` × capacity (fixed seed); its P90 TPOT ×
+   ``--coloc-slo-factor`` becomes the online TPOT SLO the offline admission keeps (the operator's SLO: "what
+   online traffic gets today");
+3. ``--coloc-reps`` rounds of three runs — **online-only** (that trace), **offline-only** (a backlog of requests
+   at t=0 run as plain work: the policy alone, at its best for throughput), **co-located** (the same trace + the
+   same backlog as offline requests) — run **in lockstep**: one iteration at a time, always of the run whose
+   virtual clock is furthest behind, so a slow period of the shared machine falls on the same stretch of virtual
+   time in all three. Offline output is counted over W, the online-only run's makespan. Online TTFT / TPOT P90
+   are over the pooled requests of every round; the per-round ratios are printed and returned.
 
 Keys: ``online_ttft_p90_ratio``, ``online_tpot_p90_ratio`` (co-located / online-only; target ≤ 1.15),
 ``offline_throughput_share`` (offline tokens/s co-located / offline alone; target ≥ 0.30), and the absolute numbers.
@@ -37,7 +39,7 @@ class PartConfig(Checked):
     coloc_online_requests: int = flag(40, "online requests per run", check=positive_int)
     coloc_offline_requests: int = flag(256, "offline backlog (more than a run can finish)", check=positive_int)
     coloc_load: float = flag(0.6, "online arrival rate as a fraction of the measured capacity", check=fraction)
-    coloc_slo_factor: float = flag(1.0, "online TPOT SLO = this x the P90 TPOT of round 0's online-only run",
+    coloc_slo_factor: float = flag(0.9, "online TPOT SLO = this x the P90 TPOT of round 0's online-only run",
                                    check=positive)
     coloc_max_offline_preemptions: int = flag(3, "bound on preemptions of one offline request", check=non_negative)
     coloc_reps: int = flag(2, "rounds of (online-only, offline-only, co-located)", check=positive_int)
@@ -76,58 +78,91 @@ ONLINE_LENS = (32, 160, 16, 48)  # prompt lo, hi, output lo, hi
 OFFLINE_LENS = (64, 256, 32, 96)
 
 
-def _run(model, cfg: PartConfig, latency_model, slo: float, reqs: list[_Req], *,
-         horizon: float | None = None) -> dict:
-    """Run ``reqs`` (copies) on a fresh engine until every online request is done, and at least to ``horizon``
-    when offline requests remain (or until all are done without online ones and without a horizon). The step
-    latency model is shared by every run (a serving process keeps its fitted model)."""
-    from grserve.bench.simulator import TimedExecutor, VirtualClock
-    from grserve.engine.llm import LLMEngine, build_model_engine
-    from grserve.engine.sampling import SamplingParams
-    from grserve.scheduler.colocation import ColocationScheduler
-    from grserve.scheduler.llm_factory import make_llm_scheduler
+class _Sim:
+    """One run on a fresh engine with its own virtual clock, advanced one iteration at a time (``advance``), so
+    that several runs can be stepped in lockstep. The step latency model is shared by every run (a serving
+    process keeps its fitted model)."""
 
-    inner = make_llm_scheduler(cfg.coloc_scheduler, token_budget=cfg.coloc_token_budget,
-                               max_num_batched_tokens=cfg.coloc_token_budget,
-                               max_num_seqs=cfg.coloc_max_num_seqs)
-    pol = ColocationScheduler(inner, tpot_slo_s=slo, max_offline_preemptions=cfg.coloc_max_offline_preemptions,
-                              model=latency_model)
-    real = build_model_engine(model, pol, num_blocks=cfg.coloc_num_blocks, block_size=16)
-    clock = VirtualClock()
-    eng = LLMEngine(pol, real.pool, TimedExecutor(real.executor, cfg.coloc_timer), clock=clock)
-    eng.keep_finished = True
-    reqs = sorted((dc.replace(r) for r in reqs), key=lambda r: r.arrival)
-    by_id: dict[int, _Req] = {}
-    online_left = sum(r.tag == "online" for r in reqs)
-    nxt = 0
-    while True:
-        while nxt < len(reqs) and reqs[nxt].arrival <= clock():
-            r = reqs[nxt]
+    def __init__(self, model, cfg: PartConfig, latency_model, slo: float, reqs: list[_Req]):
+        from grserve.bench.simulator import TimedExecutor, VirtualClock
+        from grserve.engine.llm import LLMEngine, build_model_engine
+        from grserve.scheduler.colocation import ColocationScheduler
+        from grserve.scheduler.llm_factory import make_llm_scheduler
+
+        inner = make_llm_scheduler(cfg.coloc_scheduler, token_budget=cfg.coloc_token_budget,
+                                   max_num_batched_tokens=cfg.coloc_token_budget,
+                                   max_num_seqs=cfg.coloc_max_num_seqs)
+        self.pol = ColocationScheduler(inner, tpot_slo_s=slo, model=latency_model,
+                                       max_offline_preemptions=cfg.coloc_max_offline_preemptions)
+        real = build_model_engine(model, self.pol, num_blocks=cfg.coloc_num_blocks, block_size=16)
+        self.clock = VirtualClock()
+        self.eng = LLMEngine(self.pol, real.pool, TimedExecutor(real.executor, cfg.coloc_timer), clock=self.clock)
+        self.eng.keep_finished = True
+        self.reqs = sorted((dc.replace(r) for r in reqs), key=lambda r: r.arrival)
+        self.by_id: dict[int, _Req] = {}
+        self.online_left = sum(r.tag == "online" for r in self.reqs)
+        self.nxt = 0
+
+    def done(self, horizon: float | None) -> bool:
+        """Every online request finished, and the horizon reached (None: no work and no arrival left)."""
+        if self.online_left:
+            return False
+        if horizon is not None and self.clock() >= horizon:
+            return True
+        return not self.eng.has_work() and self.nxt >= len(self.reqs)
+
+    def advance(self) -> None:
+        from grserve.engine.sampling import SamplingParams
+
+        eng, clock, reqs = self.eng, self.clock, self.reqs
+        while self.nxt < len(reqs) and reqs[self.nxt].arrival <= clock():
+            r = reqs[self.nxt]
             r.seq_id = eng.add_request(r.prompt, SamplingParams(max_tokens=r.max_tokens, temperature=0.0,
                                                                 ignore_eos=True),
                                        arrival=r.arrival, priority=r.priority)
-            by_id[r.seq_id] = r
-            nxt += 1
-        if online_left == 0 and (horizon is None or clock() >= horizon) and (horizon is not None or
-                                                                             not eng.has_work()):
-            break
+            self.by_id[r.seq_id] = r
+            self.nxt += 1
         if not eng.has_work():
-            if nxt >= len(reqs):
-                break
-            clock.now = max(clock.now, reqs[nxt].arrival)
-            continue
+            if self.nxt < len(reqs):
+                clock.now = max(clock.now, reqs[self.nxt].arrival)
+            return
         eng.step()
         if not eng.last_step_progressed:
-            clock.now = min(clock.now + 0.001, reqs[nxt].arrival) if nxt < len(reqs) else clock.now + 0.001
+            nxt = reqs[self.nxt].arrival if self.nxt < len(reqs) else float("inf")
+            clock.now = min(clock.now + 0.001, max(clock.now, nxt))
         while eng.finished:
-            s = eng.finished.pop()
-            r = by_id[s.seq_id]
-            r.times = list(s.token_times)
-            online_left -= r.tag == "online"
-    for s in list(eng.running) + list(eng.waiting):  # unfinished offline work: its tokens so far
-        by_id[s.seq_id].times = list(s.token_times)
-    return {"reqs": list(by_id.values()), "end": clock(), "stats": dict(eng.stats), "pol": dict(pol.stats),
-            "coef": None if pol.model.coef is None else [float(c) for c in pol.model.coef]}
+            seq = eng.finished.pop()
+            r = self.by_id[seq.seq_id]
+            r.times = list(seq.token_times)
+            self.online_left -= r.tag == "online"
+
+    def result(self) -> dict:
+        for seq_id, r in self.by_id.items():  # unfinished requests: their tokens so far
+            seq = self.eng.seqs.get(seq_id)
+            if seq is not None:
+                r.times = list(seq.token_times)
+        return {"reqs": list(self.by_id.values()), "end": self.clock(), "stats": dict(self.eng.stats),
+                "pol": dict(self.pol.stats),
+                "coef": None if self.pol.model.coef is None else [float(c) for c in self.pol.model.coef]}
+
+
+def _lockstep(sims: list[_Sim], window_of: int | None = None) -> tuple[list[dict], float | None]:
+    """Step the runs together — always the one whose virtual clock is furthest behind — so that a slow period
+    of the shared machine falls on the same stretch of virtual time in each. ``window_of``: the run whose
+    online makespan W is every other run's horizon. Returns the results and W."""
+    w = None
+    while True:
+        live = [s for s in sims if not s.done(w)]
+        if not live:
+            break
+        min(live, key=lambda s: s.clock()).advance()
+        if window_of is not None and w is None and sims[window_of].done(None):
+            w = _online(sims[window_of].result())[2]
+    return [s.result() for s in sims], w
+
+
+def _run(model, cfg: PartConfig, latency_model, slo: float, reqs: list[_Req]) -> dict:
+    return _lockstep([_Sim(model, cfg, latency_model, slo, reqs)])[0][0]
 
 
 def _online(run: dict) -> tuple[list[float], list[float], float]:
@@ -175,22 +210,21 @@ def run_part(cfg: PartConfig) -> dict:
         rate = cfg.coloc_load * capacity
         online = _workload(n_on, "online", rate, seed + 1, ONLINE_LENS)
         offline = _workload(cfg.coloc_offline_requests, "offline", None, seed + 2, OFFLINE_LENS)
-        log(f"capacity {capacity:.1f} req/s, online rate {rate:.1f} req/s")
-        slo = 1.0  # set from round 0's online-only run (the online-only runs never look at it)
+        calib = _online(_run(model, cfg, lm, 1.0, online))
+        slo = cfg.coloc_slo_factor * _p90(calib[1])
+        log(f"capacity {capacity:.1f} req/s, online rate {rate:.1f} req/s, TPOT SLO {slo * 1e3:.1f} ms")
         pooled = {"on": ([], []), "co": ([], [])}
         tokens = {"off": 0, "co": 0}
         window_total, rounds = 0.0, []
         stats = {"offline_preemptions": 0, "offline_deferred": 0, "offline_victims": 0}
         coef = None
         for rep in range(cfg.coloc_reps):
-            a = _run(model, cfg, lm, slo, online)
-            ttft_a, tpot_a, w = _online(a)
-            if rep == 0:
-                slo = cfg.coloc_slo_factor * _p90(tpot_a)
-                log(f"TPOT SLO {slo * 1e3:.1f} ms")
-            # offline alone: the backlog as plain work (the policy inside, no co-location rule applies)
-            b = _run(model, cfg, lm, slo, [dc.replace(r, priority="online") for r in offline], horizon=w)
-            c = _run(model, cfg, lm, slo, online + offline, horizon=w)
+            # online alone; offline alone (the backlog as plain work: the policy inside, no co-location rule);
+            # co-located — stepped in lockstep, offline output of both counted over W (online alone's makespan)
+            (a, b, c), w = _lockstep([_Sim(model, cfg, lm, slo, online),
+                                      _Sim(model, cfg, lm, slo, [dc.replace(r, priority="online") for r in offline]),
+                                      _Sim(model, cfg, lm, slo, online + offline)], window_of=0)
+            ttft_a, tpot_a, _ = _online(a)
             ttft_c, tpot_c, _ = _online(c)
             tok_b, tok_c = _offline_tokens(b, w), _offline_tokens(c, w)
             for k, (t1, t2) in (("on", (ttft_a, tpot_a)), ("co", (ttft_c, tpot_c))):
