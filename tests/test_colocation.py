@@ -50,9 +50,11 @@ class _Fixed:
     """A latency 'model' that predicts a + c·decodes (no fitting), to test the admission rule alone."""
 
     coef = (1.0,)  # "fitted"
+    observe_strict = StepLatencyModel.observe_strict
 
     def __init__(self, a, c):
         self.a, self.c = a, c
+        self.correction, self.correction_rate = 1.0, 0.05
 
     def predict(self, f):
         return self.a + self.c * f.decode_requests
@@ -131,6 +133,18 @@ def test_an_online_request_already_over_its_tpot_gets_no_offline_company():
     # first token at t=0.88: 0.12 s for 4 gaps already; a step may take 10 ms only: the online decode alone
     slow = fresh._replace(first_token_time=0.88)
     assert [x.seq_id for x in pol.schedule(_inp([], [slow] + offline, free=100)).scheduled] == [1]
+
+
+def test_correction_learns_that_strict_steps_run_slower_than_predicted():
+    pol = ColocationScheduler(ChunkedPrefillScheduler(token_budget=64), tpot_slo_s=0.026, model=_Fixed(0.010, 0.005))
+    running = [_v(1, 9, computed=8)] + [_v(i, 9, prio="offline", computed=8) for i in (2, 3, 4, 5)]
+    assert len(pol.schedule(_inp([], running, free=100)).scheduled) == 3  # predicted 25 ms <= 26 ms
+    for _ in range(100):  # every strict step takes 1.5x its prediction
+        out = pol.schedule(_inp([], running, free=100))
+        pol.observe_step(out, 1.5 * pol._last_pred)
+    assert pol.model.correction == pytest.approx(1.5, rel=0.01)
+    ids = [x.seq_id for x in pol.schedule(_inp([], running, free=100)).scheduled]
+    assert ids == [1]  # one offline row: 1.5 x (10 + 2 x 5) ms = 30 ms > 26 ms (the online decode alone: 22.5 ms)
 
 
 def test_fcfs_offline_prefill_deferred_falls_back_to_decoding_online():

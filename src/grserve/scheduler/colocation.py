@@ -32,7 +32,9 @@
    that an arriving online request waits about one TPOT SLO at most. A step the layer would leave empty (nothing
    scheduled or preempted) is replaced by the policy's own plan (liveness).
 
-The engine calls ``observe_step(plan, seconds)`` after each executed step: the model learns from every step.
+The engine calls ``observe_step(plan, seconds)`` after each executed step: the model learns from every step, and
+a correction factor (EWMA of measured / predicted time over latency-strict steps, in [0.5, 2]) scales its
+predictions where they are used: the linear fit is dominated by the most frequent steps (big offline batches).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from grserve.scheduler.llm_types import LLMScheduler, ScheduledSeq, SchedulerInp
 from grserve.scheduler.step_latency import StepFeatures, StepLatencyModel, item_features
 
 _OWN = frozenset({"inner", "name", "tpot_slo_s", "max_offline_preemptions", "offline_admission", "model",
-                  "stats", "_last"})
+                  "stats", "_last", "_last_pred"})
 
 
 class ColocationScheduler:
@@ -57,6 +59,7 @@ class ColocationScheduler:
         self.model = model if model is not None else StepLatencyModel()
         self.stats = {"offline_deferred": 0, "offline_victims": 0}
         self._last: StepFeatures | None = None
+        self._last_pred: float | None = None  # the model's prediction of the last step, if it was latency-strict
 
     # the wrapped policy's knobs read and write through (e.g. ``max_num_seqs``)
     def __getattr__(self, name: str):
@@ -78,10 +81,16 @@ class ColocationScheduler:
         else:
             out = self.inner.schedule(inp)
         self._last = _plan_features(out, {s.seq_id: s for s in (*inp.waiting, *inp.running)})
+        scheduled = {x.seq_id for x in out.scheduled}
+        strict = any(s.priority != "offline" for s in inp.running) or any(
+            s.priority != "offline" and s.seq_id in scheduled for s in inp.waiting)
+        self._last_pred = self.model.predict(self._last) if strict else None
         return out
 
     def observe_step(self, plan: SchedulerOutput, seconds: float) -> None:
         if self._last is not None:
+            if self._last_pred:
+                self.model.observe_strict(self._last_pred, seconds)
             self.model.observe(self._last, seconds)
             self._last = None
 
@@ -204,7 +213,7 @@ class ColocationScheduler:
 
         def fits(k: int) -> bool:
             t = self.model.predict(total + item_features(v.num_tokens, v.num_computed, k))
-            return t is not None and t <= limit
+            return t is not None and t * self.model.correction <= limit
 
         if fits(n):
             return n

@@ -10,7 +10,9 @@ per cached token read (K/V bytes: memory-bound). The factors are learned online:
 measured duration to an exponentially forgotten least-squares fit (``forget`` per sample, so the model follows a
 machine whose speed drifts), solved with a small ridge and with every factor kept ≥ 0 (an active-set pass: a
 negative factor is fixed at 0 and the rest refitted). Until ``min_samples`` steps were seen the model does not
-predict (``predict`` returns None): the caller decides what to do without a model.
+predict (``predict`` returns None): the caller decides what to do without a model. ``correction`` (EWMA of
+measured / predicted time over latency-strict steps, ``observe_strict``) scales the predictions the co-location
+admission uses: the "online factor learning" on top of the Roofline-shaped fit.
 """
 
 from __future__ import annotations
@@ -41,12 +43,22 @@ def item_features(num_tokens: int, num_computed: int, num_new: int) -> StepFeatu
 
 
 class StepLatencyModel:
-    def __init__(self, forget: float = 0.995, ridge: float = 1e-9, min_samples: int = 8):
+    def __init__(self, forget: float = 0.995, ridge: float = 1e-9, min_samples: int = 8,
+                 correction_rate: float = 0.05):
         self.forget, self.ridge, self.min_samples = forget, ridge, min_samples
         self._xtx = np.zeros((4, 4))
         self._xty = np.zeros(4)
         self.samples = 0
         self._coef: np.ndarray | None = None
+        self.correction, self.correction_rate = 1.0, correction_rate
+
+    def observe_strict(self, predicted: float, seconds: float) -> None:
+        """A latency-strict step (one with online work) took ``seconds`` where ``predict`` said ``predicted``:
+        update ``correction``, the EWMA of measured / predicted over such steps (clipped to [0.5, 2]). The fit
+        is dominated by the most frequent steps (big offline batches); the admission multiplies its predictions
+        by ``correction``, learned where its error matters."""
+        ratio = min(2.0, max(0.5, seconds / predicted))
+        self.correction += self.correction_rate * (ratio - self.correction)
 
     def observe(self, f: StepFeatures, seconds: float) -> None:
         x = f.row()
