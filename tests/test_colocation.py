@@ -158,6 +158,11 @@ def test_fcfs_offline_prefill_deferred_falls_back_to_decoding_online():
     pol = ColocationScheduler(FCFSScheduler(), tpot_slo_s=0.05, model=_Pre(0.01, 0.001))
     out = pol.schedule(_inp([_v(5, 40, prio="offline")], [_v(1, 9, computed=8)], free=100))
     assert out.kind == "decode" and [x.seq_id for x in out.scheduled] == [1]
+    # a backlog: a re-plan must not just pick the next offline requests (nor fall back to the unchecked plan)
+    pol.max_num_batched_tokens = 80  # fcfs admits two 40-token prompts per plan
+    backlog = [_v(i, 40, prio="offline") for i in range(5, 12)]
+    out = pol.schedule(_inp(backlog, [_v(1, 9, computed=8)], free=1000))
+    assert out.kind == "decode" and [x.seq_id for x in out.scheduled] == [1]
 
 
 def test_chunked_offline_prefill_is_cut_to_fit_the_slo():

@@ -121,7 +121,11 @@ class ColocationScheduler:
                 out = gated
                 break
             # re-plan without the deferred requests (they keep their blocks): the budget they were given goes to
-            # the rows that run — an online prompt gets its whole chunk, fcfs decodes instead of an offline prefill
+            # the rows that run — an online prompt gets its whole chunk, fcfs decodes instead of an offline
+            # prefill. A deferred waiting request holds back the offline requests queued behind it (FIFO), or
+            # the re-plan would only pick the next ones
+            if any(s.seq_id in deferred for s in inp.waiting):
+                deferred = deferred | {s.seq_id for s in inp.waiting if s.priority == "offline"}
             inp = replace(inp, waiting=tuple(s for s in inp.waiting if s.seq_id not in deferred),
                           running=tuple(s for s in inp.running if s.seq_id not in deferred))
             out = self.inner.schedule(inp)
