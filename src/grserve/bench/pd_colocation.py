@@ -39,7 +39,7 @@ class PartConfig(Checked):
     coloc_online_requests: int = flag(40, "online requests per run", check=positive_int)
     coloc_offline_requests: int = flag(256, "offline backlog (more than a run can finish)", check=positive_int)
     coloc_load: float = flag(0.6, "online arrival rate as a fraction of the measured capacity", check=fraction)
-    coloc_slo_factor: float = flag(0.9, "online TPOT SLO = this x the P90 TPOT of round 0's online-only run",
+    coloc_slo_factor: float = flag(1.0, "online TPOT SLO = this x the P90 TPOT of the online-only calibration run",
                                    check=positive)
     coloc_max_offline_preemptions: int = flag(3, "bound on preemptions of one offline request", check=non_negative)
     coloc_reps: int = flag(2, "rounds of (online-only, offline-only, co-located)", check=positive_int)
