@@ -69,9 +69,10 @@ class EngineInstance:
 
     # ---- requests --------------------------------------------------------------------------------------------
     async def submit(self, request_id: str, attempt: int, prompt_ids: list[int], params: Any,
-                     snapshot: Any = None) -> None:
+                     snapshot: Any = None, priority: str = "online") -> None:
         try:
-            handle = await asyncio.to_thread(self._submit, request_id, attempt, prompt_ids, params, snapshot)
+            handle = await asyncio.to_thread(self._submit, request_id, attempt, prompt_ids, params, snapshot,
+                                             priority)
         except Exception:  # noqa: BLE001 - refused here (stopping, never fits): the front end fails the request
             self._report((request_id, attempt, 0, [], True, "error"))
             return
@@ -80,7 +81,8 @@ class EngineInstance:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _submit(self, request_id: str, attempt: int, prompt_ids: list[int], params: Any, snapshot: Any) -> Any:
+    def _submit(self, request_id: str, attempt: int, prompt_ids: list[int], params: Any, snapshot: Any,
+                priority: str = "online") -> Any:
         """In a worker thread: the engine lock is held for a whole step, and the event loop must keep answering
         polls (the heartbeat) meanwhile."""
         from grserve.engine.types import LLMRequest
@@ -89,7 +91,8 @@ class EngineInstance:
         if snapshot is not None and pc is not None and snapshot.shape[2] > 0:
             with self.engine.core.lock:
                 pc.put(prompt_ids[:snapshot.shape[2]], snapshot)
-        return self.engine.submit(LLMRequest(list(prompt_ids), params, request_id=f"{request_id}#{attempt}"))
+        return self.engine.submit(LLMRequest(list(prompt_ids), params, request_id=f"{request_id}#{attempt}",
+                                             priority=priority))
 
     def _export(self, prompt_ids: list[int]) -> Any:
         with self.engine.core.lock:  # the end of the prefill: its prompt is in the prefix cache now

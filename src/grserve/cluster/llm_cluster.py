@@ -33,6 +33,8 @@ from grserve.engine.types import LLMRequest, LLMResult
 log = logging.getLogger("grserve.cluster")
 SUMMED_STATS = ("running", "waiting", "free_blocks", "total_blocks", "preemptions", "prefix_hit_tokens",
                 "prefill_tokens", "iterations", "errors")
+SUMMED_STATS += ("offline_preemptions", "offline_deferred", "running_online", "running_offline",  # co-location
+                 "waiting_online", "waiting_offline")
 
 
 @dataclass
@@ -215,6 +217,7 @@ class ClusterLLMEngine:
         detok = self.tokenizer.decode if self.tokenizer is not None else None
         rec = RequestRecord(req.request_id, list(req.prompt_ids), req.params, handle,
                             TokenStream(detok, tuple(req.params.stop)), submitted_at=time.perf_counter())
+        rec.priority = req.priority
         with self._lock:
             if req.request_id in self.records:
                 raise ValueError(f"request id {req.request_id} is already running")
@@ -235,7 +238,8 @@ class ClusterLLMEngine:
         except NoInstance:
             raise RequestLost("no live instance is left") from None
         rec.instance = d.instance
-        self.instances[d.instance].actor.submit.remote(rec.request_id, rec.stream.attempt, prompt, params, snapshot)
+        self.instances[d.instance].actor.submit.remote(rec.request_id, rec.stream.attempt, prompt, params, snapshot,
+                                                       priority=rec.priority)
 
     def cancel(self, request_id: str) -> bool:
         with self._lock:

@@ -60,6 +60,7 @@ class RequestRecord:
     submitted_at: float = 0.0
     first_token_at: float | None = None
     recovered: list[str] = field(default_factory=list)  # "migrate" / "recompute", per move
+    priority: str = "online"  # co-location class, carried to every instance it runs on
 
     @property
     def delivered(self) -> int:

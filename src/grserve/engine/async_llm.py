@@ -71,6 +71,7 @@ class AsyncLLMEngine:
         pol = make_llm_scheduler(c.scheduler, ttft_slo=c.ttft_slo, tbt_slo=c.tbt_slo, rho=rho,
                                  token_budget=c.token_budget, max_num_batched_tokens=c.max_batched_tokens,
                                  max_num_seqs=c.max_num_seqs)
+        pol = colocated(pol, cfg)
         core = build_model_engine(model, pol, num_blocks=c.num_blocks, block_size=c.block_size,
                                   prefix_cache_tokens=c.prefix_cache_tokens,
                                   prefix_cache_policy=c.prefix_cache_policy, prefix_cache_mode=c.prefix_cache_mode,
@@ -127,7 +128,8 @@ class AsyncLLMEngine:
             if self.max_waiting is not None and len(self.core.waiting) >= self.max_waiting:
                 raise EngineOverloaded(f"{len(self.core.waiting)} requests waiting (max_waiting={self.max_waiting})")
             seq_id = self.core.add_request(req.prompt_ids, req.params,
-                                           on_event=lambda ev, r=req.request_id: self._on_event(r, ev))
+                                           on_event=lambda ev, r=req.request_id: self._on_event(r, ev),
+                                           priority=req.priority)
             self._live[req.request_id] = (seq_id, self.core.seqs[seq_id], handle)
             self._submitted[req.request_id] = time.monotonic()
         with self._cv:
@@ -181,7 +183,9 @@ class AsyncLLMEngine:
         c = self.core
         return {**c.stats, "running": len(c.running), "waiting": len(c.waiting), "free_blocks": c.pool.num_free,
                 "requests_expired": self.requests_expired,
-                "total_blocks": c.pool.num_blocks, "iterations": c.iterations, "errors": self.errors}
+                "total_blocks": c.pool.num_blocks, "iterations": c.iterations, "errors": self.errors,
+                "offline_deferred": getattr(c.scheduler, "stats", {}).get("offline_deferred", 0),
+                **c.priority_counts()}
 
     # ---- the loop --------------------------------------------------------------------------------------------
     def _expire(self) -> None:
@@ -232,6 +236,17 @@ class AsyncLLMEngine:
         with self.core.lock:
             for s in list(self.core.running) or list(self.core.waiting):
                 self.core.fail(s, message)
+
+
+def colocated(policy, cfg: LLMServeConfig):
+    """The policy inside the co-location layer (``scheduler/colocation.py``): online requests first, offline
+    victims for online admission, offline rows admitted by the step latency model against ``cfg.slo``."""
+    from grserve.scheduler.colocation import ColocationScheduler
+
+    co = cfg.colocation
+    return ColocationScheduler(policy, tpot_slo_s=cfg.slo.tpot_slo_s,
+                               max_offline_preemptions=co.max_offline_preemptions,
+                               offline_admission=co.offline_admission)
 
 
 def _fail(handle: RequestHandle, exc: BaseException) -> None:

@@ -37,6 +37,7 @@ from grserve.engine.sampling import SampleOutput, SampleRow, SamplingParams, Tok
 from grserve.scheduler.llm_types import LLMScheduler, PoolView, SchedulerInput, SchedulerOutput, SeqView
 
 log = logging.getLogger("grserve.engine")
+PRIORITIES = ("online", "offline")  # co-location classes (LLMRequest.priority)
 
 
 class PrefixCache(Protocol):
@@ -90,6 +91,7 @@ class Sequence:
     prefix_saved: bool = False  # this (re)prefill's tokens were offered to the prefix cache
     cached_tokens: int = 0  # prompt tokens its last admission took from the prefix cache (usage.cached_tokens)
     last_scheduled: float | None = None  # start of the last iteration that computed tokens for it (pending time)
+    priority: str = "online"  # "online" | "offline" (co-location, scheduler/colocation.py)
 
     @property
     def tokens(self) -> list[int]:
@@ -210,6 +212,7 @@ class LLMEngine:
         if prefix_cache is not None and self._storage is None:
             raise ValueError("a prefix cache needs an executor with tensor storage (not the simulator)")
         self.on_iteration = on_iteration
+        self._observe_step = getattr(scheduler, "observe_step", None)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.seqs: dict[int, Sequence] = {}
@@ -220,12 +223,16 @@ class LLMEngine:
         self.iterations = 0
         self.last_step_progressed = False  # did the last step() schedule or preempt anything?
         self.stats = {"preemptions": 0, "hidden_scheduled": 0, "kv_scheduled": 0, "iterations_at_limit": 0,
-                      "prefix_hit_tokens": 0, "prefill_tokens": 0}
+                      "prefix_hit_tokens": 0, "prefill_tokens": 0, "offline_preemptions": 0}
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt_ids: list[int], params: SamplingParams, *, arrival: float | None = None,
-                    on_event: Callable[[TokenEvent], None] | None = None, seq_id: int | None = None) -> int:
-        """Queue a request; raises ValueError if it can never fit (model length or pool size)."""
+                    on_event: Callable[[TokenEvent], None] | None = None, seq_id: int | None = None,
+                    priority: str = "online") -> int:
+        """Queue a request; raises ValueError if it can never fit (model length or pool size). ``priority``:
+        "online" or "offline" (only a co-location policy, ``scheduler/colocation.py``, tells them apart)."""
+        if priority not in PRIORITIES:
+            raise ValueError(f"priority must be one of {PRIORITIES}, not {priority!r}")
         if not prompt_ids:
             raise ValueError("prompt must have at least one token")
         total = len(prompt_ids) + params.max_tokens
@@ -241,6 +248,7 @@ class LLMEngine:
                 self._next_id += 1
             seq = Sequence(seq_id, list(prompt_ids), params, self.clock() if arrival is None else arrival, on_event)
             seq.seed = params.seed if params.seed is not None else random.getrandbits(63)
+            seq.priority = priority
             if self.decoder_factory is not None:
                 seq.decoder = self.decoder_factory(seq.prompt_ids)
             self.seqs[seq_id] = seq
@@ -256,6 +264,15 @@ class LLMEngine:
             self._finish(seq, "abort")
             return True
 
+    def priority_counts(self) -> dict[str, int]:
+        """Running and waiting requests per priority: ``running_online``, ``waiting_offline``, ..."""
+        out = {f"{q}_{p}": 0 for q in ("running", "waiting") for p in PRIORITIES}
+        with self.lock:
+            for q, seqs in (("running", self.running), ("waiting", self.waiting)):
+                for s in seqs:
+                    out[f"{q}_{s.priority}"] += 1
+        return out
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -264,7 +281,8 @@ class LLMEngine:
         p = self.pool
         return SeqView(s.seq_id, s.arrival, s.token_times[-1] if s.token_times else None, s.num_tokens,
                        s.num_computed, len(s.output_ids), s.cache, p.blocks_of(s.seq_id),
-                       p.freeable_blocks(s.seq_id) if p.shared_credit else -1, s.last_scheduled)
+                       p.freeable_blocks(s.seq_id) if p.shared_credit else -1, s.last_scheduled, s.priority,
+                       s.num_preemptions, s.token_times[0] if s.token_times else None)
 
     def scheduler_input(self) -> SchedulerInput:
         """Shared prefix blocks: a table counts them all (its growth arithmetic), so the total is raised by the
@@ -296,6 +314,8 @@ class LLMEngine:
             seq.num_computed, seq.cache, seq.prefix_saved = 0, None, False
             seq.num_preemptions += 1
             self.stats["preemptions"] += 1
+            if seq.priority == "offline":
+                self.stats["offline_preemptions"] += 1
             if seq in self.running:
                 self.running.remove(seq)
                 self.waiting.appendleft(seq)
@@ -336,6 +356,8 @@ class LLMEngine:
         now = self.clock()
         if self.on_iteration is not None:
             self.on_iteration(plan, now - t0)
+        if self._observe_step is not None:  # a policy that learns step latencies (co-location's model)
+            self._observe_step(plan, now - t0)
         for it in items:
             it.seq.num_computed += it.num_new
             table = self.pool.table(it.seq.seq_id)

@@ -40,6 +40,9 @@ class SeqView(NamedTuple):
     held_blocks: int
     freeable_blocks: int = -1  # blocks its preemption frees (shared prefix blocks excluded); -1: held_blocks
     last_scheduled: float | None = None  # start of the last iteration that computed tokens for it
+    priority: str = "online"  # "online" | "offline" (co-location: scheduler/colocation.py)
+    num_preemptions: int = 0  # times it was preempted so far
+    first_token_time: float | None = None  # when its first output token came (TPOT so far, co-location)
 
     @property
     def freed_by_preemption(self) -> int:

@@ -4,8 +4,9 @@ one process (tests).
 All modes: ``grserve_requests_total{route,status}`` and ``grserve_request_latency_seconds{route}`` (route
 templates only; "unmatched" for unknown paths), ``grserve_queue_depth``. Retrieval/ranking: the batch
 histograms (``on_batch``) and ``grserve_items_returned``. LLM (``bind_llm_stats``): ``grserve_llm_running``,
-``_waiting``, ``_free_blocks``, ``_preemptions``, ``_prefix_hit_tokens``, ``_prefill_tokens``, read from the
-engine's ``stats()`` at scrape time.
+``_waiting``, ``_free_blocks``, ``_preemptions``, ``_prefix_hit_tokens``, ``_prefill_tokens``, and co-location's
+``_offline_preemptions``, ``_offline_deferred``, ``_running_online``, ``_running_offline``, ``_waiting_online``,
+``_waiting_offline``, read from the engine's ``stats()`` at scrape time.
 """
 
 from __future__ import annotations
@@ -26,6 +27,12 @@ LLM_GAUGES = (  # engine.stats() key → help; exported as grserve_llm_<key>
     ("preemptions", "Preemptions so far (recompute)."),
     ("prefix_hit_tokens", "Prompt tokens copied from the prefix cache instead of computed."),
     ("prefill_tokens", "Prompt tokens computed."),
+    ("offline_preemptions", "Preemptions of offline requests so far (co-location)."),
+    ("offline_deferred", "Offline rows the latency model kept out of a step with online work (per step)."),
+    ("running_online", "Online requests holding cache blocks."),
+    ("running_offline", "Offline requests holding cache blocks."),
+    ("waiting_online", "Online requests waiting."),
+    ("waiting_offline", "Offline requests waiting."),
 )
 
 

@@ -281,7 +281,8 @@ async def generate(ctx: OpenAIContext, request: Request, body: SamplingRequest, 
     try:
         for i, p in enumerate(params):
             rid = shape.rid if body.n == 1 else f"{shape.rid}-{i}"
-            handles.append(submit(ctx.engine, LLMRequest(prompt_ids, p, request_id=rid), "max_tokens"))
+            req = LLMRequest(prompt_ids, p, request_id=rid, priority=body.priority)
+            handles.append(submit(ctx.engine, req, "max_tokens"))
     except BaseException:
         _Group(ctx.engine, handles).cancel()
         raise

@@ -80,6 +80,8 @@ class SamplingRequest(BaseModel):
     min_tokens: Annotated[int, Strict(), Field(ge=0)] = 0
     ignore_eos: Bool = False
     stop_token_ids: list[TokenId] | None = None
+    # grserve's extra: co-location class (docs/llm.md "Online/offline co-location"); online work preempts offline
+    priority: Literal["online", "offline"] = "online"
 
     @field_validator("stop")
     @classmethod
