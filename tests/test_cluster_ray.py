@@ -137,6 +137,13 @@ def test_http_app_and_metrics(cluster, cfg):
         assert name in text
 
 
+def _moved_enough(cluster, h) -> bool:
+    """The request has 3 tokens out and its KV snapshot is at the front end (so it can migrate)."""
+    rec = cluster.records.get(h.request_id)
+    assert rec is not None, f"request ended before the kill: {h.future.exception(timeout=1)!r}"
+    return rec.delivered >= 3 and rec.snapshot is not None
+
+
 def test_kill_by_pid_mid_prefill_and_mid_decode_loses_nothing(cluster, reference):
     """SIGKILL instance 0 while it holds a request mid-decode and one still in prefill: every request finishes,
     each streaming client sees each position once, and greedy outputs equal the one-engine run."""
@@ -150,8 +157,7 @@ def test_kill_by_pid_mid_prefill_and_mid_decode_loses_nothing(cluster, reference
         hs = [cluster.submit(LLMRequest(p, LONG)) for p in greedy]
         hs += [cluster.submit(LLMRequest(p, SEEDED)) for p in seeded]
         deadline = time.monotonic() + 60
-        while not all(cluster.records[h.request_id].delivered >= 3 and cluster.records[h.request_id].snapshot
-                      is not None for h in hs):
+        while not all(_moved_enough(cluster, h) for h in hs):
             assert time.monotonic() < deadline
             time.sleep(0.005)
         hs.append(cluster.submit(LLMRequest(long_prompt, LONG)))
