@@ -134,9 +134,10 @@ class PDCoordinator:
 
     # ---- hooks from the poll ----------------------------------------------------------------------------------
     def on_first_token(self, rec: Any) -> None:
-        """An uncontended first token teaches the TTFT predictor (prefill time of its uncached tokens)."""
+        """The first token of a split request that found its prefill instance's queue empty teaches the TTFT
+        predictor (front end TTFT of its uncached tokens). Whole requests do not: they prefill beside decodes."""
         pr = self.reqs.get(rec.request_id)
-        if pr is not None and pr.phase in ("prefill", "whole") and pr.queued_before == 0:
+        if pr is not None and pr.phase == "prefill" and pr.queued_before == 0:
             self.ttft.observe(pr.uncached, rec.first_token_at - rec.submitted_at)
 
     def prefill_ended(self, rec: Any, reason: str | None) -> bool:

@@ -18,7 +18,7 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from grserve.cluster.pd_policy import Role, decide_flip
+from grserve.cluster.pd_policy import Role, decide_flip, pool_tpot
 
 log = logging.getLogger("grserve.cluster")
 
@@ -42,14 +42,15 @@ class RoleMonitor:
             return None
         i, role = d
         old = c.pools.pool(i)
+        tp = pool_tpot(c.pools, sig)
+        cause = "TTFT" if role is Role.PREFILL else ("TPOT" if tp is not None and tp > c.slo.tpot_slo_s else "idle")
         c.pools.flip(i, now)
-        s = sig[i]
-        entry = {"t": now, "instance": i, "from": old, "to": c.pools.pool(i), "role": role.value,
+        entry = {"t": now, "instance": i, "from": old, "to": c.pools.pool(i), "role": role.value, "cause": cause,
                  "queued_prefill_tokens": {j: v.queued_prefill_tokens for j, v in sig.items()},
                  "token_interval_s": {j: v.recent_tpot_s for j, v in sig.items()}}
         self.log.append(entry)
         log.warning("PD role flip: instance %d %s -> %s (%s; queued prefill tokens %s, token interval %s)", i, old,
-                    c.pools.pool(i), "TTFT" if role is Role.PREFILL else ("idle" if s.idle else "TPOT"),
+                    c.pools.pool(i), cause,
                     entry["queued_prefill_tokens"], {j: None if v is None else round(v, 4)
                                                      for j, v in entry["token_interval_s"].items()})
         return d
