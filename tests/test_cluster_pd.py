@@ -24,7 +24,7 @@ ray = pytest.importorskip("ray")
 
 from grserve.cluster.llm_cluster import ClusterLLMEngine  # noqa: E402
 from grserve.cluster.pd_disagg import engine_stats  # noqa: E402
-from grserve.cluster.pd_policy import Role  # noqa: E402
+from grserve.cluster.pd_policy import Role, RolePools  # noqa: E402
 from grserve.config import ClusterConfig, LLMConfig, LLMServeConfig, ModelConfig, PDConfig, SLOConfig  # noqa: E402
 from grserve.engine.sampling import SamplingParams  # noqa: E402
 from grserve.engine.types import LLMRequest  # noqa: E402
@@ -212,11 +212,13 @@ def test_role_flips_each_way_from_the_rule(cluster, reference):
 
 def test_prefill_instance_killed_loses_nothing(cluster, reference):
     pd = cluster.pd
-    victim = pd.pools.members(Role.PREFILL)[0]
-    sp = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    pd.pools = RolePools(3, 1, pd.cfg, time.monotonic())  # the start-up pools again (no flip within the dwell)
+    victim = 0
+    sp = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
     prompts = _prompts(9, 3, 150, 250) + _prompts(10, 1, 1500, 1501)
     hs = [cluster.submit(LLMRequest(p, sp)) for p in prompts[:3]]
-    _wait(lambda: all(pd.phase(h.request_id) == "decode" for h in hs))
+    _wait(lambda: all(cluster.records[h.request_id].instance != victim and cluster.records[h.request_id].delivered
+                      >= 2 for h in hs))
     hs.append(cluster.submit(LLMRequest(prompts[3], sp)))
     assert pd.phase(hs[-1].request_id) == "prefill" and cluster.records[hs[-1].request_id].instance == victim
     os.kill(cluster.instances[victim].info["pid"], signal.SIGKILL)

@@ -20,8 +20,9 @@ cost model measured at start-up). Then:
    caches emptied), and on one engine in this process (the reference of ``pd_identical_outputs``, greedy).
 
 Keys: ``pd_identical_outputs``, ``nopd_identical_outputs``, ``flips_p_to_d``, ``flips_d_to_p``,
-``pd_lost_requests``, ``kv_bytes_moved``, ``kv_bytes_expected`` (Σ over split requests of 2 · layers · prompt
-tokens · kv_heads · head_dim · dtype bytes), ``pd_splits``, ``pd_handoffs``, ``pd_split_min_tokens``, the cost
+``pd_lost_requests``, ``kv_bytes_moved``, ``kv_bytes_expected`` (Σ over the requests handed to another instance
+of 2 · layers · prompt tokens · kv_heads · head_dim · dtype bytes), ``pd_splits``, ``pd_handoffs``, ``pd_stayed``
+(split, but decoded where they prefilled: that instance flipped to decode meanwhile), ``pd_whole``, ``pd_split_min_tokens``, the cost
 model, the SLOs and what they were derived from, the flip log, and per phase mean TTFT / TPOT with and without PD.
 """
 
@@ -131,7 +132,7 @@ def _replay(eng, reqs, t_ttft: float, tag: str) -> dict:
         h = eng.submit(LLMRequest(prompt, params, request_id=rid))
         split = eng.pd is not None and eng.pd.phase(rid) == "prefill"
         with lock:
-            out[rid] = {"k": k, "split": split, "n_prompt": len(prompt)}
+            out[rid] = {"rid": rid, "k": k, "split": split, "n_prompt": len(prompt)}
 
         def done(f, rid=rid):
             with lock:
@@ -213,7 +214,9 @@ def run_part(cfg: PartConfig) -> dict:
         flips0 = dict(pd.pools.flips)
         bytes0, tokens0 = pd.counters["kv_bytes_moved"], pd.counters["kv_tokens_moved"]
         splits0, handoffs0, whole0 = pd.counters["splits"], pd.counters["handoffs"], pd.counters["whole"]
+        stayed0 = pd.counters["stayed"]
         run = _replay(eng, reqs, warm["t_ttft_long_s"], "pd")
+        run["moved"] = {m[0] for m in pd.moves}
         flips = {k: pd.pools.flips[k] - flips0[k] for k in flips0}
         m0, m1 = run["phase_start"]
         flip_log = [{"phase": "long_prompt" if e["t"] < m1 else "long_output",
@@ -234,7 +237,7 @@ def run_part(cfg: PartConfig) -> dict:
         res = {"kv_bytes_moved": pd.counters["kv_bytes_moved"] - bytes0,
                "kv_tokens_moved": pd.counters["kv_tokens_moved"] - tokens0,
                "pd_splits": pd.counters["splits"] - splits0, "pd_handoffs": pd.counters["handoffs"] - handoffs0,
-               "pd_whole": pd.counters["whole"] - whole0,
+               "pd_whole": pd.counters["whole"] - whole0, "pd_stayed": pd.counters["stayed"] - stayed0,
                "instances_pids": [i.info["pid"] for i in eng.instances], "device": spec_info["device"]}
         res.update({"flips_p_to_d": flips["p_to_d"], "flips_d_to_p": flips["d_to_p"], "flip_log": flip_log,
                     "cost_model": {"prefill_tokens_per_s": pd.cost.prefill_tokens_per_s,
@@ -267,7 +270,7 @@ def _compare(cfg: PartConfig, serve, reqs, sizes, run: dict, nopd: dict | None, 
     dtype_bytes = torch.empty(0, dtype=getattr(torch, serve.model.dtype)).element_size()
     rows = run["rows"]
     expected = sum(2 * spec.num_hidden_layers * r["n_prompt"] * spec.num_key_value_heads * spec.head_dim
-                   * dtype_bytes for r in rows if r["split"])
+                   * dtype_bytes for r in rows if r["rid"] in run["moved"])
     out = {"pd_identical_outputs": all(r.get("ids") == ref[k] for k, r in enumerate(rows)),
            "pd_lost_requests": sum(1 for r in rows if "error" in r or "ids" not in r),
            "kv_bytes_expected": expected, "requests": len(rows)}

@@ -146,6 +146,8 @@ class EngineInstance:
         entry = self._live.get(request_id)
         if entry is None:
             self._cancel_early.add(request_id)  # its submit may still be in a worker thread
+            if len(self._cancel_early) > 4096:  # ids of requests that had already ended here
+                self._cancel_early.clear()
             return False
         return await asyncio.to_thread(self.engine.cancel, entry[1].request_id)
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -70,7 +71,9 @@ class PDCoordinator:
         self.pools = RolePools(len(engine.instances), cfg.prefill_instances, cfg, time.monotonic())
         self.threshold = cfg.split_min_tokens if cfg.split_min_tokens > 0 else cost.break_even_tokens()
         self.reqs: dict[str, PDRequest] = {}
-        self.counters = {"splits": 0, "whole": 0, "handoffs": 0, "kv_bytes_moved": 0, "kv_tokens_moved": 0}
+        self.counters = {"splits": 0, "whole": 0, "handoffs": 0, "stayed": 0, "kv_bytes_moved": 0,
+                         "kv_tokens_moved": 0}
+        self.moves: deque = deque(maxlen=100_000)  # (request id, from, to, tokens, bytes) of recent hand-offs
         self.hold_handoff = False  # tests: keep split requests between their phases
         self.recent_input = 0  # uncached tokens of the latest split request (the flip rule's TTFT probe)
         self.monitor: Any = None  # pd_roles.RoleMonitor
@@ -163,23 +166,20 @@ class PDCoordinator:
                 return  # nothing to hand to: the prefill instance's death (or the stop) ends it
             d = min(live, key=lambda i: (sig[i].running_decode_tokens, i))
         prompt, params = rec.resume_prompt(), rec.resume_params()
-        m = min(int(rec.snapshot.shape[2]), len(prompt) - 1)
-        snap = rec.snapshot[:, :, :m]
-        self.counters["handoffs"] += 1
-        self.counters["kv_tokens_moved"] += m
-        self.counters["kv_bytes_moved"] += snap.numel() * snap.element_size()
         self.engine.router.release(rec.request_id)
         rec.stream.new_attempt()
+        if d == pr.instance:  # it decodes where it prefilled (now a decode-role instance): its prefix store has it
+            self.counters["stayed"] += 1
+            self._submit(rec, d, "decode", prompt, params, 1, pr.max_tokens)
+            return
+        m = min(int(rec.snapshot.shape[2]), len(prompt) - 1)
+        snap = rec.snapshot[:, :, :m]
+        nbytes = snap.numel() * snap.element_size()
+        self.counters["handoffs"] += 1
+        self.counters["kv_tokens_moved"] += m
+        self.counters["kv_bytes_moved"] += nbytes
+        self.moves.append((rec.request_id, pr.instance, d, m, nbytes))
         self._submit(rec, d, "decode", prompt, params, len(prompt) - m, pr.max_tokens, snap)
-
-    def release_all(self) -> None:
-        """Tests: let held requests go to their decode instances."""
-        self.hold_handoff = False
-        with self.engine._lock:
-            for rid in list(self.reqs):
-                rec = self.engine.records.get(rid)
-                if rec is not None:
-                    self.try_handoff(rec)
 
     def forget(self, request_id: str) -> None:
         self.reqs.pop(request_id, None)
