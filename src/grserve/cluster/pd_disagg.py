@@ -77,6 +77,7 @@ class PDCoordinator:
         self.hold_handoff = False  # tests: keep split requests between their phases
         self.recent_input = 0  # uncached tokens of the latest split request (the flip rule's TTFT probe)
         self.monitor: Any = None  # pd_roles.RoleMonitor
+        self.measured_s = 0.0  # seconds the start-up cost model measurement took
 
     # ---- signals ------------------------------------------------------------------------------------------
     def signals(self, queue: dict[int, float] | None = None) -> dict[int, InstanceSignals]:
@@ -92,8 +93,11 @@ class PDCoordinator:
                 continue
             ld = r.load[i]
             q = int(max(0.0, queue[i])) if queue is not None and i in queue else ld.prefill_tokens
-            busy = ld.prefill_tokens > 0 or dec[i] > 0 or inst.stats.get("running", 0) or inst.stats.get("waiting", 0)
-            out[i] = InstanceSignals(q, dec[i], ld.decode_tokens, inst.stats.get("token_interval_s"), not busy)
+            st = inst.stats
+            busy = ld.prefill_tokens > 0 or dec[i] > 0 or st.get("running", 0) or st.get("waiting", 0)
+            # resource shortage: requests wait while under 5 % of the KV blocks are free
+            short = int(st.get("waiting", 0)) if 20 * st.get("free_blocks", 1) < st.get("total_blocks", 0) else 0
+            out[i] = InstanceSignals(q, dec[i], ld.decode_tokens, st.get("token_interval_s"), not busy, short)
         return out
 
     def _live(self, role: Role) -> list[int]:
@@ -201,7 +205,7 @@ class PDCoordinator:
         roles = ", ".join(f"{i}:{self.pools.pool(i)}" for i in range(self.pools.n))
         return (f"PD: pools {roles}; cost model prefill {c.prefill_tokens_per_s:.0f} tokens/s, KV "
                 f"{c.kv_bytes_per_token} B/token, transfer {c.transfer_bytes_per_s / 1e6:.0f} MB/s + "
-                f"{c.transfer_overhead_s * 1e3:.1f} ms -> split at >= {self.threshold} uncached tokens "
+                f"{c.transfer_overhead_s * 1e3:.1f} ms (measured in {self.measured_s:.1f} s) -> split at >= {self.threshold} uncached tokens "
                 f"({'--split-min-tokens' if self.cfg.split_min_tokens else 'break-even'}); SLO TTFT "
                 f"{self.slo.ttft_slo_s}s TPOT {self.slo.tpot_slo_s}s; flips {'on' if self.cfg.role_flips else 'off'}"
                 f", dwell {self.cfg.min_dwell_s}s, >= {self.cfg.min_per_role} per role")
@@ -305,12 +309,15 @@ def attach_pd(engine: Any, cfg: Any, slo: Any) -> PDCoordinator:
     from grserve.cluster.pd_roles import RoleMonitor
 
     live = [inst.actor for inst in engine.instances if inst.up]
+    t0 = time.perf_counter()
     cost, samples = measure_cost_model(live)
+    measured_s = time.perf_counter() - t0
     a = min(t for _, t in samples)
     ttft = TTFTPredictor(a=a * 0.5, b=1.0 / cost.prefill_tokens_per_s)
     for n, t in samples:
         ttft.observe(n, t)
     coord = PDCoordinator(engine, cfg, slo, cost, ttft)
+    coord.measured_s = measured_s
     coord.monitor = RoleMonitor(coord)
     engine.pd = coord
     return coord
