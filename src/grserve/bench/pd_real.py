@@ -239,7 +239,11 @@ def run_part(cfg: PartConfig) -> dict:
                "pd_splits": pd.counters["splits"] - splits0, "pd_handoffs": pd.counters["handoffs"] - handoffs0,
                "pd_whole": pd.counters["whole"] - whole0, "pd_stayed": pd.counters["stayed"] - stayed0,
                "instances_pids": [i.info["pid"] for i in eng.instances], "device": spec_info["device"]}
+        by_phase = {f"{ph}_{d}": sum(1 for e in flip_log if e["phase"] == ph and (e["to"] in ("D", "P->D"))
+                                     == (d == "p_to_d")) for ph in ("long_prompt", "long_output")
+                    for d in ("p_to_d", "d_to_p")}
         res.update({"flips_p_to_d": flips["p_to_d"], "flips_d_to_p": flips["d_to_p"], "flip_log": flip_log,
+                    "flips_by_phase": by_phase,
                     "cost_model": {"prefill_tokens_per_s": pd.cost.prefill_tokens_per_s,
                                    "kv_bytes_per_token": pd.cost.kv_bytes_per_token,
                                    "transfer_bytes_per_s": pd.cost.transfer_bytes_per_s,
