@@ -192,11 +192,13 @@ def test_role_flips_each_way_from_the_rule(cluster, reference):
     hs = [cluster.submit(LLMRequest(p, sp)) for p in prompts]
     _wait(lambda: pd.pools.flips["d_to_p"] >= 1, 30)
     pd.slo = SLOConfig(ttft_slo_s=60.0, tpot_slo_s=1e-6)
-    hs += [cluster.submit(LLMRequest(p, sp)) for p in _prompts(8, 3, 10, 20)]  # whole, on decode instances
-    prompts += _prompts(8, 3, 10, 20)
+    sp2 = SamplingParams(max_tokens=150, temperature=0, ignore_eos=True)  # decodes outlast the dwell
+    short = _prompts(8, 3, 10, 20)
+    hs2 = [cluster.submit(LLMRequest(p, sp2)) for p in short]  # whole, on decode-role instances
     _wait(lambda: pd.pools.flips["p_to_d"] >= 1, 30)
     pd.slo = SLOConfig(ttft_slo_s=60.0, tpot_slo_s=30.0)
     assert [h.future.result(timeout=60).output_ids for h in hs] == reference(prompts, sp)
+    assert [h.future.result(timeout=60).output_ids for h in hs2] == reference(short, sp2)
     assert [inst.info["pid"] for inst in cluster.instances] == pids
     assert len(pd.monitor.log) == pd.pools.flips["d_to_p"] + pd.pools.flips["p_to_d"]
     assert len(pd.pools.members(Role.PREFILL)) >= 1 and len(pd.pools.members(Role.DECODE)) >= 1
