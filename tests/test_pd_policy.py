@@ -206,3 +206,16 @@ def test_memory_shortage_in_decode_pool_flips_p_to_d():
     assert decide_flip(pools, sig, ttft, SLO, PDConfig(min_dwell_s=0.0), 1.0) is None
     sig[3].waiting_decode_requests = 2  # decodes wait for KV space: resource shortage
     assert decide_flip(pools, sig, ttft, SLO, PDConfig(min_dwell_s=0.0), 1.0) == (0, Role.DECODE)
+
+
+def test_prefill_slowdown_steers_the_prefill_choice():
+    pools = _pools(3, 1)  # 0 P; 1, 2 D
+    ttft = TTFTPredictor(a=0.0, b=1e-4)
+    sig = {0: _sig(q=9000), 1: _sig(reqs=50, toks=40000), 2: _sig(reqs=5, toks=2000)}
+    assert pick_prefill(pools, sig, ttft, 2000, SLO) == 1  # P breaks (1.1 s): the first decode instance meeting it
+    sig[1].prefill_slowdown = 8.0  # instance 1 would prefill in tiny chunks between its 50 decodes
+    assert pick_prefill(pools, sig, ttft, 2000, SLO) == 2
+    sig[2].prefill_slowdown = 8.0
+    assert pick_prefill(pools, sig, ttft, 2000, SLO) == 0  # nobody meets it: the prefill pool's best
+    assert decide_flip(pools, sig, ttft, SLO, PDConfig(min_dwell_s=0.0), 1.0, 2000,
+                       allow_decode_instances=True) == (2, Role.PREFILL)  # and a decode instance converts

@@ -100,6 +100,12 @@ class PDCoordinator:
             out[i] = InstanceSignals(q, dec[i], ld.decode_tokens, st.get("token_interval_s"), not busy, short)
         return out
 
+    def plan_slo(self) -> Any:
+        """The SLOs the decisions plan against: ``--ttft-slo-s`` / ``--tpot-slo-s`` × ``PDConfig.slo_headroom``
+        (pd_policy's margin for prediction error; 1 where the config has none)."""
+        h = getattr(self.cfg, "slo_headroom", 1.0)
+        return replace(self.slo, ttft_slo_s=self.slo.ttft_slo_s * h, tpot_slo_s=self.slo.tpot_slo_s * h)
+
     def _live(self, role: Role) -> list[int]:
         return [i for i in self.pools.members(role) if self.engine.instances[i].up]
 
@@ -111,7 +117,7 @@ class PDCoordinator:
         n = len(prompt)
         costs = self.engine.router.costs(prompt)  # {live i: (part-1 cost, cached tokens)}
         sig = self.signals({i: c - n for i, (c, _) in costs.items()})
-        p = pick_prefill(self.pools, sig, self.ttft, n, self.slo)
+        p = pick_prefill(self.pools, sig, self.ttft, n, self.plan_slo())
         uncached = max(1, n - costs.get(p, (0, 0))[1])
         if self.pools.role(p) is Role.PREFILL and self.engine.instances[p].up and splittable(params) \
                 and should_split(uncached, self.cfg, self.cost):
@@ -120,7 +126,7 @@ class PDCoordinator:
             self.recent_input = uncached
             return True
         if self.pools.role(p) is not Role.DECODE or not self.engine.instances[p].up:
-            p = pick_decode(self.pools, self.signals(), self.slo, p)
+            p = pick_decode(self.pools, self.signals(), self.plan_slo(), p)
             if not self.engine.instances[p].up:
                 return False
             uncached = max(1, n - costs.get(p, (0, 0))[1])
@@ -163,7 +169,7 @@ class PDCoordinator:
         if pr is None or pr.phase != "handoff" or rec.snapshot is None or self.hold_handoff:
             return
         sig = self.signals()
-        d = pick_decode(self.pools, sig, self.slo, pr.instance)
+        d = pick_decode(self.pools, sig, self.plan_slo(), pr.instance)
         if not self.engine.instances[d].up:
             live = self._live(Role.DECODE) or self.engine.router.live()
             if not live:
@@ -207,7 +213,7 @@ class PDCoordinator:
                 f"{c.kv_bytes_per_token} B/token, transfer {c.transfer_bytes_per_s / 1e6:.0f} MB/s + "
                 f"{c.transfer_overhead_s * 1e3:.1f} ms (measured in {self.measured_s:.1f} s) -> split at >= {self.threshold} uncached tokens "
                 f"({'--split-min-tokens' if self.cfg.split_min_tokens else 'break-even'}); SLO TTFT "
-                f"{self.slo.ttft_slo_s}s TPOT {self.slo.tpot_slo_s}s; flips {'on' if self.cfg.role_flips else 'off'}"
+                f"{self.slo.ttft_slo_s}s TPOT {self.slo.tpot_slo_s}s (x {getattr(self.cfg, 'slo_headroom', 1.0)} headroom); flips {'on' if self.cfg.role_flips else 'off'}"
                 f", dwell {self.cfg.min_dwell_s}s, >= {self.cfg.min_per_role} per role")
 
 

@@ -28,6 +28,10 @@ Decisions where the paper is ambiguous (also in docs/cluster.md, "PD disaggregat
 - **Split threshold**: splitting moves the prefill off the decode instance (which would otherwise stall its
   running decodes for ``L / prefill_tokens_per_s``) at the price of one KV transfer. It pays when the prefill time
   is at least the transfer time: ``L/R >= o + L·k/B``, i.e. ``L >= o / (1/R - k/B)`` (never when ``k/B >= 1/R``).
+- **Predicted TTFT on an instance** = ``prefill_slowdown`` × (queueing delay + prefill time): an instance that
+  prefills in small chunks between its running decodes (a decode-role instance taking an overflow prefill, or a
+  flipped one still finishing decodes) is slower than the profile says; the monitor supplies the factor (1 when
+  unknown). Without it a busy decode instance looks as fast as an idle prefill instance.
 - **Prefill choice**: the prefill-role instance with the least predicted TTFT (ties: lowest index). When none
   meets the TTFT SLO, a decode-role instance that meets it is taken (xllm-service: "an overloaded prefill may be
   placed on a decode instance that has slack"); otherwise the least predicted TTFT of the prefill pool (and
@@ -36,9 +40,14 @@ Decisions where the paper is ambiguous (also in docs/cluster.md, "PD disaggregat
   TPOT meets the SLO; else the first decode-role instance, lightest first (fewest running decode tokens), whose
   predicted TPOT meets the SLO; else the least predicted TPOT.
 - **TTFT break** (D->P): even the best prefill-role instance's predicted TTFT for ``input_tokens`` exceeds the
-  SLO. **TPOT break** (P->D): the request-weighted mean recent TPOT of the decode pool exceeds the SLO.
-  **Idle** (P->D): a prefill-role instance is idle while the decode pool holds running requests (the report's
+  SLO; when prefills may overflow to decode instances (``allow_decode_instances``), the best of *every*
+  instance (the report's pseudo-code converts an instance only when no candidate meets the SLO).
+  **P->D**: "resource shortage" = a decode-role instance has decodes waiting for KV space
+  (``waiting_decode_requests``); **TPOT break** = the request-weighted mean recent TPOT of the decode pool exceeds
+  the SLO; **idle** = a prefill-role instance is idle while the decode pool holds running requests (the report's
   "prefill instances are idle"; an idle cluster does not flip). TTFT is checked first.
+- **Margins**: the functions judge against the ``SLOConfig`` they are given; callers pass the SLOs scaled by
+  ``PDConfig.slo_headroom`` (0.8) so that a prediction a little short does not put requests just past the SLO.
 """
 
 from __future__ import annotations
@@ -72,6 +81,8 @@ class InstanceSignals:
     recent_tpot_s: float | None = None  # measured mean token interval over a recent window (None: no data)
     idle: bool = True  # nothing queued or running
     waiting_decode_requests: int = 0  # decodes whose KV waits for memory there (resource shortage)
+    prefill_slowdown: float = 1.0  # how much slower than profiled this instance prefills now (e.g. in small
+    #                                chunks between running decodes); predicted TTFT is scaled by it
 
     @property
     def load_tokens(self) -> int:
@@ -252,11 +263,17 @@ def _argmin(ids: list[int], key) -> int:
     return min(ids, key=lambda i: (key(i), i))
 
 
+def predicted_ttft(s: InstanceSignals, ttft: TTFTPredictor, input_tokens: int) -> float:
+    """TTFT of a new prefill of ``input_tokens`` on the instance ``s`` describes: the predictor's queueing delay +
+    prefill time, times the instance's ``prefill_slowdown``."""
+    return s.prefill_slowdown * ttft.predict(s.queued_prefill_tokens, input_tokens)
+
+
 def pick_prefill(pools: RolePools, signals: dict[int, InstanceSignals], ttft: TTFTPredictor, input_tokens: int,
                  slo: SLOConfig, allow_decode_instances: bool = True) -> int:
     """The prefill-role instance with the least predicted TTFT; if it breaks the SLO, a decode-role instance that
     meets it (the least predicted TTFT among those), when ``allow_decode_instances``; else the prefill-role best."""
-    pred = {i: ttft.predict(signals[i].queued_prefill_tokens, input_tokens) for i in signals}
+    pred = {i: predicted_ttft(signals[i], ttft, input_tokens) for i in signals}
     best = _argmin(pools.members(Role.PREFILL), pred.__getitem__)
     if pred[best] <= slo.ttft_slo_s or not allow_decode_instances:
         return best
@@ -312,16 +329,17 @@ def decide_flip(pools: RolePools, signals: dict[int, InstanceSignals], ttft: TTF
                 allow_decode_instances: bool = False) -> tuple[int, Role] | None:
     """The report's role switching rule; returns (instance, new role) or None. Does not flip (the caller does).
 
-    D->P when even the best prefill-role instance's predicted TTFT (for ``input_tokens``) breaks the SLO: the
-    lightest instance of P->D, else of D. P->D when the decode pool's mean TPOT breaks the SLO (the lightest of
-    D->P, else of P) or a prefill-role instance is idle while decodes run (that idle instance, D->P first).
-    ``min_per_role`` and ``min_dwell_s`` are respected (``RolePools.can_flip``)."""
+    D->P when even the best prefill-role instance's predicted TTFT (for ``input_tokens``; with
+    ``allow_decode_instances`` the best of every instance) breaks the SLO: the lightest instance of P->D, else of
+    D. P->D when a decode instance has decodes waiting for memory or the decode pool's mean TPOT breaks the SLO
+    (the lightest of D->P, else of P), or when a prefill-role instance is idle while decodes run (that idle
+    instance, D->P first). ``min_per_role`` and ``min_dwell_s`` are respected (``RolePools.can_flip``)."""
     if not cfg.role_flips:
         return None
     load = lambda i: signals[i].load_tokens  # noqa: E731
     prefill = pools.members(Role.PREFILL)
     judged = list(signals) if allow_decode_instances else prefill
-    best_ttft = min(ttft.predict(signals[i].queued_prefill_tokens, input_tokens) for i in judged)
+    best_ttft = min(predicted_ttft(signals[i], ttft, input_tokens) for i in judged)
     if best_ttft > slo.ttft_slo_s:
         i = _first_flippable(pools, ("P->D", "D"), load, now)
         return (i, Role.PREFILL) if i is not None else None

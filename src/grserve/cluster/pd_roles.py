@@ -37,13 +37,16 @@ class RoleMonitor:
             return None
         self._last = now
         sig = c.signals()
-        d = decide_flip(c.pools, sig, c.ttft, c.slo, c.cfg, now, input_tokens=c.recent_input)
+        slo = c.plan_slo()
+        d = decide_flip(c.pools, sig, c.ttft, slo, c.cfg, now, input_tokens=c.recent_input)
         if d is None or not c.engine.instances[d[0]].up:
             return None
         i, role = d
         old = c.pools.pool(i)
         tp = pool_tpot(c.pools, sig)
-        cause = "TTFT" if role is Role.PREFILL else ("TPOT" if tp is not None and tp > c.slo.tpot_slo_s else "idle")
+        short = any(sig[j].waiting_decode_requests > 0 for j in c.pools.members(Role.DECODE))
+        cause = ("TTFT" if role is Role.PREFILL else "memory" if short
+                 else "TPOT" if tp is not None and tp > slo.tpot_slo_s else "idle")
         c.pools.flip(i, now)
         entry = {"t": now, "instance": i, "from": old, "to": c.pools.pool(i), "role": role.value, "cause": cause,
                  "queued_prefill_tokens": {j: v.queued_prefill_tokens for j, v in sig.items()},
