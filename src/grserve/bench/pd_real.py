@@ -249,7 +249,9 @@ def run_part(cfg: PartConfig) -> dict:
                                    "transfer_bytes_per_s": pd.cost.transfer_bytes_per_s,
                                    "transfer_overhead_s": pd.cost.transfer_overhead_s},
                     "pd_split_min_tokens": pd.threshold, "slo_ttft_s": slo.ttft_slo_s, "slo_tpot_s": slo.tpot_slo_s,
-                    "warm_up": warm, "pd_phase_s": run["phase_s"]})
+                    "warm_up": warm, "pd_phase_s": run["phase_s"],
+                    "ttft_predictor": {"coef": list(pd.ttft.coef),
+                                       "prefill_s_long": pd.ttft.prefill_s(cfg.real_prompt_tokens)}})
     finally:
         eng.stop()
     res.update(_compare(cfg, serve, reqs, sizes, run, nopd, torch))

@@ -75,7 +75,8 @@ class PDCoordinator:
                          "kv_tokens_moved": 0}
         self.moves: deque = deque(maxlen=100_000)  # (request id, from, to, tokens, bytes) of recent hand-offs
         self.hold_handoff = False  # tests: keep split requests between their phases
-        self.recent_input = 0  # uncached tokens of the latest split request (the flip rule's TTFT probe)
+        self.recent_input = 0  # uncached tokens of the latest split request (the flip rule's TTFT probe) …
+        self.recent_input_at = 0.0  # … and when it was routed (monotonic)
         self.monitor: Any = None  # pd_roles.RoleMonitor
         self.measured_s = 0.0  # seconds the start-up cost model measurement took
 
@@ -100,6 +101,12 @@ class PDCoordinator:
             out[i] = InstanceSignals(q, dec[i], ld.decode_tokens, st.get("token_interval_s"), not busy, short)
         return out
 
+    def ttft_probe(self, now: float) -> int:
+        """The prompt length the flip rule's TTFT check is made for: the latest split request's uncached tokens
+        while one was routed within the last TTFT SLO, else 0 (no long prompt arriving: only the queued tokens
+        count — a stale probe would hold a TTFT "break" that blocks every P->D flip)."""
+        return self.recent_input if now - self.recent_input_at <= self.slo.ttft_slo_s else 0
+
     def plan_slo(self) -> Any:
         """The SLOs the decisions plan against: ``--ttft-slo-s`` / ``--tpot-slo-s`` × ``PDConfig.slo_headroom``
         (pd_policy's margin for prediction error; 1 where the config has none)."""
@@ -123,7 +130,7 @@ class PDCoordinator:
                 and should_split(uncached, self.cfg, self.cost):
             self._submit(rec, p, "prefill", prompt, replace(params, max_tokens=1), uncached, params.max_tokens)
             self.counters["splits"] += 1
-            self.recent_input = uncached
+            self.recent_input, self.recent_input_at = uncached, time.monotonic()
             return True
         if self.pools.role(p) is not Role.DECODE or not self.engine.instances[p].up:
             p = pick_decode(self.pools, self.signals(), self.plan_slo(), p)
@@ -217,6 +224,21 @@ class PDCoordinator:
                 f", dwell {self.cfg.min_dwell_s}s, >= {self.cfg.min_per_role} per role")
 
 
+class QueueTTFTPredictor(TTFTPredictor):
+    """``pd_policy.TTFTPredictor`` whose queueing delay is the queued tokens over the measured prefill throughput R
+    (start-up cost model) instead of the fit's linear term: with the quadratic term free, the online fit's linear
+    coefficient can go negative (seen on this VM: b = −5.9e-5 s/token, c = 2.0e-7 s/token², a fine fit of prefill
+    time up to 1536 tokens), and ``max(0, b) · queued`` then ignores every queue. Prefill time of the request itself
+    stays the fitted ``a + b·L + c·L²``."""
+
+    def __init__(self, tokens_per_s: float, **prior: float):
+        super().__init__(**prior)
+        self.tokens_per_s = tokens_per_s
+
+    def predict(self, queued_prefill_tokens: int, input_tokens: int) -> float:
+        return queued_prefill_tokens / self.tokens_per_s + self.prefill_s(input_tokens)
+
+
 def splittable(params: Any) -> bool:
     """Sampling whose next token depends only on (prompt + tokens so far, seed, position): the decode instance
     sees the first token as prompt, so output-only penalties and ``min_tokens`` would change its draws."""
@@ -276,7 +298,8 @@ def measure_cost_model(instances: list[Any], lengths: tuple[int, ...] = (32, 256
       tokens (the fixed per-request cost drops out of the slope; the samples also seed the TTFT predictor);
     - KV transfer: export ``lengths[-1]`` tokens' K/V on instance A (returned to the front end, as a hand-off
       does), then ``put`` it into instance B's prefix store; and the same for 16 tokens. Bytes/s = the extra bytes
-      over the extra seconds, the fixed overhead = the 16-token round trip (fastest of ``repeats``).
+      over the extra seconds, the fixed overhead = the 16-token round trip (fastest of ``repeats`` + 1; when the
+      big trip is not slower than the small one — load noise — B is taken as 10 GB/s: the threshold is then o·R).
     Returns the model and the (tokens, seconds) prefill samples."""
     import ray
 
@@ -287,7 +310,7 @@ def measure_cost_model(instances: list[Any], lengths: tuple[int, ...] = (32, 256
     rate = 1.0 / slope if slope > 0 else lengths[-1] / best[-1]
     trips: dict[int, list[float]] = {16: [], lengths[-1]: []}
     kv_bytes = {}
-    for k in range(repeats):
+    for k in range(repeats + 1):  # one more: the transfer's two round trips are the noisiest part
         for n in trips:
             toks = ray.get(a.call.remote(_prefill_random, n, 2000 + 10 * k + n))
             t0 = time.perf_counter()
@@ -319,7 +342,7 @@ def attach_pd(engine: Any, cfg: Any, slo: Any) -> PDCoordinator:
     cost, samples = measure_cost_model(live)
     measured_s = time.perf_counter() - t0
     a = min(t for _, t in samples)
-    ttft = TTFTPredictor(a=a * 0.5, b=1.0 / cost.prefill_tokens_per_s)
+    ttft = QueueTTFTPredictor(cost.prefill_tokens_per_s, a=a * 0.5, b=1.0 / cost.prefill_tokens_per_s)
     for n, t in samples:
         ttft.observe(n, t)
     coord = PDCoordinator(engine, cfg, slo, cost, ttft)

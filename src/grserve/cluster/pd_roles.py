@@ -38,7 +38,7 @@ class RoleMonitor:
         self._last = now
         sig = c.signals()
         slo = c.plan_slo()
-        d = decide_flip(c.pools, sig, c.ttft, slo, c.cfg, now, input_tokens=c.recent_input)
+        d = decide_flip(c.pools, sig, c.ttft, slo, c.cfg, now, input_tokens=c.ttft_probe(now))
         if d is None or not c.engine.instances[d[0]].up:
             return None
         i, role = d
