@@ -76,6 +76,7 @@ class EngineInstance:
         try:
             handle = await asyncio.to_thread(self._submit, request_id, attempt, prompt_ids, params, snapshot)
         except Exception:  # noqa: BLE001 - refused here (stopping, never fits): the front end fails the request
+            self._prefill_only.discard((request_id, attempt))
             self._report((request_id, attempt, 0, [], True, "error"))
             return
         self._live[request_id] = (attempt, handle)
