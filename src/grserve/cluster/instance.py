@@ -49,6 +49,9 @@ class EngineInstance:
         self._wake: asyncio.Event | None = None
         self._live: dict[str, tuple[int, Any]] = {}  # request id → (attempt, handle)
         self._tasks: set = set()
+        self._prefill_only: set[tuple[str, int]] = set()  # PD: attempts whose K/V is exported at their end
+        self._cancel_early: set[str] = set()  # cancelled while their submit was still in a worker thread
+        self.token_interval = TokenInterval()  # PD role monitor: the recent decode token interval
 
     def _attach(self, incarnation: str) -> KVEventPublisher:
         pc = self.engine.prefix_cache
@@ -70,16 +73,32 @@ class EngineInstance:
     # ---- requests --------------------------------------------------------------------------------------------
     async def submit(self, request_id: str, attempt: int, prompt_ids: list[int], params: Any,
                      snapshot: Any = None, priority: str = "online") -> None:
+        self._cancel_early.discard(request_id)
         try:
             handle = await asyncio.to_thread(self._submit, request_id, attempt, prompt_ids, params, snapshot,
                                              priority)
         except Exception:  # noqa: BLE001 - refused here (stopping, never fits): the front end fails the request
+            self._prefill_only.discard((request_id, attempt))
             self._report((request_id, attempt, 0, [], True, "error"))
             return
         self._live[request_id] = (attempt, handle)
+        if request_id in self._cancel_early:  # the front end cancelled it before it was live here
+            self._cancel_early.discard(request_id)
+            await asyncio.to_thread(self.engine.cancel, handle.request_id)
         task = asyncio.get_running_loop().create_task(self._forward(request_id, attempt, handle, prompt_ids))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    async def submit_prefill(self, request_id: str, attempt: int, prompt_ids: list[int], params: Any,
+                             *args: Any, **kw: Any) -> None:
+        """PD (``cluster/pd_disagg.py``): a prefill-only attempt (``params.max_tokens == 1``); its prompt's K/V is
+        exported and returned in a poll although the attempt ends at its first token."""
+        self._prefill_only.add((request_id, attempt))
+        await self.submit(request_id, attempt, prompt_ids, params, *args, **kw)
+
+    async def call(self, fn: Any, *args: Any) -> Any:
+        """Run ``fn(self, *args)`` (a module-level function) in a worker thread: start-up measurements."""
+        return await asyncio.to_thread(fn, self, *args)
 
     def _submit(self, request_id: str, attempt: int, prompt_ids: list[int], params: Any, snapshot: Any,
                 priority: str = "online") -> Any:
@@ -100,14 +119,19 @@ class EngineInstance:
 
     async def _forward(self, request_id: str, attempt: int, handle: Any, prompt_ids: list[int]) -> None:
         n, ended = 0, False
+        export_at_end = (request_id, attempt) in self._prefill_only
+        self._prefill_only.discard((request_id, attempt))
         async for ev in handle.events():
             first = n == 0
             self._report((request_id, attempt, n, list(ev.token_ids), ev.finished, ev.finish_reason))
+            self.token_interval.tokens(request_id, len(ev.token_ids))
             n += len(ev.token_ids)
             ended = ended or ev.finished
-            if first and not ev.finished and self.kv_snapshot and self.engine.prefix_cache is not None:
+            if first and (not ev.finished or export_at_end) and self.kv_snapshot and \
+                    self.engine.prefix_cache is not None:
                 kv = await asyncio.to_thread(self._export, prompt_ids)  # the token is reported first: no TTFT cost
                 self._snapshots.append((request_id, attempt, kv))
+        self.token_interval.forget(request_id)
         try:
             await handle.result()
         except Exception as exc:  # noqa: BLE001 - reported to the front end, which fails or ignores it
@@ -125,7 +149,12 @@ class EngineInstance:
 
     async def cancel(self, request_id: str) -> bool:
         entry = self._live.get(request_id)
-        return entry is not None and await asyncio.to_thread(self.engine.cancel, entry[1].request_id)
+        if entry is None:
+            self._cancel_early.add(request_id)  # its submit may still be in a worker thread
+            if len(self._cancel_early) > 4096:  # ids of requests that had already ended here
+                self._cancel_early.clear()
+            return False
+        return await asyncio.to_thread(self.engine.cancel, entry[1].request_id)
 
     # ---- the front end's view ----------------------------------------------------------------------------------
     async def poll(self, wait_s: float = 0.05) -> dict:
@@ -140,8 +169,9 @@ class EngineInstance:
         out, self._out = self._out, []
         snaps, self._snapshots = self._snapshots, []
         events, next_seq = self.publisher.take_events()
+        stats = {**self.engine.stats(), "token_interval_s": self.token_interval.mean()}
         return {"tokens": out, "snapshots": snaps, "kv_events": events, "kv_next_seq": next_seq,
-                "stats": self.engine.stats(), "time": time.time()}
+                "stats": stats, "time": time.time()}
 
     async def kv_snapshot(self):
         return self.publisher.snapshot()  # the publisher's own lock: consistent with its sequence numbers
@@ -168,6 +198,33 @@ class EngineInstance:
 
     def stop(self) -> None:
         self.engine.stop()
+
+
+class TokenInterval:
+    """The recent time per output token of the decodes running here (xLLM's "token generation interval"): per
+    request, the time between two token events divided by the tokens of the later one; the mean over the last
+    ``window`` such intervals (of any request) no older than ``max_age_s``. None when there are none."""
+
+    def __init__(self, window: int = 64, max_age_s: float = 2.0):
+        self.window, self.max_age_s = window, max_age_s
+        self._last: dict[str, float] = {}
+        self._recent: list[tuple[float, float]] = []  # (when, seconds per token)
+
+    def tokens(self, request_id: str, n: int) -> None:
+        now = time.monotonic()
+        last = self._last.get(request_id)
+        self._last[request_id] = now
+        if last is not None and n > 0:
+            self._recent.append((now, (now - last) / n))
+            del self._recent[:-self.window]
+
+    def forget(self, request_id: str) -> None:
+        self._last.pop(request_id, None)
+
+    def mean(self) -> float | None:
+        cutoff = time.monotonic() - self.max_age_s
+        vals = [v for t, v in self._recent if t >= cutoff]
+        return sum(vals) / len(vals) if vals else None
 
 
 def _node_ip() -> str:

@@ -71,6 +71,7 @@ class ClusterLLMEngine:
         self.on_death: list[Any] = []  # callbacks(instance index, seconds since its last answer) — benchmarks
         self.keep_finished = False  # keep ended requests' records in ``finished`` (benchmarks, tests)
         self.finished: list[RequestRecord] = []
+        self.pd: Any = None  # pd_disagg.PDCoordinator with --pd (attach_pd)
         info0 = infos[0]
         self.max_model_len, self.num_blocks, self.block_size = (info0["max_model_len"], info0["num_blocks"],
                                                                 info0["block_size"])
@@ -85,6 +86,11 @@ class ClusterLLMEngine:
         from grserve.cluster.ray_runtime import new_incarnation, spawn_instance, start_ray
         from grserve.engine.tokenizer import load_tokenizer
 
+        pd = getattr(cfg, "pd", None)
+        if pd is not None and pd.pd:
+            from grserve.cluster.pd_disagg import check_pd
+
+            check_pd(pd, cluster, cfg.llm.prefix_cache_tokens)
         owns = start_ray(cluster.ray_address)
         actors = [spawn_instance(i, cfg, cluster, new_incarnation()) for i in range(cluster.instances)]
         try:
@@ -98,6 +104,10 @@ class ClusterLLMEngine:
         tok = load_tokenizer(cfg.model.source, infos[0]["vocab_size"])
         eng = cls(actors, infos, cluster, tok, owns, getattr(tok, "eos_token_id", None), getattr(cfg, "edge", None))
         eng.serve_cfg = cfg
+        if pd is not None and pd.pd:
+            from grserve.cluster.pd_disagg import attach_pd
+
+            attach_pd(eng, pd, cfg.slo)
         return eng
 
     def describe(self) -> list[str]:
@@ -112,6 +122,8 @@ class ClusterLLMEngine:
             lines.append(f"instance {inst.index}: Ray actor pid {i['pid']} on {i['host']} ({i['node_ip']}), "
                          f"{i['device']}, {i['num_blocks']} blocks x {i['block_size']}, prefix cache "
                          f"{i['prefix_cache_tokens']} tokens, incarnation {i['incarnation']}")
+        if self.pd is not None:
+            lines.append(self.pd.describe())
         return lines
 
     # ---- lifecycle ------------------------------------------------------------------------------------------------
@@ -233,6 +245,8 @@ class ClusterLLMEngine:
 
     def _send(self, rec: RequestRecord, prompt: list[int], params: Any, snapshot: Any, recovery: bool) -> None:
         """Route and submit one attempt of ``rec`` (lock held)."""
+        if self.pd is not None and not recovery and self.pd.route(rec, prompt, params):
+            return  # PD placed it (split, or whole on a decode-role instance)
         try:
             d = self.router.route(rec.request_id, prompt, params.max_tokens, recovery=recovery)
         except NoInstance:
@@ -248,6 +262,8 @@ class ClusterLLMEngine:
                 return False
             self.router.release(request_id)
             self.admission.started(request_id)
+            if self.pd is not None:
+                self.pd.forget(request_id)  # between its phases: nothing runs anywhere, its snapshot goes
             inst = self.instances[rec.instance]
             if inst.up:
                 inst.actor.cancel.remote(request_id)
@@ -278,6 +294,8 @@ class ClusterLLMEngine:
                 if rec is not None and rec.stream.attempt == attempt and rec.instance == inst.index:
                     rec.snapshot = kv
                     self.counters["kv_snapshots_taken"] += 1
+                    if self.pd is not None:
+                        self.pd.on_snapshot(rec)
             for report in res["tokens"]:
                 try:
                     self._on_tokens(inst, *report)
@@ -286,6 +304,8 @@ class ClusterLLMEngine:
                     rec = self.records.get(report[0])
                     if rec is not None:
                         self._end(rec, None, exc)
+            if self.pd is not None and self.pd.monitor is not None:
+                self.pd.monitor.tick()
 
     def _on_tokens(self, inst: Instance, rid: str, attempt: int, index: int, ids: list[int], finished: bool,
                    reason: str | None) -> None:
@@ -300,7 +320,11 @@ class ClusterLLMEngine:
             if rec.first_token_at is None:
                 rec.first_token_at = time.perf_counter()
                 self.admission.started(rid)
+                if self.pd is not None:
+                    self.pd.on_first_token(rec)
             self.router.on_tokens(rid, len(new))
+        handoff = finished and self.pd is not None and self.pd.prefill_ended(rec, reason)
+        finished = finished and not handoff  # PD: the prefill attempt ended, the request goes on elsewhere
         if finished and reason not in ("stop", "length"):
             if reason == "error":
                 from grserve.engine.async_llm import EngineStepFailed
@@ -316,6 +340,8 @@ class ClusterLLMEngine:
                 inst.actor.cancel.remote(rid)
             self._end(rec, LLMResult(rid, list(st.output_ids), st.text, reason or "stop", len(rec.prompt_ids),
                                      rec.migrations), None)
+        elif handoff:
+            self.pd.try_handoff(rec)
 
     def _expire(self) -> None:
         """Fail every request that waited for its first token past ``--request-timeout`` (``admission.py``)."""
@@ -335,6 +361,8 @@ class ClusterLLMEngine:
         self.records.pop(rec.request_id, None)
         self.admission.started(rec.request_id)
         self.router.release(rec.request_id)
+        if self.pd is not None:
+            self.pd.forget(rec.request_id)
         if self.keep_finished:
             self.finished.append(rec)
         if exc is not None:
@@ -390,6 +418,8 @@ class ClusterLLMEngine:
 
     def _recover(self, rec: RequestRecord) -> None:
         self.router.release(rec.request_id)
+        if self.pd is not None:
+            self.pd.forget(rec.request_id)  # moved like any request; an ordinary request from now on
         p = plan(rec, self.cc.migration_limit, self.cost)
         if p.action == "fail":
             self.counters["lost"] += 1
@@ -432,6 +462,8 @@ class ClusterLLMEngine:
         out.update({f"cluster_{k}": float(v) for k, v in self.counters.items()})
         out["instances_up"] = float(sum(inst.up for inst in self.instances))
         out["in_flight"] = float(len(self.records))
+        if self.pd is not None:
+            out.update(self.pd.stats())
         return out
 
 

@@ -47,6 +47,10 @@ class ClusterCollector:
         for key in ("events", "ignored_events", "gaps", "snapshots"):
             yield CounterMetricFamily(f"grserve_cluster_kv_index_{key}", f"KV index: {key.replace('_', ' ')}.",
                                       value=idx.stats[key])
+        if getattr(e, "pd", None) is not None:
+            from grserve.cluster.pd_roles import pd_metrics
+
+            yield from pd_metrics(e.pd)
 
     def _instances(self, e):
         up = GaugeMetricFamily("grserve_cluster_instance_up", "1 while the instance serves.", labels=["instance"])

@@ -144,6 +144,23 @@ class Router:
             self.cached_tokens_routed += cached
             return Decision(best, reason, cached, cost)
 
+    def book(self, request_id: str, instance: int, prefill: int, decode: int) -> None:
+        """Book a request on an instance chosen elsewhere (PD: ``cluster/pd_disagg.py`` picks by role)."""
+        with self._lock:
+            self._book[request_id] = _Booking(instance, prefill, decode)
+            ld = self.load[instance]
+            ld.prefill_tokens += prefill
+            ld.requests += 1
+            self.routed[instance] += 1
+
+    def decode_requests(self) -> list[int]:
+        """Per instance: booked requests past their first token (PD role monitor)."""
+        with self._lock:
+            out = [0] * len(self.load)
+            for b in self._book.values():
+                out[b.instance] += b.past_prefill
+            return out
+
     # ---- the request moves on ----------------------------------------------------------------------------------
     def on_tokens(self, request_id: str, n: int) -> None:
         """``n`` tokens of the request arrived: its prefill is done (first token), its decode shrinks."""

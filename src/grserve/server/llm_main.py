@@ -51,6 +51,8 @@ def config_from_args(ns: argparse.Namespace) -> LLMServeConfig:
 
 def run(cfg: LLMServeConfig) -> int:
     check_model(cfg.model)
+    if cfg.pd.pd and cfg.cluster.instances < 2:
+        raise UsageError("--pd needs --instances >= 2 (docs/cluster.md)")
     if cfg.cluster.instances > 1 or cfg.cluster.ray_address:
         return run_cluster(cfg, cfg.cluster)
 
