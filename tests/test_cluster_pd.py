@@ -212,6 +212,12 @@ def test_role_flips_each_way_from_the_rule(cluster, reference):
     assert 'grserve_cluster_instance_role{instance="0"' in text and "grserve_cluster_pd_kv_bytes_moved_total" in text
 
 
+def _decoding_elsewhere(cluster, h, victim: int) -> bool:
+    rec = cluster.records.get(h.request_id)
+    assert rec is not None, f"request ended before the kill: {h.future.exception(timeout=1)!r}"
+    return rec.instance != victim and rec.delivered >= 2
+
+
 def test_prefill_instance_killed_loses_nothing(cluster, reference):
     pd = cluster.pd
     pd.pools = RolePools(3, 1, pd.cfg, time.monotonic())  # the start-up pools again (no flip within the dwell)
@@ -219,8 +225,7 @@ def test_prefill_instance_killed_loses_nothing(cluster, reference):
     sp = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
     prompts = _prompts(9, 3, 150, 250) + _prompts(10, 1, 1500, 1501)
     hs = [cluster.submit(LLMRequest(p, sp)) for p in prompts[:3]]
-    _wait(lambda: all(cluster.records[h.request_id].instance != victim and cluster.records[h.request_id].delivered
-                      >= 2 for h in hs))
+    _wait(lambda: all(_decoding_elsewhere(cluster, h, victim) for h in hs))
     hs.append(cluster.submit(LLMRequest(prompts[3], sp)))
     assert pd.phase(hs[-1].request_id) == "prefill" and cluster.records[hs[-1].request_id].instance == victim
     os.kill(cluster.instances[victim].info["pid"], signal.SIGKILL)
