@@ -42,7 +42,7 @@ def _cache_bytes(args, vocab_size: int) -> int:
     """``--cache-share`` of the pages every user's KV takes (the tiny preset's KV bytes per token)."""
     from grserve.config import RankingConfig, RankingDataConfig
     from grserve.model.spec import PRESETS
-    from grserve.server.ranking_main import build_registry
+    from grserve.ranking.startup_data import build_registry
 
     reg = build_registry(RankingDataConfig(num_items=args.items, num_users=args.users, seed=args.seed), vocab_size)
     page = RankingConfig().page_size

@@ -65,7 +65,7 @@ def build_ranking_engine(cfg: Any) -> Any:
     from grserve.engine.ranking_engine import RankingEngine
     from grserve.engine.ranking_runner import RankingRunner
     from grserve.model import load_model
-    from grserve.server.ranking_main import build_registry
+    from grserve.ranking.startup_data import build_registry
 
     m = cfg.model
     model = load_model(m.source, dtype=m.dtype, device=m.device, seed=m.seed)

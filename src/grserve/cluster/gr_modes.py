@@ -120,7 +120,7 @@ class ClusterRankingEngine(_Launch, ClusterGREngine):
     mode = "ranking"
 
     def __init__(self, actors: list[Any], infos: list[dict], cluster: Any, cfg: Any, owns_ray: bool = False):
-        from grserve.server.ranking_main import build_registry
+        from grserve.ranking.startup_data import build_registry
 
         super().__init__(actors, infos, cluster, owns_ray, max_waiting=cfg.edge.max_waiting)
         reg = build_registry(cfg.data, int(infos[0]["vocab_size"]))

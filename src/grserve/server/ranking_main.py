@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from grserve.config import (
     ClusterConfig,
@@ -21,12 +20,10 @@ from grserve.config import (
     RankingServeConfig,
     ServerConfig,
 )
-from grserve.flags import Checked, UsageError, add_flags, command_parser, flag, from_args, non_negative, split_commas
+from grserve.flags import Checked, UsageError, add_flags, command_parser, flag, from_args, non_negative
+from grserve.ranking.startup_data import build_registry
 from grserve.server.retrieval_main import GR_CLUSTER_SKIP
 from grserve.server.startup import add_edge_flags, check_model, edge_from_args
-
-if TYPE_CHECKING:
-    from grserve.ranking.registry import RankingRegistry
 
 MiB = 1 << 20
 
@@ -61,28 +58,6 @@ def config_from_args(ns: argparse.Namespace) -> RankingServeConfig:
                               data=from_args(RankingDataConfig, ns), limits=from_args(RankingLimits, ns),
                               server=from_args(ServerConfig, ns), edge=edge_from_args(ns),
                               cluster=from_args(ClusterConfig, ns))
-
-
-def build_registry(data: RankingDataConfig, vocab_size: int) -> RankingRegistry:
-    import numpy as np
-
-    from grserve.ranking.registry import RankingRegistry
-    from grserve.ranking.workload import WorkloadSpec, generate_workload
-
-    if data.items_file or data.users_file:
-        if data.instruction:
-            instr = split_commas(data.instruction, int)
-        else:
-            instr = np.random.default_rng(data.seed).integers(16, vocab_size, size=4).tolist()
-        reg = RankingRegistry(vocab_size, instr)
-        if data.items_file:
-            reg.load_jsonl(data.items_file, "item")
-        if data.users_file:
-            reg.load_jsonl(data.users_file, "user")
-        return reg
-    reg, _, _ = generate_workload(WorkloadSpec(num_items=data.num_items, num_users=data.num_users, scale=data.scale,
-                                               seed=data.seed), vocab_size)
-    return reg
 
 
 def run(cfg: RankingServeConfig) -> int:
