@@ -3,16 +3,19 @@ generated workload. Shared by the single-process ranking server and the cluster'
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from grserve.flags import split_commas
-from grserve.ranking.registry import RankingRegistry
+
+if TYPE_CHECKING:
+    from grserve.ranking.registry import RankingRegistry
 
 
-def build_registry(data: Any, vocab_size: int) -> RankingRegistry:
+def build_registry(data: Any, vocab_size: int) -> "RankingRegistry":
     """``data``: a ``RankingDataConfig`` (items_file, users_file, instruction, num_items, num_users, scale, seed)."""
     import numpy as np
 
+    from grserve.ranking.registry import RankingRegistry
     from grserve.ranking.workload import WorkloadSpec, generate_workload
 
     if data.items_file or data.users_file:
