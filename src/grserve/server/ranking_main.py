@@ -21,7 +21,6 @@ from grserve.config import (
     ServerConfig,
 )
 from grserve.flags import Checked, UsageError, add_flags, command_parser, flag, from_args, non_negative
-from grserve.ranking.startup_data import build_registry
 from grserve.server.retrieval_main import GR_CLUSTER_SKIP
 from grserve.server.startup import add_edge_flags, check_model, edge_from_args
 
@@ -75,6 +74,8 @@ def run(cfg: RankingServeConfig) -> int:
     m = cfg.model
     model = load_model(m.source, dtype=m.dtype, device=m.device, seed=m.seed)
     try:
+        from grserve.ranking.startup_data import build_registry
+
         reg = build_registry(cfg.data, model.spec.vocab_size)
     except (RegistryError, OSError) as e:
         raise UsageError(str(e)) from None
