@@ -43,7 +43,7 @@ RCFG = ServeConfig(catalog=CatalogConfig(num_items=600))
 KCFG = RankingServeConfig(ranking=RankingConfig(policy="user_prefix", user_cache_bytes=2 << 20),
                           data=RankingDataConfig(num_items=80, num_users=12, scale=0.1),
                           edge=EdgeConfig(admin_api_key="adm"))
-CC = ClusterConfig(instances=2, heartbeat_timeout_s=3.0)  # ranking
+CC = ClusterConfig(instances=2, heartbeat_timeout_s=6.0)  # ranking
 RCC = dataclasses.replace(CC, instances=1)  # retrieval
 
 

@@ -57,7 +57,7 @@ def cfg(model_dir):
 
 @pytest.fixture(scope="module")
 def cluster(cfg):
-    eng = ClusterLLMEngine.launch(cfg, ClusterConfig(instances=3, routing="kv", heartbeat_timeout_s=3.0,
+    eng = ClusterLLMEngine.launch(cfg, ClusterConfig(instances=3, routing="kv", heartbeat_timeout_s=6.0,
                                                      instance_threads=1))
     eng.start()
     yield eng
@@ -222,7 +222,7 @@ def test_prefill_instance_killed_loses_nothing(cluster, reference):
     pd = cluster.pd
     pd.pools = RolePools(3, 1, pd.cfg, time.monotonic())  # the start-up pools again (no flip within the dwell)
     victim = 0
-    sp = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
+    sp = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
     prompts = _prompts(9, 3, 150, 250) + _prompts(10, 1, 1500, 1501)
     hs = [cluster.submit(LLMRequest(p, sp)) for p in prompts[:3]]
     _wait(lambda: all(_decoding_elsewhere(cluster, h, victim) for h in hs))
@@ -231,7 +231,8 @@ def test_prefill_instance_killed_loses_nothing(cluster, reference):
     os.kill(cluster.instances[victim].info["pid"], signal.SIGKILL)
     outs = [h.future.result(timeout=60).output_ids for h in hs]
     assert outs == reference(prompts, sp)
-    assert not cluster.instances[victim].up and cluster.counters["lost"] == 0
+    _wait(lambda: not cluster.instances[victim].up)  # its requests may have left it before the kill: no hurry then
+    assert cluster.counters["lost"] == 0
     assert cluster.counters["recomputed"] + cluster.counters["migrated"] >= 1
     later = _prompts(11, 1, 100, 101)  # one role has no live instance left: the router places it whole
     assert cluster.submit(LLMRequest(later[0], sp)).future.result(timeout=60).output_ids == reference(later, sp)[0]

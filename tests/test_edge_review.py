@@ -15,7 +15,10 @@ def test_streamed_request_that_expires_in_the_queue_is_a_503_not_an_empty_200(ll
     eng, client = llm(EdgeConfig(request_timeout=0.05))
     eng._status = "ok"  # accepting, no engine thread: the request stays queued
 
-    def expire_later():
+    def expire_later():  # once the request is queued (a loaded machine may take long to get it there)
+        deadline = time.monotonic() + 30
+        while eng.queue_depth() == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
         time.sleep(0.2)
         eng._expire()
 

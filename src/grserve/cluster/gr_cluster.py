@@ -30,7 +30,8 @@ from typing import Any
 
 from grserve.cluster import heartbeat
 from grserve.cluster.kv_index import GlobalKVIndex
-from grserve.cluster.llm_cluster import Instance
+from grserve.cluster.front_end import FrontEndLifecycle, Instance
+from grserve.cluster.front_end import fail_handle as _fail
 from grserve.cluster.recovery import RequestLost
 from grserve.cluster.router import NoInstance, Router
 from grserve.engine.protocol import (
@@ -64,7 +65,7 @@ class GRRecord:
     ref: Any = None  # the current attempt's ObjectRef (kept alive until the answer)
 
 
-class ClusterGREngine:
+class ClusterGREngine(FrontEndLifecycle):
     """The mode-free part: instances, routing, answers, deaths, broadcasts, lifecycle, stats."""
 
     mode = ""
@@ -117,38 +118,13 @@ class ClusterGREngine:
                         lambda res: self._on_poll(inst, res),
                         lambda why, silent: self.instance_down(inst.index, why, silent), f"instance {inst.index}")
 
-    def drain(self, timeout_s: float | None = None) -> bool:
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        with self._lock:
-            if self._status == "ok":
-                self._status = "draining"
-        while self.records:
-            if deadline is not None and time.monotonic() >= deadline:
-                return False
-            time.sleep(0.01)
-        return True
-
     def stop(self) -> None:
-        import ray
-
-        with self._lock:
-            self._status = "stopped"
-            left = list(self.records.values())
-            self.records.clear()
-        for rec in left:
-            _fail(rec.handle, EngineStopped("engine stopped"))
-        for inst in self.instances:
-            if inst.thread is not None:
-                inst.thread.join(timeout=5)
-                inst.thread = None
-        for inst in self.instances:
-            heartbeat.fence(inst.actor)
+        self._stop_instances()
         if self._answerer is not None:
             self._answers.put(None)
             self._answerer.join(timeout=5)
             self._answerer = None
-        if self.owns_ray and ray.is_initialized():
-            ray.shutdown()
+        self._shutdown_ray()
 
     def __enter__(self) -> "ClusterGREngine":
         return self.start()
@@ -356,11 +332,6 @@ class ClusterGREngine:
 
     def _instance_facts(self, info: dict) -> str:
         return ""
-
-
-def _fail(handle: RequestHandle, exc: BaseException) -> None:
-    if not handle.future.done():
-        handle.future.set_exception(exc)
 
 
 def launch_instances(mode: str, cfg: Any, cluster: Any) -> tuple[list[Any], list[dict], bool]:

@@ -18,10 +18,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from grserve.cluster.admission import FrontAdmission
+from grserve.cluster.front_end import FrontEndLifecycle, Instance
+from grserve.cluster.front_end import fail_handle as _fail
 from grserve.cluster.kv_index import GlobalKVIndex
 from grserve.cluster.recovery import RecoveryCost, RequestLost, RequestRecord, plan
 from grserve.cluster.router import NoInstance, Router
@@ -37,19 +38,7 @@ SUMMED_STATS += ("offline_preemptions", "offline_deferred", "running_online", "r
                  "waiting_online", "waiting_offline")
 
 
-@dataclass
-class Instance:
-    index: int
-    actor: Any
-    info: dict
-    up: bool = True
-    stats: dict = field(default_factory=dict)
-    down_at: float | None = None
-    down_reason: str = ""
-    thread: threading.Thread | None = None
-
-
-class ClusterLLMEngine:
+class ClusterLLMEngine(FrontEndLifecycle):
     def __init__(self, actors: list[Any], infos: list[dict], cluster: Any, tokenizer: Any = None,
                  owns_ray: bool = False, eos_token_id: int | None = None, edge: Any = None):
         self.cc = cluster
@@ -139,37 +128,9 @@ class ClusterLLMEngine:
                 inst.thread.start()
         return self
 
-    def drain(self, timeout_s: float | None = None) -> bool:
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        with self._lock:
-            if self._status == "ok":
-                self._status = "draining"
-        while self.records:
-            if deadline is not None and time.monotonic() >= deadline:
-                return False
-            time.sleep(0.01)
-        return True
-
     def stop(self) -> None:
-        import ray
-
-        with self._lock:
-            self._status = "stopped"
-            left = list(self.records.values())
-            self.records.clear()
-        for rec in left:
-            _fail(rec.handle, EngineStopped("engine stopped"))
-        for inst in self.instances:
-            if inst.thread is not None:
-                inst.thread.join(timeout=5)
-                inst.thread = None
-        for inst in self.instances:
-            try:
-                ray.kill(inst.actor, no_restart=True)
-            except Exception:  # noqa: BLE001 - already gone
-                pass
-        if self.owns_ray and ray.is_initialized():
-            ray.shutdown()
+        self._stop_instances()
+        self._shutdown_ray()
 
     def __enter__(self) -> "ClusterLLMEngine":
         return self.start()
@@ -465,8 +426,3 @@ class ClusterLLMEngine:
         if self.pd is not None:
             out.update(self.pd.stats())
         return out
-
-
-def _fail(handle: RequestHandle, exc: BaseException) -> None:
-    if not handle.future.done():
-        handle.future.set_exception(exc)

@@ -1,0 +1,75 @@
+"""What every cluster front end shares (``ClusterLLMEngine``, ``ClusterGREngine``): the record of one instance
+as the front end sees it, and the engine-contract life cycle around the instances — drain (take no new work, wait
+until every request record is gone) and stop (fail what is left with ``EngineStopped``, join the pollers, fence
+every actor, shut down a Ray this process started)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from grserve.cluster import heartbeat
+from grserve.engine.protocol import EngineStopped
+
+
+@dataclass
+class Instance:
+    index: int
+    actor: Any
+    info: dict
+    up: bool = True
+    stats: dict = field(default_factory=dict)
+    down_at: float | None = None
+    down_reason: str = ""
+    thread: threading.Thread | None = None
+
+
+class FrontEndLifecycle:
+    """Mixed into a front end that has ``_lock``, ``_status``, ``records`` (request id → a record with a
+    ``handle``), ``instances`` and ``owns_ray``."""
+
+    _lock: Any
+    _status: str
+    records: dict
+    instances: list[Instance]
+    owns_ray: bool
+
+    def drain(self, timeout_s: float | None = None) -> bool:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._lock:
+            if self._status == "ok":
+                self._status = "draining"
+        while self.records:
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
+    def _stop_instances(self) -> None:
+        """Stopped: fail every request still held, join the pollers, fence every instance actor."""
+        with self._lock:
+            self._status = "stopped"
+            left = list(self.records.values())
+            self.records.clear()
+        for rec in left:
+            fail_handle(rec.handle, EngineStopped("engine stopped"))
+        for inst in self.instances:
+            if inst.thread is not None:
+                inst.thread.join(timeout=5)
+                inst.thread = None
+        for inst in self.instances:
+            heartbeat.fence(inst.actor)
+
+    def _shutdown_ray(self) -> None:
+        import ray
+
+        if self.owns_ray and ray.is_initialized():
+            ray.shutdown()
+
+
+def fail_handle(handle: Any, exc: BaseException) -> None:
+    """Fail a request's future with ``exc`` unless it already has its result."""
+    if not handle.future.done():
+        handle.future.set_exception(exc)
