@@ -58,7 +58,7 @@ def cfg(model_dir):
 @pytest.fixture(scope="module")
 def cluster(cfg):
     eng = ClusterLLMEngine.launch(cfg, ClusterConfig(instances=3, routing="kv", heartbeat_timeout_s=6.0,
-                                                     instance_threads=1))
+                                                     instance_threads=1, restart_instances=False))  # kills stay dead
     eng.start()
     yield eng
     eng.stop()

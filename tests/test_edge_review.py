@@ -17,7 +17,7 @@ def test_streamed_request_that_expires_in_the_queue_is_a_503_not_an_empty_200(ll
 
     def expire_later():  # once the request is queued (a loaded machine may take long to get it there)
         deadline = time.monotonic() + 30
-        while eng.queue_depth() == 0 and time.monotonic() < deadline:
+        while eng.queue_depth == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
         time.sleep(0.2)
         eng._expire()

@@ -49,7 +49,10 @@ def watch(actor: Any, cc: Any, running: Callable[[], bool], on_answer: Callable[
             ref = None
             continue
         ref, last_ok = None, time.monotonic()
-        on_answer(res)
+        try:
+            on_answer(res)
+        except Exception:  # noqa: BLE001 - a bug handling one answer must not end the heartbeat (no death seen)
+            log.exception("handling a poll answer of %s failed", name)
 
 
 def fence(actor: Any) -> None:
