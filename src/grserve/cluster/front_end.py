@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,3 +74,24 @@ def fail_handle(handle: Any, exc: BaseException) -> None:
     """Fail a request's future with ``exc`` unless it already has its result."""
     if not handle.future.done():
         handle.future.set_exception(exc)
+
+
+def launch_actors(spawn: Callable[[int, str], Any], cluster: Any) -> tuple[list[Any], list[dict], bool]:
+    """Start (or join) Ray, create ``cluster.instances`` actors with ``spawn(index, incarnation)`` and wait until
+    every one answers ``info()`` (its engine is built); on a failure fence them all (and stop a Ray started here).
+    Returns (actors, their infos, whether this call started Ray)."""
+    import ray
+
+    from grserve.cluster.ray_runtime import new_incarnation, start_ray
+
+    owns = start_ray(cluster.ray_address)
+    actors = [spawn(i, new_incarnation()) for i in range(cluster.instances)]
+    try:
+        infos = ray.get([a.info.remote() for a in actors])
+    except Exception:
+        for a in actors:
+            heartbeat.fence(a)
+        if owns:
+            ray.shutdown()
+        raise
+    return actors, infos, owns

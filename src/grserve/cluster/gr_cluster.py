@@ -30,7 +30,7 @@ from typing import Any
 
 from grserve.cluster import heartbeat
 from grserve.cluster.kv_index import GlobalKVIndex
-from grserve.cluster.front_end import FrontEndLifecycle, Instance
+from grserve.cluster.front_end import FrontEndLifecycle, Instance, launch_actors
 from grserve.cluster.front_end import fail_handle as _fail
 from grserve.cluster.recovery import RequestLost
 from grserve.cluster.router import NoInstance, Router
@@ -337,19 +337,6 @@ class ClusterGREngine(FrontEndLifecycle):
 def launch_instances(mode: str, cfg: Any, cluster: Any) -> tuple[list[Any], list[dict], bool]:
     """Start (or join) Ray, create ``cluster.instances`` instance actors of ``mode`` from ``cfg`` and wait until every
     one has built its engine; returns (actors, their infos, whether this call started Ray)."""
-    import ray
-
     from grserve.cluster.gr_instance import spawn_gr_instance
-    from grserve.cluster.ray_runtime import new_incarnation, start_ray
 
-    owns = start_ray(cluster.ray_address)
-    actors = [spawn_gr_instance(i, mode, cfg, cluster, new_incarnation()) for i in range(cluster.instances)]
-    try:
-        infos = ray.get([a.info.remote() for a in actors])
-    except Exception:
-        for a in actors:
-            heartbeat.fence(a)
-        if owns:
-            ray.shutdown()
-        raise
-    return actors, infos, owns
+    return launch_actors(lambda i, inc: spawn_gr_instance(i, mode, cfg, cluster, inc), cluster)

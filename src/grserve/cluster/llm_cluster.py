@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 from grserve.cluster.admission import FrontAdmission
-from grserve.cluster.front_end import FrontEndLifecycle, Instance
+from grserve.cluster.front_end import FrontEndLifecycle, Instance, launch_actors
 from grserve.cluster.front_end import fail_handle as _fail
 from grserve.cluster.kv_index import GlobalKVIndex
 from grserve.cluster.recovery import RecoveryCost, RequestLost, RequestRecord, plan
@@ -70,9 +70,7 @@ class ClusterLLMEngine(FrontEndLifecycle):
     def launch(cls, cfg: Any, cluster: Any) -> "ClusterLLMEngine":
         """Start (or join) Ray, create ``cluster.instances`` instance actors from ``cfg`` (an LLMServeConfig) and
         wait until every one has loaded its model."""
-        import ray
-
-        from grserve.cluster.ray_runtime import new_incarnation, spawn_instance, start_ray
+        from grserve.cluster.ray_runtime import spawn_instance
         from grserve.engine.tokenizer import load_tokenizer
 
         pd = getattr(cfg, "pd", None)
@@ -80,16 +78,7 @@ class ClusterLLMEngine(FrontEndLifecycle):
             from grserve.cluster.pd_disagg import check_pd
 
             check_pd(pd, cluster, cfg.llm.prefix_cache_tokens)
-        owns = start_ray(cluster.ray_address)
-        actors = [spawn_instance(i, cfg, cluster, new_incarnation()) for i in range(cluster.instances)]
-        try:
-            infos = ray.get([a.info.remote() for a in actors])
-        except Exception:
-            for a in actors:
-                ray.kill(a)
-            if owns:
-                ray.shutdown()
-            raise
+        actors, infos, owns = launch_actors(lambda i, inc: spawn_instance(i, cfg, cluster, inc), cluster)
         tok = load_tokenizer(cfg.model.source, infos[0]["vocab_size"])
         eng = cls(actors, infos, cluster, tok, owns, getattr(tok, "eos_token_id", None), getattr(cfg, "edge", None))
         eng.serve_cfg = cfg
