@@ -81,7 +81,7 @@ def test_prefix_cache_batched_under_memory_pressure(models, want):
     eng.prefix_cache.check()
 
 
-@pytest.mark.parametrize("policy", ["lru", "laru"])
+@pytest.mark.parametrize("policy", ["lru", "laru", "leader"])
 def test_prefix_cache_under_eviction(models, want, policy):
     _, ours = models
     eng = build_model_engine(ours, make_llm_scheduler("fcfs"), num_blocks=256, block_size=4,

@@ -219,7 +219,8 @@ class LLMConfig(Checked):
     max_num_seqs: int = flag(256, "running requests at most", check=positive_int)
     prefix_cache_tokens: int = flag(0, "prompt-prefix KV cache size in tokens (0 = off): requests sharing a "
                                        "prompt prefix copy its K/V instead of computing it", check=non_negative)
-    prefix_cache_policy: str = flag("lru", "eviction policy of the prefix cache (laru: learning-augmented LRU)",
+    prefix_cache_policy: str = flag("leader", "eviction policy of the prefix cache (leader: follows the best of "
+                                              "LRU / window-LFU / a learned hit-density ranking; docs/eviction.md)",
                                     choices=PREFIX_CACHE_POLICIES)
     prefix_cache_mode: str = flag("share", "share: requests attach cached full blocks of the pool (ref-counted); "
                                            "copy: cached K/V are copied from a separate store", choices=("share", "copy"))

@@ -517,7 +517,7 @@ class LLMEngine:
 
 
 def build_model_engine(model, scheduler: LLMScheduler, *, num_blocks: int, block_size: int = 16,
-                       prefix_cache_tokens: int = 0, prefix_cache_policy: str = "lru",
+                       prefix_cache_tokens: int = 0, prefix_cache_policy: str = "leader",
                        prefix_cache_mode: str = "share", **kw) -> LLMEngine:
     """Engine over a real model: pool + storage sized from the model spec (planes of K/V width); with
     ``prefix_cache_tokens`` > 0 a prompt-prefix cache of that many tokens, evicting by ``prefix_cache_policy``:
