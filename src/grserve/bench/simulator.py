@@ -6,7 +6,7 @@ The same ``LLMEngine`` (same schedulers, same block pool bookkeeping) runs eithe
 - ``SimulatedExecutor``: no tensors; iteration time from ``CostModel``.
 
 Cost model (seconds per iteration; digest §10.1 layer B):
-    T = a + b·Σ prefill tokens + b_dec·#decodes + c_seq·#requests + c_pre·Σ new·context
+    T = a + b·Σ prefill tokens + b_dec·#decodes + c_seq·#requests + c_pre·Σ_prefills new·context
         + c_dec·Σ context (decode reads) + rho_h·Σ_{hidden requests} cached tokens (K/V re-projection)
 
 Two shapes share the paper's one anchor (≈ 120 ms for a 50-request OPT-13B decode, §6.8), differing in how that
@@ -44,6 +44,9 @@ OPT13B_PARAMS = 12.85e9
 OPT13B_KV_BYTES_PER_TOKEN = 2 * 40 * 5120 * 2  # K and V, 40 layers, d = 5120, fp16: 819,200 B
 A100_HBM_BPS = 1.3e12  # effective (peak 1.555 TB/s)
 A100_FLOPS = 2.0e11 * 1e3  # 200 TFLOP/s effective fp16 (peak 312)
+# attention: QK^T and AV cost 2·d FLOP each per (query, key) pair and layer: 4·d·L = 819,200 FLOP per pair, 4.1 ns at
+# 200 TFLOP/s
+OPT13B_ATTN_S_PER_PAIR = 4 * 5120 * 40 / A100_FLOPS
 ANCHOR_DECODE_S, ANCHOR_BATCH, ANCHOR_CONTEXT = 0.120, 50, 350  # §6.8; context: ShareGPT prompt + output/2
 
 
@@ -65,7 +68,7 @@ class CostModel:
         with 50 requests (vLLM 0.5, eager): 26 GFLOP/token at ~200 TFLOP/s; attention 4·d·L FLOP per (q, k) pair;
         KV reads 0.8 MB/token at ~0.55 TB/s effective (paged, eager); 1 ms per-request overhead (Python, sampling);
         K/V re-projection 4·d²·L = 4.2 GFLOP per cached hidden token."""
-        return cls(a=0.030, b=1.3e-4, c_seq=1.0e-3, c_pre=4.1e-12, c_dec=1.5e-6, rho_h=2.1e-5, name="linear")
+        return cls(a=0.030, b=1.3e-4, c_seq=1.0e-3, c_pre=OPT13B_ATTN_S_PER_PAIR, c_dec=1.5e-6, rho_h=2.1e-5, name="linear")
 
     @classmethod
     def opt13b_a100_roofline(cls, anchor_s: float | None = ANCHOR_DECODE_S) -> "CostModel":
@@ -80,7 +83,7 @@ class CostModel:
         a = 2 * OPT13B_PARAMS / A100_HBM_BPS + 0.005
         if anchor_s is not None:
             a = anchor_s - ANCHOR_BATCH * (c_seq + c_dec * ANCHOR_CONTEXT)
-        return cls(a=a, b=2 * OPT13B_PARAMS / A100_FLOPS, c_seq=c_seq, c_pre=4.1e-12, c_dec=c_dec, rho_h=2.1e-5,
+        return cls(a=a, b=2 * OPT13B_PARAMS / A100_FLOPS, c_seq=c_seq, c_pre=OPT13B_ATTN_S_PER_PAIR, c_dec=c_dec, rho_h=2.1e-5,
                    b_dec=0.0, name="roofline" if anchor_s is not None else "physical")
 
     @classmethod
@@ -91,7 +94,7 @@ class CostModel:
         per cached token). A decode is memory-bound until its compute (tokens, re-projection) exceeds the
         weight and KV read time — so a few hidden requests ride free, as on the paper's GPU."""
         c_dec = OPT13B_KV_BYTES_PER_TOKEN / A100_HBM_BPS
-        return cls(a=0.005, b=2 * OPT13B_PARAMS / A100_FLOPS, c_seq=1.0e-4, c_pre=4.1e-12, c_dec=c_dec,
+        return cls(a=0.005, b=2 * OPT13B_PARAMS / A100_FLOPS, c_seq=1.0e-4, c_pre=OPT13B_ATTN_S_PER_PAIR, c_dec=c_dec,
                    rho_h=2.1e-5, name="physical", overlap_mem=2 * OPT13B_PARAMS / A100_HBM_BPS)
 
     @classmethod
@@ -106,11 +109,11 @@ class CostModel:
         b_dec = self.b if self.b_dec is None else self.b_dec
         for it in items:
             ctx = it.start + it.num_new
-            t += self.c_seq + self.c_pre * it.num_new * ctx
-            if it.num_new == 1:
+            t += self.c_seq
+            if it.num_new == 1:  # memory-bound: its attention is the KV read (c_dec)
                 t += b_dec + self.c_dec * ctx
-            else:
-                t += self.b * it.num_new
+            else:  # compute-bound: projections and MLP per token, attention per (query, key) pair
+                t += self.b * it.num_new + self.c_pre * it.num_new * ctx
             if it.kind == "hidden":
                 t += self.rho_h * it.start
         return t
