@@ -282,6 +282,11 @@ def test_store_replace_and_snapshots(tmp_path):
     assert store.version == 2 and store.current() is new
     save_catalog(new, tmp_path / "n.grcat")
     assert store.load(tmp_path / "n.grcat") == 3 and len(store.current()) == 2000
+    # a restarted cluster instance catches up to the front end's version; it never goes back
+    assert store.replace(old, version=7) == 7 and old.version == 7 and store.replace(new) == 8
+    with pytest.raises(ValueError, match="not newer"):
+        store.replace(old, version=8)
+    assert store.version == 8 and store.current() is new
 
 
 # --- declared layouts (codebook sizes / token offset carried by the file) ---------------------------------

@@ -23,7 +23,7 @@ ray = pytest.importorskip("ray")
 
 from fastapi.testclient import TestClient  # noqa: E402
 
-from grserve.cluster.gr_instance import spawn_gr_instance, user_key  # noqa: E402
+from grserve.cluster.gr_instance import catalog_digest, spawn_gr_instance, user_key  # noqa: E402
 from grserve.cluster.gr_modes import ClusterRankingEngine, ClusterRetrievalEngine  # noqa: E402
 from grserve.cluster.ray_runtime import new_incarnation, start_ray  # noqa: E402
 from grserve.config import (  # noqa: E402
@@ -218,7 +218,32 @@ def test_kill_ranking_instance_by_pid_loses_nothing(clusters, references):
                       .future.result(60))
     assert rank.counters["recomputed"] >= 1 and rank.counters["lost"] == 0
     assert all(victim not in holders for holders in rank.index.blocks.values())
-    assert rank.health().detail["instances_up"] == 1
+    assert rank.counters["instance_deaths"] == 1  # restarted in the background (--restart-instances): next test
+
+
+def test_killed_instances_restart_with_the_live_state(clusters, references):
+    """--restart-instances (on): the killed ranking instance (previous test) and a killed retrieval instance come
+    back as new actors that got every admin change made before (a replaced user; catalog version 2) and serve."""
+    ret, rank = clusters
+    old_pid = ret.instances[0].info["pid"]
+    _kill(ret, 0)
+    _wait(lambda: ret.counters["restarts"] == 1 and rank.counters["restarts"] == 1, timeout=300)
+    assert ret.health().detail["instances_up"] == 1 and rank.health().detail["instances_up"] == 2
+    new = ret.instances[0].info
+    assert new["pid"] != old_pid and (new["catalog_version"], new["catalog_items"]) == (2, 300)
+    assert new["catalog"] == catalog_digest(ret.catalogs.current())
+    got = _retrieve(ret, _histories(ret, 2, 5, seed=7), "rs")
+    assert all({i.item_id for i in h.future.result(60).items} <= set(ret.catalogs.current().item_ids) for h in got)
+    a, b = (inst.actor.info.remote() for inst in rank.instances)
+    assert ray.get(a)["registry"] == ray.get(b)["registry"]  # the replaced user reached the new instance too
+    reg = rank.registry
+    reqs = [_rank_request(reg, u, 5) for u in reg.user_ids()[5:9]]
+    before = list(rank.router.routed)
+    handles = [rank.submit(r) for r in reqs]  # four at once, users nobody caches: load spreads them over both
+    for req, h in zip(reqs, handles):
+        _same_ranking(h.future.result(60), references[1].submit(dataclasses.replace(req, request_id=req.request_id
+                                                                                     + "r")).future.result(60))
+    assert all(n > m for n, m in zip(rank.router.routed, before)), (before, rank.router.routed)
 
 
 def test_instances_flag_on_serve_and_serve_ranking():

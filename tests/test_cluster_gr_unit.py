@@ -140,3 +140,23 @@ def test_the_front_end_refuses_instances_serving_another_catalog():
     bad = dict(good, index=1, catalog=catalog_digest(build_catalog(other)))
     with pytest.raises(ValueError, match="same catalog"):
         ClusterRetrievalEngine([_Actor(), _Actor()], [good, bad], ClusterConfig(instances=2), cfg)
+
+
+def test_broadcast_log_replays_the_newest_state_compactly():
+    """A restarted instance is sent the newest catalog (with its version) and each key's newest tokens, in the
+    order of the last updates; calls that change no state ("info") are not recorded."""
+    from grserve.cluster.broadcast_log import BroadcastLog
+
+    log = BroadcastLog()
+    assert log.replay(lambda *a: pytest.fail("nothing to replay")) == 0
+    cat2, cat3 = SimpleNamespace(version=2), SimpleNamespace(version=3)
+    log.record("update", ("user", [(1, "a"), (2, "x")]))
+    log.record("update", ("item", [(5, "i")]))
+    log.record("replace_catalog", (cat2,))
+    log.record("info", ())
+    log.record("update", ("user", [(1, "b")]))
+    log.record("replace_catalog", (cat3,))
+    calls = []
+    assert log.replay(lambda *a: calls.append(a)) == 4 and len(log) == 4
+    assert calls == [("replace_catalog", cat3, 3), ("update", "user", [(2, "x")]), ("update", "item", [(5, "i")]),
+                     ("update", "user", [(1, "b")])]

@@ -29,12 +29,16 @@ class CatalogStore:
     def version(self) -> int:
         return self._version
 
-    def replace(self, new: Catalog) -> int:
-        """Validate against the model vocab, assign the next version and swap it in; returns the version."""
+    def replace(self, new: Catalog, version: int | None = None) -> int:
+        """Validate against the model vocab, assign the next version (or ``version``, which must be newer than the
+        current one: a restarted cluster instance catching up with the front end) and swap it in; returns the
+        version."""
         if self.vocab_size is not None:
             new.layout.check_vocab(self.vocab_size)
         with self._lock:
-            self._version += 1
+            if version is not None and version <= self._version:
+                raise ValueError(f"catalog version {version} is not newer than the current {self._version}")
+            self._version = self._version + 1 if version is None else int(version)
             new.version = self._version
             self._catalog = new
             return self._version

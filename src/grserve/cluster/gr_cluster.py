@@ -16,7 +16,11 @@ ranking --instances N`` hand the unchanged retrieval / ranking app instead of a 
   single-step request — at most ``migration_limit`` times, then ``RequestLost`` (HTTP 503);
 - **state changes** reach every live instance before the admin route answers (``broadcast``): a catalog reload
   (retrieval), replaced users and new or replaced items (ranking). An instance that fails to apply one is fenced,
-  so no instance keeps serving stale state.
+  so no instance keeps serving stale state;
+- **restart** (``--restart-instances``, ``respawn.py``): a dead instance's index gets a new actor under a new
+  incarnation; before it takes requests it is sent every state change so far (``broadcast_log.py``) and checked
+  against a live peer (catalog fingerprint and version, or registry fingerprint). Broadcasts and a catch-up never
+  interleave (one state lock), so the new instance cannot miss a change made while it was loading.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from grserve.cluster import heartbeat
+from grserve.cluster.broadcast_log import BroadcastLog
 from grserve.cluster.kv_index import GlobalKVIndex
 from grserve.cluster.front_end import FrontEndLifecycle, Instance, launch_actors
 from grserve.cluster.front_end import fail_handle as _fail
@@ -84,13 +89,15 @@ class ClusterGREngine(FrontEndLifecycle):
         self._lock = threading.RLock()
         self._status = "stopped"
         self._max_waiting = max_waiting
-        # "restarts" stays 0: GR instances are not respawned (the shared ClusterCollector reports it for both)
         self.counters = {"migrated": 0, "recomputed": 0, "lost": 0, "instance_deaths": 0, "restarts": 0,
                          "finished": 0, "failed": 0}
         self.on_batch: Any = None  # the app's batch histograms: called for every batch an instance ran
         self.on_death: list[Any] = []  # callbacks(instance index, seconds since its last answer) — tests
         self._answers: queue.SimpleQueue = queue.SimpleQueue()
         self._answerer: threading.Thread | None = None
+        self.serve_cfg: Any = None  # the config the instances run (set by the modes): a restart needs it
+        self.broadcasts = BroadcastLog()
+        self._state_lock = threading.RLock()  # a broadcast and a restarted instance's catch-up never interleave
 
     # ---- what subclasses define ----------------------------------------------------------------------------------
     def _tokens(self, request: Any) -> int:
@@ -99,6 +106,10 @@ class ClusterGREngine(FrontEndLifecycle):
     def _cached(self, request: Any) -> dict[int, int]:
         """Tokens of ``request`` cached per instance (the router's cached term); empty: load alone."""
         return {}
+
+    def _state_of(self, info: dict) -> tuple:
+        """What must agree between a restarted instance and a live one after its catch-up (from ``info()``)."""
+        return ()
 
     # ---- lifecycle ------------------------------------------------------------------------------------------------
     def start(self) -> "ClusterGREngine":
@@ -265,19 +276,60 @@ class ClusterGREngine(FrontEndLifecycle):
             _fail(rec.handle, exc)
         for cb in self.on_death:
             cb(index, silent_s)
+        if getattr(self.cc, "restart_instances", False) and self.serve_cfg is not None and self._status == "ok":
+            from grserve.cluster import respawn
+
+            respawn.respawn_later(self, index)  # a new actor, a new incarnation, caught up (instance_up)
+
+    def spawn_actor(self, index: int, incarnation: str) -> Any:
+        """A new instance actor for ``index`` from the instances' config (``respawn.py``)."""
+        from grserve.cluster.gr_instance import spawn_gr_instance
+
+        return spawn_gr_instance(index, self.mode, self.serve_cfg, self.cc, incarnation)
+
+    def instance_up(self, index: int, actor: Any, info: dict) -> bool:
+        """A restarted instance takes dead ``index``'s place: every recorded state change is replayed on it, its
+        state is checked against a live peer's (``RuntimeError`` on a mismatch: the restart attempt failed), then
+        it is registered in the index, the router and polled. False if ``index`` is up or the engine stopped."""
+        import ray
+
+        timeout = max(30.0, self.cc.heartbeat_timeout_s)
+        call = lambda method, *args: ray.get(getattr(actor, method).remote(*args), timeout=timeout)  # noqa: E731
+        with self._state_lock:
+            self.broadcasts.replay(call)
+            info = call("info")
+            peer = next((i for i in self.instances if i.up and i.index != index), None)
+            if peer is not None and self._state_of(call_info(peer.actor, timeout)) != self._state_of(info):
+                raise RuntimeError(f"restarted instance {index} does not serve the live instances' state after its "
+                                   "catch-up")
+            inst = self.instances[index]
+            with self._lock:
+                if inst.up or self._status == "stopped":
+                    return False
+                inst.actor, inst.info, inst.stats = actor, info, {}
+                inst.up, inst.down_at, inst.down_reason = True, None, ""
+                self.index.register(index, info["incarnation"])
+                self.router.mark_up(index)
+                self.counters["restarts"] += 1
+                inst.thread = threading.Thread(target=self._watch, args=(inst,), daemon=True,
+                                               name=f"grserve-cluster-poll-{index}")
+                inst.thread.start()
+        return True
 
     def broadcast(self, method: str, *args: Any) -> list[Any]:
         """Call ``method(*args)`` on every live instance and wait for all; an instance that fails to apply it is
         taken out (so none serves stale state). Returns the live instances' answers."""
         import ray
 
-        calls = [(inst, getattr(inst.actor, method).remote(*args)) for inst in self.instances if inst.up]
-        out = []
-        for inst, ref in calls:
-            try:
-                out.append(ray.get(ref, timeout=max(30.0, self.cc.heartbeat_timeout_s)))
-            except Exception as exc:  # noqa: BLE001 - dead, hung or refused: fenced
-                self.instance_down(inst.index, f"{method} failed ({type(exc).__name__})")
+        with self._state_lock:  # recorded first: an instance restarted later (or now down) is sent it too
+            self.broadcasts.record(method, args)
+            calls = [(inst, getattr(inst.actor, method).remote(*args)) for inst in self.instances if inst.up]
+            out = []
+            for inst, ref in calls:
+                try:
+                    out.append(ray.get(ref, timeout=max(30.0, self.cc.heartbeat_timeout_s)))
+                except Exception as exc:  # noqa: BLE001 - dead, hung or refused: fenced
+                    self.instance_down(inst.index, f"{method} failed ({type(exc).__name__})")
         if not any(inst.up for inst in self.instances):
             raise RequestLost("no live instance is left")
         return out
@@ -332,6 +384,12 @@ class ClusterGREngine(FrontEndLifecycle):
 
     def _instance_facts(self, info: dict) -> str:
         return ""
+
+
+def call_info(actor: Any, timeout: float) -> dict:
+    import ray
+
+    return ray.get(actor.info.remote(), timeout=timeout)
 
 
 def launch_instances(mode: str, cfg: Any, cluster: Any) -> tuple[list[Any], list[dict], bool]:

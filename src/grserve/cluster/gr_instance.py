@@ -175,8 +175,9 @@ class GRInstance:
         return self.publisher.snapshot()
 
     # ---- state changes from the front end ------------------------------------------------------------------------
-    async def replace_catalog(self, catalog: Any) -> int:
-        return await asyncio.to_thread(self.engine.catalogs.replace, catalog)
+    async def replace_catalog(self, catalog: Any, version: int | None = None) -> int:
+        """A reload (the next version), or a restarted instance's catch-up (the front end's ``version``)."""
+        return await asyncio.to_thread(self.engine.catalogs.replace, catalog, version)
 
     async def update(self, kind: str, entries: list[tuple[int, Any]]) -> int:
         """``kind`` "user": replaced users (their cached KV is dropped); "item": new or replaced items (registered,

@@ -74,6 +74,7 @@ class ClusterRetrievalEngine(_Launch, ClusterGREngine):
         from grserve.engine.retrieval_engine import build_catalog
 
         super().__init__(actors, infos, cluster, owns_ray, max_waiting=cfg.edge.max_waiting)
+        self.serve_cfg = cfg
         self.vocab_size = int(infos[0]["vocab_size"])
         self.search = cfg.search
         self.catalogs = BroadcastCatalogStore(build_catalog(cfg), self.vocab_size, self)
@@ -86,6 +87,9 @@ class ClusterRetrievalEngine(_Launch, ClusterGREngine):
 
     def _tokens(self, request: Any) -> int:
         return int(request.num_tokens)
+
+    def _state_of(self, info: dict) -> tuple:
+        return info["catalog"], info["catalog_version"]
 
     def health_detail(self) -> dict:
         return {"catalog_version": self.catalogs.current().version}
@@ -123,6 +127,7 @@ class ClusterRankingEngine(_Launch, ClusterGREngine):
         from grserve.ranking.startup_data import build_registry
 
         super().__init__(actors, infos, cluster, owns_ray, max_waiting=cfg.edge.max_waiting)
+        self.serve_cfg = cfg
         reg = build_registry(cfg.data, int(infos[0]["vocab_size"]))
         mine = registry_digest(reg)
         for info in infos:
@@ -145,6 +150,9 @@ class ClusterRankingEngine(_Launch, ClusterGREngine):
 
     def _tokens(self, request: Any) -> int:
         return int(request.num_tokens)
+
+    def _state_of(self, info: dict) -> tuple:
+        return (info["registry"],)
 
     def _cached(self, request: Any) -> dict[int, int]:
         """The user's profile tokens on every instance whose user cache holds the user (raw users: nowhere)."""

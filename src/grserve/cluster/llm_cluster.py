@@ -349,6 +349,12 @@ class ClusterLLMEngine(FrontEndLifecycle):
 
             respawn.respawn_later(self, index)  # a new actor, a new incarnation (respawn.py)
 
+    def spawn_actor(self, index: int, incarnation: str) -> Any:
+        """A new engine instance actor for ``index`` from the instances' config (``respawn.py``)."""
+        from grserve.cluster.ray_runtime import spawn_instance
+
+        return spawn_instance(index, self.serve_cfg, self.cc, incarnation)
+
     def instance_up(self, index: int, actor: Any, info: dict) -> bool:
         """A restarted instance (a new actor under a new incarnation) takes dead ``index``'s place: registered in
         the KV index (resynced by its first snapshot), back in the router, polled. False if ``index`` is up."""

@@ -1,5 +1,7 @@
 """Restart of a dead instance (``--restart-instances``): a new actor under a new incarnation takes the dead one's
-place.
+place. The same loop serves the LLM cluster and the retrieval/ranking cluster: the engine supplies
+``spawn_actor(index, incarnation)`` and ``instance_up(index, actor, info)`` (the GR one first replays every state
+change the live instances got: ``broadcast_log.py``).
 
 When the front end takes an instance out (actor death, or fenced after a heartbeat timeout), its requests move
 first (``recovery.py``); then, with ``ClusterConfig.restart_instances``, a background thread spawns a fresh
@@ -36,20 +38,21 @@ def respawn(engine: Any, index: int, attempts: int = 3, load_timeout_s: float = 
     Returns True when the instance is back."""
     import ray
 
-    from grserve.cluster.ray_runtime import new_incarnation, spawn_instance
+    from grserve.cluster.ray_runtime import new_incarnation
 
     for attempt in range(attempts):
         if engine._status == "stopped":
             return False
-        actor = spawn_instance(index, engine.serve_cfg, engine.cc, new_incarnation())
+        actor = engine.spawn_actor(index, new_incarnation())
         try:
             info = ray.get(actor.info.remote(), timeout=load_timeout_s)
-        except Exception as exc:  # noqa: BLE001 - a failed start: kill what was spawned, retry later
+            up = engine._status != "stopped" and engine.instance_up(index, actor, info)
+        except Exception as exc:  # noqa: BLE001 - a failed start or catch-up: kill what was spawned, retry later
             log.warning("restart of instance %d failed (attempt %d): %s", index, attempt + 1, exc)
             _kill(actor)
             time.sleep(backoff_s * 2 ** attempt)
             continue
-        if engine._status == "stopped" or not engine.instance_up(index, actor, info):
+        if not up:
             _kill(actor)
             return False
         log.warning("instance %d restarted: pid %s, incarnation %s", index, info["pid"], info["incarnation"])
