@@ -48,6 +48,22 @@ def test_pools_start_and_flip_back_home():
         RolePools(3, 3, PDConfig(min_per_role=1), 0.0)
 
 
+def test_dead_instances_neither_flip_nor_count_toward_min_per_role():
+    """P = {0, 1}, D = {2, 3}: with 1 dead, 0 is the last live prefill instance and may not leave P; a dead
+    instance may not flip; once 1 is back (a restart keeps its pool), 0 may flip again."""
+    pools = _pools(4, 2)
+    pools.set_alive(1, False)
+    assert pools.live_members(Role.PREFILL) == [0] and pools.members(Role.PREFILL) == [0, 1]
+    assert not pools.can_flip(0, 1.0) and not pools.can_flip(1, 1.0) and pools.can_flip(2, 1.0)
+    with pytest.raises(ValueError, match="live"):
+        pools.flip(0, 1.0)
+    sig = {0: _sig(q=0), 1: _sig(q=0), 2: _sig(reqs=4, toks=400, tpot=1.0), 3: _sig(reqs=4, toks=400, tpot=1.0)}
+    slo = SLOConfig(ttft_slo_s=10.0, tpot_slo_s=0.1)  # TPOT broken, prefill idle: P->D wanted, none may go
+    assert decide_flip(pools, sig, TTFTPredictor(0.0, 0.0, 0.0), slo, PDConfig(), 1.0) is None
+    pools.set_alive(1, True)
+    assert decide_flip(pools, sig, TTFTPredictor(0.0, 0.0, 0.0), slo, PDConfig(), 1.0) == (0, Role.DECODE)
+
+
 @settings(max_examples=60, deadline=None)
 @given(n=st.integers(2, 7), k=st.integers(1, 3), dwell=st.floats(0, 3),
        steps=st.lists(st.tuples(st.integers(0, 6), st.floats(0, 2)), max_size=40))

@@ -104,6 +104,7 @@ class RolePools:
         self.min_dwell_s = cfg.min_dwell_s
         self._pool = ["P" if i < prefill_instances else "D" for i in range(n)]
         self._since = [now] * n
+        self._alive = [True] * n  # the real cluster's view (``set_alive``); the simulation's instances never die
         self.flips: dict[str, int] = {"p_to_d": 0, "d_to_p": 0}
         self.log: list[tuple[float, int, str, str]] = []  # (time, instance, from pool, to pool)
 
@@ -119,18 +120,27 @@ class RolePools:
     def in_pool(self, pool: str) -> list[int]:
         return [i for i in range(self.n) if self._pool[i] == pool]
 
+    def set_alive(self, i: int, alive: bool) -> None:
+        """A dead instance keeps its pool (a restarted one comes back in it) but neither flips nor counts toward
+        ``min_per_role``."""
+        self._alive[i] = bool(alive)
+
+    def live_members(self, role: Role) -> list[int]:
+        return [i for i in self.members(role) if self._alive[i]]
+
     def since(self, i: int) -> float:
         """When ``i`` entered its current pool."""
         return self._since[i]
 
     def can_flip(self, i: int, now: float) -> bool:
         dwell_ok = now - self._since[i] >= self.min_dwell_s
-        return dwell_ok and len(self.members(self.role(i))) > self.min_per_role
+        return dwell_ok and self._alive[i] and len(self.live_members(self.role(i))) > self.min_per_role
 
     def flip(self, i: int, now: float) -> Role:
         if not self.can_flip(i, now):
             raise ValueError(f"instance {i} may not flip at t={now}: dwell {self.min_dwell_s}s from "
-                             f"t={self._since[i]}, {len(self.members(self.role(i)))} in its role")
+                             f"t={self._since[i]}, alive {self._alive[i]}, {len(self.live_members(self.role(i)))} live in its "
+                             "role")
         old = self._pool[i]
         new = _FLIP_TO[old]
         self.flips["p_to_d" if _ROLE_OF_POOL[new] is Role.DECODE else "d_to_p"] += 1
