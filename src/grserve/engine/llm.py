@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import random
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ import torch
 
 from grserve.attention.hybrid import HybridPagedContext, SeqSlice
 from grserve.kvcache.blocks import BlockPool, CacheKind, HybridCacheStorage
+from grserve.engine.fair_lock import FairRLock
 from grserve.engine.sampling import SampleOutput, SampleRow, SamplingParams, TokenLogprobs, sample
 from grserve.scheduler.llm_types import LLMScheduler, PoolView, SchedulerInput, SchedulerOutput, SeqView
 
@@ -218,7 +218,7 @@ class LLMEngine:
         self.seqs: dict[int, Sequence] = {}
         self.finished: list[Sequence] = []
         self.keep_finished = False
-        self.lock = threading.RLock()
+        self.lock = FairRLock()  # FIFO: the step loop cannot starve other threads (engine/fair_lock.py)
         self._next_id = 0
         self.iterations = 0
         self.last_step_progressed = False  # did the last step() schedule or preempt anything?
