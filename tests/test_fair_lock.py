@@ -95,3 +95,29 @@ def test_busy_engine_does_not_starve_other_threads(tiny_model):
     # at most the step in progress as it asked (2: a thread can be descheduled between reading the count and asking)
     assert max(n for _, n in waits) <= 2, waits
     assert max(w for w, _ in waits) <= 3 * longest_step, (waits, longest_step)
+
+
+def test_stats_answer_while_a_step_holds_the_lock(tiny_model):
+    """``stats()`` (``/health``, ``/metrics``, a cluster instance's poll = its heartbeat, all on an event loop)
+    does not wait for the engine lock, which a step holds for a whole forward pass (a long prefill: seconds)."""
+    core = build_model_engine(tiny_model(0), make_llm_scheduler("fcfs"), num_blocks=64, block_size=8)
+    eng = AsyncLLMEngine(core)  # not started: nothing steps, the counts are exact
+    eng._status = "ok"
+    eng.submit(LLMRequest(list(range(20, 40)), SamplingParams(max_tokens=4)))
+    held, done = threading.Event(), threading.Event()
+
+    def step_in_progress():
+        with core.lock:
+            held.set()
+            done.wait(30)
+
+    holder = threading.Thread(target=step_in_progress)
+    holder.start()
+    held.wait(30)
+    got: list[dict] = []
+    asker = threading.Thread(target=lambda: got.append(eng.stats()), daemon=True)
+    asker.start()
+    asker.join(5)
+    done.set()
+    holder.join()
+    assert got and got[0]["waiting"] == 1 and got[0]["waiting_online"] == 1 and got[0]["running_online"] == 0
