@@ -97,6 +97,14 @@ async def _consume(handle) -> list[int]:
     return ids
 
 
+def test_sigterm_handler_is_the_front_ends(cluster):
+    """``ray.init`` installs ``sys.exit(15)`` as the driver's SIGTERM handler: a SIGTERM'd ``serve --instances N``
+    drained, then exited with status 15 where a one-instance server dies by the signal (143). ``start_ray`` puts
+    the front end's own handler there (its behaviour: ``test_cluster_front_end.py``)."""
+    from grserve.cluster.ray_runtime import on_sigterm
+
+    assert signal.getsignal(signal.SIGTERM) is on_sigterm
+
 def test_startup_and_kv_routing_equal_one_engine(cluster, reference):
     assert len({inst.info["pid"] for inst in cluster.instances}) == 3
     lines = cluster.describe()
