@@ -22,11 +22,11 @@ def test_reentrant_and_owned():
             assert lock.locked()
         assert lock.locked()
         got = []
-        t = threading.Thread(target=lambda: got.append(lock.acquire(timeout=0.05)))
-        t.start()
-        t.join()
-        assert got == [False] and not lock._waiters  # a timed-out waiter leaves the queue
-        assert not threading.Thread(target=lambda: got.append(lock.acquire(blocking=False))).start()
+        for kw in ({"timeout": 0.05}, {"blocking": False}):
+            t = threading.Thread(target=lambda kw=kw: got.append(lock.acquire(**kw)))
+            t.start()
+            t.join()
+        assert got == [False, False] and not lock._waiters  # a timed-out waiter leaves the queue
     assert not lock.locked()
     with pytest.raises(RuntimeError):
         lock.release()
