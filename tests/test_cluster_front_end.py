@@ -7,6 +7,7 @@ with ``--restart-instances`` (the respawn itself runs on Ray: ``test_cluster_ray
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 
@@ -131,3 +132,16 @@ def test_a_death_triggers_a_restart_only_when_asked(monkeypatch, restart):
     assert asked == ([victim] if restart else [])
     assert eng.records["r0"].instance != victim and not h.future.done()  # its request moved first
     assert not eng.instance_up(1 - victim, FakeActor(), {"incarnation": "x"})  # a live index is not replaced
+
+
+def test_sigterm_after_ray_is_down_dies_by_the_signal():
+    """The front end's SIGTERM handler (``ray_runtime.on_sigterm``, installed by ``start_ray`` in place of Ray's
+    ``sys.exit(15)``): once the drain has shut Ray down, the process dies by SIGTERM (143 in a shell) like a
+    one-instance server; it exited with status 15 (``test_cluster_ray.py`` checks the handler is installed)."""
+    import subprocess
+    import sys
+
+    code = ("import os, signal, time\nfrom grserve.cluster.ray_runtime import on_sigterm\n"
+            "signal.signal(signal.SIGTERM, on_sigterm)\nos.kill(os.getpid(), signal.SIGTERM)\ntime.sleep(30)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == -signal.SIGTERM, r.stderr

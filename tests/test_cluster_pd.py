@@ -11,23 +11,22 @@ while it holds a split request loses nothing.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import signal
 import time
 
 import numpy as np
 import pytest
-import torch
 
 ray = pytest.importorskip("ray")
 
-from grserve.cluster.llm_cluster import ClusterLLMEngine  # noqa: E402
+from cluster_fixtures import consume, one_engine, running_cluster, save_random_model  # noqa: E402
 from grserve.cluster.pd_disagg import engine_stats  # noqa: E402
 from grserve.cluster.pd_policy import Role, RolePools  # noqa: E402
-from grserve.config import ClusterConfig, LLMConfig, LLMServeConfig, ModelConfig, PDConfig, SLOConfig  # noqa: E402
+from grserve.config import LLMConfig, LLMServeConfig, ModelConfig, PDConfig, SLOConfig  # noqa: E402
 from grserve.engine.sampling import SamplingParams  # noqa: E402
 from grserve.engine.types import LLMRequest  # noqa: E402
+from grserve.model.spec import PRESETS  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=24, temperature=0.9, seed=11, ignore_eos=True)
@@ -37,14 +36,10 @@ SPLIT_MIN = 48
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, random_decoder):
-    from grserve.model.loader import save_pretrained
-    from grserve.model.spec import PRESETS
-
-    spec = dataclasses.replace(PRESETS["tiny"], num_hidden_layers=LAYERS, max_position_embeddings=4096)
+    path = save_random_model(tmp_path_factory, random_decoder, "pd-model", seed=5, layers=LAYERS)
+    spec = PRESETS["tiny"]
     assert (spec.num_key_value_heads, spec.head_dim) == (KV_HEADS, HEAD_DIM)
-    path = tmp_path_factory.mktemp("pd-model")
-    save_pretrained(random_decoder(spec, 5, 0.02), path)
-    return str(path)
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -57,41 +52,18 @@ def cfg(model_dir):
 
 @pytest.fixture(scope="module")
 def cluster(cfg):
-    eng = ClusterLLMEngine.launch(cfg, ClusterConfig(instances=3, routing="kv", heartbeat_timeout_s=6.0,
-                                                     instance_threads=1, restart_instances=False))  # kills stay dead
-    eng.start()
-    yield eng
-    eng.stop()
+    with running_cluster(cfg, instance_threads=1) as eng:
+        yield eng
 
 
 @pytest.fixture(scope="module")
 def reference(cfg):
-    from grserve.engine.async_llm import AsyncLLMEngine
-
-    core = AsyncLLMEngine.build(cfg).core
-
-    def run(prompts, sp):
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            return core.generate(prompts, sp)
-        finally:
-            torch.set_num_threads(threads)
-
-    return run
+    return one_engine(cfg)
 
 
 def _prompts(seed: int, n: int, lo: int, hi: int) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [rng.integers(3, 30000, int(rng.integers(lo, hi))).tolist() for _ in range(n)]
-
-
-async def _consume(handle) -> list[int]:
-    ids: list[int] = []
-    async for ev in handle.events():
-        ids.extend(ev.token_ids)
-    await handle.result()
-    return ids
 
 
 def _free_blocks(cluster) -> list[int]:
@@ -130,7 +102,7 @@ def test_split_outputs_equal_one_engine_and_kv_bytes(cluster, reference):
     hs += [cluster.submit(LLMRequest(p, SEEDED)) for p in seeded]
 
     async def consume_all():
-        return await asyncio.gather(*(_consume(h) for h in hs))
+        return await asyncio.gather(*(consume(h) for h in hs))
 
     streamed = asyncio.run(consume_all())
     results = [h.future.result(timeout=5) for h in hs]

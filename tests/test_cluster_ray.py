@@ -9,7 +9,6 @@ heartbeat timeout, and the last instance's death failing its request with a 503-
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import signal
 import time
@@ -20,9 +19,9 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from grserve.cluster.llm_cluster import ClusterLLMEngine  # noqa: E402
+from cluster_fixtures import HEARTBEAT_S, consume, one_engine, running_cluster, save_random_model  # noqa: E402
 from grserve.cluster.recovery import RequestLost  # noqa: E402
-from grserve.config import ClusterConfig, LLMConfig, LLMServeConfig, ModelConfig  # noqa: E402
+from grserve.config import LLMConfig, LLMServeConfig, ModelConfig  # noqa: E402
 from grserve.engine.sampling import SamplingParams  # noqa: E402
 from grserve.engine.types import LLMRequest  # noqa: E402
 
@@ -36,17 +35,7 @@ RESULTS: dict[str, list] = {}
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, random_decoder):
-    """A random decoder whose greedy outputs vary with the position (a preset's often repeat one token)."""
-    from grserve.model.loader import save_pretrained
-    from grserve.model.spec import PRESETS
-
-    spec = dataclasses.replace(PRESETS["tiny"], num_hidden_layers=2, max_position_embeddings=4096)
-    path = tmp_path_factory.mktemp("cluster-model")
-    save_pretrained(random_decoder(spec, 3, 0.02), path)
-    return str(path)
-
-
-HEARTBEAT_S = 6.0  # a loaded 2-core machine starved healthy instances past 3 s of silence (fenced, then requests lost)
+    return save_random_model(tmp_path_factory, random_decoder, "cluster-model", seed=3)
 
 
 @pytest.fixture(scope="module")
@@ -57,30 +46,14 @@ def cfg(model_dir):
 
 @pytest.fixture(scope="module")
 def cluster(cfg):
-    # HEARTBEAT_S of silence fences an instance: a loaded CI machine can starve a healthy instance's poll for seconds
-    eng = ClusterLLMEngine.launch(cfg, ClusterConfig(instances=3, routing="kv", heartbeat_timeout_s=HEARTBEAT_S,
-                                                     restart_instances=False))  # the tests use the instances up
-    eng.start()
-    yield eng
-    eng.stop()
+    with running_cluster(cfg) as eng:
+        yield eng
 
 
 @pytest.fixture(scope="module")
 def reference(cfg):
     """The same requests on one engine in this process."""
-    from grserve.engine.async_llm import AsyncLLMEngine
-
-    core = AsyncLLMEngine.build(cfg).core
-
-    def run(prompts, sp):
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # beside four busy processes on a small machine, more threads only spin
-        try:
-            return core.generate(prompts, sp)
-        finally:
-            torch.set_num_threads(threads)
-
-    return run
+    return one_engine(cfg)
 
 
 def _prompts(seed: int, n: int, lo: int = 40, hi: int = 200, shared: list[int] | None = None) -> list[list[int]]:
@@ -88,14 +61,13 @@ def _prompts(seed: int, n: int, lo: int = 40, hi: int = 200, shared: list[int] |
     return [(shared or []) + rng.integers(3, 30000, int(rng.integers(lo, hi))).tolist() for _ in range(n)]
 
 
-async def _consume(handle) -> list[int]:
-    """What a streaming client sees: the token ids of every event, in order."""
-    ids: list[int] = []
-    async for ev in handle.events():
-        ids.extend(ev.token_ids)
-    await handle.result()
-    return ids
+def test_sigterm_handler_is_the_front_ends(cluster):
+    """``ray.init`` installs ``sys.exit(15)`` as the driver's SIGTERM handler: a SIGTERM'd ``serve --instances N``
+    drained, then exited with status 15 where a one-instance server dies by the signal (143). ``start_ray`` puts
+    the front end's own handler there (its behaviour: ``test_cluster_front_end.py``)."""
+    from grserve.cluster.ray_runtime import on_sigterm
 
+    assert signal.getsignal(signal.SIGTERM) is on_sigterm
 
 def test_startup_and_kv_routing_equal_one_engine(cluster, reference):
     assert len({inst.info["pid"] for inst in cluster.instances}) == 3
@@ -173,7 +145,7 @@ def test_kill_by_pid_mid_prefill_and_mid_decode_loses_nothing(cluster, reference
     os.kill(cluster.instances[victim].info["pid"], signal.SIGKILL)
 
     async def consume_all():
-        return await asyncio.gather(*(_consume(h) for h in hs))
+        return await asyncio.gather(*(consume(h) for h in hs))
 
     streamed = asyncio.run(consume_all())
     results = [h.future.result(timeout=5) for h in hs]

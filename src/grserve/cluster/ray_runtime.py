@@ -7,6 +7,8 @@ ports the OS picks (port 0), so they never collide with fixed ports.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import logging
 import uuid
 from typing import Any
@@ -20,11 +22,61 @@ def start_ray(address: str | None, num_cpus: int = 2) -> bool:
 
     if ray.is_initialized():
         return False
-    if address:
-        ray.init(address=address, log_to_driver=False)
-        return False
-    ray.init(include_dashboard=False, num_cpus=num_cpus, log_to_driver=False, configure_logging=False)
+    with front_end_sigterm():
+        if address:
+            ray.init(address=address, log_to_driver=False)
+            return False
+        ray.init(include_dashboard=False, num_cpus=num_cpus, log_to_driver=False, configure_logging=False)
     return True
+
+
+_SIGTERM: list[int] = []  # the SIGTERM this process received, if any (``on_sigterm``)
+
+
+@contextlib.contextmanager
+def front_end_sigterm():
+    """Around ``ray.init``: replace the SIGTERM handler it installs in the driver (``sys.exit(15)``) by
+    ``on_sigterm``. With Ray's, a SIGTERM'd ``serve … --instances N`` drained (uvicorn's handler, while it serves),
+    then uvicorn re-raised the signal into Ray's handler and the process exited with status 15, where a
+    one-instance server dies by the signal (143 in a shell). (During ``ray.init`` itself Ray's handler runs.)"""
+    import signal
+    import threading
+
+    main = threading.current_thread() is threading.main_thread()
+    if main:  # once per process; it acts only after a SIGTERM
+        atexit.unregister(_die_by_signal)
+        atexit.register(_die_by_signal)
+    try:
+        yield
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def on_sigterm(signum: int, frame: Any) -> None:
+    """While Ray is up (launching, or joined with ``--ray-address``): unwind (Ray may turn the exit into status 1
+    inside a ``ray.get``); at exit ``_die_by_signal`` shuts Ray down and dies by the signal. After the server's
+    drain stopped the instances and shut the local Ray down: die by the signal at once, like a one-instance
+    server."""
+    import ray
+
+    _SIGTERM.append(signum)
+    if ray.is_initialized():
+        raise SystemExit(128 + signum)
+    _die_by_signal()
+
+
+def _die_by_signal() -> None:
+    import signal
+
+    if not _SIGTERM:
+        return
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    signal.signal(_SIGTERM[0], signal.SIG_DFL)
+    signal.raise_signal(_SIGTERM[0])
 
 
 def new_incarnation() -> str:

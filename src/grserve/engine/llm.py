@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import random
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ import torch
 
 from grserve.attention.hybrid import HybridPagedContext, SeqSlice
 from grserve.kvcache.blocks import BlockPool, CacheKind, HybridCacheStorage
+from grserve.engine.fair_lock import FairRLock
 from grserve.engine.sampling import SampleOutput, SampleRow, SamplingParams, TokenLogprobs, sample
 from grserve.scheduler.llm_types import LLMScheduler, PoolView, SchedulerInput, SchedulerOutput, SeqView
 
@@ -218,7 +218,7 @@ class LLMEngine:
         self.seqs: dict[int, Sequence] = {}
         self.finished: list[Sequence] = []
         self.keep_finished = False
-        self.lock = threading.RLock()
+        self.lock = FairRLock()  # FIFO: the step loop cannot starve other threads (engine/fair_lock.py)
         self._next_id = 0
         self.iterations = 0
         self.last_step_progressed = False  # did the last step() schedule or preempt anything?
@@ -265,12 +265,16 @@ class LLMEngine:
             return True
 
     def priority_counts(self) -> dict[str, int]:
-        """Running and waiting requests per priority: ``running_online``, ``waiting_offline``, ..."""
+        """Running and waiting requests per priority: ``running_online``, ``waiting_offline``, ...
+
+        Read without the engine lock: ``stats()`` is asked from event loops (``/health``, ``/metrics``, a cluster
+        instance's poll, which is its heartbeat), and the lock is held for a whole step — a long prefill would
+        stall the loop for as long. Each queue is copied in one C call (atomic under the GIL), so a count is at
+        most one step old and never torn within a queue."""
         out = {f"{q}_{p}": 0 for q in ("running", "waiting") for p in PRIORITIES}
-        with self.lock:
-            for q, seqs in (("running", self.running), ("waiting", self.waiting)):
-                for s in seqs:
-                    out[f"{q}_{s.priority}"] += 1
+        for q, seqs in (("running", list(self.running)), ("waiting", list(self.waiting))):
+            for s in seqs:
+                out[f"{q}_{s.priority}"] += 1
         return out
 
     def has_work(self) -> bool:
