@@ -27,7 +27,7 @@ from grserve.engine.types import LLMRequest  # noqa: E402
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
 # long enough that no request can finish before the kill tests have seen every request mid-decode with its KV
-# snapshot (the snapshot export waits for the engine lock, which a busy engine thread may hold for many steps)
+# snapshot (an export waits for the step in progress: the engine lock is FIFO; on a loaded machine steps are slow)
 LONG = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=300, temperature=0.9, seed=7, ignore_eos=True)
 RESULTS: dict[str, list] = {}
