@@ -53,6 +53,49 @@ def test_block_mode_equals_the_paging_loop(name):
     assert simulate_paths(paths, mk()).hits == simulate(keys, mk()).hits
 
 
+def _engine_lru_reference(paths, k):
+    """The engine's shared-block cache with LRU, by hand: longest cached chain = hits; missing blocks inserted;
+    cached blocks past the first miss untouched; the request's blocks never evicted while it is served."""
+    from collections import OrderedDict
+
+    cache: OrderedDict = OrderedDict()
+    hits = 0
+    for path in paths:
+        i = 0
+        while i < len(path) and path[i] in cache:
+            cache.move_to_end(path[i])
+            i += 1
+        hits += i
+        pinned = set(path[:i])
+        for x in path[i:]:
+            if x in cache:
+                continue
+            if len(cache) >= k:
+                victim = next((z for z in cache if z not in pinned), None)
+                if victim is None:
+                    break
+                del cache[victim]
+            cache[x] = None
+            pinned.add(x)
+    return hits
+
+
+@pytest.mark.parametrize("k", [5, 17, 40, 10_000])
+def test_engine_mode_is_the_shared_block_cache(k):
+    paths = _conversations(seed=2)
+    res = simulate_paths(paths, make_policy("lru", k), mode="engine")
+    assert res.hits == _engine_lru_reference(paths, k) and res.accesses == sum(map(len, paths))
+    if k == 10_000:  # nothing evicted: a request hits its longest prefix that an earlier request had
+        seen: set = set()
+        want = 0
+        for p in paths:
+            want += next((j for j in range(len(p), 0, -1) if tuple(p[:j]) in seen), 0)
+            seen.update(tuple(p[:j]) for j in range(1, len(p) + 1))
+        assert res.hits == want
+    for name in ("density", "leader"):  # the prefix-aware policies under the pins (the sim asserts none is evicted)
+        assert 0 < simulate_paths(paths, make_policy(name, max(k // 2, 2)), mode="engine").hits <= res.accesses
+
+
 @pytest.mark.parametrize("name", ["lru", "lfu", "density", "leader", "opt"])
 def test_radix_mode_keeps_the_tree(name):
     paths = _conversations(seed=1)

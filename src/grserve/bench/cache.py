@@ -63,8 +63,10 @@ class CacheBenchConfig(Checked):
                                "see bench/cache_trace.py", metavar="PATH")
     sizes: str = flag("0.01,0.02,0.05,0.1,0.2", "--trace-file: cache sizes as fractions of the unique keys",
                       check=comma_list(float, each=fraction))
-    modes: str = flag("block,radix", "--trace-file: block (each hash id one item) and/or radix (prefix tree, "
-                                     "leaves only evictable)", check=comma_list(allowed=("block", "radix")))
+    modes: str = flag("block,radix", "--trace-file: block (each hash id one item), radix (prefix tree, leaves only "
+                                     "evictable) and/or engine (the LLM engine's shared-block cache: longest cached "
+                                     "chain, any unpinned block evictable)",
+                      check=comma_list(allowed=("block", "radix", "engine")))
     trace_policies: str = flag(",".join(TRACE_POLICIES), "--trace-file: policies to run (libcachesim: its ARC, "
                                "S3FIFO, LIRS, Cacheus, LeCaR, block mode)", check=comma_list(allowed=TRACE_POLICIES))
     max_requests: int = flag(0, "--trace-file: replay only the first N requests (0 = all; a sampled run)",

@@ -1,7 +1,8 @@
 """``grserve bench cache --trace-file PATH``: replay a real trace (Mooncake JSONL or one key per line).
 
 For every mode (``block``: each hash id is one unit-size item; ``radix``: the prefix tree of hash ids, leaves only
-evictable, the request's path locked — ``eviction/prefix_sim.py``) and every cache size (a fraction of the trace's
+evictable, the request's path locked; ``engine``: the LLM engine's shared-block cache, longest cached chain, any
+unpinned block evictable — ``eviction/prefix_sim.py``) and every cache size (a fraction of the trace's
 unique keys), it runs LRU, Belady (OPT; on leaves in radix mode), every grserve policy (window-LFU, FPB / HF / LARU
 with the online LightGBM predictor at the bench settings, ``density``, ``leader``, and ``leader`` with inverted
 predictions), and,
@@ -65,7 +66,7 @@ def _policy(name: str, k: int, keys: list, oracle_cache: dict) -> tuple[Any, str
 def run_one(trace: PathTrace, mode: str, frac: float, name: str, oracle_cache: dict) -> dict:
     k = max(1, int(frac * trace.unique_keys))
     pol, predictor = _policy(name, k, trace.keys if name == "opt" else [], oracle_cache)
-    res = simulate_paths(trace.paths, pol, leaves_only=(mode == "radix"))
+    res = simulate_paths(trace.paths, pol, mode=mode)
     pol.close()
     return dict(policy=name.replace("-inverted", ""), predictor=predictor, p=1.0 if predictor == "inverted" else 0.0,
                 hit_rate=round(res.hit_rate, 6), cache_size=k,

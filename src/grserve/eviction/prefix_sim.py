@@ -1,6 +1,6 @@
 """Replay a trace of *requests*, each a path of prefix-block keys (hash ids), through a unit-size block cache.
 
-Two modes (``grserve bench cache --trace-file``):
+Three modes (``grserve bench cache --trace-file``):
 
 * **block** (``leaves_only=False``): every key is an independent item — the paging loop of ``simulate.py``, one
   access per block, in request order;
@@ -8,7 +8,13 @@ Two modes (``grserve bench cache --trace-file``):
   is the key before it in any path). A request hits the longest cached prefix of its path and inserts the rest;
   only cached blocks with no cached child are evictable (SGLang's leaf-only eviction), and the request's own path
   is locked while it is served. A block's parent is always cached while the block is (the invariant
-  ``check_tree`` asserts).
+  ``check_tree`` asserts);
+* **engine** (``mode="engine"``): the LLM engine's shared-block cache (``kvcache/shared_prefix.py``). A request hits
+  the longest cached *chain* of its path (a cached block after the first miss is not a hit: the engine recomputes
+  from the first miss); its missing blocks are inserted, blocks already cached further down are left alone (as the
+  engine's adoption skips them); the request's matched and inserted blocks are pinned while it is served, and
+  every other cached block is evictable — inner ones too, as in vLLM (an evicted inner block leaves its cached
+  descendants unreachable until they age out).
 
 Time is the global block-access index in both modes (access j of a request that starts at t is at t + j), so an
 ``AccessListOracle.from_trace`` over the flattened keys is the exact next-use oracle of both (Belady on leaves in
@@ -39,10 +45,18 @@ class PathSimResult:
         return self.hits / self.accesses if self.accesses else 0.0
 
 
+MODES = ("block", "radix", "engine")
+
+
 def simulate_paths(paths: Sequence[Sequence[Hashable]], policy: EvictionPolicy, leaves_only: bool = False,
-                   capacity: int | None = None) -> PathSimResult:
-    """Replay ``paths`` (one key list per request) through a cache of ``capacity`` blocks driven by ``policy``."""
-    sim = _Tree(policy, policy.capacity if capacity is None else capacity, leaves_only)
+                   capacity: int | None = None, mode: str | None = None) -> PathSimResult:
+    """Replay ``paths`` (one key list per request) through a cache of ``capacity`` blocks driven by ``policy``;
+    ``mode`` one of ``MODES`` (default: radix if ``leaves_only`` else block)."""
+    mode = mode or ("radix" if leaves_only else "block")
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r}: one of {MODES}")
+    sim = _Tree(policy, policy.capacity if capacity is None else capacity, mode == "radix")
+    serve = {"block": sim.request_blocks, "radix": sim.request, "engine": sim.request_chain}[mode]
     res = PathSimResult()
     t = 0
     on_path = getattr(policy, "on_path", None)
@@ -51,7 +65,7 @@ def simulate_paths(paths: Sequence[Sequence[Hashable]], policy: EvictionPolicy, 
         t0 = clock()
         if on_path is not None:
             on_path(path, t)
-        h = sim.request(path, t) if leaves_only else sim.request_blocks(path, t)
+        h = serve(path, t)
         res.policy_seconds += clock() - t0
         res.hits += h
         res.hits_per_request.append(h)
@@ -86,6 +100,35 @@ class _Tree:
             pol.on_insert(x, t + j)
             cached.add(x)
         return hits
+
+    def request_chain(self, path: Sequence[Hashable], t: int) -> int:
+        pol, cached, n = self.policy, self.cached, len(path)
+        i = 0
+        while i < n and path[i] in cached:
+            pol.on_hit(path[i], t + i)
+            i += 1
+        pinned = set(path[:i])
+        for x in pinned:
+            pol.set_evictable(x, False)
+        for j in range(i, n):
+            x = path[j]
+            if x in cached:  # reachable only through a block evicted before it: recomputed, not a hit
+                continue
+            pol.on_miss(x, t + j)
+            if len(cached) >= self.capacity:
+                if pol.n_evictable == 0:  # every cached block is this request's: the rest is not cached
+                    break
+                z = pol.victim(t + j)
+                if z not in cached or z in pinned:
+                    raise AssertionError(f"{pol.name} evicted {z!r}: not cached, or pinned by the request")
+                cached.remove(z)
+            pol.on_insert(x, t + j)
+            pol.set_evictable(x, False)
+            cached.add(x)
+            pinned.add(x)
+        for x in pinned:
+            pol.set_evictable(x, True)
+        return i
 
     def request(self, path: Sequence[Hashable], t: int) -> int:
         pol, cached, n = self.policy, self.cached, len(path)
