@@ -29,13 +29,16 @@ class Instance:
 
 class FrontEndLifecycle:
     """Mixed into a front end that has ``_lock``, ``_status``, ``records`` (request id → a record with a
-    ``handle``), ``instances`` and ``owns_ray``."""
+    ``handle``), ``instances``, ``owns_ray``, and for restarts ``index``, ``router`` and ``counters``."""
 
     _lock: Any
     _status: str
     records: dict
     instances: list[Instance]
     owns_ray: bool
+    index: Any
+    router: Any
+    counters: dict
 
     def drain(self, timeout_s: float | None = None) -> bool:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -46,6 +49,23 @@ class FrontEndLifecycle:
             if deadline is not None and time.monotonic() >= deadline:
                 return False
             time.sleep(0.01)
+        return True
+
+    def _rejoin(self, index: int, actor: Any, info: dict, poll: Callable[[Instance], None]) -> bool:
+        """A restarted instance takes dead ``index``'s place (``respawn.py``): registered in the KV index (resynced
+        by its first snapshot), back in the router with an empty booking, counted, polled by ``poll`` in a new
+        thread. False (nothing changed) if ``index`` is up or the engine stopped."""
+        inst = self.instances[index]
+        with self._lock:
+            if inst.up or self._status == "stopped":
+                return False
+            inst.actor, inst.info, inst.stats = actor, info, {}
+            inst.up, inst.down_at, inst.down_reason = True, None, ""
+            self.index.register(index, info["incarnation"])
+            self.router.mark_up(index)
+            self.counters["restarts"] += 1
+            inst.thread = threading.Thread(target=poll, args=(inst,), daemon=True, name=f"grserve-cluster-poll-{index}")
+            inst.thread.start()
         return True
 
     def _stop_instances(self) -> None:

@@ -302,19 +302,7 @@ class ClusterGREngine(FrontEndLifecycle):
             if peer is not None and self._state_of(call_info(peer.actor, timeout)) != self._state_of(info):
                 raise RuntimeError(f"restarted instance {index} does not serve the live instances' state after its "
                                    "catch-up")
-            inst = self.instances[index]
-            with self._lock:
-                if inst.up or self._status == "stopped":
-                    return False
-                inst.actor, inst.info, inst.stats = actor, info, {}
-                inst.up, inst.down_at, inst.down_reason = True, None, ""
-                self.index.register(index, info["incarnation"])
-                self.router.mark_up(index)
-                self.counters["restarts"] += 1
-                inst.thread = threading.Thread(target=self._watch, args=(inst,), daemon=True,
-                                               name=f"grserve-cluster-poll-{index}")
-                inst.thread.start()
-        return True
+            return self._rejoin(index, actor, info, self._watch)
 
     def broadcast(self, method: str, *args: Any) -> list[Any]:
         """Call ``method(*args)`` on every live instance and wait for all; an instance that fails to apply it is

@@ -358,19 +358,7 @@ class ClusterLLMEngine(FrontEndLifecycle):
     def instance_up(self, index: int, actor: Any, info: dict) -> bool:
         """A restarted instance (a new actor under a new incarnation) takes dead ``index``'s place: registered in
         the KV index (resynced by its first snapshot), back in the router, polled. False if ``index`` is up."""
-        inst = self.instances[index]
-        with self._lock:
-            if inst.up or self._status == "stopped":
-                return False
-            inst.actor, inst.info, inst.stats = actor, info, {}
-            inst.up, inst.down_at, inst.down_reason = True, None, ""
-            self.index.register(index, info["incarnation"])
-            self.router.mark_up(index)
-            self.counters["restarts"] += 1
-            inst.thread = threading.Thread(target=self._poll_loop, args=(inst,), daemon=True,
-                                           name=f"grserve-cluster-poll-{index}")
-            inst.thread.start()
-        return True
+        return self._rejoin(index, actor, info, self._poll_loop)
 
     def _recover(self, rec: RequestRecord) -> None:
         self.router.release(rec.request_id)
