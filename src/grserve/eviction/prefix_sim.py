@@ -101,12 +101,17 @@ class _Tree:
             cached.add(x)
         return hits
 
+    def _match(self, path: Sequence[Hashable], t: int) -> int:
+        """The longest cached prefix of ``path`` (each block a hit for the policy); returns its length."""
+        i = 0
+        while i < len(path) and path[i] in self.cached:
+            self.policy.on_hit(path[i], t + i)
+            i += 1
+        return i
+
     def request_chain(self, path: Sequence[Hashable], t: int) -> int:
         pol, cached, n = self.policy, self.cached, len(path)
-        i = 0
-        while i < n and path[i] in cached:
-            pol.on_hit(path[i], t + i)
-            i += 1
+        i = self._match(path, t)
         pinned = set(path[:i])
         for x in pinned:
             pol.set_evictable(x, False)
@@ -132,10 +137,7 @@ class _Tree:
 
     def request(self, path: Sequence[Hashable], t: int) -> int:
         pol, cached, n = self.policy, self.cached, len(path)
-        i = 0
-        while i < n and path[i] in cached:
-            pol.on_hit(path[i], t + i)
-            i += 1
+        i = self._match(path, t)
         if i == n:
             return n
         if i > 0 and self.children[path[i - 1]] == 0:
