@@ -28,7 +28,8 @@ from tqdm import tqdm
 from grserve.bench import traces as T
 from grserve.bench.cache_trace import TRACE_POLICIES, bench_predictor
 from grserve.eviction import AccessListOracle, NoisyPredictor, make_policy, simulate
-from grserve.flags import Checked, comma_list, config_command, flag, fraction, non_negative, positive_int, split_commas
+from grserve.flags import (Checked, comma_list, config_command, flag, fraction, non_negative, one_of, positive_int,
+                           split_commas)
 
 LEARNED = ("fpb", "hf", "laru")
 
@@ -57,6 +58,9 @@ class CacheBenchConfig(Checked):
     laru_decay: str = flag("1", "LARU λ ← λ/b every N prediction-induced misses: 1 (Algorithm 1, DLRM setting) or "
                                 "'auto' (the LLM setting, ⌈k/32⌉ for k > 64: better with a decent predictor, weaker "
                                 "when adversarial)", check=_laru_decay, metavar="N|auto")
+    dlrm_clock: str = flag("lookup", "the DLRM embedding cache's logical clock: batch (one tick per batch), lookup "
+                                    "(one per looked-up id) or id (one per distinct id of a batch)",
+                            check=one_of("batch", "lookup", "id"), metavar="CLOCK")
     async_batch: int = flag(64, "ASYNC prediction batch for the learned predictor", check=positive_int)
     seed: int = flag(0, "seed of the traces and of the prediction noise", check=non_negative)
     trace_file: str = flag("", "replay this trace instead (Mooncake JSONL with hash_ids, or one key per line); "
@@ -176,17 +180,14 @@ def run_prefix(reqs, cap: int, policy: str, predictor: str, p: float, args, time
 def run_dlrm(batches, cap: int, policy: str, predictor: str, p: float, args, times_cache: dict) -> dict:
     import torch
 
-    from grserve.kvcache.embedding_cache import EmbeddingCache
+    from grserve.kvcache.embedding_cache import EmbeddingCache, access_times
 
     ways = 64
     n_ids = int(max(int(b[0].max()) for b in batches)) + 1
     table = torch.zeros(n_ids, 4)
-    if "times" not in times_cache:
-        times: dict[int, list[int]] = {}
-        for t, (idx, _) in enumerate(batches):
-            for key in np.unique(idx).tolist():
-                times.setdefault(key, []).append(t)
-        times_cache["times"] = times
+    clock = args.dlrm_clock
+    if times_cache.get("clock") != clock:
+        times_cache.update(clock=clock, times=access_times((idx for idx, _ in batches), clock))
     times = times_cache["times"]
     if policy in ("lru", *OWN_MODEL):
         factory = lambda s, w: make_policy(policy, w)  # noqa: E731
@@ -199,7 +200,7 @@ def run_dlrm(batches, cap: int, policy: str, predictor: str, p: float, args, tim
     else:
         shared = NoisyPredictor(AccessListOracle(times), p, seed=args.seed)
         factory = lambda s, w: make_policy(policy, w, predictor=shared, **_policy_kw(policy, args, "oracle"))  # noqa: E731
-    cache = EmbeddingCache(table, num_sets=max(1, cap // ways), ways=ways, policy=factory)
+    cache = EmbeddingCache(table, num_sets=max(1, cap // ways), ways=ways, policy=factory, clock=clock)
     t0 = time.perf_counter()
     for idx, off in batches:
         cache.sparse_length_sum(idx, off)
