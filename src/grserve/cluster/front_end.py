@@ -109,9 +109,16 @@ def launch_actors(spawn: Callable[[int, str], Any], cluster: Any) -> tuple[list[
     try:
         infos = ray.get([a.info.remote() for a in actors])
     except Exception:
-        for a in actors:
-            heartbeat.fence(a)
-        if owns:
-            ray.shutdown()
+        abandon_actors(actors, owns)
         raise
     return actors, infos, owns
+
+
+def abandon_actors(actors: list[Any], owns_ray: bool) -> None:
+    """A launch that failed: fence every instance actor it spawned and stop the Ray it started."""
+    import ray
+
+    for a in actors:
+        heartbeat.fence(a)
+    if owns_ray:
+        ray.shutdown()

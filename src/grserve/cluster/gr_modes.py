@@ -22,7 +22,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from grserve.catalog import CatalogStore
-from grserve.cluster import heartbeat
+from grserve.cluster.front_end import abandon_actors
 from grserve.cluster.gr_cluster import ClusterGREngine, launch_instances
 from grserve.cluster.gr_instance import catalog_digest, registry_digest, user_key
 
@@ -35,16 +35,11 @@ class _Launch:
     @classmethod
     def launch(cls, cfg: Any, cluster: Any):
         """Start (or join) Ray, start ``cluster.instances`` instances from ``cfg`` and build the front end."""
-        import ray
-
         actors, infos, owns = launch_instances(cls.mode, cfg, cluster)
         try:
             return cls(actors, infos, cluster, cfg, owns)
         except Exception:
-            for a in actors:
-                heartbeat.fence(a)
-            if owns:
-                ray.shutdown()
+            abandon_actors(actors, owns)
             raise
 
 

@@ -77,15 +77,24 @@ def run(cfg: ServeConfig) -> int:
     try:
         engine = RetrievalEngine.build(cfg, on_batch=metrics.on_batch)
     except (ValueError, KeyError, OSError) as exc:  # CatalogError is a ValueError: bad file, vocab mismatch...
-        raise UsageError(exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)) from None
+        raise _usage_error(exc) from None
     app = create_app(engine, cfg.server, metrics, cfg.edge, cfg.reload)
     cat = engine.catalogs.current()
-    host = f"[{cfg.server.host}]" if ":" in cfg.server.host else cfg.server.host
     print(f"grserve: model {cfg.model.source} ({cfg.model.dtype}, {cfg.model.device}), catalog {len(cat):,} items "
           f"(depth {cat.depth}, codebooks {list(cat.codebook_sizes)}), default beam width {cfg.search.beam_width} "
-          f"-> http://{host}:{cfg.server.port}", flush=True)
+          f"-> {_url(cfg.server)}", flush=True)
     engine.start()
     return serve_until_exit(app, cfg.server.host, cfg.server.port, cfg.server.log_level, engine.stop)
+
+
+def _usage_error(exc: Exception) -> UsageError:
+    """A start-up error the user can fix (a bad catalog file, a vocab mismatch, a missing key) as a usage error."""
+    return UsageError(exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc))
+
+
+def _url(server) -> str:
+    host = f"[{server.host}]" if ":" in server.host else server.host
+    return f"http://{host}:{server.port}"
 
 
 def run_cluster(cfg: ServeConfig) -> int:
@@ -96,15 +105,14 @@ def run_cluster(cfg: ServeConfig) -> int:
     try:
         engine = ClusterRetrievalEngine.launch(cfg, cfg.cluster)
     except (ValueError, KeyError, OSError) as exc:
-        raise UsageError(exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)) from None
+        raise _usage_error(exc) from None
     app = cluster_app(engine, lambda m: create_app_for(engine, cfg, m))
     cat = engine.catalogs.current()
     for line in engine.describe():
         print(f"grserve: {line}", flush=True)
-    host = f"[{cfg.server.host}]" if ":" in cfg.server.host else cfg.server.host
     print(f"grserve: model {cfg.model.source} ({cfg.model.dtype}, {cfg.model.device}) on {cfg.cluster.instances} "
           f"instances, catalog {len(cat):,} items, default beam width {cfg.search.beam_width} "
-          f"-> http://{host}:{cfg.server.port}", flush=True)
+          f"-> {_url(cfg.server)}", flush=True)
     engine.start()
     return serve_until_exit(app, cfg.server.host, cfg.server.port, cfg.server.log_level, engine.stop)
 
