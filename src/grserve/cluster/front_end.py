@@ -68,6 +68,19 @@ class FrontEndLifecycle:
             inst.thread.start()
         return True
 
+    def _cluster_stats(self, summed: tuple[str, ...]) -> dict[str, float]:
+        """``stats()``'s common part: the live instances' ``summed`` stats added up, the front end's counters (as
+        ``cluster_*``), the instances up and the requests in flight."""
+        out: dict[str, float] = {k: 0.0 for k in summed}
+        for inst in self.instances:
+            if inst.up:
+                for k in summed:
+                    out[k] += float(inst.stats.get(k, 0))
+        out.update({f"cluster_{k}": float(v) for k, v in self.counters.items()})
+        out["instances_up"] = float(sum(inst.up for inst in self.instances))
+        out["in_flight"] = float(len(self.records))
+        return out
+
     def _stop_instances(self) -> None:
         """Stopped: fail every request still held, join the pollers, fence every instance actor."""
         with self._lock:
@@ -88,6 +101,13 @@ class FrontEndLifecycle:
 
         if self.owns_ray and ray.is_initialized():
             ray.shutdown()
+
+
+def instance_line(inst: Instance, facts: str) -> str:
+    """One start-up line of ``describe()``: where an instance runs, ``facts`` about its engine, its incarnation."""
+    i = inst.info
+    return (f"instance {inst.index}: Ray actor pid {i['pid']} on {i['host']} ({i['node_ip']}), {i['device']}, "
+            f"{facts}, incarnation {i['incarnation']}")
 
 
 def fail_handle(handle: Any, exc: BaseException) -> None:

@@ -35,7 +35,7 @@ from typing import Any
 from grserve.cluster import heartbeat
 from grserve.cluster.broadcast_log import BroadcastLog
 from grserve.cluster.kv_index import GlobalKVIndex
-from grserve.cluster.front_end import FrontEndLifecycle, Instance, launch_actors
+from grserve.cluster.front_end import FrontEndLifecycle, Instance, instance_line, launch_actors
 from grserve.cluster.front_end import fail_handle as _fail
 from grserve.cluster.recovery import RequestLost
 from grserve.cluster.router import NoInstance, Router
@@ -346,15 +346,7 @@ class ClusterGREngine(FrontEndLifecycle):
                              **self.health_detail()})
 
     def stats(self) -> dict[str, float]:
-        out: dict[str, float] = {k: 0.0 for k in SUMMED_STATS}
-        for inst in self.instances:
-            if inst.up:
-                for k in SUMMED_STATS:
-                    out[k] += float(inst.stats.get(k, 0))
-        out.update({f"cluster_{k}": float(v) for k, v in self.counters.items()})
-        out["instances_up"] = float(sum(inst.up for inst in self.instances))
-        out["in_flight"] = float(len(self.records))
-        return out
+        return self._cluster_stats(SUMMED_STATS)
 
     def describe(self) -> list[str]:
         """What runs where (the start-up lines)."""
@@ -364,10 +356,8 @@ class ClusterGREngine(FrontEndLifecycle):
         lines = [f"front end: pid {os.getpid()} on {socket.gethostname()}, {self.mode}, routing {self.cc.routing}, "
                  f"heartbeat timeout {self.cc.heartbeat_timeout_s}s, migration limit {self.cc.migration_limit}"]
         for inst in self.instances:
-            i = inst.info
-            lines.append(f"instance {inst.index}: Ray actor pid {i['pid']} on {i['host']} ({i['node_ip']}), "
-                         f"{i['device']}, {i['torch_threads']} torch threads, {self._instance_facts(i)}, "
-                         f"incarnation {i['incarnation']}")
+            lines.append(instance_line(inst, f"{inst.info['torch_threads']} torch threads, "
+                                             f"{self._instance_facts(inst.info)}"))
         return lines
 
     def _instance_facts(self, info: dict) -> str:

@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 from grserve.cluster.admission import FrontAdmission
-from grserve.cluster.front_end import FrontEndLifecycle, Instance, launch_actors
+from grserve.cluster.front_end import FrontEndLifecycle, Instance, instance_line, launch_actors
 from grserve.cluster.front_end import fail_handle as _fail
 from grserve.cluster.kv_index import GlobalKVIndex
 from grserve.cluster.recovery import RecoveryCost, RequestLost, RequestRecord, plan
@@ -97,9 +97,8 @@ class ClusterLLMEngine(FrontEndLifecycle):
                  f"KV index blocks of {self.cc.kv_block_size} tokens, heartbeat timeout {self.cc.heartbeat_timeout_s}s"]
         for inst in self.instances:
             i = inst.info
-            lines.append(f"instance {inst.index}: Ray actor pid {i['pid']} on {i['host']} ({i['node_ip']}), "
-                         f"{i['device']}, {i['num_blocks']} blocks x {i['block_size']}, prefix cache "
-                         f"{i['prefix_cache_tokens']} tokens, incarnation {i['incarnation']}")
+            lines.append(instance_line(inst, f"{i['num_blocks']} blocks x {i['block_size']}, prefix cache "
+                                             f"{i['prefix_cache_tokens']} tokens"))
         if self.pd is not None:
             lines.append(self.pd.describe())
         return lines
@@ -398,14 +397,7 @@ class ClusterLLMEngine(FrontEndLifecycle):
                             {"instances_up": len(up), "instances": len(self.instances), "routing": self.cc.routing})
 
     def stats(self) -> dict[str, float]:
-        out: dict[str, float] = {k: 0.0 for k in SUMMED_STATS}
-        for inst in self.instances:
-            if inst.up:
-                for k in SUMMED_STATS:
-                    out[k] += float(inst.stats.get(k, 0))
-        out.update({f"cluster_{k}": float(v) for k, v in self.counters.items()})
-        out["instances_up"] = float(sum(inst.up for inst in self.instances))
-        out["in_flight"] = float(len(self.records))
+        out = self._cluster_stats(SUMMED_STATS)
         if self.pd is not None:
             out.update(self.pd.stats())
         return out
