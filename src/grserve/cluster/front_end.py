@@ -64,9 +64,24 @@ class FrontEndLifecycle:
             self.index.register(index, info["incarnation"])
             self.router.mark_up(index)
             self.counters["restarts"] += 1
-            inst.thread = threading.Thread(target=poll, args=(inst,), daemon=True, name=f"grserve-cluster-poll-{index}")
-            inst.thread.start()
+            self._poll_thread(inst, poll)
         return True
+
+    def _start_polling(self, poll: Callable[[Instance], None]) -> None:
+        """``start()``: status ok (once), then a poll thread for every live instance that has none."""
+        with self._lock:
+            if self._status == "ok":
+                return
+            self._status = "ok"
+        for inst in self.instances:
+            if inst.up and inst.thread is None:
+                self._poll_thread(inst, poll)
+
+    @staticmethod
+    def _poll_thread(inst: Instance, poll: Callable[[Instance], None]) -> None:
+        inst.thread = threading.Thread(target=poll, args=(inst,), daemon=True,
+                                       name=f"grserve-cluster-poll-{inst.index}")
+        inst.thread.start()
 
     def _cluster_stats(self, summed: tuple[str, ...]) -> dict[str, float]:
         """``stats()``'s common part: the live instances' ``summed`` stats added up, the front end's counters (as

@@ -113,15 +113,7 @@ class ClusterGREngine(FrontEndLifecycle):
 
     # ---- lifecycle ------------------------------------------------------------------------------------------------
     def start(self) -> "ClusterGREngine":
-        with self._lock:
-            if self._status == "ok":
-                return self
-            self._status = "ok"
-        for inst in self.instances:
-            if inst.up and inst.thread is None:
-                inst.thread = threading.Thread(target=self._watch, args=(inst,), daemon=True,
-                                               name=f"grserve-cluster-poll-{inst.index}")
-                inst.thread.start()
+        self._start_polling(self._watch)
         return self
 
     def _watch(self, inst: Instance) -> None:

@@ -105,15 +105,7 @@ class ClusterLLMEngine(FrontEndLifecycle):
 
     # ---- lifecycle ------------------------------------------------------------------------------------------------
     def start(self) -> "ClusterLLMEngine":
-        with self._lock:
-            if self._status == "ok":
-                return self
-            self._status = "ok"
-        for inst in self.instances:
-            if inst.up and inst.thread is None:
-                inst.thread = threading.Thread(target=self._poll_loop, args=(inst,), daemon=True,
-                                               name=f"grserve-cluster-poll-{inst.index}")
-                inst.thread.start()
+        self._start_polling(self._poll_loop)
         return self
 
     def stop(self) -> None:
