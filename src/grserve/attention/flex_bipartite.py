@@ -64,7 +64,13 @@ class FlexBipartiteContext:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         from torch.nn.attention.flex_attention import flex_attention
 
-        fn = _compiled_flex() if self.compiled else flex_attention
-        qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, H, T, D]
-        out = fn(qh, kh, vh, block_mask=self.block_mask, enable_gqa=kh.shape[1] != qh.shape[1])
+        qh, kh, vh = (x.transpose(0, 1).unsqueeze(0).contiguous() for x in (q, k, v))  # [1, H, T, D]
+        gqa = kh.shape[1] != qh.shape[1]
+        if not self.compiled:
+            out = flex_attention(qh, kh, vh, block_mask=self.block_mask, enable_gqa=gqa)
+        else:
+            # Inductor picks its flex-decoding template for short packed batches (T < 128), which found no valid
+            # config for these shapes on torch 2.11 / H200 (NoValidChoicesError); a packed prefill is not a decode.
+            out = _compiled_flex()(qh, kh, vh, block_mask=self.block_mask, enable_gqa=gqa,
+                                   kernel_options={"FORCE_USE_FLEX_ATTENTION": True})
         return out[0].transpose(0, 1)

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The prepared GPU check (docs/gpu.md, "Commands to run on a GPU") as one script with a time limit per step.
+# Run from the repository root on a CUDA machine: bash scripts/gpu-check.sh [quick|full]
+# Logs go to $OUT (default /tmp/gpu-check); each step's last lines are printed. Packages the machine lacks
+# (pydantic, fastapi, ...) can ride along as wheels in .whl/ (installed into /tmp/site, never into the system).
+set -u
+MODE=${1:-full}
+OUT=${OUT:-/tmp/gpu-check}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=src
+if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=src:/tmp/site
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/smi.txt"
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, \
+'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())" | tee "$OUT/versions.txt"
+
+step() {  # step NAME SECONDS CMD...: run CMD under a time limit, log to $OUT/NAME.log, print rc and the tail
+    local name=$1 limit=$2; shift 2
+    local t0=$SECONDS
+    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "== $name rc=$rc $((SECONDS - t0))s"
+    tail -n "${TAIL:-4}" "$OUT/$name.log"
+}
+BENCH="python3 -m grserve.cli bench retrieval --device cuda"
+PYTEST="python3 -m pytest -q -p no:cacheprovider -rfEs"
+case $MODE in
+quick)
+    TAIL=25 step gpu-tests 170 $PYTEST tests/test_gpu_fast_path.py tests/test_flex_bipartite.py
+    TAIL=3 step p2-torch 150 $BENCH --grid-ctx 1000,5000 --grid-batch 1,8 --grid-bw 128,256 --hf-requests 1
+    TAIL=3 step p2-triton 80 $BENCH --attention-backend triton --skip-hf --grid-ctx 5000 --grid-batch 8 --grid-bw 256
+    ;;
+full)
+    TAIL=25 step gpu-tests 300 $PYTEST tests/test_gpu_fast_path.py tests/test_flex_bipartite.py
+    TAIL=3 step p2-torch 300 $BENCH
+    TAIL=3 step p2-triton 300 $BENCH --attention-backend triton
+    TAIL=3 step p2-nographs 120 $BENCH --attention-backend triton --no-cuda-graphs --skip-hf \
+        --grid-ctx 5000 --grid-batch 8 --grid-bw 256
+    TAIL=6 step cpu-side-tests 300 $PYTEST tests/test_device_runner.py tests/test_triton_kernels.py \
+        tests/test_retrieval_exact.py
+    ;;
+*) echo "usage: $0 [quick|full]"; exit 2 ;;
+esac
