@@ -9,9 +9,10 @@ import sys
 
 import pytest
 
-from grserve.bench.trace_file import load_trace
-from grserve.eviction import AccessListOracle, make_policy, simulate
-from grserve.eviction.prefix_sim import _Tree, simulate_paths
+from grserve_bench.trace_file import load_trace
+from grserve.eviction import make_policy
+from grserve_bench.eviction import AccessListOracle, simulate
+from grserve_bench.eviction.prefix_sim import _Tree, simulate_paths
 
 
 def _conversations(n_conv: int = 60, turns: int = 6, seed: int = 0) -> list[list[int]]:
@@ -132,7 +133,7 @@ def test_bench_cache_trace_file_cli(tmp_path):
     with open(path, "w") as f:
         for p in _conversations(n_conv=20, turns=4):
             f.write(json.dumps({"timestamp": 0, "hash_ids": p}) + "\n")
-    out = subprocess.run([sys.executable, "-m", "grserve.cli", "bench", "cache", "--trace-file", str(path),
+    out = subprocess.run([sys.executable, "-m", "grserve_bench", "cache", "--trace-file", str(path),
                           "--sizes", "0.1", "--trace-policies", "lru,opt,lfu,leader,libcachesim",
                           "--out-dir", str(tmp_path)], capture_output=True, text=True, check=True)
     summary = json.loads(out.stdout.strip().splitlines()[-1])
