@@ -165,6 +165,16 @@ def test_a_missing_trace_file_is_one_line_naming_it_and_where_to_get_it(capsys, 
     assert err.count("\n") == 1 and missing in err
 
 
+def test_the_gpu_bench_without_a_gpu_is_one_line(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    assert cli.main(["bench", "retrieval", "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no CUDA device" in err
+
+
 # every flag these commands had before they were generated from dataclasses (tests and docs use them)
 OLD_FLAGS = {
     ("serve", "retrieval"): "--model --device --dtype --seed --catalog --num-items --depth --codebook-size "

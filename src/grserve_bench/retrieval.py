@@ -20,6 +20,7 @@ import numpy as np
 from grserve.config import DTYPES
 from grserve.flags import (
     Checked,
+    UsageError,
     comma_list,
     config_command,
     device_name,
@@ -136,6 +137,9 @@ def run(cfg: RetrievalBenchConfig) -> int:
     from grserve.engine.retrieval import RetrievalRunner
     from grserve.model import load_model
 
+    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError(f"--device {cfg.device}: no CUDA device is available here (the GPU suite needs one, "
+                         "docs/gpu.md; --device cpu runs the CPU sweep)")
     if cfg.suite == "p2" or (cfg.suite == "auto" and cfg.device.startswith("cuda")):
         from grserve_bench.retrieval_device import run_suite
 
