@@ -37,6 +37,7 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 RANKING_POLICIES = ("bat", "user_prefix", "item_prefix", "greedy_size", "recompute")
 LLM_SCHEDULERS = ("fcfs", "chunked", "aptserve", "aptserve-kv")
 PREFIX_CACHE_POLICIES = ("lru", "lfu", "laru", "density", "leader")
+TRUNCATE_MODES = ("left", "none")
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,9 @@ class CatalogConfig(Checked):
     codebook_size: int = flag(256, "codes per SID level in the generated catalog", check=positive_int)
     token_offset: int = flag(16, "first SID token id in the model vocabulary", check=non_negative, cli=False)
     seed: int = flag(0, "seed of the generated catalog", check=non_negative)
+    popularity: str | None = flag(None, "item popularity, JSON {\"<item id>\": count}: the answer to a history "
+                                        "with no items (cold start); default: every item counts 0 (item-id order)",
+                                  metavar="FILE")
 
     def check(self) -> None:
         if self.path is None and self.num_items > self.codebook_size ** self.depth:
@@ -118,6 +122,9 @@ class ServerConfig(Checked):
     max_top_n: int = flag(512, "largest top_n a request may ask for", check=positive_int)
     max_exclude_items: int = flag(4096, "longest exclude_items list a /v1/recommend request may give (413)",
                                   check=positive_int)
+    truncate: str = flag("left", "a /v1/recommend history longer than --max-prompt-tokens, unless the request says: "
+                                 "left keeps its newest items that fit (the answer counts the dropped ones), none "
+                                 "refuses it (413)", choices=TRUNCATE_MODES)
     log_level: str = flag("info", "uvicorn / grserve log level", choices=LOG_LEVELS)
 
 

@@ -3,6 +3,8 @@
     ``<cache>/data/``          the MovieLens-100k files (``grserve.movielens.data``)
     ``<cache>/catalog.jsonl``  the SID catalog (``grserve catalog build``, ``grserve.movielens.build``)
     ``<cache>/model/``         the HF-format GR decoder trained on the leave-one-out split (``grserve.movielens.train``)
+    ``<cache>/popularity.json`` interaction counts of every item but the held-out test items: the cold-start answer
+                               (``--popularity``, ``grserve.catalog.popularity``)
 
 Each is rebuilt only when missing or stale: the model's ``train_meta.json`` records the SHA-256 of the catalog it
 was trained on and its training settings. ``<cache>`` is ``--cache-dir``, else ``$GRSERVE_CACHE_DIR/movielens``,
@@ -52,6 +54,10 @@ class Artifacts:
     @property
     def model(self) -> Path:
         return self.root / "model"
+
+    @property
+    def popularity(self) -> Path:
+        return self.root / "popularity.json"
 
     @property
     def train_meta(self) -> Path:
@@ -105,7 +111,22 @@ def ensure_artifacts(cfg: ArtifactsConfig = ArtifactsConfig(), *, log: Callable[
         log(f"saved model to {art.model} ({result.steps} steps, {result.seconds:.0f} s)")
     else:
         log(f"reusing model {art.model}")
+    if cfg.rebuild or not art.popularity.is_file():
+        write_popularity(art, ml or load_movielens(art.root, cfg.widedeep_wheel, log))
     return art
+
+
+def write_popularity(art: Artifacts, ml) -> None:
+    """``popularity.json``: each item's interactions in the leave-one-out split, the test items left out (the same
+    counts as ``bench quality``'s popularity baseline)."""
+    import numpy as np
+
+    from grserve.catalog.popularity import Popularity
+    from grserve.movielens.split import leave_one_out
+
+    split = leave_one_out(ml.ratings)
+    events = np.concatenate([np.concatenate(split.train), split.valid]) if split.train else split.valid
+    Popularity.from_items(events).save(art.popularity)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,7 +3,10 @@ admin route ``POST /v1/catalog`` (hot catalog reload); ``/health`` and ``/metric
 (``app.py``).
 
 A history is given in one of three forms and laid out as prompt tokens here, against one catalog snapshot, so
-the engine receives valid ``RetrievalRequest``\\ s only. Errors: the house convention (``server/errors.py``).
+the engine receives valid ``RetrievalRequest``\\ s only. A history longer than ``--max-prompt-tokens`` keeps its
+newest entries that fit (``truncate`` "left", the default) or is a 413 (``"none"``); a history that lays out to no
+token (a new user) is answered from the popularity order (``cold_start``), not by the engine. Errors: the house
+convention (``server/errors.py``).
 """
 
 from __future__ import annotations
@@ -16,9 +19,10 @@ from typing import Any
 import numpy as np
 from fastapi import FastAPI, Request
 
+from grserve.catalog.popularity import Popularity
 from grserve.config import CatalogReloadConfig, EdgeConfig, ServerConfig
 from grserve.engine.protocol import RetrievalService
-from grserve.engine.types import RetrievalRequest, RetrievalResult
+from grserve.engine.types import RetrievalRequest, RetrievalResult, RetrievedItem
 from grserve.server.app import new_app
 from grserve.server.catalog_reload import CatalogReloader
 from grserve.server.errors import ApiError
@@ -48,9 +52,20 @@ def _too_long(n_tokens: int, max_tokens: int, field: str) -> None:
     check_length(n_tokens, max_tokens, field, "the history (laid out as prompt tokens)", "prompt_too_long")
 
 
-def items_to_tokens(catalog: Any, items: list[int], max_tokens: int) -> np.ndarray:
-    """Catalog item ids → their SIDs' tokens; 404 listing the ids the catalog does not know."""
-    _too_long(len(items) * catalog.depth, max_tokens, "history_items")
+def dropped_entries(n: int, per_entry: int, max_tokens: int, truncate: str, field: str) -> int:
+    """How many of the oldest of ``n`` history entries (``per_entry`` prompt tokens each) are cut so the rest fits
+    in ``max_tokens``: 0 when all fit; with ``truncate`` "none" a history that does not fit is a 413 instead."""
+    if n * per_entry <= max_tokens:
+        return 0
+    if truncate == "none":
+        _too_long(n * per_entry, max_tokens, field)
+    return n - max_tokens // per_entry
+
+
+def items_to_tokens(catalog: Any, items: list[int], max_tokens: int, truncate: str = "none") -> tuple[np.ndarray, int]:
+    """Catalog item ids → their SIDs' tokens and the number of oldest items cut to fit (every id is looked up,
+    the cut ones too); 404 listing the ids the catalog does not know."""
+    dropped = dropped_entries(len(items), catalog.depth, max_tokens, truncate, "history_items")
     beyond = [k for k, v in enumerate(items) if not INT64_MIN <= v <= INT64_MAX]
     if beyond:  # ids beyond int64 cannot be in the catalog
         raise unknown_ids("history_items", items, beyond, "item id", "unknown_items")
@@ -60,7 +75,7 @@ def items_to_tokens(catalog: Any, items: list[int], max_tokens: int) -> np.ndarr
     except KeyError:
         raise unknown_ids("history_items", items, _unknown_positions(catalog, ids), "item id",
                           "unknown_items") from None
-    return catalog.layout.sids_to_tokens(np.asarray(sids, dtype=np.int64))
+    return catalog.layout.sids_to_tokens(np.asarray(sids[dropped:], dtype=np.int64)), dropped
 
 
 def _unknown_positions(catalog: Any, ids: np.ndarray) -> list[int]:
@@ -74,38 +89,44 @@ def _unknown_positions(catalog: Any, ids: np.ndarray) -> list[int]:
     return [k for k, v in enumerate(ids.tolist()) if v in unknown]
 
 
-def sids_to_tokens(catalog: Any, sids: list[list[int]], max_tokens: int) -> np.ndarray:
-    """SIDs → tokens; 400 for a SID of the wrong depth or a code outside its level's codebook."""
+def sids_to_tokens(catalog: Any, sids: list[list[int]], max_tokens: int, truncate: str = "none") -> tuple[np.ndarray, int]:
+    """SIDs → tokens and the number of oldest SIDs cut to fit (every SID is checked, the cut ones too); 400 for a
+    SID of the wrong depth or a code outside its level's codebook."""
     depth = int(catalog.depth)
     sizes = tuple(int(c) for c in catalog.codebook_sizes)
     for i, sid in enumerate(sids):
         if len(sid) != depth:
             raise ApiError(400, f"history_sids[{i}]: a SID has {depth} codes (catalog depth), got {len(sid)}",
                            f"history_sids[{i}]", "wrong_depth")
-    _too_long(len(sids) * depth, max_tokens, "history_sids")
+    dropped = dropped_entries(len(sids), depth, max_tokens, truncate, "history_sids")
+    if not sids:
+        return np.zeros(0, dtype=np.int64), 0
     arr, bad = int64_in_range(sids, 0, np.asarray(sizes, dtype=np.int64))
     if bad is not None:
         i, j = bad
         raise ApiError(400, f"history_sids[{i}][{j}]: code {sids[i][j]} is out of range for level {j} "
                             f"[0, {sizes[j]})", f"history_sids[{i}][{j}]", "out_of_range")
-    return catalog.layout.sids_to_tokens(arr)
+    return catalog.layout.sids_to_tokens(arr.reshape(len(sids), depth)[dropped:]), dropped
 
 
-def history_tokens(body: RecommendRequest, catalog: Any, vocab_size: int, max_tokens: int) -> np.ndarray:
-    """The request's history, whichever form it takes, as int64 prompt tokens inside the model vocabulary."""
+def history_tokens(body: RecommendRequest, catalog: Any, vocab_size: int, max_tokens: int,
+                   truncate: str = "none") -> tuple[np.ndarray, int]:
+    """The request's history, whichever form it takes, as int64 prompt tokens inside the model vocabulary, and the
+    number of its oldest entries cut to fit ``max_tokens`` (``truncate`` "left"; "none": 413 instead)."""
     kind = body.history_kind
     if kind == "history_items":
-        prompt = items_to_tokens(catalog, body.history_items, max_tokens)  # type: ignore[arg-type]
+        prompt, dropped = items_to_tokens(catalog, body.history_items, max_tokens, truncate)  # type: ignore[arg-type]
     elif kind == "history_sids":
-        prompt = sids_to_tokens(catalog, body.history_sids, max_tokens)  # type: ignore[arg-type]
+        prompt, dropped = sids_to_tokens(catalog, body.history_sids, max_tokens, truncate)  # type: ignore[arg-type]
     else:
-        _too_long(len(body.history_tokens), max_tokens, "history_tokens")  # type: ignore[arg-type]
-        prompt = token_ids(body.history_tokens, vocab_size, "history_tokens")  # type: ignore[arg-type]
+        raw: list[int] = body.history_tokens  # type: ignore[assignment]
+        dropped = dropped_entries(len(raw), 1, max_tokens, truncate, "history_tokens")
+        prompt = token_ids(raw, vocab_size, "history_tokens")[dropped:]
     prompt = np.ascontiguousarray(prompt, dtype=np.int64).reshape(-1)
     if prompt.size > 0 and int(prompt.max()) >= vocab_size:  # catalog layout vs model vocab
         raise ApiError(400, f"{kind}: the history maps to token {int(prompt.max())}, outside the model "
                             f"vocabulary of {vocab_size}", kind, "out_of_range")
-    return prompt
+    return prompt, dropped
 
 
 def _search_knobs(body: RecommendRequest, search: Any, server_cfg: ServerConfig) -> int:
@@ -141,10 +162,24 @@ def excluded_items(body: RecommendRequest, server_cfg: ServerConfig) -> np.ndarr
 # ----------------------------------------------------------------------------------------------------------
 # the app
 # ----------------------------------------------------------------------------------------------------------
+def cold_start(req: RetrievalRequest, catalog: Any, popular: Popularity) -> RetrievalResult:
+    """The answer to a history with no prompt token: the ``top_n`` most popular catalog items, ``exclude_items``
+    never among them (``catalog/popularity.py``); computed here, the engine is not asked."""
+    t0 = time.perf_counter()
+    top = popular.top(catalog, req.top_n, req.exclude_items)
+    items = [RetrievedItem(int(i), tuple(int(c) for c in sid), float(score))
+             for i, sid, score in zip(top.item_ids, top.sids, top.scores)]
+    return RetrievalResult(req.request_id, items, compute_ms=(time.perf_counter() - t0) * 1e3, batch_size=0,
+                           catalog_version=int(catalog.version))
+
+
 def create_app(engine: RetrievalService, server_cfg: ServerConfig, metrics: Metrics | None = None,
-               edge: EdgeConfig | None = None, reload: CatalogReloadConfig | None = None) -> FastAPI:
+               edge: EdgeConfig | None = None, reload: CatalogReloadConfig | None = None,
+               popularity: Popularity | None = None) -> FastAPI:
     """The retrieval app around a started (or to-be-started) retrieval engine or cluster front end (the
-    ``RetrievalService`` protocol); the caller owns start/stop."""
+    ``RetrievalService`` protocol); the caller owns start/stop. ``popularity``: the cold-start order (default:
+    every item counts 0)."""
+    popular = popularity if popularity is not None else Popularity()
     app = new_app(engine, metrics, title="grserve",
                   description="Generative-recommender retrieval: history in, top items by SID beam search out.",
                   groups=("history",), detail=lambda: {"catalog": catalog_info(engine.catalogs.current()).model_dump(),
@@ -160,18 +195,22 @@ def create_app(engine: RetrievalService, server_cfg: ServerConfig, metrics: Metr
         t0 = time.perf_counter()
         catalog = engine.catalogs.current()  # one snapshot for the whole conversion
         beam_width = _search_knobs(body, engine.search, server_cfg)
-        prompt = history_tokens(body, catalog, int(engine.vocab_size), int(server_cfg.max_prompt_tokens))
+        prompt, dropped = history_tokens(body, catalog, int(engine.vocab_size), int(server_cfg.max_prompt_tokens),
+                                         body.truncate or server_cfg.truncate)
         kwargs = {"request_id": body.request_id} if body.request_id is not None else {}
         req = RetrievalRequest(prompt_tokens=prompt, beam_width=beam_width, top_n=body.top_n,
                                exclude_items=excluded_items(body, server_cfg), **kwargs)
-        result: RetrievalResult = await finish(request, engine, submit(engine, req))
+        if prompt.size == 0:  # a new user: nothing for the model to answer from (catalog/popularity.py)
+            result, source = cold_start(req, catalog, popular), "popularity"
+        else:
+            result, source = await finish(request, engine, submit(engine, req)), "model"
         items = [ItemOut(item_id=int(it.item_id), sid=[int(c) for c in it.sid],
                          score=float(it.score) if math.isfinite(float(it.score)) else -1e30)
                  for it in result.items]
         metrics.observe_items(len(items))
         return RecommendResponse(
-            request_id=result.request_id or req.request_id, items=items, beam_width=beam_width,
-            catalog_version=int(result.catalog_version),
+            request_id=result.request_id or req.request_id, items=items, source=source, history_dropped=dropped,
+            beam_width=beam_width, catalog_version=int(result.catalog_version),
             timing=Timing(queue_ms=float(result.queue_ms), compute_ms=float(result.compute_ms),
                           total_ms=(time.perf_counter() - t0) * 1000.0),
             batch_size=int(result.batch_size))

@@ -75,16 +75,24 @@ def run(cfg: ServeConfig) -> int:
 
     metrics = Metrics()
     try:
+        popularity = load_popularity(cfg)
         engine = RetrievalEngine.build(cfg, on_batch=metrics.on_batch)
     except (ValueError, KeyError, OSError) as exc:  # CatalogError is a ValueError: bad file, vocab mismatch...
         raise _usage_error(exc) from None
-    app = create_app(engine, cfg.server, metrics, cfg.edge, cfg.reload)
+    app = create_app(engine, cfg.server, metrics, cfg.edge, cfg.reload, popularity)
     cat = engine.catalogs.current()
     print(f"grserve: model {cfg.model.source} ({cfg.model.dtype}, {cfg.model.device}), catalog {len(cat):,} items "
           f"(depth {cat.depth}, codebooks {list(cat.codebook_sizes)}), default beam width {cfg.search.beam_width} "
           f"-> {_url(cfg.server)}", flush=True)
     engine.start()
     return serve_until_exit(app, cfg.server.host, cfg.server.port, cfg.server.log_level, engine.stop)
+
+
+def load_popularity(cfg: ServeConfig):
+    """The cold-start popularity of ``--popularity FILE`` (None without it: every item counts 0)."""
+    from grserve.catalog.popularity import Popularity
+
+    return Popularity.load(cfg.catalog.popularity) if cfg.catalog.popularity else None
 
 
 def _usage_error(exc: Exception) -> UsageError:
@@ -103,10 +111,11 @@ def run_cluster(cfg: ServeConfig) -> int:
     from grserve.server.serving import serve_until_exit
 
     try:
+        popularity = load_popularity(cfg)
         engine = ClusterRetrievalEngine.launch(cfg, cfg.cluster)
     except (ValueError, KeyError, OSError) as exc:
         raise _usage_error(exc) from None
-    app = cluster_app(engine, lambda m: create_app_for(engine, cfg, m))
+    app = cluster_app(engine, lambda m: create_app_for(engine, cfg, m, popularity))
     cat = engine.catalogs.current()
     for line in engine.describe():
         print(f"grserve: {line}", flush=True)
@@ -117,10 +126,10 @@ def run_cluster(cfg: ServeConfig) -> int:
     return serve_until_exit(app, cfg.server.host, cfg.server.port, cfg.server.log_level, engine.stop)
 
 
-def create_app_for(engine, cfg: ServeConfig, metrics):
+def create_app_for(engine, cfg: ServeConfig, metrics, popularity=None):
     from grserve.server.retrieval_app import create_app
 
-    return create_app(engine, cfg.server, metrics, cfg.edge, cfg.reload)
+    return create_app(engine, cfg.server, metrics, cfg.edge, cfg.reload, popularity)
 
 
 def cluster_app(engine, make_app):

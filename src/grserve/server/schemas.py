@@ -9,7 +9,7 @@ does (``ge=1``, ``min_length=1``) answer 400, like every other bad value (``serv
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
 from pydantic_core import PydanticCustomError
@@ -17,6 +17,8 @@ from pydantic_core import PydanticCustomError
 HISTORY_FIELDS = ("history_items", "history_sids", "history_tokens")
 
 NonEmptyInts = Annotated[list[StrictInt], Field(min_length=1)]
+Truncate = Literal["left", "none"]
+Source = Literal["model", "popularity"]
 
 
 class RecommendRequest(BaseModel):
@@ -25,16 +27,21 @@ class RecommendRequest(BaseModel):
     - ``history_items``: catalog item ids, oldest first; each is mapped to its SID.
     - ``history_sids``: SIDs, one ``[c_0, ..., c_{depth-1}]`` list per item (code ``c_l`` in ``[0, codebook_size_l)``).
     - ``history_tokens``: raw prompt token ids, each in ``[0, vocab_size)``.
+
+    An empty history is a new user (cold start): answered from the popularity order (``catalog/popularity.py``).
+    ``truncate``: a history longer than the server's ``--max-prompt-tokens`` keeps its newest entries that fit
+    (``"left"``) or is refused with 413 (``"none"``); unset: the server's ``--truncate`` (default ``"left"``).
     """
 
     model_config = ConfigDict(extra="forbid")
 
-    history_items: NonEmptyInts | None = None
-    history_sids: Annotated[list[list[StrictInt]], Field(min_length=1)] | None = None
-    history_tokens: NonEmptyInts | None = None
+    history_items: list[StrictInt] | None = None
+    history_sids: list[list[StrictInt]] | None = None
+    history_tokens: list[StrictInt] | None = None
     beam_width: Annotated[StrictInt, Field(ge=1)] | None = None  # None → the server's SearchConfig.beam_width
     top_n: Annotated[StrictInt, Field(ge=1)] = 10
     exclude_items: list[StrictInt] | None = None  # catalog item ids never returned (masked inside the search)
+    truncate: Truncate | None = None  # None → the server's ServerConfig.truncate
     request_id: Annotated[StrictStr, Field(min_length=1, max_length=128)] | None = None
 
     @model_validator(mode="after")
@@ -58,7 +65,7 @@ class RecommendRequest(BaseModel):
 class ItemOut(BaseModel):
     item_id: int
     sid: list[int]
-    score: float  # summed log-probability of the SID tokens
+    score: float  # source "model": summed log-probability of the SID tokens; "popularity": log of the item's share
 
 
 class Timing(BaseModel):
@@ -70,6 +77,8 @@ class Timing(BaseModel):
 class RecommendResponse(BaseModel):
     request_id: str
     items: list[ItemOut]  # best first
+    source: Source = "model"  # "popularity": the history laid out to no prompt token (cold start)
+    history_dropped: int = 0  # oldest history entries (items, SIDs or tokens, as given) cut by truncate "left"
     beam_width: int
     catalog_version: int
     timing: Timing
