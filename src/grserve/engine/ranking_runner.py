@@ -41,7 +41,7 @@ from grserve.kvcache.user_cache import UserKVCache
 from grserve.model import Decoder
 from grserve.ranking.layouts import ITEM_PREFIX, USER_PREFIX, BipartitePrompt, build_prompt
 from grserve.ranking.registry import RankingRegistry
-from grserve.ranking.scoring import score_candidates
+from grserve.ranking.scoring import full_vocab_lse, score_candidates
 from grserve.scheduler.prefix_choice import PrefixDecision, PrefixPolicy, PrefixQuery, make_policy
 
 
@@ -291,13 +291,14 @@ class RankingRunner:
         forward_s = time.perf_counter() - tf
         last = hidden[torch.tensor([ctx.last_index(r) for r in range(len(plans))], device=hidden.device)]
         w = self.model.lm_head.weight
+        lse = full_vocab_lse(last, w)  # per request: log-probabilities comparable across requests
         done = time.perf_counter()
         results = []
         st = self.stats
         for r, (req, plan, d) in enumerate(zip(requests, plans, decisions)):
             p = plan.prompt
             ident = torch.from_numpy(p.identifier_tokens).to(w.device)
-            ranked = score_candidates(last[r], w, ident, req.top_k)
+            ranked = score_candidates(last[r], w, ident, req.top_k, lse[r])
             cached_user = len(p.head) if (d.layout == USER_PREFIX and plan.head_kv is not None) else 0
             cached_item = sum(len(p.items[k]) for k, x in enumerate(plan.item_kv) if x is not None)
             total = p.num_tokens - (len(p.head) if d.layout == ITEM_PREFIX else 0)  # notation is not request data
@@ -321,7 +322,7 @@ class RankingRunner:
                 request_id=req.request_id, order=ranked.order, scores=ranked.scores, layout=d.layout,
                 total_tokens=total, computed_tokens=computed, cached_tokens=cached_user + cached_item,
                 user_cache_hit=hits[r], queue_ms=(t0 - req.arrival) * 1e3, compute_ms=(done - t0) * 1e3,
-                batch_size=len(requests)))
+                batch_size=len(requests), logprobs=ranked.logprobs or []))
         st.batches += 1
         st.forward_s += forward_s
         st.busy_s += time.perf_counter() - t0

@@ -96,7 +96,7 @@ class RankingRequest:
 class RankingResult:
     request_id: str
     order: list[int]  # candidate indices, best first
-    scores: list[float]  # softmax probabilities of ``order``
+    scores: list[float]  # softmax probabilities of ``order`` (over the request's candidates)
     layout: str
     total_tokens: int
     computed_tokens: int
@@ -105,3 +105,4 @@ class RankingResult:
     queue_ms: float = 0.0
     compute_ms: float = 0.0
     batch_size: int = 1
+    logprobs: list[float] = field(default_factory=list)  # of ``order``: identifier token, full vocabulary

@@ -2,8 +2,9 @@
 
 ``POST /v1/rank`` takes a user (``user_id`` of a registered user, or raw ``user_tokens``) and candidates
 (registered ``candidates`` item ids, or raw ``candidate_tokens`` lists whose last token is the identifier token)
-and returns the candidates ranked by the softmax over their identifier-token logits. Raw users/items are never
-cached. Errors: the house convention (``server/errors.py``) — 404 ``unknown_user`` / ``unknown_items``; 400
+and returns the candidates ranked by the softmax over their identifier-token logits (``score``, relative to the
+request's candidates), each with its identifier token's log-probability over the whole vocabulary (``logprob``,
+comparable across requests; ``ranking/scoring.py``). Raw users/items are never cached. Errors: the house convention (``server/errors.py``) — 404 ``unknown_user`` / ``unknown_items``; 400
 ``duplicate_candidates``, ``identifier_collision`` (raw candidates sharing an identifier token), ``empty_*``,
 ``out_of_range`` tokens; 413 ``too_many_candidates``, ``profile_too_long``, ``item_too_long``; 422 exactly-one-of
 violations; 429 ``overloaded``. ``POST /v1/users`` and ``/v1/items`` change state: they need the admin key
@@ -155,8 +156,8 @@ def build_router(engine: RankingService, limits: RankingLimits) -> APIRouter:
         t0 = time.perf_counter()
         req = rank_request(body, engine.registry, limits)
         res = await finish(request, engine, submit(engine, req))
-        ranked = [RankedItem(index=k, item_id=req.item_ids[k], score=s)  # type: ignore[index]
-                  for k, s in zip(res.order, res.scores)]
+        ranked = [RankedItem(index=k, item_id=req.item_ids[k], score=s, logprob=lp)  # type: ignore[index]
+                  for k, s, lp in zip(res.order, res.scores, res.logprobs)]
         return RankResponse(
             request_id=res.request_id, items=ranked, layout=res.layout, total_tokens=res.total_tokens,
             computed_tokens=res.computed_tokens, cached_tokens=res.cached_tokens, user_cache_hit=res.user_cache_hit,

@@ -140,7 +140,8 @@ class RankRequest(BaseModel):
 class RankedItem(BaseModel):
     index: int  # position in the request's candidate list
     item_id: int | None  # None for raw candidates
-    score: float  # softmax probability over the candidates
+    score: float  # softmax probability over the request's candidates (sums to 1 over them)
+    logprob: float  # log-probability of the identifier token over the whole vocabulary: comparable across requests
 
 
 class RankResponse(BaseModel):
