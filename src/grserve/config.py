@@ -89,6 +89,10 @@ class SearchConfig(Checked):
                                           "(reference)", choices=("vectorized", "heap"), cli=False)
     overlap_masks: bool = flag(True, "build the next step's mask on a host thread while the forward runs",
                                cli=False)
+    warmup: bool = flag(True, "before the server is ready (/health ok), run one batch per warm-up beam width and "
+                              "batch bucket, so the first requests do not pay for the set-up (engine/warmup.py)")
+    warmup_beam_widths: str | None = flag(None, "comma-separated beam widths to warm up (default: --beam-width)",
+                                          check=comma_list(int, each=positive_int), metavar="BW,...")
 
     def check(self) -> None:
         if self.beam_width > self.max_beam_width:

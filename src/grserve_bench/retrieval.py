@@ -11,6 +11,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -113,6 +114,19 @@ def run_grserve(engine: RetrievalEngine, prompts, bw: int, top_n: int) -> dict:
     }
 
 
+def warm_every_width(bws: list[int], systems: dict[str, Callable[[int], object]]) -> dict[str, dict[int, float]]:
+    """Run every system once at every beam width before anything is timed: the first call of a width pays for
+    set-up the later ones do not (torch kernels and allocations, HF ``generate``'s), which would otherwise land on
+    whichever width is measured first. Seconds per system and width, reported apart."""
+    out: dict[str, dict[int, float]] = {name: {} for name in systems}
+    for bw in bws:
+        for name, fn in systems.items():
+            t = time.perf_counter()
+            fn(bw)
+            out[name][bw] = round(time.perf_counter() - t, 3)
+    return out
+
+
 def run_sequential(fn, prompts) -> dict:
     lat, outs = [], []
     t0 = time.perf_counter()
@@ -122,6 +136,19 @@ def run_sequential(fn, prompts) -> dict:
         lat.append((time.perf_counter() - t) * 1e3)
     wall = time.perf_counter() - t0
     return {"req_per_s": len(prompts) / wall, "p50_ms": pct(lat, 50), "p99_ms": pct(lat, 99), "outs": outs}
+
+
+def _systems(cfg: RetrievalBenchConfig, engine, runner, naive, hf, prompts, catalog) -> dict[str, Callable[[int], object]]:
+    """What the sweep times, one call each, as functions of the beam width (for ``warm_every_width``)."""
+    batch = prompts[: cfg.batch]
+    systems: dict[str, Callable[[int], object]] = {
+        "grserve": lambda bw: run_grserve(engine, batch, bw, min(cfg.top_n, bw)),
+        "grserve_batch": lambda bw: runner.run(batch, bw, [min(cfg.top_n, bw)] * len(batch), catalog)}
+    if naive is not None:
+        systems["naive"] = lambda bw: naive.run(prompts[0], bw, min(cfg.top_n, bw), catalog)
+    if hf is not None:
+        systems["hf"] = lambda bw: hf.run(prompts[0], bw, min(cfg.top_n, bw), catalog)
+    return systems
 
 
 def run(cfg: RetrievalBenchConfig) -> int:
@@ -179,9 +206,9 @@ def run(cfg: RetrievalBenchConfig) -> int:
     steps = len(bws) * (1 + (hf is not None) + (naive is not None))
     bar = tqdm(total=steps, desc="bench", file=sys.stderr, leave=False)
     try:
+        warm_s = warm_every_width(bws, _systems(cfg, engine, runner, naive, hf, prompts, catalog))
         for bw in bws:
             top_n = min(cfg.top_n, bw)
-            run_grserve(engine, prompts[: cfg.batch], bw, top_n)  # warm-up
             row: dict = {"beam_width": bw}
             g = run_grserve(engine, prompts[: cfg.requests], bw, top_n)
             bar.update()
@@ -233,6 +260,8 @@ def run(cfg: RetrievalBenchConfig) -> int:
             f"{row['grserve']['kv_bytes_per_request']:,} B = (L + BW·ND)·{b_tok} = {row['kv_bytes_formula']:,} B; "
             f"top-BW candidates visited {row['grserve']['candidates_visited']:,}{extra}"
         )
+    console.print("warm-up before any timing, s per system and beam width (untimed): " + "; ".join(
+        f"{name} " + ", ".join(f"BW {bw} {sec:.2f}" for bw, sec in per.items()) for name, per in warm_s.items()))
     head = next(r for r in sweep if r["beam_width"] == headline)
     summary = {
         "benchmark": "retrieval",
@@ -252,6 +281,7 @@ def run(cfg: RetrievalBenchConfig) -> int:
         "kv_bytes_formula": head["kv_bytes_formula"],
         "bytes_per_token": b_tok,
         "hf_agreement": head.get("hf_agreement"),
+        "warmup_s": warm_s,
         "sweep": [
             {k: row.get(k) for k in ("beam_width", "speedup_vs_hf", "speedup_vs_naive", "ms_per_batch", "kv_bytes_formula", "hf_agreement")}
             | {"req_per_s": row["grserve"]["req_per_s"], "kv_bytes_per_request": row["grserve"]["kv_bytes_per_request"]}

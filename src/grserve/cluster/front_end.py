@@ -135,14 +135,13 @@ def launch_actors(spawn: Callable[[int, str], Any], cluster: Any) -> tuple[list[
     """Start (or join) Ray, create ``cluster.instances`` actors with ``spawn(index, incarnation)`` and wait until
     every one answers ``info()`` (its engine is built); on a failure fence them all (and stop a Ray started here).
     Returns (actors, their infos, whether this call started Ray)."""
-    import ray
-
     from grserve.cluster.ray_runtime import new_incarnation, start_ray
+    from grserve.cluster.start_progress import wait_ready
 
     owns = start_ray(cluster.ray_address)
     actors = [spawn(i, new_incarnation()) for i in range(cluster.instances)]
     try:
-        infos = ray.get([a.info.remote() for a in actors])
+        infos = wait_ready(actors)  # a line per instance as it becomes ready (cluster/start_progress.py)
     except Exception:
         abandon_actors(actors, owns)
         raise

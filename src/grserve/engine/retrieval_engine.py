@@ -17,6 +17,7 @@ from grserve.config import AccelConfig, EdgeConfig, SchedulerConfig, SearchConfi
 from grserve.engine.batching import BatchedEngine, BatchingCore, admission
 from grserve.engine.retrieval import RetrievalRunner
 from grserve.engine.types import RetrievalRequest, RetrievalResult, RetrievedItem
+from grserve.engine.warmup import WarmupRun, warm_up, warmup_plan
 from grserve.model import Decoder, load_model
 
 
@@ -30,6 +31,7 @@ class RetrievalEngine(BatchedEngine):
         on_batch: Callable[[int, int], None] | None = None,
         edge: EdgeConfig | None = None,
         accel: AccelConfig | None = None,
+        warm: bool = False,
     ):
         self.model = model
         self.catalogs = catalogs
@@ -37,6 +39,8 @@ class RetrievalEngine(BatchedEngine):
         self.scheduler = scheduler or SchedulerConfig()
         self.vocab_size = model.spec.vocab_size
         self.runner = make_runner(model, self.search, accel)
+        self.warm = warm  # start() warms up first (engine/warmup.py); build() sets it from --warmup
+        self.warmup_runs: list[WarmupRun] | None = None  # None until warmed up
         self._reference: RetrievalRunner | None = None  # made on the first batch with exclude_items (fast path)
         self._core = BatchingCore(self._execute, self.scheduler, "grserve-retrieval", on_batch,
                                   **admission(edge))
@@ -46,9 +50,23 @@ class RetrievalEngine(BatchedEngine):
         m = cfg.model
         model = load_model(m.source, dtype=m.dtype, device=m.device, seed=m.seed)
         store = CatalogStore(build_catalog(cfg), vocab_size=model.spec.vocab_size)
-        return cls(model, store, cfg.search, cfg.scheduler, on_batch, cfg.edge, cfg.accel)
+        return cls(model, store, cfg.search, cfg.scheduler, on_batch, cfg.edge, cfg.accel, warm=cfg.search.warmup)
 
     # ---- the mode's part of the Engine contract ------------------------------------------------------------
+    def start(self) -> "RetrievalEngine":
+        """Warm up first when ``warm`` (and not yet done), then open the queue: ``health()`` is ``ok`` only after."""
+        if self.warm and self.warmup_runs is None:
+            self.warm_up()
+        return super().start()
+
+    def warm_up(self, log: Callable[[str], None] | None = None) -> list[WarmupRun]:
+        """One untimed batch per warm-up beam width and batch bucket through the runner, against the current
+        catalog (``engine/warmup.py``); ``log`` gets a line per batch."""
+        catalog = self.catalogs.current()
+        plan = warmup_plan(self.runner, self.search, self.scheduler, catalog)
+        self.warmup_runs = warm_up(self.runner, catalog, plan, log)
+        return self.warmup_runs
+
     def stop(self) -> None:
         super().stop()
         self.runner.close()

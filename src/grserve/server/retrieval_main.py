@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 
 from grserve.config import (
     AccelConfig,
@@ -84,8 +85,17 @@ def run(cfg: ServeConfig) -> int:
     print(f"grserve: model {cfg.model.source} ({cfg.model.dtype}, {cfg.model.device}), catalog {len(cat):,} items "
           f"(depth {cat.depth}, codebooks {list(cat.codebook_sizes)}), default beam width {cfg.search.beam_width} "
           f"-> {_url(cfg.server)}", flush=True)
+    if cfg.search.warmup:
+        _warm_up(engine)
     engine.start()
     return serve_until_exit(app, cfg.server.host, cfg.server.port, cfg.server.log_level, engine.stop)
+
+
+def _warm_up(engine) -> None:
+    """The engine's warm-up with a line per batch (``start()`` would do it silently); the server listens after."""
+    t0 = time.perf_counter()
+    engine.warm_up(log=lambda line: print(f"grserve: {line}", flush=True))
+    print(f"grserve: warmed up in {time.perf_counter() - t0:.1f} s; listening", flush=True)
 
 
 def load_popularity(cfg: ServeConfig):
