@@ -105,6 +105,31 @@ def test_budget_stops_training(catalog):
     assert res.stopped_by_budget and res.steps == 0
 
 
+def test_default_training_runs_its_epochs_however_slow_the_machine(catalog, monkeypatch):
+    """The cap is epochs, not wall-clock seconds (issue 26: a 540 s budget stopped the demo at 9 of 12 epochs on a
+    loaded machine): with the clock advancing 1000 s per reading, the default config still trains every step."""
+    import grserve.movielens.train as train_mod
+
+    clock = itertools.count(0.0, 1000.0)
+    monkeypatch.setattr(train_mod.time, "perf_counter", lambda: next(clock))
+    res = train_gr(cyclic_sequences(), catalog, TrainConfig(**TINY, epochs=2), progress=False)
+    assert TrainConfig().time_budget_s is None
+    assert res.steps == 2 * 6 and not res.stopped_by_budget and res.epochs_done == 2
+
+
+def test_a_model_cut_by_a_budget_is_retrained_when_none_is_set(tmp_path, catalog):
+    """The cached MovieLens model of an older, budget-cut run is stale for a run that trains full epochs."""
+    from grserve.catalog import save_catalog
+    from grserve.movielens.artifacts import Artifacts, model_is_current
+
+    art = Artifacts(tmp_path)
+    save_catalog(catalog, art.catalog)
+    cfg = TrainConfig(**TINY, epochs=50, time_budget_s=0.0)
+    save_trained(train_gr(cyclic_sequences(), catalog, cfg, progress=False), art.model, catalog_path=art.catalog)
+    assert model_is_current(art, cfg.settings())
+    assert not model_is_current(art, cfg.settings(), complete=True)
+
+
 def test_training_learns_the_next_item_rule(catalog):
     seqs = cyclic_sequences(n_users=48, length=12)
     hist, nxt = [s[:-1] for s in seqs], np.array([s[-1] for s in seqs])

