@@ -1,6 +1,6 @@
 """The cluster front end with fake instances (no Ray: the front end's calls to an instance are
 ``actor.submit.remote(...)`` / ``actor.cancel.remote(...)``; the tests play the pollers by handing the front end
-poll answers). Admission (``cluster/admission.py``): ``--max-waiting`` bounds the requests waiting for their first
+poll answers). Admission (``cluster/llm/admission.py``): ``--max-waiting`` bounds the requests waiting for their first
 token (429 with Retry-After beyond it), ``--request-timeout`` fails the ones that wait too long (503
 ``queue_timeout``), through the real ``ClusterLLMEngine`` and LLM app. Restart: a death triggers a respawn only
 with ``--restart-instances`` (the respawn itself runs on Ray: ``test_cluster_ray.py``)."""
@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from grserve.cluster.llm_cluster import ClusterLLMEngine
+from grserve.cluster.llm.front_end import ClusterLLMEngine
 from grserve.config import ClusterConfig, EdgeConfig
 from grserve.engine.protocol import EngineOverloaded, RequestTimedOut
 from grserve.engine.sampling import SamplingParams
@@ -120,7 +120,7 @@ def test_http_429_with_retry_after_and_503_queue_timeout():
 
 @pytest.mark.parametrize("restart", [True, False])
 def test_a_death_triggers_a_restart_only_when_asked(monkeypatch, restart):
-    from grserve.cluster import respawn
+    from grserve.cluster.core import respawn
 
     asked: list[int] = []
     monkeypatch.setattr(respawn, "respawn_later", lambda engine, index: asked.append(index))
@@ -141,7 +141,7 @@ def test_sigterm_after_ray_is_down_dies_by_the_signal():
     import subprocess
     import sys
 
-    code = ("import os, signal, time\nfrom grserve.cluster.ray_runtime import on_sigterm\n"
+    code = ("import os, signal, time\nfrom grserve.cluster.core.ray_runtime import on_sigterm\n"
             "signal.signal(signal.SIGTERM, on_sigterm)\nos.kill(os.getpid(), signal.SIGTERM)\ntime.sleep(30)\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == -signal.SIGTERM, r.stderr

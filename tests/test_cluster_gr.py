@@ -23,9 +23,9 @@ ray = pytest.importorskip("ray")
 
 from fastapi.testclient import TestClient  # noqa: E402
 
-from grserve.cluster.gr_instance import catalog_digest, spawn_gr_instance, user_key  # noqa: E402
-from grserve.cluster.gr_modes import ClusterRankingEngine, ClusterRetrievalEngine  # noqa: E402
-from grserve.cluster.ray_runtime import new_incarnation, start_ray  # noqa: E402
+from grserve.cluster.gr.instance import catalog_digest, spawn_gr_instance, user_key  # noqa: E402
+from grserve.cluster.gr.modes import ClusterRankingEngine, ClusterRetrievalEngine  # noqa: E402
+from grserve.cluster.core.ray_runtime import new_incarnation, start_ray  # noqa: E402
 from grserve.config import (  # noqa: E402
     CatalogConfig,
     CatalogReloadConfig,
@@ -66,7 +66,7 @@ def clusters():
 @pytest.fixture(scope="module")
 def references():
     """One retrieval engine and one ranking engine in this process, built from the same configs."""
-    from grserve.cluster.gr_instance import build_ranking_engine
+    from grserve.cluster.gr.instance import build_ranking_engine
     from grserve.engine.retrieval_engine import RetrievalEngine
 
     torch.set_num_threads(1)  # beside three busy actors on a small machine, more threads only spin

@@ -13,11 +13,11 @@ import pytest
 
 pytest.importorskip("ray")
 
-from grserve.cluster.gr_cluster import ClusterGREngine  # noqa: E402
-from grserve.cluster.gr_instance import user_key  # noqa: E402
-from grserve.cluster.gr_modes import ClusterRankingEngine  # noqa: E402
-from grserve.cluster.kv_index import KVEvent, KVSnapshot  # noqa: E402
-from grserve.cluster.recovery import RequestLost  # noqa: E402
+from grserve.cluster.gr.front_end import ClusterGREngine  # noqa: E402
+from grserve.cluster.gr.instance import user_key  # noqa: E402
+from grserve.cluster.gr.modes import ClusterRankingEngine  # noqa: E402
+from grserve.cluster.core.kv_index import KVEvent, KVSnapshot  # noqa: E402
+from grserve.cluster.core.recovery import RequestLost  # noqa: E402
 from grserve.config import ClusterConfig  # noqa: E402
 
 
@@ -126,8 +126,8 @@ def test_engine_errors_reach_the_client_and_cancel_reaches_the_instance():
 
 
 def test_the_front_end_refuses_instances_serving_another_catalog():
-    from grserve.cluster.gr_instance import catalog_digest
-    from grserve.cluster.gr_modes import ClusterRetrievalEngine
+    from grserve.cluster.gr.instance import catalog_digest
+    from grserve.cluster.gr.modes import ClusterRetrievalEngine
     from grserve.config import CatalogConfig, ServeConfig
     from grserve.engine.retrieval_engine import build_catalog
 
@@ -145,7 +145,7 @@ def test_the_front_end_refuses_instances_serving_another_catalog():
 def test_broadcast_log_replays_the_newest_state_compactly():
     """A restarted instance is sent the newest catalog (with its version) and each key's newest tokens, in the
     order of the last updates; calls that change no state ("info") are not recorded."""
-    from grserve.cluster.broadcast_log import BroadcastLog
+    from grserve.cluster.gr.broadcast_log import BroadcastLog
 
     log = BroadcastLog()
     assert log.replay(lambda *a: pytest.fail("nothing to replay")) == 0

@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from grserve.kvcache.block_hash import chained_block_hashes
-from grserve.cluster.kv_index import GlobalKVIndex, KVEventPublisher, tree_blocks
-from grserve.cluster.recovery import RecoveryCost, RequestRecord, plan
-from grserve.cluster.router import Router
-from grserve.cluster.stream import TokenStream
+from grserve.cluster.core.kv_index import GlobalKVIndex, KVEventPublisher, tree_blocks
+from grserve.cluster.core.recovery import RecoveryCost, RequestRecord, plan
+from grserve.cluster.core.router import Router
+from grserve.cluster.llm.stream import TokenStream
 from grserve.engine.sampling import SamplingParams
 
 
@@ -288,7 +288,7 @@ def test_cache_weight_trades_balance_for_affinity():
 
 
 def test_instance_threads_share_the_cores():
-    from grserve.cluster.ray_runtime import instance_threads
+    from grserve.cluster.core.ray_runtime import instance_threads
 
     assert instance_threads(0, 3, cores=2) == 1
     assert instance_threads(0, 2, cores=16) == 8

@@ -21,8 +21,8 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from cluster_fixtures import consume, one_engine, running_cluster, save_random_model  # noqa: E402
-from grserve.cluster.pd_disagg import engine_stats  # noqa: E402
-from grserve.cluster.pd_policy import Role, RolePools  # noqa: E402
+from grserve.cluster.llm.pd_disagg import engine_stats  # noqa: E402
+from grserve.cluster.llm.pd_policy import Role, RolePools  # noqa: E402
 from grserve.config import LLMConfig, LLMServeConfig, ModelConfig, PDConfig, SLOConfig  # noqa: E402
 from grserve.engine.sampling import SamplingParams  # noqa: E402
 from grserve.engine.types import LLMRequest  # noqa: E402
@@ -153,7 +153,7 @@ def test_role_flips_each_way_from_the_rule(cluster, reference):
     (decodes running) → P->D. Same processes, counted in /metrics."""
     from fastapi.testclient import TestClient
 
-    from grserve.cluster.metrics import ClusterCollector
+    from grserve.cluster.core.metrics import ClusterCollector
     from grserve.server.llm_app import create_llm_app
 
     pd = cluster.pd

@@ -20,7 +20,7 @@ import torch
 ray = pytest.importorskip("ray")
 
 from cluster_fixtures import HEARTBEAT_S, consume, one_engine, running_cluster, save_random_model  # noqa: E402
-from grserve.cluster.recovery import RequestLost  # noqa: E402
+from grserve.cluster.core.recovery import RequestLost  # noqa: E402
 from grserve.config import LLMConfig, LLMServeConfig, ModelConfig  # noqa: E402
 from grserve.engine.sampling import SamplingParams  # noqa: E402
 from grserve.engine.types import LLMRequest  # noqa: E402
@@ -65,7 +65,7 @@ def test_sigterm_handler_is_the_front_ends(cluster):
     """``ray.init`` installs ``sys.exit(15)`` as the driver's SIGTERM handler: a SIGTERM'd ``serve --instances N``
     drained, then exited with status 15 where a one-instance server dies by the signal (143). ``start_ray`` puts
     the front end's own handler there (its behaviour: ``test_cluster_front_end.py``)."""
-    from grserve.cluster.ray_runtime import on_sigterm
+    from grserve.cluster.core.ray_runtime import on_sigterm
 
     assert signal.getsignal(signal.SIGTERM) is on_sigterm
 
@@ -93,7 +93,7 @@ def test_startup_and_kv_routing_equal_one_engine(cluster, reference):
 def test_http_app_and_metrics(cluster, cfg):
     from fastapi.testclient import TestClient
 
-    from grserve.cluster.metrics import ClusterCollector
+    from grserve.cluster.core.metrics import ClusterCollector
     from grserve.server.llm_app import create_llm_app
 
     info = cluster.instances[0].info
@@ -219,8 +219,8 @@ def test_dead_instance_restarts_and_rejoins(cluster):
     back as a new actor and incarnation: it serves again, the KV index resyncs it by snapshot, /metrics shows it."""
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from grserve.cluster.metrics import ClusterCollector
-    from grserve.cluster.respawn import respawn
+    from grserve.cluster.core.metrics import ClusterCollector
+    from grserve.cluster.core.respawn import respawn
 
     old = cluster.instances[0].info
     assert not cluster.instances[0].up

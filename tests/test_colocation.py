@@ -314,7 +314,7 @@ class _FakeActor:
 
 
 def test_cluster_front_end_carries_priority_to_the_instance():
-    from grserve.cluster.llm_cluster import ClusterLLMEngine
+    from grserve.cluster.llm.front_end import ClusterLLMEngine
     from grserve.config import ClusterConfig
 
     actor = _FakeActor()
@@ -325,7 +325,7 @@ def test_cluster_front_end_carries_priority_to_the_instance():
     eng.submit(LLMRequest([1, 2, 3], SamplingParams(max_tokens=2), request_id="b"))
     assert [kw.get("priority") for _, kw in actor.calls] == ["offline", "online"]
     # the instance side: EngineInstance.submit hands it to its engine
-    from grserve.cluster.instance import EngineInstance
+    from grserve.cluster.llm.instance import EngineInstance
 
     inst = EngineInstance.__new__(EngineInstance)
     got = []

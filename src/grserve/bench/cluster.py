@@ -268,7 +268,7 @@ def fault_run(engine, reqs: list[TraceRequest], kill_after: float) -> tuple[dict
 
 # ---- the command -------------------------------------------------------------------------------------------------------
 def _launch(cfg: ClusterBenchConfig, cache_tokens: int):
-    from grserve.cluster.llm_cluster import ClusterLLMEngine
+    from grserve.cluster.llm.front_end import ClusterLLMEngine
     from grserve.config import ClusterConfig, EdgeConfig, LLMConfig, LLMServeConfig, ModelConfig
 
     serve = LLMServeConfig(model=ModelConfig(source=cfg.model),

@@ -59,7 +59,7 @@ class PartConfig(Checked):
 
 
 def _launch(cfg: PartConfig):
-    from grserve.cluster.llm_cluster import ClusterLLMEngine
+    from grserve.cluster.llm.front_end import ClusterLLMEngine
     from grserve.config import ClusterConfig, LLMConfig, LLMServeConfig, ModelConfig, PDConfig, SLOConfig
 
     need = cfg.real_prompt_tokens + cfg.real_output_tokens + 64

@@ -82,8 +82,8 @@ def run(cfg: LLMServeConfig) -> int:
 
 def run_cluster(cfg: LLMServeConfig, cluster: ClusterConfig) -> int:
     """``--instances N`` (or ``--ray-address``): N engine instance actors on Ray behind this front end."""
-    from grserve.cluster.llm_cluster import ClusterLLMEngine
-    from grserve.cluster.metrics import ClusterCollector
+    from grserve.cluster.llm.front_end import ClusterLLMEngine
+    from grserve.cluster.core.metrics import ClusterCollector
     from grserve.server.core import serve_until_exit
     from grserve.server.llm_app import create_llm_app
 

@@ -99,7 +99,7 @@ def _url(server) -> str:
 
 def run_cluster(cfg: ServeConfig) -> int:
     """``--instances N`` (or ``--ray-address``): N retrieval engine actors on Ray behind this front end."""
-    from grserve.cluster.gr_modes import ClusterRetrievalEngine
+    from grserve.cluster.gr.modes import ClusterRetrievalEngine
     from grserve.server.core import serve_until_exit
 
     try:
@@ -126,8 +126,8 @@ def create_app_for(engine, cfg: ServeConfig, metrics):
 def cluster_app(engine, make_app):
     """The unchanged app around a cluster front end, its /metrics with the cluster's collectors and every
     instance's batches in the batch histograms."""
-    from grserve.cluster.gr_modes import GRClusterCollector
-    from grserve.cluster.metrics import ClusterCollector
+    from grserve.cluster.gr.modes import GRClusterCollector
+    from grserve.cluster.core.metrics import ClusterCollector
     from grserve.server.metrics import Metrics
 
     metrics = Metrics()

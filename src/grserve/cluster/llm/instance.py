@@ -25,7 +25,7 @@ import socket
 import time
 from typing import Any
 
-from grserve.cluster.kv_index import KVEventPublisher
+from grserve.cluster.core.kv_index import KVEventPublisher
 
 
 class EngineInstance:
@@ -91,7 +91,7 @@ class EngineInstance:
 
     async def submit_prefill(self, request_id: str, attempt: int, prompt_ids: list[int], params: Any,
                              *args: Any, **kw: Any) -> None:
-        """PD (``cluster/pd_disagg.py``): a prefill-only attempt (``params.max_tokens == 1``); its prompt's K/V is
+        """PD (``cluster/llm/pd_disagg.py``): a prefill-only attempt (``params.max_tokens == 1``); its prompt's K/V is
         exported and returned in a poll although the attempt ends at its first token."""
         self._prefill_only.add((request_id, attempt))
         await self.submit(request_id, attempt, prompt_ids, params, *args, **kw)

@@ -8,7 +8,7 @@ bound than the single process's). Beyond ``max_waiting`` waiting requests a subm
 (``EngineOverloaded`` → HTTP 429 with ``Retry-After``); a request still waiting ``request_timeout`` seconds after its
 submission is cancelled at its instance and failed with ``RequestTimedOut`` (HTTP 503 ``queue_timeout``). A request
 moved off a dead instance before its first token keeps its submission time: the client has waited all along.
-The instances' own engines run without a bound or deadline (``cluster/instance.py``): a moved request must never
+The instances' own engines run without a bound or deadline (``cluster/llm/instance.py``): a moved request must never
 be refused by its new instance.
 """
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from grserve.cluster.stream import TokenStream
+from grserve.cluster.llm.stream import TokenStream
 from grserve.engine.protocol import EngineError
 
 

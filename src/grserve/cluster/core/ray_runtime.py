@@ -95,11 +95,11 @@ def instance_threads(requested: int, instances: int, cores: int | None = None) -
 
 
 def spawn_instance(index: int, cfg: Any, cluster: Any, incarnation: str) -> Any:
-    """One engine instance actor (``cluster/instance.py``), spread over the cluster's nodes; never restarted by
+    """One engine instance actor (``cluster/llm/instance.py``), spread over the cluster's nodes; never restarted by
     Ray (the front end decides: a dead instance's requests move, its entries leave the KV index)."""
     import ray
 
-    from grserve.cluster.instance import EngineInstance
+    from grserve.cluster.llm.instance import EngineInstance
 
     actor_cls = ray.remote(EngineInstance)
     # max_concurrency: calls (coroutines) in flight per actor. Each ``submit`` waits in a worker thread for the

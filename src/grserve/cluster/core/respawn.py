@@ -38,7 +38,7 @@ def respawn(engine: Any, index: int, attempts: int = 3, load_timeout_s: float = 
     Returns True when the instance is back."""
     import ray
 
-    from grserve.cluster.ray_runtime import new_incarnation
+    from grserve.cluster.core.ray_runtime import new_incarnation
 
     for attempt in range(attempts):
         if engine._status == "stopped":

@@ -1,7 +1,7 @@
 """One retrieval or ranking engine instance of the cluster: a ``RetrievalEngine`` or ``RankingEngine`` inside a Ray
 actor (``serve --instances N``, ``serve ranking --instances N``).
 
-The front end (``cluster/gr_cluster.py``) calls, all as Ray actor calls:
+The front end (``cluster/gr/front_end.py``) calls, all as Ray actor calls:
 
 - ``run(request)``: one ``RetrievalRequest`` / ``RankingRequest`` through this instance's own batching engine; the
   call's result is the ``RetrievalResult`` / ``RankingResult`` (single step: there is nothing to stream). Requests
@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from grserve.cluster.kv_index import KVEventPublisher
+from grserve.cluster.core.kv_index import KVEventPublisher
 
 MODES = ("retrieval", "ranking")
 
@@ -98,7 +98,7 @@ class GRInstance:
         self.engine.start()
 
     def info(self) -> dict:
-        from grserve.cluster.instance import _node_ip
+        from grserve.cluster.llm.instance import _node_ip
 
         e = self.engine
         out = {"index": self.index, "mode": self.mode, "pid": os.getpid(), "host": socket.gethostname(),
@@ -219,7 +219,7 @@ def spawn_gr_instance(index: int, mode: str, cfg: Any, cluster: Any, incarnation
     decides: a dead instance's requests are re-submitted elsewhere)."""
     import ray
 
-    from grserve.cluster.ray_runtime import instance_threads
+    from grserve.cluster.core.ray_runtime import instance_threads
 
     actor_cls = ray.remote(GRInstance)
     return actor_cls.options(num_cpus=0, max_restarts=0, max_concurrency=256, scheduling_strategy="SPREAD").remote(

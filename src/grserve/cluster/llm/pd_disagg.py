@@ -29,7 +29,7 @@ Per request:
 
 A cancel in either phase cancels the attempt where it runs; between the phases there is no attempt anywhere and
 the snapshot is dropped with the record. A dead instance's requests move exactly as without PD
-(``cluster/recovery.py``): recomputed or migrated with the snapshot the front end holds.
+(``cluster/core/recovery.py``): recomputed or migrated with the snapshot the front end holds.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from collections import deque
 from dataclasses import dataclass, replace
 from typing import Any
 
-from grserve.cluster.pd_policy import (
+from grserve.cluster.llm.pd_policy import (
     InstanceSignals,
     PDCostModel,
     Role,
@@ -335,7 +335,7 @@ def _export_kv_cached(inst: Any, tokens: list[int]) -> tuple[list[int], Any]:
 
 def attach_pd(engine: Any, cfg: Any, slo: Any) -> PDCoordinator:
     """Measure the cost model, build the coordinator and its role monitor, and hook them into ``engine``."""
-    from grserve.cluster.pd_roles import RoleMonitor
+    from grserve.cluster.llm.pd_roles import RoleMonitor
 
     live = [inst.actor for inst in engine.instances if inst.up]
     t0 = time.perf_counter()

@@ -20,13 +20,13 @@ import threading
 import time
 from typing import Any
 
-from grserve.cluster.admission import FrontAdmission
-from grserve.cluster.front_end import FrontEndLifecycle, Instance, instance_line, launch_actors
-from grserve.cluster.front_end import fail_handle as _fail
-from grserve.cluster.kv_index import GlobalKVIndex
-from grserve.cluster.recovery import RecoveryCost, RequestLost, RequestRecord, plan
-from grserve.cluster.router import NoInstance, Router
-from grserve.cluster.stream import TokenStream
+from grserve.cluster.llm.admission import FrontAdmission
+from grserve.cluster.core.front_end import FrontEndLifecycle, Instance, instance_line, launch_actors
+from grserve.cluster.core.front_end import fail_handle as _fail
+from grserve.cluster.core.kv_index import GlobalKVIndex
+from grserve.cluster.core.recovery import RecoveryCost, RequestLost, RequestRecord, plan
+from grserve.cluster.core.router import NoInstance, Router
+from grserve.cluster.llm.stream import TokenStream
 from grserve.engine.llm import TokenEvent
 from grserve.engine.protocol import EngineHealth, EngineStopped, RequestCancelled, RequestHandle, RequestTimedOut
 from grserve.engine.types import LLMRequest, LLMResult
@@ -70,12 +70,12 @@ class ClusterLLMEngine(FrontEndLifecycle):
     def launch(cls, cfg: Any, cluster: Any) -> "ClusterLLMEngine":
         """Start (or join) Ray, create ``cluster.instances`` instance actors from ``cfg`` (an LLMServeConfig) and
         wait until every one has loaded its model."""
-        from grserve.cluster.ray_runtime import spawn_instance
+        from grserve.cluster.core.ray_runtime import spawn_instance
         from grserve.engine.tokenizer import load_tokenizer
 
         pd = getattr(cfg, "pd", None)
         if pd is not None and pd.pd:
-            from grserve.cluster.pd_disagg import check_pd
+            from grserve.cluster.llm.pd_disagg import check_pd
 
             check_pd(pd, cluster, cfg.llm.prefix_cache_tokens)
         actors, infos, owns = launch_actors(lambda i, inc: spawn_instance(i, cfg, cluster, inc), cluster)
@@ -83,7 +83,7 @@ class ClusterLLMEngine(FrontEndLifecycle):
         eng = cls(actors, infos, cluster, tok, owns, getattr(tok, "eos_token_id", None), getattr(cfg, "edge", None))
         eng.serve_cfg = cfg
         if pd is not None and pd.pd:
-            from grserve.cluster.pd_disagg import attach_pd
+            from grserve.cluster.llm.pd_disagg import attach_pd
 
             attach_pd(eng, pd, cfg.slo)
         return eng
@@ -125,7 +125,7 @@ class ClusterLLMEngine(FrontEndLifecycle):
 
         import ray
 
-        from grserve.cluster.ray_runtime import new_incarnation
+        from grserve.cluster.core.ray_runtime import new_incarnation
 
         if self.records:
             raise RuntimeError("reset() with requests in flight")
@@ -213,7 +213,7 @@ class ClusterLLMEngine(FrontEndLifecycle):
 
     # ---- instances: polls, heartbeats, deaths -------------------------------------------------------------------------
     def _poll_loop(self, inst: Instance) -> None:
-        from grserve.cluster import heartbeat
+        from grserve.cluster.core import heartbeat
 
         def answered(res: dict) -> None:
             self._on_poll(inst, res)
@@ -336,13 +336,13 @@ class ClusterLLMEngine(FrontEndLifecycle):
         for cb in self.on_death:
             cb(index, silent_s)
         if getattr(self.cc, "restart_instances", False) and self.serve_cfg is not None and self._status == "ok":
-            from grserve.cluster import respawn
+            from grserve.cluster.core import respawn
 
             respawn.respawn_later(self, index)  # a new actor, a new incarnation (respawn.py)
 
     def spawn_actor(self, index: int, incarnation: str) -> Any:
         """A new engine instance actor for ``index`` from the instances' config (``respawn.py``)."""
-        from grserve.cluster.ray_runtime import spawn_instance
+        from grserve.cluster.core.ray_runtime import spawn_instance
 
         return spawn_instance(index, self.serve_cfg, self.cc, incarnation)
 

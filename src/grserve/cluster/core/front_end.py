@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from grserve.cluster import heartbeat
+from grserve.cluster.core import heartbeat
 from grserve.engine.protocol import EngineStopped
 
 
@@ -137,7 +137,7 @@ def launch_actors(spawn: Callable[[int, str], Any], cluster: Any) -> tuple[list[
     Returns (actors, their infos, whether this call started Ray)."""
     import ray
 
-    from grserve.cluster.ray_runtime import new_incarnation, start_ray
+    from grserve.cluster.core.ray_runtime import new_incarnation, start_ray
 
     owns = start_ray(cluster.ray_address)
     actors = [spawn(i, new_incarnation()) for i in range(cluster.instances)]

@@ -19,7 +19,7 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from grserve.cluster.pd_policy import Role, decide_flip, pool_tpot
+from grserve.cluster.llm.pd_policy import Role, decide_flip, pool_tpot
 
 log = logging.getLogger("grserve.cluster")
 
@@ -63,7 +63,7 @@ class RoleMonitor:
 
 
 def pd_metrics(coord: Any):
-    """The PD families on ``/metrics`` (``cluster/metrics.py`` yields them when ``--pd`` is on)."""
+    """The PD families on ``/metrics`` (``cluster/core/metrics.py`` yields them when ``--pd`` is on)."""
     flips = CounterMetricFamily("grserve_cluster_role_flips", "PD role flips by direction.", labels=["direction"])
     for k, n in coord.pools.flips.items():
         flips.add_metric([k], n)

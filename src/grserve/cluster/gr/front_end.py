@@ -32,13 +32,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from grserve.cluster import heartbeat
-from grserve.cluster.broadcast_log import BroadcastLog
-from grserve.cluster.kv_index import GlobalKVIndex
-from grserve.cluster.front_end import FrontEndLifecycle, Instance, instance_line, launch_actors
-from grserve.cluster.front_end import fail_handle as _fail
-from grserve.cluster.recovery import RequestLost
-from grserve.cluster.router import NoInstance, Router
+from grserve.cluster.core import heartbeat
+from grserve.cluster.gr.broadcast_log import BroadcastLog
+from grserve.cluster.core.kv_index import GlobalKVIndex
+from grserve.cluster.core.front_end import FrontEndLifecycle, Instance, instance_line, launch_actors
+from grserve.cluster.core.front_end import fail_handle as _fail
+from grserve.cluster.core.recovery import RequestLost
+from grserve.cluster.core.router import NoInstance, Router
 from grserve.engine.protocol import (
     EngineError,
     EngineHealth,
@@ -269,13 +269,13 @@ class ClusterGREngine(FrontEndLifecycle):
         for cb in self.on_death:
             cb(index, silent_s)
         if getattr(self.cc, "restart_instances", False) and self.serve_cfg is not None and self._status == "ok":
-            from grserve.cluster import respawn
+            from grserve.cluster.core import respawn
 
             respawn.respawn_later(self, index)  # a new actor, a new incarnation, caught up (instance_up)
 
     def spawn_actor(self, index: int, incarnation: str) -> Any:
         """A new instance actor for ``index`` from the instances' config (``respawn.py``)."""
-        from grserve.cluster.gr_instance import spawn_gr_instance
+        from grserve.cluster.gr.instance import spawn_gr_instance
 
         return spawn_gr_instance(index, self.mode, self.serve_cfg, self.cc, incarnation)
 
@@ -365,6 +365,6 @@ def call_info(actor: Any, timeout: float) -> dict:
 def launch_instances(mode: str, cfg: Any, cluster: Any) -> tuple[list[Any], list[dict], bool]:
     """Start (or join) Ray, create ``cluster.instances`` instance actors of ``mode`` from ``cfg`` and wait until every
     one has built its engine; returns (actors, their infos, whether this call started Ray)."""
-    from grserve.cluster.gr_instance import spawn_gr_instance
+    from grserve.cluster.gr.instance import spawn_gr_instance
 
     return launch_actors(lambda i, inc: spawn_gr_instance(i, mode, cfg, cluster, inc), cluster)

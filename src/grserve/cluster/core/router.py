@@ -23,7 +23,7 @@ import threading
 from dataclasses import dataclass
 
 from grserve.kvcache.block_hash import chained_block_hashes
-from grserve.cluster.kv_index import GlobalKVIndex
+from grserve.cluster.core.kv_index import GlobalKVIndex
 from grserve.config import ROUTING_POLICIES  # "kv", "least_loaded", "round_robin"
 
 DEFAULT_TIER_WEIGHTS = {"hbm": 1.0, "dram": 0.9, "ssd": 0.5}
@@ -145,7 +145,7 @@ class Router:
             return Decision(best, reason, cached, cost)
 
     def book(self, request_id: str, instance: int, prefill: int, decode: int) -> None:
-        """Book a request on an instance chosen elsewhere (PD: ``cluster/pd_disagg.py`` picks by role)."""
+        """Book a request on an instance chosen elsewhere (PD: ``cluster/llm/pd_disagg.py`` picks by role)."""
         with self._lock:
             self._book[request_id] = _Booking(instance, prefill, decode)
             ld = self.load[instance]

@@ -1,4 +1,4 @@
-"""The two modes of the retrieval/ranking cluster front end (``cluster/gr_cluster.py``), each with what its unchanged
+"""The two modes of the retrieval/ranking cluster front end (``cluster/gr/front_end.py``), each with what its unchanged
 app reads from an engine:
 
 - ``ClusterRetrievalEngine``: ``catalogs`` (the front end's own ``CatalogStore``, used to lay histories out as
@@ -22,9 +22,9 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from grserve.catalog import CatalogStore
-from grserve.cluster.front_end import abandon_actors
-from grserve.cluster.gr_cluster import ClusterGREngine, launch_instances
-from grserve.cluster.gr_instance import catalog_digest, registry_digest, user_key
+from grserve.cluster.core.front_end import abandon_actors
+from grserve.cluster.gr.front_end import ClusterGREngine, launch_instances
+from grserve.cluster.gr.instance import catalog_digest, registry_digest, user_key
 
 log = logging.getLogger("grserve.cluster")
 
