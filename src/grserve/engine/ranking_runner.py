@@ -24,14 +24,14 @@ from __future__ import annotations
 
 import threading
 import time
-import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
 
 from grserve.config import RankingConfig
+from grserve.engine.types import RankingRequest
 from grserve.attention.bipartite import BipartiteBatchContext, BipartiteRequest
 from grserve.kvcache.item_pool import ItemKVPool, ItemKVSource
 from grserve.kvcache.meta import CacheMetaService
@@ -42,22 +42,6 @@ from grserve.ranking.layouts import ITEM_PREFIX, USER_PREFIX, BipartitePrompt, b
 from grserve.ranking.registry import RankingRegistry
 from grserve.ranking.scoring import score_candidates
 from grserve.scheduler.prefix_choice import PrefixDecision, PrefixPolicy, PrefixQuery, make_policy
-
-
-@dataclass
-class RankingRequest:
-    user_tokens: np.ndarray  # int64 profile 𝒰
-    item_tokens: list[np.ndarray]  # per candidate; the last token is its identifier token
-    user_id: int | None = None  # None: raw tokens, never cached
-    item_ids: list[int | None] | None = None  # None entries: raw candidates (never cached)
-    top_k: int = 10
-    now: float | None = None  # hotness clock (trace seconds); None → time.time()
-    request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
-    arrival: float = field(default_factory=time.perf_counter)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.user_tokens) + sum(len(t) for t in self.item_tokens)
 
 
 @dataclass

@@ -51,6 +51,24 @@ class RetrievalResult:
 
 
 @dataclass
+class RankingRequest:
+    """One ranking request: a user profile and its candidates (``engine/ranking_runner.py`` scores them)."""
+
+    user_tokens: np.ndarray  # int64 profile 𝒰
+    item_tokens: list[np.ndarray]  # per candidate; the last token is its identifier token
+    user_id: int | None = None  # None: raw tokens, never cached
+    item_ids: list[int | None] | None = None  # None entries: raw candidates (never cached)
+    top_k: int = 10
+    now: float | None = None  # hotness clock (trace seconds); None → time.time()
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
+    arrival: float = field(default_factory=time.perf_counter)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.user_tokens) + sum(len(t) for t in self.item_tokens)
+
+
+@dataclass
 class LLMRequest:
     """One LLM generation request: prompt token ids (already validated) and its sampling parameters."""
 
