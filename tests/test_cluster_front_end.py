@@ -14,6 +14,7 @@ import time
 import pytest
 
 from grserve.cluster.llm.front_end import ClusterLLMEngine
+from grserve.cluster.wire import LLMInstanceInfo, LLMPoll, TokenReport
 from grserve.config import ClusterConfig, EdgeConfig
 from grserve.engine.protocol import EngineOverloaded, RequestTimedOut
 from grserve.engine.sampling import SamplingParams
@@ -24,8 +25,8 @@ class _Call:
     def __init__(self, log: list, name: str):
         self.log, self.name = log, name
 
-    def remote(self, *args, **kw):
-        self.log.append((self.name, args))  # keyword arguments (priority) are not what these tests check
+    def remote(self, *args):
+        self.log.append((self.name, args))
 
 
 class FakeActor:
@@ -39,8 +40,7 @@ class FakeActor:
 def _engine(max_waiting: int, timeout_s: float, instances: int = 2,
             restart: bool = False) -> tuple[ClusterLLMEngine, list[FakeActor]]:
     actors = [FakeActor() for _ in range(instances)]
-    infos = [{"incarnation": f"inc{i}", "max_model_len": 256, "num_blocks": 64, "block_size": 16, "pid": 0,
-              "vocab_size": 300, "host": "h", "node_ip": "127.0.0.1", "device": "cpu", "prefix_cache_tokens": 0}
+    infos = [LLMInstanceInfo(i, f"inc{i}", host="h", max_model_len=256, vocab_size=300, num_blocks=64)
              for i in range(instances)]
     eng = ClusterLLMEngine(actors, infos, ClusterConfig(instances=instances, routing="round_robin",
                                                          restart_instances=restart),
@@ -49,9 +49,8 @@ def _engine(max_waiting: int, timeout_s: float, instances: int = 2,
     return eng, actors
 
 
-def _poll(eng: ClusterLLMEngine, inst: int, tokens: list[tuple]) -> None:
-    eng._on_poll(eng.instances[inst], {"stats": {}, "kv_events": [], "kv_next_seq": 0, "snapshots": [],
-                                       "tokens": tokens})
+def _poll(eng: ClusterLLMEngine, inst: int, tokens: list[TokenReport]) -> None:
+    eng._on_poll(eng.instances[inst], LLMPoll(tokens))
 
 
 def _req(rid: str) -> LLMRequest:
@@ -65,21 +64,21 @@ def test_max_waiting_bounds_the_front_end_and_a_first_token_frees_a_slot():
     with pytest.raises(EngineOverloaded):
         eng.submit(_req("r3"))
     assert "r3" not in eng.records and sum(len(a.calls) for a in actors) == 3  # refused before routing
-    _poll(eng, eng.records["r0"].instance, [("r0", 0, 0, [11], False, None)])  # r0's first token: no longer waits
+    _poll(eng, eng.records["r0"].instance, [TokenReport("r0", 0, 0, [11])])  # r0's first token: no longer waits
     assert eng.queue_depth == 2
     eng.submit(_req("r3"))
     with pytest.raises(EngineOverloaded):
         eng.submit(_req("r4"))
     eng.cancel("r1")  # a cancel frees its slot too
     eng.submit(_req("r4"))
-    _poll(eng, eng.records["r0"].instance, [("r0", 0, 1, [12, 13], True, "length")])
+    _poll(eng, eng.records["r0"].instance, [TokenReport("r0", 0, 1, [12, 13], True, "length")])
     assert handles[0].future.result(timeout=1).output_ids == [11, 12, 13]
 
 
 def test_request_timeout_applies_while_waiting_at_the_front_end():
     eng, actors = _engine(max_waiting=8, timeout_s=0.2)
     slow, started = eng.submit(_req("slow")), eng.submit(_req("started"))
-    _poll(eng, eng.records["started"].instance, [("started", 0, 0, [11], False, None)])
+    _poll(eng, eng.records["started"].instance, [TokenReport("started", 0, 0, [11])])
     eng._expire()
     assert not slow.future.done()  # not yet past the deadline
     time.sleep(0.25)
@@ -131,7 +130,7 @@ def test_a_death_triggers_a_restart_only_when_asked(monkeypatch, restart):
     eng.instance_down(victim, "actor died", fence=False)
     assert asked == ([victim] if restart else [])
     assert eng.records["r0"].instance != victim and not h.future.done()  # its request moved first
-    assert not eng.instance_up(1 - victim, FakeActor(), {"incarnation": "x"})  # a live index is not replaced
+    assert not eng.instance_up(1 - victim, FakeActor(), LLMInstanceInfo(1 - victim, "x"))  # a live index is not replaced
 
 
 def test_sigterm_after_ray_is_down_dies_by_the_signal():

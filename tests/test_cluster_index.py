@@ -17,9 +17,11 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from grserve.kvcache.block_hash import chained_block_hashes
 from grserve.cluster.core.kv_index import GlobalKVIndex, KVEventPublisher, tree_blocks
-from grserve.cluster.core.recovery import RecoveryCost, RequestRecord, plan
+from grserve.cluster.core.recovery import RecoveryCost, plan
 from grserve.cluster.core.router import Router
+from grserve.cluster.llm.journal import RequestRecord
 from grserve.cluster.llm.stream import TokenStream
+from grserve.cluster.wire import Attempt
 from grserve.engine.sampling import SamplingParams
 
 
@@ -190,6 +192,10 @@ def test_index_detects_a_lost_tail_and_a_restart():
 
 
 # ---- router -------------------------------------------------------------------------------------------------------
+def _attempt(request_id: str, prompt: list[int], max_tokens: int) -> Attempt:
+    return Attempt(request_id, 0, prompt, SamplingParams(max_tokens=max_tokens))
+
+
 def _index_with(instance_blocks: dict[int, tuple[list[int], str]], bs: int = 4) -> GlobalKVIndex:
     idx = GlobalKVIndex()
     for i, (tokens, tier) in instance_blocks.items():
@@ -204,12 +210,12 @@ def test_kv_router_prefers_the_cached_prefix_and_books_load():
     prompt = list(range(33))
     idx = _index_with({1: (prompt[:16], "dram"), 2: (prompt[:8], "dram")})
     r = Router(3, "kv", block_size=4, index=idx)
-    d = r.route("a", prompt, max_tokens=10)
+    d = r.route(_attempt("a", prompt, 10))
     assert (d.instance, d.reason, d.cached_tokens) == (1, "prefix", 16)
     assert r.load[1].prefill_tokens == 33 - 16
     # the booked load now makes instance 1 dearer: a second identical request goes elsewhere once 1 is loaded
     for k in range(3):
-        r.route(f"b{k}", prompt, max_tokens=10)
+        r.route(_attempt(f"b{k}", prompt, 10))
     assert r.routed[1] >= 1 and r.routed[0] + r.routed[2] >= 1
     r.on_tokens("a", 1)
     assert r.load[1].decode_tokens == 9 and r.load[1].prefill_tokens == 3 * 0 + sum(
@@ -223,21 +229,21 @@ def test_equal_prefixes_least_loaded_wins_and_tiers_weigh():
     idx = _index_with({0: (prompt[:16], "dram"), 1: (prompt[:16], "dram")})
     r = Router(2, "kv", block_size=4, index=idx)
     r.load[0].prefill_tokens = 50
-    assert r.route("x", prompt, 4).instance == 1
+    assert r.route(_attempt("x", prompt, 4)).instance == 1
     idx2 = _index_with({0: (prompt[:16], "ssd"), 1: (prompt[:16], "hbm")})
-    assert Router(2, "kv", block_size=4, index=idx2).route("y", prompt, 4).instance == 1
+    assert Router(2, "kv", block_size=4, index=idx2).route(_attempt("y", prompt, 4)).instance == 1
 
 
 def test_round_robin_and_least_loaded_ignore_the_cache():
     prompt = list(range(40))
     idx = _index_with({2: (prompt, "dram")})
     rr = Router(3, "round_robin", block_size=4, index=idx)
-    assert [rr.route(f"r{k}", prompt, 4).instance for k in range(5)] == [0, 1, 2, 0, 1]
+    assert [rr.route(_attempt(f"r{k}", prompt, 4)).instance for k in range(5)] == [0, 1, 2, 0, 1]
     ll = Router(3, "least_loaded", block_size=4, index=idx)
-    assert ll.route("l0", prompt, 4).instance == 0  # no cache term: all equal → lowest index
-    assert ll.route("l1", prompt, 4).instance == 1
+    assert ll.route(_attempt("l0", prompt, 4)).instance == 0  # no cache term: all equal → lowest index
+    assert ll.route(_attempt("l1", prompt, 4)).instance == 1
     rr.mark_down(2)
-    assert 2 not in {rr.route(f"d{k}", prompt, 4).instance for k in range(4)}
+    assert 2 not in {rr.route(_attempt(f"d{k}", prompt, 4)).instance for k in range(4)}
 
 
 # ---- the client's stream: each position once --------------------------------------------------------------------
@@ -284,7 +290,7 @@ def test_cache_weight_trades_balance_for_affinity():
     for cw, expect in ((1.0, 1), (2.0, 0)):
         r = Router(2, "kv", block_size=4, index=idx, cache_weight=cw)
         r.load[0].prefill_tokens = 60
-        assert r.route("x", prompt, 4).instance == expect
+        assert r.route(_attempt("x", prompt, 4)).instance == expect
 
 
 def test_instance_threads_share_the_cores():

@@ -70,9 +70,9 @@ def test_sigterm_handler_is_the_front_ends(cluster):
     assert signal.getsignal(signal.SIGTERM) is on_sigterm
 
 def test_startup_and_kv_routing_equal_one_engine(cluster, reference):
-    assert len({inst.info["pid"] for inst in cluster.instances}) == 3
+    assert len({inst.info.pid for inst in cluster.instances}) == 3
     lines = cluster.describe()
-    assert len(lines) == 4 and all(str(inst.info["pid"]) in "\n".join(lines) for inst in cluster.instances)
+    assert len(lines) == 4 and all(str(inst.info.pid) in "\n".join(lines) for inst in cluster.instances)
     shared = _prompts(0, 1, 64, 65)[0]
     prompts = _prompts(1, 4, shared=shared)
     first = cluster.submit(LLMRequest(prompts[0], GREEDY))
@@ -97,7 +97,7 @@ def test_http_app_and_metrics(cluster, cfg):
     from grserve.server.llm_app import create_llm_app
 
     info = cluster.instances[0].info
-    app = create_llm_app(cluster, cluster.tokenizer, "m", info["max_model_len"], info["vocab_size"])
+    app = create_llm_app(cluster, cluster.tokenizer, "m", info.max_model_len, info.vocab_size)
     app.state.metrics.registry.register(ClusterCollector(cluster))
     with TestClient(app) as client:
         r = client.post("/v1/completions", json={"model": "m", "prompt": [5, 6, 7, 8], "max_tokens": 5,
@@ -142,7 +142,7 @@ def test_kill_by_pid_mid_prefill_and_mid_decode_loses_nothing(cluster, reference
     assert cluster.records[hs[-1].request_id].delivered == 0
     assert all(cluster.records[h.request_id].delivered < LONG.max_tokens for h in hs[:4])
     t0 = time.perf_counter()
-    os.kill(cluster.instances[victim].info["pid"], signal.SIGKILL)
+    os.kill(cluster.instances[victim].info.pid, signal.SIGKILL)
 
     async def consume_all():
         return await asyncio.gather(*(consume(h) for h in hs))
@@ -180,7 +180,7 @@ def test_frozen_instance_is_fenced_by_heartbeat(cluster, reference):
         cluster.router.load[2].prefill_tokens -= 10**6
     while not all(cluster.records[h.request_id].delivered >= 2 for h in hs if h.request_id in cluster.records):
         time.sleep(0.005)
-    pid = cluster.instances[victim].info["pid"]
+    pid = cluster.instances[victim].info.pid
     t0 = time.perf_counter()
     os.kill(pid, signal.SIGSTOP)
     try:
@@ -204,7 +204,7 @@ def test_last_instance_death_fails_with_request_lost(cluster):
     hs = [cluster.submit(LLMRequest(p, GREEDY)) for p in _prompts(6, 2)]
     while not any(cluster.records.get(h.request_id) and cluster.records[h.request_id].delivered for h in hs):
         time.sleep(0.005)
-    os.kill(cluster.instances[2].info["pid"], signal.SIGKILL)
+    os.kill(cluster.instances[2].info.pid, signal.SIGKILL)
     for h in hs:
         with pytest.raises(RequestLost) as err:
             h.future.result(timeout=30)
@@ -226,7 +226,7 @@ def test_dead_instance_restarts_and_rejoins(cluster):
     assert not cluster.instances[0].up
     assert respawn(cluster, 0)
     new = cluster.instances[0].info
-    assert cluster.instances[0].up and new["pid"] != old["pid"] and new["incarnation"] != old["incarnation"]
+    assert cluster.instances[0].up and new.pid != old.pid and new.incarnation != old.incarnation
     prompt = _prompts(7, 1, 80, 81)[0]
     assert len(cluster.submit(LLMRequest(prompt, GREEDY)).future.result(timeout=60).output_ids) == 40
     deadline = time.monotonic() + 10

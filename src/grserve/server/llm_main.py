@@ -98,7 +98,7 @@ def run_cluster(cfg: LLMServeConfig, cluster: ClusterConfig) -> int:
     name = c.served_model_name or cfg.model.source
     engine.start()
     info = engine.instances[0].info
-    app = create_llm_app(engine, engine.tokenizer, name, info["max_model_len"], info["vocab_size"], edge=cfg.edge,
+    app = create_llm_app(engine, engine.tokenizer, name, info.max_model_len, info.vocab_size, edge=cfg.edge,
                          max_n=cfg.api.max_n, max_logprobs=cfg.api.max_logprobs)
     app.state.metrics.registry.register(ClusterCollector(engine))
     for line in engine.describe():

@@ -1,7 +1,7 @@
 """What a restarted retrieval/ranking instance must be told to serve the same state as the live ones.
 
-Every state change of the GR cluster reaches the instances as a broadcast (``ClusterGREngine.broadcast``): a
-catalog reload (``replace_catalog``) or new/replaced users and items (``update``). A restarted instance starts from
+Every state change of the GR cluster reaches the instances as a broadcast (``ClusterGREngine.broadcast``) of a
+``wire.StateChange``: a catalog reload (``CatalogReplace``) or new/replaced users and items (``RegistryUpdate``). A restarted instance starts from
 the start-up flags, so it has seen none of them. ``BroadcastLog`` keeps, compactly, what replays them:
 
 - the newest catalog with its version (older catalogs are irrelevant: a reload replaces the whole catalog, and the
@@ -9,7 +9,7 @@ the start-up flags, so it has seen none of them. ``BroadcastLog`` keeps, compact
 - the newest tokens of every user and item key ever updated, in the order of their last update (a key's older
   tokens are irrelevant; the order keeps item identifier hand-overs valid in the usual cases).
 
-``replay(call)`` sends them through ``call(method, *args)`` — the caller binds it to the new actor — before the
+``replay(send)`` sends them as state changes through ``send`` — the caller binds it to the new actor — before the
 instance takes requests. Memory is one catalog reference plus one token array per changed key.
 """
 
@@ -17,46 +17,47 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
+
+from grserve.cluster.wire import CatalogReplace, RegistryUpdate, StateChange
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 class BroadcastLog:
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._catalog: tuple[Any, int] | None = None
-        self._updates: dict[tuple[str, int], Any] = {}  # (kind, key) -> tokens, in order of the last update
+        self._catalog: CatalogReplace | None = None
+        self._updates: dict[tuple[str, int], np.ndarray] = {}  # (kind, key) -> tokens, in order of the last update
 
-    def record(self, method: str, args: tuple) -> None:
-        """A broadcast that reached the live instances."""
+    def record(self, change: StateChange) -> None:
+        """A state change that reached the live instances."""
         with self._lock:
-            if method == "replace_catalog":
-                catalog = args[0]
-                self._catalog = (catalog, int(catalog.version))
-            elif method == "update":
-                kind, entries = args
-                for key, tokens in entries:
-                    self._updates.pop((kind, int(key)), None)  # re-insert: the order of last updates
-                    self._updates[(kind, int(key))] = tokens
+            if isinstance(change, CatalogReplace):
+                self._catalog = CatalogReplace(change.catalog, int(change.catalog.version))
+                return
+            for key, tokens in change.entries:
+                self._updates.pop((change.kind, int(key)), None)  # re-insert: the order of last updates
+                self._updates[(change.kind, int(key))] = tokens
 
     def __len__(self) -> int:
         return len(self._updates) + (self._catalog is not None)
 
-    def replay(self, call: Callable[..., Any]) -> int:
-        """Send the recorded state through ``call(method, *args)``: the catalog first, then the updates grouped
-        into runs of one kind (order kept). Returns the number of calls."""
+    def replay(self, send: Callable[[StateChange], object]) -> int:
+        """Send the recorded state through ``send``: the catalog (with its version) first, then the updates grouped
+        into runs of one kind (order kept). Returns the number of changes sent."""
         with self._lock:
             catalog, updates = self._catalog, list(self._updates.items())
-        calls = 0
+        sent = 0
         if catalog is not None:
-            call("replace_catalog", catalog[0], catalog[1])
-            calls += 1
-        run_kind, run = None, []
-        for (kind, key), tokens in updates + [((None, 0), None)]:  # a sentinel closes the last run
-            if kind != run_kind and run:
-                call("update", run_kind, run)
-                calls += 1
+            send(catalog)
+            sent += 1
+        run: list[tuple[int, np.ndarray]] = []
+        for i, ((kind, key), tokens) in enumerate(updates):
+            run.append((key, tokens))
+            if i + 1 == len(updates) or updates[i + 1][0][0] != kind:  # the run of one kind ends here
+                send(RegistryUpdate(kind, tuple(run)))  # type: ignore[arg-type]
+                sent += 1
                 run = []
-            run_kind = kind
-            if kind is not None:
-                run.append((key, tokens))
-        return calls
+        return sent

@@ -15,13 +15,16 @@ be refused by its new instance.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from grserve.engine.protocol import EngineOverloaded
 
+if TYPE_CHECKING:
+    from grserve.config import EdgeConfig
+
 
 class FrontAdmission:
-    def __init__(self, edge: Any = None):
+    def __init__(self, edge: EdgeConfig | None = None):
         self.max_waiting: int | None = edge.max_waiting if edge is not None else None  # None: no edge (in code)
         self.request_timeout_s: float | None = edge.request_timeout if edge is not None else None
         self.waiting: dict[str, float] = {}  # request id → monotonic submission time, until its first token

@@ -1,14 +1,14 @@
 """One engine instance of the cluster: an ``AsyncLLMEngine`` inside a Ray actor (or a plain object in tests).
 
-The front end talks to it with four calls, all Ray actor calls (no home-made RPC):
+The front end talks to it with Ray actor calls (no home-made RPC), in the messages of ``cluster/wire.py``:
 
-- ``submit(request_id, attempt, prompt_ids, params, snapshot)``: run a request (``snapshot``: the K/V of
-  ``prompt_ids[:m]`` computed elsewhere — a migrated request's — loaded into this instance's prefix cache first,
-  so admission copies it instead of computing it);
-- ``poll(wait_s)``: everything new since the last poll — token reports ``(request_id, attempt, index, ids,
-  finished, reason)``, KV snapshots of requests whose prefill just ended (returned, so the front end owns them:
-  they outlive this actor), the KV events of the prefix cache with the next sequence number, engine stats. It
-  waits up to ``wait_s`` for something to report; a poll that answers is the heartbeat;
+- ``submit(Attempt)``: run one attempt of a request (``Attempt.snapshot``: the K/V of ``prompt_ids[:m]`` computed
+  elsewhere — a migrated request's — loaded into this instance's prefix cache first, so admission copies it
+  instead of computing it);
+- ``poll(wait_s)`` → ``LLMPoll``: everything new since the last poll — ``TokenReport``\\ s, the ``PromptKV`` of
+  requests whose prefill just ended (returned, so the front end owns them: they outlive this actor), the KV events
+  of the prefix cache with the next sequence number, engine stats. It waits up to ``wait_s`` for something to
+  report; a poll that answers is the heartbeat;
 - ``cancel(request_id)``; ``kv_snapshot()`` (the index resync); ``reset(incarnation)`` (an empty prefix cache
   under a new incarnation, for benchmarks that compare policies on the same instances).
 
@@ -23,13 +23,24 @@ import dataclasses
 import os
 import socket
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from grserve.cluster.core.kv_index import KVEventPublisher
+from grserve.cluster.core.ray_runtime import node_ip
+from grserve.cluster.wire import Attempt, KVSnapshot, LLMInstanceInfo, LLMPoll, PromptKV, TokenReport
+
+if TYPE_CHECKING:
+    import torch
+    from ray.actor import ActorHandle
+
+    from grserve.config import ClusterConfig, LLMServeConfig
+    from grserve.engine.protocol import RequestHandle
+    from grserve.engine.types import LLMResult
 
 
 class EngineInstance:
-    def __init__(self, index: int, cfg: Any, incarnation: str, kv_block_size: int = 16, kv_snapshot: bool = True,
+    def __init__(self, index: int, cfg: LLMServeConfig, incarnation: str, kv_block_size: int = 16, kv_snapshot: bool = True,
                  torch_threads: int = 1):
         import torch
 
@@ -44,11 +55,11 @@ class EngineInstance:
         self.engine = AsyncLLMEngine.build(cfg).start()
         self.engine.max_waiting = self.engine.request_timeout_s = None  # the front end admits (admission.py)
         self.publisher = self._attach(incarnation)
-        self._out: list[tuple] = []
-        self._snapshots: list[tuple] = []
+        self._out: list[TokenReport] = []
+        self._snapshots: list[PromptKV] = []
         self._wake: asyncio.Event | None = None
-        self._live: dict[str, tuple[int, Any]] = {}  # request id → (attempt, handle)
-        self._tasks: set = set()
+        self._live: dict[str, tuple[int, RequestHandle[LLMResult]]] = {}  # request id → (attempt, handle)
+        self._tasks: set[asyncio.Task] = set()
         self._prefill_only: set[tuple[str, int]] = set()  # PD: attempts whose K/V is exported at their end
         self._cancel_early: set[str] = set()  # cancelled while their submit was still in a worker thread
         self.token_interval = TokenInterval()  # PD role monitor: the recent decode token interval
@@ -61,88 +72,85 @@ class EngineInstance:
             pc.listener = pub
         return pub
 
-    def info(self) -> dict:
+    def info(self) -> LLMInstanceInfo:
+        import torch
+
         m, core = self.engine.model, self.engine.core
         pc = self.engine.prefix_cache
-        return {"index": self.index, "pid": os.getpid(), "host": socket.gethostname(),
-                "node_ip": _node_ip(), "incarnation": self.publisher.incarnation,
-                "max_model_len": m.spec.max_position_embeddings, "vocab_size": m.spec.vocab_size,
-                "num_blocks": core.pool.num_blocks, "block_size": core.pool.block_size,
-                "prefix_cache_tokens": pc.capacity if pc is not None else 0, "device": str(m.device)}
+        return LLMInstanceInfo(self.index, self.publisher.incarnation, os.getpid(), socket.gethostname(), node_ip(),
+                               str(m.device), torch.get_num_threads(), max_model_len=m.spec.max_position_embeddings,
+                               vocab_size=m.spec.vocab_size, num_blocks=core.pool.num_blocks,
+                               block_size=core.pool.block_size,
+                               prefix_cache_tokens=pc.capacity if pc is not None else 0)
 
     # ---- requests --------------------------------------------------------------------------------------------
-    async def submit(self, request_id: str, attempt: int, prompt_ids: list[int], params: Any,
-                     snapshot: Any = None, priority: str = "online") -> None:
-        self._cancel_early.discard(request_id)
+    async def submit(self, attempt: Attempt) -> None:
+        rid, n = attempt.request_id, attempt.attempt
+        self._cancel_early.discard(rid)
+        if attempt.prefill_only:  # PD (``llm/pd_disagg.py``): its prompt's K/V is returned although it ends at once
+            self._prefill_only.add((rid, n))
         try:
-            handle = await asyncio.to_thread(self._submit, request_id, attempt, prompt_ids, params, snapshot,
-                                             priority)
+            handle = await asyncio.to_thread(self._submit, attempt)
         except Exception:  # noqa: BLE001 - refused here (stopping, never fits): the front end fails the request
-            self._prefill_only.discard((request_id, attempt))
-            self._report((request_id, attempt, 0, [], True, "error"))
+            self._prefill_only.discard((rid, n))
+            self._report(TokenReport(rid, n, 0, [], True, "error"))
             return
-        self._live[request_id] = (attempt, handle)
-        if request_id in self._cancel_early:  # the front end cancelled it before it was live here
-            self._cancel_early.discard(request_id)
+        self._live[rid] = (n, handle)
+        if rid in self._cancel_early:  # the front end cancelled it before it was live here
+            self._cancel_early.discard(rid)
             await asyncio.to_thread(self.engine.cancel, handle.request_id)
-        task = asyncio.get_running_loop().create_task(self._forward(request_id, attempt, handle, prompt_ids))
+        task = asyncio.get_running_loop().create_task(self._forward(rid, n, handle, attempt.prompt_ids))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def submit_prefill(self, request_id: str, attempt: int, prompt_ids: list[int], params: Any,
-                             *args: Any, **kw: Any) -> None:
-        """PD (``cluster/llm/pd_disagg.py``): a prefill-only attempt (``params.max_tokens == 1``); its prompt's K/V is
-        exported and returned in a poll although the attempt ends at its first token."""
-        self._prefill_only.add((request_id, attempt))
-        await self.submit(request_id, attempt, prompt_ids, params, *args, **kw)
-
-    async def call(self, fn: Any, *args: Any) -> Any:
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn(self, *args)`` (a module-level function) in a worker thread: start-up measurements."""
         return await asyncio.to_thread(fn, self, *args)
 
-    def _submit(self, request_id: str, attempt: int, prompt_ids: list[int], params: Any, snapshot: Any,
-                priority: str = "online") -> Any:
+    def _submit(self, attempt: Attempt) -> RequestHandle[LLMResult]:
         """In a worker thread: the engine lock is held for a whole step, and the event loop must keep answering
         polls (the heartbeat) meanwhile."""
         from grserve.engine.types import LLMRequest
 
-        pc = self.engine.prefix_cache
+        pc, snapshot = self.engine.prefix_cache, attempt.snapshot
         if snapshot is not None and pc is not None and snapshot.shape[2] > 0:
             with self.engine.core.lock:
-                pc.put(prompt_ids[:snapshot.shape[2]], snapshot)
-        return self.engine.submit(LLMRequest(list(prompt_ids), params, request_id=f"{request_id}#{attempt}",
-                                             priority=priority))
+                pc.put(attempt.prompt_ids[:snapshot.shape[2]], snapshot)
+        return self.engine.submit(LLMRequest(list(attempt.prompt_ids), attempt.params,
+                                             request_id=f"{attempt.request_id}#{attempt.attempt}",
+                                             priority=attempt.priority))
 
-    def _export(self, prompt_ids: list[int]) -> Any:
+    def _export(self, prompt_ids: list[int]) -> torch.Tensor:
         with self.engine.core.lock:  # the end of the prefill: its prompt is in the prefix cache now
             return self.engine.prefix_cache.export(prompt_ids)
 
-    async def _forward(self, request_id: str, attempt: int, handle: Any, prompt_ids: list[int]) -> None:
+    async def _forward(self, request_id: str, attempt: int, handle: RequestHandle[LLMResult],
+                       prompt_ids: list[int]) -> None:
         n, ended = 0, False
         export_at_end = (request_id, attempt) in self._prefill_only
         self._prefill_only.discard((request_id, attempt))
         async for ev in handle.events():
             first = n == 0
-            self._report((request_id, attempt, n, list(ev.token_ids), ev.finished, ev.finish_reason))
+            self._report(TokenReport(request_id, attempt, n, list(ev.token_ids), ev.finished, ev.finish_reason))
             self.token_interval.tokens(request_id, len(ev.token_ids))
             n += len(ev.token_ids)
             ended = ended or ev.finished
             if first and (not ev.finished or export_at_end) and self.kv_snapshot and \
                     self.engine.prefix_cache is not None:
                 kv = await asyncio.to_thread(self._export, prompt_ids)  # the token is reported first: no TTFT cost
-                self._snapshots.append((request_id, attempt, kv))
+                self._snapshots.append(PromptKV(request_id, attempt, kv))
         self.token_interval.forget(request_id)
         try:
             await handle.result()
         except Exception as exc:  # noqa: BLE001 - reported to the front end, which fails or ignores it
             if not ended:
                 reason = "abort" if type(exc).__name__ == "RequestCancelled" else "error"
-                self._report((request_id, attempt, n, [], True, reason))
+                self._report(TokenReport(request_id, attempt, n, [], True, reason))
         finally:
             if self._live.get(request_id, (None,))[0] == attempt:
                 del self._live[request_id]
 
-    def _report(self, item: tuple) -> None:
+    def _report(self, item: TokenReport) -> None:
         self._out.append(item)
         if self._wake is not None:
             self._wake.set()
@@ -157,7 +165,7 @@ class EngineInstance:
         return await asyncio.to_thread(self.engine.cancel, entry[1].request_id)
 
     # ---- the front end's view ----------------------------------------------------------------------------------
-    async def poll(self, wait_s: float = 0.05) -> dict:
+    async def poll(self, wait_s: float = 0.05) -> LLMPoll:
         if self._wake is None:
             self._wake = asyncio.Event()
         if not self._out and wait_s > 0:
@@ -170,10 +178,9 @@ class EngineInstance:
         snaps, self._snapshots = self._snapshots, []
         events, next_seq = self.publisher.take_events()
         stats = {**self.engine.stats(), "token_interval_s": self.token_interval.mean()}
-        return {"tokens": out, "snapshots": snaps, "kv_events": events, "kv_next_seq": next_seq,
-                "stats": stats, "time": time.time()}
+        return LLMPoll(out, snaps, events, next_seq, stats)
 
-    async def kv_snapshot(self):
+    async def kv_snapshot(self) -> KVSnapshot:
         return self.publisher.snapshot()  # the publisher's own lock: consistent with its sequence numbers
 
     async def reset(self, incarnation: str) -> None:
@@ -227,12 +234,17 @@ class TokenInterval:
         return sum(vals) / len(vals) if vals else None
 
 
-def _node_ip() -> str:
-    try:
-        import ray
+def spawn_instance(index: int, cfg: LLMServeConfig, cluster: ClusterConfig, incarnation: str) -> ActorHandle:
+    """One engine instance actor (``cluster/llm/instance.py``), spread over the cluster's nodes; never restarted by
+    Ray (the front end decides: a dead instance's requests move, its entries leave the KV index)."""
+    import ray
 
-        if ray.is_initialized():
-            return ray.util.get_node_ip_address()
-    except Exception:  # noqa: BLE001 - only for the start-up line
-        pass
-    return "127.0.0.1"
+    from grserve.cluster.core.ray_runtime import instance_threads
+
+    actor_cls = ray.remote(EngineInstance)
+    # max_concurrency: calls (coroutines) in flight per actor. Each ``submit`` waits in a worker thread for the
+    # engine lock; at 64, an overloaded instance's pending submits filled every slot and its polls (the heartbeat)
+    # queued behind them until the front end fenced all three instances (bench cluster, cluster12 session)
+    return actor_cls.options(num_cpus=0, max_restarts=0, max_concurrency=4096, scheduling_strategy="SPREAD",
+                             name=None).remote(index, cfg, incarnation, cluster.kv_block_size, cluster.kv_snapshot,
+                                               instance_threads(cluster.instance_threads, cluster.instances))

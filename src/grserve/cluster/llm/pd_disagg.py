@@ -16,7 +16,7 @@ Per request:
    ``min_tokens`` > 1: the decode instance sees the first token as part of its prompt). Otherwise it runs whole
    on one instance: a decode-role instance by predicted TPOT (``pick_decode``), or the decode-role instance
    ``pick_prefill`` chose for slack.
-2. **Prefill phase.** ``EngineInstance.submit_prefill`` runs the prompt with ``max_tokens = 1``: the first token
+2. **Prefill phase.** ``EngineInstance.submit`` runs a ``prefill_only`` attempt of the prompt with ``max_tokens = 1``: the first token
    (sampled with the request's own parameters: draws depend on (seed, position) only) streams to the client at
    once; the instance exports the prompt's K/V from its prefix store and returns it in a poll, so the front end
    owns it (it outlives the instance) and Ray moves it.
@@ -38,7 +38,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING
 
 from grserve.cluster.llm.pd_policy import (
     InstanceSignals,
@@ -50,6 +50,18 @@ from grserve.cluster.llm.pd_policy import (
     pick_prefill,
     should_split,
 )
+from grserve.cluster.wire import Attempt
+
+if TYPE_CHECKING:
+    import torch
+    from ray.actor import ActorHandle
+
+    from grserve.cluster.llm.front_end import ClusterLLMEngine
+    from grserve.cluster.llm.instance import EngineInstance
+    from grserve.cluster.llm.journal import RequestRecord
+    from grserve.cluster.llm.pd_roles import RoleMonitor
+    from grserve.config import ClusterConfig, PDConfig, SLOConfig
+    from grserve.engine.sampling import SamplingParams
 
 log = logging.getLogger("grserve.cluster")
 DEAD_QUEUE = 2 ** 40  # a dead instance's queued tokens in the signals: never the best choice
@@ -66,7 +78,8 @@ class PDRequest:
 
 
 class PDCoordinator:
-    def __init__(self, engine: Any, cfg: Any, slo: Any, cost: PDCostModel, ttft: TTFTPredictor):
+    def __init__(self, engine: ClusterLLMEngine, cfg: PDConfig, slo: SLOConfig, cost: PDCostModel,
+                 ttft: TTFTPredictor):
         self.engine, self.cfg, self.slo, self.cost, self.ttft = engine, cfg, slo, cost, ttft
         self.pools = RolePools(len(engine.instances), cfg.prefill_instances, cfg, time.monotonic())
         self.threshold = cfg.split_min_tokens if cfg.split_min_tokens > 0 else cost.break_even_tokens()
@@ -77,7 +90,7 @@ class PDCoordinator:
         self.hold_handoff = False  # tests: keep split requests between their phases
         self.recent_input = 0  # uncached tokens of the latest split request (the flip rule's TTFT probe) …
         self.recent_input_at = 0.0  # … and when it was routed (monotonic)
-        self.monitor: Any = None  # pd_roles.RoleMonitor
+        self.monitor: RoleMonitor | None = None
         self.measured_s = 0.0  # seconds the start-up cost model measurement took
 
     # ---- signals ------------------------------------------------------------------------------------------
@@ -107,7 +120,7 @@ class PDCoordinator:
         count — a stale probe would hold a TTFT "break" that blocks every P->D flip)."""
         return self.recent_input if now - self.recent_input_at <= self.slo.ttft_slo_s else 0
 
-    def plan_slo(self) -> Any:
+    def plan_slo(self) -> SLOConfig:
         """The SLOs the decisions plan against: ``--ttft-slo-s`` / ``--tpot-slo-s`` × ``PDConfig.slo_headroom``
         (pd_policy's margin for prediction error; 1 where the config has none)."""
         h = getattr(self.cfg, "slo_headroom", 1.0)
@@ -117,12 +130,13 @@ class PDCoordinator:
         return [i for i in self.pools.members(role) if self.engine.instances[i].up]
 
     # ---- a new request -----------------------------------------------------------------------------------
-    def route(self, rec: Any, prompt: list[int], params: Any) -> bool:
+    def route(self, rec: RequestRecord, attempt: Attempt) -> bool:
         """Place a new request (split or whole); False: leave it to the router (a role has no live instance)."""
         if not self._live(Role.PREFILL) or not self._live(Role.DECODE):
             return False
+        prompt, params = attempt.prompt_ids, attempt.params
         n = len(prompt)
-        costs = self.engine.router.costs(prompt)  # {live i: (part-1 cost, cached tokens)}
+        costs = self.engine.router.costs(attempt)  # {live i: (part-1 cost, cached tokens)}
         sig = self.signals({i: c - n for i, (c, _) in costs.items()})
         p = pick_prefill(self.pools, sig, self.ttft, n, self.plan_slo())
         uncached = max(1, n - costs.get(p, (0, 0))[1])
@@ -141,26 +155,25 @@ class PDCoordinator:
         self.counters["whole"] += 1
         return True
 
-    def _submit(self, rec: Any, i: int, phase: str, prompt: list[int], params: Any, uncached: int,
-                max_tokens: int, snapshot: Any = None) -> None:
+    def _submit(self, rec: RequestRecord, i: int, phase: str, prompt: list[int], params: SamplingParams,
+                uncached: int, max_tokens: int, snapshot: torch.Tensor | None = None) -> None:
         r = self.engine.router
         queued = r.load[i].prefill_tokens
         r.book(rec.request_id, i, uncached, params.max_tokens)
         self.reqs[rec.request_id] = PDRequest(phase, i, uncached, max_tokens, queued)
         rec.instance = i
-        actor = self.engine.instances[i].actor
-        call = actor.submit_prefill if phase == "prefill" else actor.submit
-        call.remote(rec.request_id, rec.stream.attempt, prompt, params, snapshot, priority=rec.priority)
+        attempt = self.engine.attempt(rec, prompt, params, snapshot, prefill_only=phase == "prefill")
+        self.engine.instances[i].actor.submit.remote(attempt)
 
     # ---- hooks from the poll ----------------------------------------------------------------------------------
-    def on_first_token(self, rec: Any) -> None:
+    def on_first_token(self, rec: RequestRecord) -> None:
         """The first token of a split request that found its prefill instance's queue empty teaches the TTFT
         predictor (front end TTFT of its uncached tokens). Whole requests do not: they prefill beside decodes."""
         pr = self.reqs.get(rec.request_id)
         if pr is not None and pr.phase == "prefill" and pr.queued_before == 0:
             self.ttft.observe(pr.uncached, rec.first_token_at - rec.submitted_at)
 
-    def prefill_ended(self, rec: Any, reason: str | None) -> bool:
+    def prefill_ended(self, rec: RequestRecord, reason: str | None) -> bool:
         """The attempt on the prefill instance finished: True when the request goes on (to its decode phase)."""
         pr = self.reqs.get(rec.request_id)
         if pr is None or pr.phase != "prefill" or reason != "length" or rec.delivered >= pr.max_tokens:
@@ -168,10 +181,10 @@ class PDCoordinator:
         pr.phase = "handoff"
         return True
 
-    def on_snapshot(self, rec: Any) -> None:
+    def on_snapshot(self, rec: RequestRecord) -> None:
         self.try_handoff(rec)
 
-    def try_handoff(self, rec: Any) -> None:
+    def try_handoff(self, rec: RequestRecord) -> None:
         pr = self.reqs.get(rec.request_id)
         if pr is None or pr.phase != "handoff" or rec.snapshot is None or self.hold_handoff:
             return
@@ -239,7 +252,7 @@ class QueueTTFTPredictor(TTFTPredictor):
         return queued_prefill_tokens / self.tokens_per_s + self.prefill_s(input_tokens)
 
 
-def splittable(params: Any) -> bool:
+def splittable(params: SamplingParams) -> bool:
     """Sampling whose next token depends only on (prompt + tokens so far, seed, position): the decode instance
     sees the first token as prompt, so output-only penalties and ``min_tokens`` would change its draws."""
     return (params.presence_penalty == 0 and params.frequency_penalty == 0 and params.repetition_penalty == 1
@@ -247,7 +260,7 @@ def splittable(params: Any) -> bool:
 
 
 # ---- start-up: the measured cost model ---------------------------------------------------------------------------
-def _profile_prefill(inst: Any, lengths: list[int], seed: int) -> list[float]:
+def _profile_prefill(inst: EngineInstance, lengths: list[int], seed: int) -> list[float]:
     """On an instance: seconds of a ``max_tokens = 1`` request per prompt length (random, uncached tokens)."""
     import numpy as np
 
@@ -266,7 +279,7 @@ def _profile_prefill(inst: Any, lengths: list[int], seed: int) -> list[float]:
     return out
 
 
-def _prefill_random(inst: Any, n: int, seed: int) -> list[int]:
+def _prefill_random(inst: EngineInstance, n: int, seed: int) -> list[int]:
     """On an instance: compute ``n`` + 1 random tokens into its prefix store; returns the first ``n``."""
     import numpy as np
 
@@ -280,17 +293,17 @@ def _prefill_random(inst: Any, n: int, seed: int) -> list[int]:
     return prompt[:n]
 
 
-def _put_kv(inst: Any, tokens: list[int], kv: Any) -> int:
+def _put_kv(inst: EngineInstance, tokens: list[int], kv: torch.Tensor) -> int:
     with inst.engine.core.lock:
         return inst.engine.prefix_cache.put(tokens, kv)
 
 
-def engine_stats(inst: Any) -> dict:
+def engine_stats(inst: EngineInstance) -> dict[str, float]:
     """On an instance: its engine's stats now (tests, the bench: free blocks)."""
     return inst.engine.stats()
 
 
-def measure_cost_model(instances: list[Any], lengths: tuple[int, ...] = (32, 256, 1024),
+def measure_cost_model(instances: list[ActorHandle], lengths: tuple[int, ...] = (32, 256, 1024),
                        repeats: int = 2) -> tuple[PDCostModel, list[tuple[int, float]]]:
     """Measure the split's cost model on the live instances (the first two actors):
 
@@ -327,13 +340,13 @@ def measure_cost_model(instances: list[Any], lengths: tuple[int, ...] = (32, 256
     return cost, list(zip(lengths, best))
 
 
-def _export_kv_cached(inst: Any, tokens: list[int]) -> tuple[list[int], Any]:
+def _export_kv_cached(inst: EngineInstance, tokens: list[int]) -> tuple[list[int], torch.Tensor]:
     """On an instance: export the K/V of cached ``tokens`` (the timed part of the transfer measurement)."""
     with inst.engine.core.lock:
         return tokens, inst.engine.prefix_cache.export(tokens)
 
 
-def attach_pd(engine: Any, cfg: Any, slo: Any) -> PDCoordinator:
+def attach_pd(engine: ClusterLLMEngine, cfg: PDConfig, slo: SLOConfig) -> PDCoordinator:
     """Measure the cost model, build the coordinator and its role monitor, and hook them into ``engine``."""
     from grserve.cluster.llm.pd_roles import RoleMonitor
 
@@ -352,7 +365,7 @@ def attach_pd(engine: Any, cfg: Any, slo: Any) -> PDCoordinator:
     return coord
 
 
-def check_pd(cfg: Any, cluster: Any, prefix_cache_tokens: int) -> None:
+def check_pd(cfg: PDConfig, cluster: ClusterConfig, prefix_cache_tokens: int) -> None:
     """Refuse a PD set-up that cannot work (before any actor starts)."""
     if cluster.instances < 2:
         raise ValueError("--pd needs --instances >= 2")

@@ -15,17 +15,24 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from grserve.cluster.llm.pd_policy import Role, decide_flip, pool_tpot
 
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from prometheus_client.metrics_core import Metric
+
+    from grserve.cluster.llm.pd_disagg import PDCoordinator
+
 log = logging.getLogger("grserve.cluster")
 
 
 class RoleMonitor:
-    def __init__(self, coord: Any, interval_s: float = 0.05):
+    def __init__(self, coord: PDCoordinator, interval_s: float = 0.05):
         self.coord = coord
         self.interval_s = interval_s
         self._last = 0.0
@@ -62,7 +69,7 @@ class RoleMonitor:
         return d
 
 
-def pd_metrics(coord: Any):
+def pd_metrics(coord: PDCoordinator) -> Iterator[Metric]:
     """The PD families on ``/metrics`` (``cluster/core/metrics.py`` yields them when ``--pd`` is on)."""
     flips = CounterMetricFamily("grserve_cluster_role_flips", "PD role flips by direction.", labels=["direction"])
     for k, n in coord.pools.flips.items():
