@@ -300,3 +300,27 @@ def test_instance_threads_share_the_cores():
     assert instance_threads(0, 2, cores=16) == 8
     assert instance_threads(0, 4, cores=16) == 4
     assert instance_threads(3, 4, cores=16) == 3  # an explicit count wins
+
+
+def test_router_reads_gr_requests_as_they_are():
+    """A retrieval request books its history's tokens (no reusable KV: load alone, even under ``kv``); a ranking
+    request books its user's and candidates' tokens, minus its user's profile where the index holds the user."""
+    from grserve.cluster.core.kv_index import user_key
+    from grserve.engine.types import RankingRequest, RetrievalRequest
+
+    idx = GlobalKVIndex()
+    pub = KVEventPublisher(1, "i1", 1)
+    pub.publish("store", [user_key(42)])
+    for i in (0, 1):
+        idx.register(i, "i1" if i else "i0")
+    idx.apply_snapshot(pub.snapshot())
+    r = Router(2, "kv", block_size=4, index=idx)
+    long_history = RetrievalRequest(np.arange(30), beam_width=4, top_n=2, request_id="h30")
+    d = r.route(long_history)
+    assert (d.instance, d.reason, d.cached_tokens, r.load[0].prefill_tokens) == (0, "load", 0, 30)
+    assert r.route(RetrievalRequest(np.arange(5), beam_width=4, top_n=2, request_id="h5")).instance == 1
+    ranked = RankingRequest(np.arange(12), [np.arange(3), np.arange(3)], user_id=42, request_id="u42")
+    d = r.route(ranked)  # 18 tokens; 12 of them (the profile) cached on instance 1, which has 5 booked
+    assert (d.instance, d.reason, d.cached_tokens) == (1, "prefix", 12) and r.load[1].prefill_tokens == 5 + 6
+    stranger = RankingRequest(np.arange(12), [np.arange(3)], user_id=7, request_id="u7")
+    assert r.route(stranger).cached_tokens == 0
