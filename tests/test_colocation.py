@@ -9,6 +9,7 @@ import random
 import numpy as np
 import pytest
 
+from grserve.config import Priority
 from grserve.engine.sampling import SamplingParams
 from grserve.engine.types import LLMRequest
 from grserve.model.spec import ModelSpec
@@ -259,6 +260,15 @@ def test_priority_is_validated_by_the_engine(small):
     eng.add_request([1, 2, 3], SamplingParams(max_tokens=2), priority="offline")
     assert eng.priority_counts() == {"running_online": 0, "running_offline": 0, "waiting_online": 0,
                                      "waiting_offline": 1}
+    assert eng.waiting[0].priority is Priority.OFFLINE  # one enum inside, whatever string came in
+
+
+def test_priority_is_one_enum_from_the_request_on():
+    req = LLMRequest([1, 2], SamplingParams(max_tokens=1), priority="offline")
+    assert req.priority is Priority.OFFLINE and req.priority == "offline" and f"{req.priority}" == "offline"
+    assert LLMRequest([1], SamplingParams()).priority is Priority.ONLINE
+    with pytest.raises(ValueError, match=r"priority must be one of \('online', 'offline'\), not 'batch'"):
+        LLMRequest([1], SamplingParams(), priority="batch")
 
 
 # ---------------------------------------------------------------------------------------------------- API, metrics

@@ -25,6 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from grserve.config import Priority
+
 if TYPE_CHECKING:
     import numpy as np
     import torch
@@ -93,7 +95,7 @@ class Attempt:
     prompt_ids: list[int]
     params: SamplingParams
     snapshot: torch.Tensor | None = None  # K/V [L, 2, m, width] of prompt_ids[:m] computed elsewhere
-    priority: str = "online"
+    priority: Priority = Priority.ONLINE
     prefill_only: bool = False  # PD: its prompt's K/V is returned (``PromptKV``) although it ends at its first token
 
 

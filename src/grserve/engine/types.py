@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from grserve.config import Priority
+
 if TYPE_CHECKING:
     from grserve.engine.sampling import SamplingParams
 
@@ -75,7 +77,10 @@ class LLMRequest:
     prompt_ids: list[int]
     params: "SamplingParams"
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
-    priority: str = "online"  # "online" | "offline" (co-location, issue 13: online work preempts offline work)
+    priority: Priority = Priority.ONLINE  # co-location class (issue 13: online work preempts offline work)
+
+    def __post_init__(self) -> None:
+        self.priority = Priority.of(self.priority)  # the API hands its "online" / "offline" strings
 
 
 @dataclass

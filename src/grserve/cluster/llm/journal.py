@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal
 
 from grserve.cluster.llm.stream import TokenStream
+from grserve.config import Priority
 
 if TYPE_CHECKING:
     import torch
@@ -30,7 +31,7 @@ class RequestRecord:
     submitted_at: float = 0.0
     first_token_at: float | None = None
     recovered: list[Literal["migrate", "recompute"]] = field(default_factory=list)  # per move
-    priority: str = "online"  # co-location class, carried to every instance it runs on
+    priority: Priority = Priority.ONLINE  # co-location class, carried to every instance it runs on
 
     @property
     def delivered(self) -> int:
