@@ -31,13 +31,13 @@ import numpy as np
 import torch
 
 from grserve.attention.hybrid import HybridPagedContext, SeqSlice
+from grserve.config import Priority
 from grserve.kvcache.blocks import BlockPool, CacheKind, HybridCacheStorage
 from grserve.engine.fair_lock import FairRLock
 from grserve.engine.sampling import SampleOutput, SampleRow, SamplingParams, TokenLogprobs, sample
 from grserve.scheduler.llm_types import LLMScheduler, PoolView, SchedulerInput, SchedulerOutput, SeqView
 
 log = logging.getLogger("grserve.engine")
-PRIORITIES = ("online", "offline")  # co-location classes (LLMRequest.priority)
 
 
 class PrefixCache(Protocol):
@@ -91,7 +91,7 @@ class Sequence:
     prefix_saved: bool = False  # this (re)prefill's tokens were offered to the prefix cache
     cached_tokens: int = 0  # prompt tokens its last admission took from the prefix cache (usage.cached_tokens)
     last_scheduled: float | None = None  # start of the last iteration that computed tokens for it (pending time)
-    priority: str = "online"  # "online" | "offline" (co-location, scheduler/colocation.py)
+    priority: Priority = Priority.ONLINE  # co-location class (scheduler/colocation.py)
 
     @property
     def tokens(self) -> list[int]:
@@ -228,11 +228,10 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt_ids: list[int], params: SamplingParams, *, arrival: float | None = None,
                     on_event: Callable[[TokenEvent], None] | None = None, seq_id: int | None = None,
-                    priority: str = "online") -> int:
-        """Queue a request; raises ValueError if it can never fit (model length or pool size). ``priority``:
-        "online" or "offline" (only a co-location policy, ``scheduler/colocation.py``, tells them apart)."""
-        if priority not in PRIORITIES:
-            raise ValueError(f"priority must be one of {PRIORITIES}, not {priority!r}")
+                    priority: Priority | str = Priority.ONLINE) -> int:
+        """Queue a request; raises ValueError if it can never fit (model length or pool size). ``priority``: its
+        co-location class (only a co-location policy, ``scheduler/colocation.py``, tells them apart)."""
+        priority = Priority.of(priority)
         if not prompt_ids:
             raise ValueError("prompt must have at least one token")
         total = len(prompt_ids) + params.max_tokens
@@ -271,7 +270,7 @@ class LLMEngine:
         instance's poll, which is its heartbeat), and the lock is held for a whole step — a long prefill would
         stall the loop for as long. Each queue is copied in one C call (atomic under the GIL), so a count is at
         most one step old and never torn within a queue."""
-        out = {f"{q}_{p}": 0 for q in ("running", "waiting") for p in PRIORITIES}
+        out = {f"{q}_{p}": 0 for q in ("running", "waiting") for p in Priority}
         for q, seqs in (("running", list(self.running)), ("waiting", list(self.waiting))):
             for s in seqs:
                 out[f"{q}_{s.priority}"] += 1
@@ -318,7 +317,7 @@ class LLMEngine:
             seq.num_computed, seq.cache, seq.prefix_saved = 0, None, False
             seq.num_preemptions += 1
             self.stats["preemptions"] += 1
-            if seq.priority == "offline":
+            if seq.priority == Priority.OFFLINE:
                 self.stats["offline_preemptions"] += 1
             if seq in self.running:
                 self.running.remove(seq)
