@@ -144,3 +144,25 @@ def test_sigterm_after_ray_is_down_dies_by_the_signal():
             "signal.signal(signal.SIGTERM, on_sigterm)\nos.kill(os.getpid(), signal.SIGTERM)\ntime.sleep(30)\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == -signal.SIGTERM, r.stderr
+
+
+def test_the_front_end_refuses_what_no_instance_can_hold_by_the_engines_rule():
+    """One fit check (``engine.types.LLMFit``): the front end refused a request only when its tokens needed more
+    block *groups* than the pool's blocks, while an instance's engine counts both K and V planes — a request between
+    the two passed the front end and failed on its instance. Now both use the instances' own ``LLMFit``."""
+    from grserve.engine.types import LLMFit
+
+    actors = [FakeActor()]
+    info = LLMInstanceInfo(0, "inc0", max_model_len=4096, num_blocks=64, block_size=16, kv_planes=2)
+    eng = ClusterLLMEngine(actors, [info], ClusterConfig(instances=1))
+    eng._status = "ok"
+    assert eng.fit == LLMFit(4096, 64, 16, 2)
+    with pytest.raises(ValueError, match="never fits the KV pool"):  # 38 groups: 76 blocks of 64
+        eng.submit(LLMRequest(list(range(400)), SamplingParams(max_tokens=200)))
+    with pytest.raises(ValueError, match="exceeds the model length 4096"):
+        eng.submit(LLMRequest([1], SamplingParams(max_tokens=5000)))
+    with pytest.raises(ValueError, match="at least one token"):
+        eng.submit(LLMRequest([], SamplingParams(max_tokens=1)))
+    assert actors[0].calls == [] and not eng.records
+    eng.submit(LLMRequest(list(range(400)), SamplingParams(max_tokens=112)))  # 32 groups: the whole pool
+    assert [c[0] for c in actors[0].calls] == ["submit"]

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from grserve.config import Priority
+from grserve.engine.types import LLMFit
 
 if TYPE_CHECKING:
     import numpy as np
@@ -82,7 +83,13 @@ class LLMInstanceInfo(InstanceInfo):
     vocab_size: int = 0
     num_blocks: int = 0
     block_size: int = 16
+    kv_planes: int = 2
     prefix_cache_tokens: int = 0
+
+    @property
+    def fit(self) -> LLMFit:
+        """What its engine can ever hold (the front end refuses what no instance can run)."""
+        return LLMFit(self.max_model_len, self.num_blocks, self.block_size, self.kv_planes)
 
 
 @dataclass(frozen=True)

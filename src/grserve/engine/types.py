@@ -83,6 +83,30 @@ class LLMRequest:
         self.priority = Priority.of(self.priority)  # the API hands its "online" / "offline" strings
 
 
+@dataclass(frozen=True)
+class LLMFit:
+    """What an LLM engine can ever hold — the one fit check of a request, made by the engine (``add_request``) and
+    by a cluster front end for its instances (``ClusterLLMEngine.submit``, from the instances' ``LLMFit``)."""
+
+    max_model_len: int | None  # None: no model length limit (a simulated engine)
+    num_blocks: int
+    block_size: int
+    kv_planes: int = 2  # blocks per token group of a KV cache (its K and V planes)
+
+    def check(self, prompt_tokens: int, max_tokens: int) -> None:
+        """``ValueError`` when a prompt of ``prompt_tokens`` with ``max_tokens`` to generate can never run: empty,
+        longer than the model, or more KV blocks than the whole pool."""
+        if prompt_tokens < 1:
+            raise ValueError("prompt must have at least one token")
+        total = prompt_tokens + max_tokens
+        if self.max_model_len is not None and total > self.max_model_len:
+            raise ValueError(f"prompt ({prompt_tokens}) + max_tokens ({max_tokens}) exceeds the model length "
+                             f"{self.max_model_len}")
+        if self.kv_planes * -(-total // self.block_size) > self.num_blocks:
+            raise ValueError(f"prompt + max_tokens = {total} tokens never fits the KV pool ({self.num_blocks} "
+                             f"blocks of {self.block_size})")
+
+
 @dataclass
 class LLMResult:
     """The end of an LLM request: every generated token, the text, and why it stopped ("stop" | "length")."""

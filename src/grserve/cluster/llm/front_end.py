@@ -75,8 +75,8 @@ class ClusterLLMEngine(FrontEndLifecycle):
         self.keep_finished = False  # keep ended requests' records in ``finished`` (benchmarks, tests)
         self.finished: list[RequestRecord] = []
         self.pd: PDCoordinator | None = None  # with --pd (attach_pd)
-        info0 = infos[0]
-        self.max_model_len, self.num_blocks, self.block_size = info0.max_model_len, info0.num_blocks, info0.block_size
+        self.fit = infos[0].fit  # what an instance can ever hold (the instances run one config)
+        self.max_model_len = self.fit.max_model_len
 
     # ---- building -----------------------------------------------------------------------------------------------
     @classmethod
@@ -171,15 +171,7 @@ class ClusterLLMEngine(FrontEndLifecycle):
     def submit(self, req: LLMRequest) -> RequestHandle[LLMResult]:
         if self._status != "ok":
             raise EngineStopped(f"engine is {self._status}")
-        total = len(req.prompt_ids) + req.params.max_tokens
-        if not req.prompt_ids:
-            raise ValueError("prompt must have at least one token")
-        if total > self.max_model_len:
-            raise ValueError(f"prompt ({len(req.prompt_ids)}) + max_tokens ({req.params.max_tokens}) exceeds the "
-                             f"model length {self.max_model_len}")
-        if -(-total // self.block_size) > self.num_blocks:
-            raise ValueError(f"prompt + max_tokens = {total} tokens never fits the KV pool "
-                             f"({self.num_blocks} blocks of {self.block_size})")
+        self.fit.check(len(req.prompt_ids), req.params.max_tokens)  # ValueError: no instance could ever run it
         handle: RequestHandle[LLMResult] = RequestHandle(req.request_id, self.cancel)
         detok = self.tokenizer.decode if self.tokenizer is not None else None
         rec = RequestRecord(req.request_id, list(req.prompt_ids), req.params, handle,

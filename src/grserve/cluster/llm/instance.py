@@ -80,7 +80,7 @@ class EngineInstance:
         return LLMInstanceInfo(self.index, self.publisher.incarnation, os.getpid(), socket.gethostname(), node_ip(),
                                str(m.device), torch.get_num_threads(), max_model_len=m.spec.max_position_embeddings,
                                vocab_size=m.spec.vocab_size, num_blocks=core.pool.num_blocks,
-                               block_size=core.pool.block_size,
+                               block_size=core.pool.block_size, kv_planes=core.pool.kv_planes,
                                prefix_cache_tokens=pc.capacity if pc is not None else 0)
 
     # ---- requests --------------------------------------------------------------------------------------------
