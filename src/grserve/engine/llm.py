@@ -35,6 +35,7 @@ from grserve.config import Priority
 from grserve.kvcache.blocks import BlockPool, CacheKind, HybridCacheStorage
 from grserve.engine.fair_lock import FairRLock
 from grserve.engine.sampling import SampleOutput, SampleRow, SamplingParams, TokenLogprobs, sample
+from grserve.engine.types import LLMFit
 from grserve.scheduler.llm_types import LLMScheduler, PoolView, SchedulerInput, SchedulerOutput, SeqView
 
 log = logging.getLogger("grserve.engine")
@@ -207,6 +208,7 @@ class LLMEngine:
         self.decoder_factory = decoder_factory
         self.clock = clock
         self.max_model_len = max_model_len
+        self.fit = LLMFit(max_model_len, pool.num_blocks, pool.block_size, pool.kv_planes)  # what it can ever hold
         self.prefix_cache = prefix_cache
         self._storage = getattr(executor, "storage", None)
         if prefix_cache is not None and self._storage is None:
@@ -232,15 +234,7 @@ class LLMEngine:
         """Queue a request; raises ValueError if it can never fit (model length or pool size). ``priority``: its
         co-location class (only a co-location policy, ``scheduler/colocation.py``, tells them apart)."""
         priority = Priority.of(priority)
-        if not prompt_ids:
-            raise ValueError("prompt must have at least one token")
-        total = len(prompt_ids) + params.max_tokens
-        if self.max_model_len is not None and total > self.max_model_len:
-            raise ValueError(f"prompt ({len(prompt_ids)}) + max_tokens ({params.max_tokens}) exceeds the model "
-                             f"length {self.max_model_len}")
-        if self.pool.blocks_for(total, "kv") > self.pool.num_blocks:
-            raise ValueError(f"prompt + max_tokens = {total} tokens never fits the KV pool "
-                             f"({self.pool.num_blocks} blocks of {self.pool.block_size})")
+        self.fit.check(len(prompt_ids), params.max_tokens)
         with self.lock:
             if seq_id is None:
                 seq_id = self._next_id
