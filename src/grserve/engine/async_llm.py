@@ -129,7 +129,7 @@ class AsyncLLMEngine:
                 raise EngineOverloaded(f"{len(self.core.waiting)} requests waiting (max_waiting={self.max_waiting})")
             seq_id = self.core.add_request(req.prompt_ids, req.params,
                                            on_event=lambda ev, r=req.request_id: self._on_event(r, ev),
-                                           priority=req.priority)
+                                           priority=req.priority, handover=req.handover)
             self._live[req.request_id] = (seq_id, self.core.seqs[seq_id], handle)
             self._submitted[req.request_id] = time.monotonic()
         with self._cv:
@@ -157,7 +157,7 @@ class AsyncLLMEngine:
             self._expired.discard(request_id)
             _fail(handle, RequestTimedOut(f"request {request_id} waited more than {self.request_timeout_s:g} s in "
                                           f"the queue"))
-        elif ev.finish_reason in ("stop", "length"):
+        elif ev.finish_reason in ("stop", "length", "pause"):
             handle.future.set_result(LLMResult(request_id, list(seq.output_ids), seq.text, ev.finish_reason,
                                                len(seq.prompt_ids), seq.num_preemptions, seq.cached_tokens))
         elif ev.finish_reason == "abort":
@@ -199,7 +199,7 @@ class AsyncLLMEngine:
                     break
                 del self._submitted[rid]
                 seq = self._live[rid][1]
-                if seq.num_computed or seq.output_ids:  # it has run: a later preemption is not a queue wait
+                if seq.num_computed or seq.token_times:  # it has run: a later preemption is not a queue wait
                     continue
                 self._expired.add(rid)
                 self.requests_expired += 1

@@ -16,6 +16,8 @@ import numpy as np
 from grserve.config import Priority
 
 if TYPE_CHECKING:
+    import torch
+
     from grserve.engine.sampling import SamplingParams
 
 
@@ -70,6 +72,20 @@ class RankingRequest:
         return len(self.user_tokens) + sum(len(t) for t in self.item_tokens)
 
 
+@dataclass(frozen=True)
+class Handover:
+    """What an LLM request carries across cluster instances (a move off a dead instance, PD's hand-off from its
+    prefill to its decode instance): the engine runs one attempt of it."""
+
+    delivered: list[int] = field(default_factory=list)  # output tokens the client has: the engine continues after
+    #                                                     them (they count as output); its events carry what follows
+    prompt_kv: torch.Tensor | None = None  # K/V [L, 2, m, width] of the first m tokens (prompt + delivered),
+    #                                        computed elsewhere: loaded at admission instead of computed
+    export_kv: bool = False  # hand out the K/V its prefill computed with its first token (``TokenEvent.prompt_kv``)
+    pause_after: int | None = None  # end the attempt after this many new tokens, finish reason "pause": the
+    #                                 request goes on elsewhere, so the text held back stays held back
+
+
 @dataclass
 class LLMRequest:
     """One LLM generation request: prompt token ids (already validated) and its sampling parameters."""
@@ -78,6 +94,7 @@ class LLMRequest:
     params: "SamplingParams"
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
     priority: Priority = Priority.ONLINE  # co-location class (issue 13: online work preempts offline work)
+    handover: Handover | None = None  # an attempt of a request that began on another cluster instance
 
     def __post_init__(self) -> None:
         self.priority = Priority.of(self.priority)  # the API hands its "online" / "offline" strings
@@ -109,7 +126,8 @@ class LLMFit:
 
 @dataclass
 class LLMResult:
-    """The end of an LLM request: every generated token, the text, and why it stopped ("stop" | "length")."""
+    """The end of an LLM request: every generated token, the text, and why it stopped ("stop" | "length"; "pause":
+    an attempt that ended for a hand-off, ``Handover.pause_after``)."""
 
     request_id: str
     output_ids: list[int]
