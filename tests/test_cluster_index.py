@@ -77,6 +77,48 @@ def test_publisher_equals_tree_contents_under_inserts_and_evictions():
         assert pub.contents == tree_blocks(store, 4), f"step {step}"
         events += len(pub.take_events()[0])
     assert store.tree.stats["evicted_tokens"] > 0 and events > 0
+    store.clear()  # a benchmark's fresh start: every slot free, nothing cached
+    store.check()
+    assert store.tree.size == 0 and len(store.match(stems[0])) == 0
+
+
+@pytest.mark.parametrize("index_block", [4, 2, 8])
+def test_publisher_follows_the_shared_block_cache(index_block):
+    """The default prefix cache (``SharedPrefixCache``, groups of 4 tokens here) under saves and LRU evictions: the
+    publisher's contents are the index blocks of the groups the cache holds — its own keys when the index's block
+    is the engine's (4), the blocks ending in each held group otherwise — and ``clear`` empties them."""
+    from grserve.kvcache.blocks import BlockPool, HybridCacheStorage
+    from grserve.kvcache.shared_prefix import SharedPrefixCache
+
+    B = 4
+    pool = BlockPool.for_model(64, B, 16, 8)
+    storage = HybridCacheStorage(pool, 1, 8, 16)
+    cache = SharedPrefixCache(pool, capacity_blocks=6, policy="lru")
+    pub = KVEventPublisher(0, "inc", block_size=index_block)
+    cache.listener = pub
+    rng = np.random.default_rng(1)
+    stems = [rng.integers(0, 50, 12).tolist() for _ in range(3)]
+    path_of: dict[int, list[int]] = {}  # group hash → its path from position 0 (what the test saved)
+    for step in range(40):
+        toks = stems[step % 3][:int(rng.integers(4, 12))] + rng.integers(0, 50, int(rng.integers(0, 10))).tolist()
+        pool.reserve(step, len(toks), "kv")
+        pool.table(step).num_tokens = len(toks)
+        cache.save(toks, storage, pool.table(step))
+        pool.free(step)
+        for g, h in enumerate(chained_block_hashes(toks, B)):
+            path_of[h] = toks[:(g + 1) * B]
+        want = {}
+        for h in cache.entries:
+            path = path_of[h]
+            keys = chained_block_hashes(path, index_block)
+            want.update({k: "dram" for k in keys[(len(path) - B) // index_block:]})
+        assert pub.contents == want, f"step {step}"
+        if index_block == B:
+            assert set(pub.contents) == set(cache.entries)
+    assert cache.stats["evicted_groups"] > 0
+    cache.clear()
+    assert pub.contents == {} and not cache.entries and pool.num_free == pool.num_blocks
+    cache.check()
 
 
 def test_export_put_round_trip():

@@ -38,17 +38,24 @@ class PrefixKVStore:
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", **policy_kw: Any):
         self.capacity = capacity_tokens
         self.kv = torch.zeros(num_layers, 2, capacity_tokens, width, dtype=dtype, device=device)
-        self._free = np.arange(capacity_tokens - 1, -1, -1, dtype=np.int64).tolist()  # a stack of free slots
-        if policy in LEARNED and "predictor" not in policy_kw:  # the online LightGBM next-access predictor
-            from grserve.eviction.config import PredictorConfig
-            from grserve.eviction.predictor import LearnedPredictor
-
-            policy_kw["predictor"] = LearnedPredictor(PredictorConfig(horizon=4096, window=16_384,
-                                                                      retrain_every=2048, min_train=256))
-        self.tree = RadixCache(capacity_tokens, policy, on_evict=self._release, **policy_kw)
+        self._policy_spec = (policy, policy_kw)
         # store/evict hook (the cluster's KV event publisher): .stored(tokens, start, stop) after a span is
         # cached, .evicted(path_tokens, start, stop) when one goes (tokens[start:stop] of a path from position 0)
         self.listener: Any = None
+        self.clear()
+
+    def clear(self) -> None:
+        """Empty the store: every slot free, a new tree (and policy, when given by name), the counters at 0."""
+        self._free = np.arange(self.capacity - 1, -1, -1, dtype=np.int64).tolist()  # a stack of free slots
+        policy, policy_kw = self._policy_spec
+        kw = dict(policy_kw)
+        if policy in LEARNED and "predictor" not in kw:  # the online LightGBM next-access predictor
+            from grserve.eviction.config import PredictorConfig
+            from grserve.eviction.predictor import LearnedPredictor
+
+            kw["predictor"] = LearnedPredictor(PredictorConfig(horizon=4096, window=16_384, retrain_every=2048,
+                                                               min_train=256))
+        self.tree = RadixCache(self.capacity, policy, on_evict=self._release, **kw)
         self.tree.on_evict_node = self._evicted
         self.stats = {"lookups": 0, "hit_tokens": 0, "lookup_tokens": 0, "inserted_tokens": 0}
 

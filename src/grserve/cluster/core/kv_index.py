@@ -1,9 +1,13 @@
 """The global KV index (xLLM §3.4): which instance holds which prefix block, in which tier.
 
-Instance side, ``KVEventPublisher``: the prefix cache's hooks (``PrefixKVStore.listener``) report each span it
-stores or evicts; the publisher turns spans into block keys (``kvcache/block_hash.chained_block_hashes``: block ``b`` is
-cached iff the tree holds tokens ``[0, (b+1)·B)``), keeps the instance's true contents ``block → tier`` and
-appends ordered ``KVEvent``\\ s, each with the instance's incarnation id and a sequence number (0, 1, 2, …).
+Instance side, ``KVEventPublisher``: the prefix cache's hooks (its ``listener``) report what it stores or evicts;
+the publisher turns that into block keys (``kvcache/block_hash.chained_block_hashes``: block ``b`` is cached iff
+the cache holds tokens ``[0, (b+1)·B)``), keeps the instance's true contents ``block → tier`` and appends ordered
+``KVEvent``\\ s, each with the instance's incarnation id and a sequence number (0, 1, 2, …). Both prefix caches
+report: the copying store (``PrefixKVStore``) spans of its radix tree; the shared-block cache
+(``SharedPrefixCache``, the default) the groups it adopts, named by its own block hashes, and evicts by those —
+the publisher remembers the index blocks each group stands for (the same keys when the index's block size is the
+engine's, the default).
 
 Front end, ``GlobalKVIndex``: block → {instance: tier}. It applies an instance's events in order; a gap in the
 sequence (an event lost), a sequence number behind what the instance says it has published (a lost tail) or a
@@ -49,6 +53,9 @@ class KVEventPublisher:
             raise ValueError(f"tier must be one of {TIERS}")
         self.instance, self.incarnation, self.block_size, self.tier = instance, incarnation, block_size, tier
         self.contents: dict[int, Tier] = {}
+        self._of_group: dict[int, list[int]] = {}  # a shared-block cache's group → the index blocks it stands for
+        self._groups_of: dict[int, int] = {}  # index block → how many held groups stand for it (two paths that
+        #                                       part within a group share the index blocks ending before they part)
         self.next_seq = 0
         self._pending: list[KVEvent] = []
         self._lock = threading.Lock()
@@ -62,12 +69,44 @@ class KVEventPublisher:
         """The cache dropped ``tokens[start:stop]`` (``tokens`` is the whole path from position 0)."""
         self._emit("evict", tokens, start, stop)
 
+    def stored_blocks(self, tokens: Sequence[int], groups: list[tuple[int, int, int]]) -> None:
+        """A shared-block cache adopted ``groups`` — (its key, start, stop) — of the path ``tokens``."""
+        last = _block_range(0, max(stop for _, _, stop in groups), self.block_size).stop
+        path = chained_block_hashes(np.asarray(tokens[:last * self.block_size]), self.block_size)  # hashed once
+        keys: list[int] = []
+        for group, start, stop in groups:
+            rng = _block_range(start, stop, self.block_size)
+            self._of_group[group] = path[rng.start:rng.stop]
+            for k in self._of_group[group]:
+                self._groups_of[k] = self._groups_of.get(k, 0) + 1
+                if self._groups_of[k] == 1:
+                    keys.append(k)
+        if keys:
+            self.publish("store", keys)
+
+    def evicted_blocks(self, groups: list[int]) -> None:
+        """A shared-block cache dropped the groups with these keys."""
+        keys: list[int] = []
+        for g in groups:
+            for k in self._of_group.pop(g, ()):
+                self._groups_of[k] -= 1
+                if not self._groups_of[k]:
+                    del self._groups_of[k]
+                    keys.append(k)
+        if keys:
+            self.publish("evict", keys)
+
     def _emit(self, kind: Literal["store", "evict"], tokens: Sequence[int], start: int, stop: int) -> None:
+        keys = self._keys(tokens, start, stop)
+        if keys:
+            self.publish(kind, keys)
+
+    def _keys(self, tokens: Sequence[int], start: int, stop: int) -> list[int]:
+        """The keys of the index blocks whose last token lies in ``tokens[start:stop]``."""
         rng = _block_range(start, stop, self.block_size)
         if not len(rng):
-            return
-        keys = chained_block_hashes(np.asarray(tokens[:rng.stop * self.block_size]), self.block_size)[rng.start:]
-        self.publish(kind, keys)
+            return []
+        return chained_block_hashes(np.asarray(tokens[:rng.stop * self.block_size]), self.block_size)[rng.start:]
 
     def publish(self, kind: Literal["store", "evict"], keys: Iterable[int]) -> None:
         """Record a change of the instance's contents as one event (also used directly by tests)."""
