@@ -71,7 +71,7 @@ def test_max_waiting_bounds_the_front_end_and_a_first_token_frees_a_slot():
         eng.submit(_req("r4"))
     eng.cancel("r1")  # a cancel frees its slot too
     eng.submit(_req("r4"))
-    _poll(eng, eng.records["r0"].instance, [TokenReport("r0", 0, 1, [12, 13], True, "length")])
+    _poll(eng, eng.records["r0"].instance, [TokenReport("r0", 0, 1, [12, 13], finished=True, finish_reason="length")])
     assert handles[0].future.result(timeout=1).output_ids == [11, 12, 13]
 
 
@@ -166,3 +166,27 @@ def test_the_front_end_refuses_what_no_instance_can_hold_by_the_engines_rule():
     assert actors[0].calls == [] and not eng.records
     eng.submit(LLMRequest(list(range(400)), SamplingParams(max_tokens=112)))  # 32 groups: the whole pool
     assert [c[0] for c in actors[0].calls] == ["submit"]
+
+
+def test_the_text_is_the_instances_and_never_decoded_again():
+    """One output path: the client's text is the instance engines' text deltas, in order, across a move; the front
+    end decodes nothing (it re-decoded the whole output on every report)."""
+
+    class NoDecode:
+        eos_token_id = None
+
+        def decode(self, ids):
+            raise AssertionError("the front end decoded tokens")
+
+    eng, actors = _engine(max_waiting=8, timeout_s=60)
+    eng.tokenizer = NoDecode()
+    h = eng.submit(_req("r0"))
+    first = eng.records["r0"].instance
+    _poll(eng, first, [TokenReport("r0", 0, 0, [11], "he")])
+    eng.instance_down(first, "test", fence=False)  # moved: its next attempt continues after the delivered token
+    moved = eng.records["r0"].instance
+    name, (attempt,) = actors[moved].calls[-1]
+    assert name == "submit" and attempt.attempt == 1 and attempt.delivered == [11]
+    _poll(eng, moved, [TokenReport("r0", 1, 0, [12], "ll"), TokenReport("r0", 1, 1, [13], "o", True, "stop")])
+    r = h.future.result(timeout=1)
+    assert (r.output_ids, r.text, r.finish_reason, r.num_preemptions) == ([11, 12, 13], "hello", "stop", 1)

@@ -21,7 +21,7 @@ from grserve.cluster.core.recovery import RecoveryCost, plan
 from grserve.cluster.core.router import Router
 from grserve.cluster.llm.journal import RequestRecord
 from grserve.cluster.llm.stream import TokenStream
-from grserve.cluster.wire import Attempt
+from grserve.cluster.wire import Attempt, TokenReport
 from grserve.engine.sampling import SamplingParams
 
 
@@ -289,34 +289,35 @@ def test_round_robin_and_least_loaded_ignore_the_cache():
 
 
 # ---- the client's stream: each position once --------------------------------------------------------------------
+def _report(attempt: int, index: int, ids: list[int], text: str = "") -> TokenReport:
+    return TokenReport("r", attempt, index, ids, text)
+
+
 def test_token_stream_exactly_once_across_attempts():
-    s = TokenStream(lambda ids: "".join(chr(97 + i % 26) for i in ids))
-    assert s.accept(0, 0, [1, 2]) == [1, 2]
-    assert s.accept(0, 2, [3]) == [3]
+    s = TokenStream()
+    assert s.accept(_report(0, 0, [1, 2], "ab")) == ([1, 2], "ab")
+    assert s.accept(_report(0, 2, [3], "c")) == ([3], "c")
     s.new_attempt()  # the instance died after delivering 3 tokens; the new attempt starts at position 3
-    assert s.accept(0, 3, [4]) == []  # a late report of the old attempt
-    assert s.accept(1, 0, [4, 5]) == [4, 5]
-    assert s.accept(1, 1, [5, 6]) == [6]  # a re-sent position is skipped
-    with pytest.raises(AssertionError):
-        s.accept(1, 5, [9])  # a gap
-    assert s.output_ids == [1, 2, 3, 4, 5, 6]
-
-
-def test_token_stream_stop_string_across_attempts():
-    s = TokenStream(lambda ids: "".join(chr(i) for i in ids), stop=("xy",))
-    s.accept(0, 0, [ord("a"), ord("x")])
-    assert s.text_delta(False) == "a"  # "x" is held back: it may start the stop string
-    s.new_attempt()
-    s.accept(1, 0, [ord("y"), ord("z")])
-    assert s.text_delta(False) == "" and s.stopped and s.text == "a"
+    assert s.accept(_report(0, 3, [4], "x")) == ([], "")  # a late report of the old attempt
+    assert s.accept(_report(1, 0, [4, 5], "de")) == ([4, 5], "de")
+    assert s.accept(_report(1, 0, [4, 5], "de")) == ([], "")  # a re-sent report is skipped
+    assert s.duplicates == 2
+    with pytest.raises(AssertionError, match="gap"):
+        s.accept(_report(1, 5, [9]))
+    with pytest.raises(AssertionError, match="overlapping"):
+        s.accept(_report(1, 1, [5, 6], "ef"))  # its text cannot be split by token
+    assert s.output_ids == [1, 2, 3, 4, 5] and s.text == "abcde"
 
 
 # ---- the recovery plan ----------------------------------------------------------------------------------------------
 def test_recovery_plan_migrate_recompute_fail():
-    rec = RequestRecord("r", list(range(100)), SamplingParams(max_tokens=20, temperature=0), None, TokenStream(None))
-    rec.stream.accept(0, 0, [7, 8, 9])
+    rec = RequestRecord("r", list(range(100)), SamplingParams(max_tokens=20, temperature=0), None, TokenStream())
+    rec.stream.accept(_report(0, 0, [7, 8, 9]))
     p = plan(rec, migration_limit=2)
-    assert p.action == "recompute" and p.prompt_ids == list(range(100)) + [7, 8, 9] and p.params.max_tokens == 17
+    assert p.action == "recompute" and rec.resume_tokens == 103
+    rec.stream.new_attempt()
+    nxt = rec.next_attempt()
+    assert (nxt.attempt, nxt.prompt_ids, nxt.delivered, nxt.max_new_tokens) == (1, list(range(100)), [7, 8, 9], 17)
     rec.snapshot = torch.zeros(2, 2, 100, 8)
     p = plan(rec, migration_limit=2)
     assert p.action == "migrate" and p.snapshot_tokens == 100

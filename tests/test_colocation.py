@@ -339,6 +339,7 @@ def test_cluster_front_end_carries_priority_to_the_instance():
     from grserve.cluster.llm.instance import EngineInstance
 
     inst = EngineInstance.__new__(EngineInstance)
+    inst.kv_snapshot = True
     got = []
     inst.engine = type("E", (), {"prefix_cache": None, "submit": lambda self, req: got.append(req.priority)})()
     inst._submit(Attempt("r", 0, [1, 2], SamplingParams(max_tokens=1), priority="offline"))

@@ -95,27 +95,41 @@ class LLMInstanceInfo(InstanceInfo):
 @dataclass(frozen=True)
 class Attempt:
     """One attempt of a request on one instance (``submit``). A request moved off a dead instance, or handed from its
-    prefill to its decode instance (PD), is a new attempt of the same request id."""
+    prefill to its decode instance (PD), is a new attempt of the same request id: the same prompt and sampling, and
+    the tokens the client already has, which the instance's engine continues after (``engine.types.Handover``)."""
 
     request_id: str
     attempt: int
     prompt_ids: list[int]
     params: SamplingParams
-    snapshot: torch.Tensor | None = None  # K/V [L, 2, m, width] of prompt_ids[:m] computed elsewhere
+    delivered: list[int] = field(default_factory=list)  # output tokens delivered by earlier attempts
+    snapshot: torch.Tensor | None = None  # K/V [L, 2, m, width] of (prompt_ids + delivered)[:m] computed elsewhere
     priority: Priority = Priority.ONLINE
-    prefill_only: bool = False  # PD: its prompt's K/V is returned (``PromptKV``) although it ends at its first token
+    prefill_only: bool = False  # PD: one token, then a "pause"; its prompt's K/V comes back (``PromptKV``)
+
+    @property
+    def tokens(self) -> list[int]:
+        """What the instance prefills: the prompt and the tokens delivered."""
+        return self.prompt_ids + self.delivered if self.delivered else self.prompt_ids
+
+    @property
+    def max_new_tokens(self) -> int:
+        """Tokens still to generate."""
+        return self.params.max_tokens - len(self.delivered)
 
 
 @dataclass(frozen=True)
 class TokenReport:
-    """Tokens of one attempt: ``token_ids`` are its tokens ``index, index + 1, …`` (counted within the attempt)."""
+    """Tokens of one attempt: ``token_ids`` are its tokens ``index, index + 1, …`` (counted within the attempt) and
+    ``text`` the text they add, as the instance's engine decoded it (stop strings, held-back characters)."""
 
     request_id: str
     attempt: int
     index: int
     token_ids: list[int]
+    text: str = ""
     finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort" (cancelled) | "error"
+    finish_reason: str | None = None  # "stop" | "length" | "pause" (PD: goes on) | "abort" (cancelled) | "error"
 
 
 @dataclass(frozen=True)

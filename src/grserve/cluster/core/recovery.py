@@ -28,8 +28,6 @@ from grserve.engine.protocol import EngineError
 if TYPE_CHECKING:
     import torch
 
-    from grserve.engine.sampling import SamplingParams
-
 
 class RequestLost(EngineError):
     """The request could not be finished: its instance died more often than the migration limit allows, or no
@@ -57,17 +55,14 @@ class Movable(Protocol):
     migrations: int
     snapshot: torch.Tensor | None
 
-    def resume_prompt(self) -> list[int]: ...
-
-    def resume_params(self) -> SamplingParams: ...
+    @property
+    def resume_tokens(self) -> int: ...
 
 
 @dataclass(frozen=True)
 class RecoveryPlan:
     action: Literal["migrate", "recompute", "fail"]
-    prompt_ids: list[int]
-    params: SamplingParams | None
-    snapshot_tokens: int = 0
+    snapshot_tokens: int = 0  # migrate: the K/V of the first this many tokens goes with it
     reason: str = ""
 
 
@@ -83,13 +78,12 @@ def plan(record: Movable, migration_limit: int, cost: RecoveryCost = RecoveryCos
     """What to do with a request whose instance died (the caller then routes it and resubmits)."""
     lost = limit_reached(record.migrations, migration_limit)
     if lost is not None:
-        return RecoveryPlan("fail", [], None, reason=lost)
-    prompt = record.resume_prompt()
-    params = record.resume_params()
+        return RecoveryPlan("fail", reason=lost)
+    n = record.resume_tokens
     snap = record.snapshot
     if snap is not None and snap.shape[2] > 0:
-        m = min(int(snap.shape[2]), len(prompt) - 1)
+        m = min(int(snap.shape[2]), n - 1)
         nbytes = snap[:, :, :m].numel() * snap.element_size()
-        if cost.migrate(len(prompt), m, nbytes) < cost.recompute(len(prompt)):
-            return RecoveryPlan("migrate", prompt, params, m)
-    return RecoveryPlan("recompute", prompt, params)
+        if cost.migrate(n, m, nbytes) < cost.recompute(n):
+            return RecoveryPlan("migrate", m)
+    return RecoveryPlan("recompute")

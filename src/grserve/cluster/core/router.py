@@ -126,8 +126,8 @@ class Router:
                 for i in live:
                     raw[i] = len(request.user_tokens) if held[i] else 0
                     cached[i] = float(raw[i])
-        elif isinstance(request, Attempt) and len(request.prompt_ids) > 1:
-            prompt = request.prompt_ids
+        elif isinstance(request, Attempt) and len(request.tokens) > 1:
+            prompt = request.tokens
             keys = chained_block_hashes(prompt[:len(prompt) - 1], self.block_size)  # the last token is computed
             for i, tiers in self.index.prefix_match(keys, live).items():
                 raw[i] = sum(tiers.values()) * self.block_size
@@ -213,5 +213,5 @@ class Router:
 def size(request: Routable) -> tuple[int, int]:
     """(tokens to compute without a cache, tokens it will generate) of a request."""
     if isinstance(request, Attempt):
-        return len(request.prompt_ids), request.params.max_tokens
+        return len(request.tokens), request.max_new_tokens
     return max(1, request.num_tokens), 0  # retrieval / ranking: one step, nothing to decode

@@ -31,17 +31,16 @@ from grserve.cluster.llm.admission import FrontAdmission
 from grserve.cluster.llm.journal import RequestRecord
 from grserve.cluster.llm.stream import TokenStream
 from grserve.cluster.wire import Attempt, LLMInstanceInfo, LLMPoll, TokenReport
+from grserve.engine.async_llm import EngineStepFailed
 from grserve.engine.llm import TokenEvent
 from grserve.engine.protocol import EngineHealth, EngineStopped, RequestCancelled, RequestHandle, RequestTimedOut
 from grserve.engine.types import LLMRequest, LLMResult
 
 if TYPE_CHECKING:
-    import torch
     from ray.actor import ActorHandle
 
     from grserve.cluster.llm.pd_disagg import PDCoordinator
     from grserve.config import ClusterConfig, EdgeConfig, LLMServeConfig
-    from grserve.engine.sampling import SamplingParams
     from grserve.engine.tokenizer import HFTokenizer
 
 log = logging.getLogger("grserve.cluster")
@@ -173,9 +172,8 @@ class ClusterLLMEngine(FrontEndLifecycle):
             raise EngineStopped(f"engine is {self._status}")
         self.fit.check(len(req.prompt_ids), req.params.max_tokens)  # ValueError: no instance could ever run it
         handle: RequestHandle[LLMResult] = RequestHandle(req.request_id, self.cancel)
-        detok = self.tokenizer.decode if self.tokenizer is not None else None
-        rec = RequestRecord(req.request_id, list(req.prompt_ids), req.params, handle,
-                            TokenStream(detok, tuple(req.params.stop)), submitted_at=time.perf_counter())
+        rec = RequestRecord(req.request_id, list(req.prompt_ids), req.params, handle, TokenStream(),
+                            submitted_at=time.perf_counter())
         rec.priority = req.priority
         with self._lock:
             if req.request_id in self.records:
@@ -183,18 +181,12 @@ class ClusterLLMEngine(FrontEndLifecycle):
             self.admission.admit(req.request_id)  # EngineOverloaded beyond --max-waiting
             self.records[req.request_id] = rec
             try:
-                self._send(rec, self.attempt(rec, rec.prompt_ids, req.params), recovery=False)
+                self._send(rec, rec.next_attempt(), recovery=False)
             except RequestLost:
                 del self.records[req.request_id]
                 self.admission.started(req.request_id)
                 raise EngineStopped("no live instance") from None
         return handle
-
-    @staticmethod
-    def attempt(rec: RequestRecord, prompt: list[int], params: SamplingParams, snapshot: torch.Tensor | None = None,
-                prefill_only: bool = False) -> Attempt:
-        """The next attempt of ``rec`` as it goes to an instance."""
-        return Attempt(rec.request_id, rec.stream.attempt, prompt, params, snapshot, rec.priority, prefill_only)
 
     def _send(self, rec: RequestRecord, attempt: Attempt, recovery: bool) -> None:
         """Route and submit one attempt of ``rec`` (lock held)."""
@@ -266,7 +258,7 @@ class ClusterLLMEngine(FrontEndLifecycle):
             return
         st = rec.stream
         before = st.duplicates
-        new = st.accept(attempt, report.index, report.token_ids)
+        new, text = st.accept(report)
         self.counters["duplicate_tokens"] += st.duplicates - before
         if new:
             if rec.first_token_at is None:
@@ -275,24 +267,21 @@ class ClusterLLMEngine(FrontEndLifecycle):
                 if self.pd is not None:
                     self.pd.on_first_token(rec)
             self.router.on_tokens(rid, len(new))
-        handoff = finished and self.pd is not None and self.pd.prefill_ended(rec, reason)
-        finished = finished and not handoff  # PD: the prefill attempt ended, the request goes on elsewhere
-        if finished and reason not in ("stop", "length"):
+        paused = finished and reason == "pause"  # PD: the prefill attempt ended, the request goes on elsewhere
+        if finished and not paused and reason not in ("stop", "length"):
             if reason == "error":
-                from grserve.engine.async_llm import EngineStepFailed
-
                 self._end(rec, None, EngineStepFailed(f"request {rid} failed in an engine step"))
             return  # "abort": cancelled by us (the handle is already failed)
-        delta = st.text_delta(final=finished)
-        done = finished or st.stopped
+        if paused and (self.pd is None or not self.pd.prefill_ended(rec)):
+            self._end(rec, None, EngineStepFailed(f"request {rid}: an attempt paused with nowhere to go on"))
+            return
+        done = finished and not paused
         if new or done:
-            rec.handle.push(TokenEvent(0, new, delta, done, (reason or "stop") if done else None))
+            rec.handle.push(TokenEvent(0, new, text, done, reason if done else None))
         if done:
-            if st.stopped and not finished:
-                inst.actor.cancel.remote(rid)
             self._end(rec, LLMResult(rid, list(st.output_ids), st.text, reason or "stop", len(rec.prompt_ids),
                                      rec.migrations), None)
-        elif handoff:
+        elif paused:
             self.pd.try_handoff(rec)
 
     def _expire(self) -> None:
@@ -379,8 +368,7 @@ class ClusterLLMEngine(FrontEndLifecycle):
         rec.stream.new_attempt()
         self.counters["migrated" if p.action == "migrate" else "recomputed"] += 1
         try:
-            assert p.params is not None
-            self._send(rec, self.attempt(rec, p.prompt_ids, p.params, snapshot), recovery=True)
+            self._send(rec, rec.next_attempt(snapshot), recovery=True)
         except RequestLost as exc:
             self.counters["lost"] += 1
             self._end(rec, None, RequestLost(f"request {rec.request_id} lost: {exc}"))

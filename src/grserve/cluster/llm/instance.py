@@ -2,9 +2,10 @@
 
 The front end talks to it with Ray actor calls (no home-made RPC), in the messages of ``cluster/wire.py``:
 
-- ``submit(Attempt)``: run one attempt of a request (``Attempt.snapshot``: the K/V of ``prompt_ids[:m]`` computed
-  elsewhere — a migrated request's — loaded into this instance's prefix cache first, so admission copies it
-  instead of computing it);
+- ``submit(Attempt)``: run one attempt of a request as an ``engine.types.Handover``: the engine continues after the
+  tokens delivered so far (their text state replayed), loads ``Attempt.snapshot`` — the K/V of the first m tokens,
+  computed elsewhere: a migrated or handed-over request's — into the request's blocks instead of computing it, and
+  hands out the prompt's K/V at the end of its prefill (``kv_snapshot``);
 - ``poll(wait_s)`` → ``LLMPoll``: everything new since the last poll — ``TokenReport``\\ s, the ``PromptKV`` of
   requests whose prefill just ended (returned, so the front end owns them: they outlive this actor), the KV events
   of the prefix cache with the next sequence number, engine stats. It waits up to ``wait_s`` for something to
@@ -19,7 +20,6 @@ event loop, which the engine thread wakes.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import socket
 import time
@@ -28,10 +28,9 @@ from typing import TYPE_CHECKING, Any
 
 from grserve.cluster.core.kv_index import KVEventPublisher
 from grserve.cluster.core.ray_runtime import node_ip
-from grserve.cluster.wire import Attempt, KVSnapshot, LLMInstanceInfo, LLMPoll, PromptKV, TokenReport
+from grserve.cluster.wire import Attempt, KVSnapshot, LLMInstanceInfo, LLMPoll, PromptKV, Tier, TokenReport
 
 if TYPE_CHECKING:
-    import torch
     from ray.actor import ActorHandle
 
     from grserve.config import ClusterConfig, LLMServeConfig
@@ -48,9 +47,6 @@ class EngineInstance:
 
         if torch_threads > 0:
             torch.set_num_threads(torch_threads)
-        # an instance runs the copying prefix store: it has the KV-index publisher hook and the snapshot export /
-        # import a migration uses (the shared-block store has neither yet; docs/cluster.md)
-        cfg = dataclasses.replace(cfg, llm=dataclasses.replace(cfg.llm, prefix_cache_mode="copy"))
         self.index, self.cfg, self.kv_block_size, self.kv_snapshot = index, cfg, kv_block_size, kv_snapshot
         self.engine = AsyncLLMEngine.build(cfg).start()
         self.engine.max_waiting = self.engine.request_timeout_s = None  # the front end admits (admission.py)
@@ -60,13 +56,13 @@ class EngineInstance:
         self._wake: asyncio.Event | None = None
         self._live: dict[str, tuple[int, RequestHandle[LLMResult]]] = {}  # request id → (attempt, handle)
         self._tasks: set[asyncio.Task] = set()
-        self._prefill_only: set[tuple[str, int]] = set()  # PD: attempts whose K/V is exported at their end
         self._cancel_early: set[str] = set()  # cancelled while their submit was still in a worker thread
         self.token_interval = TokenInterval()  # PD role monitor: the recent decode token interval
 
     def _attach(self, incarnation: str) -> KVEventPublisher:
+        """A new KV event publisher on this instance's prefix cache (either kind: both report what they hold)."""
         pc = self.engine.prefix_cache
-        tier = "hbm" if pc is not None and pc.kv.device.type == "cuda" else "dram"
+        tier: Tier = "hbm" if self.engine.model.device.type == "cuda" else "dram"
         pub = KVEventPublisher(self.index, incarnation, self.kv_block_size, tier)
         if pc is not None:
             pc.listener = pub
@@ -87,19 +83,16 @@ class EngineInstance:
     async def submit(self, attempt: Attempt) -> None:
         rid, n = attempt.request_id, attempt.attempt
         self._cancel_early.discard(rid)
-        if attempt.prefill_only:  # PD (``llm/pd_disagg.py``): its prompt's K/V is returned although it ends at once
-            self._prefill_only.add((rid, n))
         try:
             handle = await asyncio.to_thread(self._submit, attempt)
         except Exception:  # noqa: BLE001 - refused here (stopping, never fits): the front end fails the request
-            self._prefill_only.discard((rid, n))
-            self._report(TokenReport(rid, n, 0, [], True, "error"))
+            self._report(TokenReport(rid, n, 0, [], "", True, "error"))
             return
         self._live[rid] = (n, handle)
         if rid in self._cancel_early:  # the front end cancelled it before it was live here
             self._cancel_early.discard(rid)
             await asyncio.to_thread(self.engine.cancel, handle.request_id)
-        task = asyncio.get_running_loop().create_task(self._forward(rid, n, handle, attempt.prompt_ids))
+        task = asyncio.get_running_loop().create_task(self._forward(rid, n, handle))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -110,42 +103,33 @@ class EngineInstance:
     def _submit(self, attempt: Attempt) -> RequestHandle[LLMResult]:
         """In a worker thread: the engine lock is held for a whole step, and the event loop must keep answering
         polls (the heartbeat) meanwhile."""
-        from grserve.engine.types import LLMRequest
+        from grserve.engine.types import Handover, LLMRequest
 
-        pc, snapshot = self.engine.prefix_cache, attempt.snapshot
-        if snapshot is not None and pc is not None and snapshot.shape[2] > 0:
-            with self.engine.core.lock:
-                pc.put(attempt.prompt_ids[:snapshot.shape[2]], snapshot)
+        # the prompt's K/V comes back at the end of its prefill (a move or a hand-off may need it), unless the
+        # request ends with its first token; a PD prefill attempt always returns it, and pauses after one token
+        export = self.kv_snapshot and (attempt.max_new_tokens > 1 or attempt.prefill_only)
+        handover = Handover(list(attempt.delivered), attempt.snapshot, export, 1 if attempt.prefill_only else None)
         return self.engine.submit(LLMRequest(list(attempt.prompt_ids), attempt.params,
                                              request_id=f"{attempt.request_id}#{attempt.attempt}",
-                                             priority=attempt.priority))
+                                             priority=attempt.priority, handover=handover))
 
-    def _export(self, prompt_ids: list[int]) -> torch.Tensor:
-        with self.engine.core.lock:  # the end of the prefill: its prompt is in the prefix cache now
-            return self.engine.prefix_cache.export(prompt_ids)
-
-    async def _forward(self, request_id: str, attempt: int, handle: RequestHandle[LLMResult],
-                       prompt_ids: list[int]) -> None:
+    async def _forward(self, request_id: str, attempt: int, handle: RequestHandle[LLMResult]) -> None:
         n, ended = 0, False
-        export_at_end = (request_id, attempt) in self._prefill_only
-        self._prefill_only.discard((request_id, attempt))
         async for ev in handle.events():
-            first = n == 0
-            self._report(TokenReport(request_id, attempt, n, list(ev.token_ids), ev.finished, ev.finish_reason))
+            self._report(TokenReport(request_id, attempt, n, list(ev.token_ids), ev.text, ev.finished,
+                                     ev.finish_reason))
+            if ev.prompt_kv is not None:  # the end of its prefill: returned, so the front end owns it
+                self._snapshots.append(PromptKV(request_id, attempt, ev.prompt_kv))
             self.token_interval.tokens(request_id, len(ev.token_ids))
             n += len(ev.token_ids)
             ended = ended or ev.finished
-            if first and (not ev.finished or export_at_end) and self.kv_snapshot and \
-                    self.engine.prefix_cache is not None:
-                kv = await asyncio.to_thread(self._export, prompt_ids)  # the token is reported first: no TTFT cost
-                self._snapshots.append(PromptKV(request_id, attempt, kv))
         self.token_interval.forget(request_id)
         try:
             await handle.result()
         except Exception as exc:  # noqa: BLE001 - reported to the front end, which fails or ignores it
             if not ended:
                 reason = "abort" if type(exc).__name__ == "RequestCancelled" else "error"
-                self._report(TokenReport(request_id, attempt, n, [], True, reason))
+                self._report(TokenReport(request_id, attempt, n, [], "", True, reason))
         finally:
             if self._live.get(request_id, (None,))[0] == attempt:
                 del self._live[request_id]
@@ -184,18 +168,15 @@ class EngineInstance:
         return self.publisher.snapshot()  # the publisher's own lock: consistent with its sequence numbers
 
     async def reset(self, incarnation: str) -> None:
-        """Empty the prefix cache (a fresh store, same size and policy) under a new incarnation."""
+        """Empty the prefix cache (same size and policy) under a new incarnation."""
         await asyncio.to_thread(self._reset, incarnation)
 
     def _reset(self, incarnation: str) -> None:
-        from grserve.kvcache.prefix_kv import PrefixKVStore
-
         core = self.engine.core
         with core.lock:
             if core.prefix_cache is not None:
-                c = self.cfg.llm
-                core.prefix_cache = PrefixKVStore.for_storage(core._storage, c.prefix_cache_tokens,
-                                                              c.prefix_cache_policy)
+                core.prefix_cache.listener = None  # the old incarnation's publisher hears nothing more
+                core.prefix_cache.clear()
             for k in ("prefix_hit_tokens", "prefill_tokens"):
                 core.stats[k] = 0
             self.publisher = self._attach(incarnation)

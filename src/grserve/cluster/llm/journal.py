@@ -4,10 +4,11 @@ and attempt it runs on, its prompt's K/V snapshot when an instance returned one,
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from grserve.cluster.llm.stream import TokenStream
+from grserve.cluster.wire import Attempt
 from grserve.config import Priority
 
 if TYPE_CHECKING:
@@ -27,7 +28,7 @@ class RequestRecord:
     stream: TokenStream
     instance: int = -1
     migrations: int = 0
-    snapshot: torch.Tensor | None = None  # K/V [L, 2, m, width] of prompt_ids[:m] (owned by the front end)
+    snapshot: torch.Tensor | None = None  # K/V [L, 2, m, width] of its first m tokens (the front end owns it)
     submitted_at: float = 0.0
     first_token_at: float | None = None
     recovered: list[Literal["migrate", "recompute"]] = field(default_factory=list)  # per move
@@ -37,8 +38,12 @@ class RequestRecord:
     def delivered(self) -> int:
         return len(self.stream.output_ids)
 
-    def resume_prompt(self) -> list[int]:
-        return self.prompt_ids + self.stream.output_ids
+    @property
+    def resume_tokens(self) -> int:
+        """What its next attempt prefills: the prompt and the tokens delivered."""
+        return len(self.prompt_ids) + self.delivered
 
-    def resume_params(self) -> SamplingParams:
-        return replace(self.params, max_tokens=self.params.max_tokens - self.delivered)
+    def next_attempt(self, snapshot: torch.Tensor | None = None, prefill_only: bool = False) -> Attempt:
+        """Its current attempt as it goes to an instance: the prompt, the sampling, the tokens delivered so far."""
+        return Attempt(self.request_id, self.stream.attempt, self.prompt_ids, self.params,
+                       list(self.stream.output_ids), snapshot, self.priority, prefill_only)
