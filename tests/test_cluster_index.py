@@ -121,22 +121,6 @@ def test_publisher_follows_the_shared_block_cache(index_block):
     cache.check()
 
 
-def test_export_put_round_trip():
-    store, storage, pool = _store(capacity=64)
-    pool.reserve(0, 40, "kv")
-    storage.data.normal_()
-    toks = list(range(10, 40))
-    store.save(toks, storage, pool.table(0))
-    kv = store.export(toks)
-    assert kv.shape[2] == 30
-    other, _, _ = _store(capacity=64)
-    pub = KVEventPublisher(1, "x", block_size=8)
-    other.listener = pub
-    assert other.put(toks, kv) == 30
-    assert torch.equal(other.export(toks), kv)
-    assert pub.contents == tree_blocks(other, 8) and len(pub.contents) == 3
-
-
 # ---- the global index under lost events -------------------------------------------------------------------------
 class IndexMachine(RuleBasedStateMachine):
     """Instances change their contents; each event reaches the index or is lost; instances restart or die.

@@ -121,18 +121,6 @@ class PrefixKVStore:
 
         return self._insert(tokens, write)
 
-    # ---- KV hand-off (cluster migration): the K/V of a cached prefix out, a prefix's K/V in ----------------------
-    def export(self, tokens: list[int]) -> torch.Tensor:
-        """The K/V ``[L, 2, m, width]`` of the longest cached prefix of ``tokens`` (a copy; m may be 0)."""
-        slots = self.tree.match_prefix(tokens).values
-        return self.kv.index_select(2, torch.from_numpy(np.ascontiguousarray(slots)).to(self.kv.device)).clone()
-
-    def put(self, tokens: list[int], kv: torch.Tensor) -> int:
-        """Cache ``tokens`` whose K/V ``[L, 2, len(tokens), width]`` were computed elsewhere (a migrated
-        request's snapshot). Returns how many tokens were new."""
-        return self._insert(tokens,
-                            lambda start, stop, dst: self.kv.index_copy_(2, dst, kv[:, :, start:stop].to(self.kv)))
-
     def _insert(self, tokens: list[int], write) -> int:
         """Insert ``tokens`` into the tree; ``write(start, stop, dst_slots)`` fills each new span's slots. Counts the
         new tokens and tells the listener (the cluster's KV index publisher) what was stored."""
