@@ -7,7 +7,8 @@ stop conditions (max_tokens, EOS, stop token ids, stop strings), free finished r
 
 The executor is swappable: ``ModelExecutor`` runs the real model; ``bench.simulator.SimulatedExecutor``
 returns a cost-model duration instead (the discrete-event simulator). The clock is injectable (virtual time
-in the benchmark). ``abort()`` frees a request's blocks at once (between iterations: the engine lock).
+in the benchmark). ``abort()`` frees a request's blocks at once. One thread drives an engine (``AsyncLLMEngine``'s
+step loop, which applies other threads' requests between steps; or a benchmark); it takes no lock.
 
 Prefix cache: ``prefix_cache`` (default None) is a ``kvcache.prefix_kv.PrefixKVStore`` (a radix tree of cached
 prompt spans with a pluggable eviction policy, e.g. LARU). A KV request admitted to prefill first copies its
@@ -33,7 +34,6 @@ import torch
 from grserve.attention.hybrid import HybridPagedContext, SeqSlice
 from grserve.config import Priority
 from grserve.kvcache.blocks import BlockPool, BlockTable, CacheKind, HybridCacheStorage
-from grserve.engine.fair_lock import FairRLock
 from grserve.engine.sampling import SampleOutput, SampleRow, SamplingParams, TokenLogprobs, sample
 from grserve.engine.types import Handover, LLMFit
 from grserve.scheduler.llm_types import LLMScheduler, PoolView, SchedulerInput, SchedulerOutput, SeqView
@@ -226,7 +226,6 @@ class LLMEngine:
         self.seqs: dict[int, Sequence] = {}
         self.finished: list[Sequence] = []
         self.keep_finished = False
-        self.lock = FairRLock()  # FIFO: the step loop cannot starve other threads (engine/fair_lock.py)
         self._next_id = 0
         self.iterations = 0
         self.last_step_progressed = False  # did the last step() schedule or preempt anything?
@@ -246,18 +245,17 @@ class LLMEngine:
         if len(handover.delivered) >= params.max_tokens:
             raise ValueError(f"{len(handover.delivered)} tokens delivered: nothing left of max_tokens "
                              f"{params.max_tokens}")
-        with self.lock:
-            if seq_id is None:
-                seq_id = self._next_id
-                self._next_id += 1
-            seq = Sequence(seq_id, list(prompt_ids), params, self.clock() if arrival is None else arrival, on_event)
-            seq.seed = params.seed if params.seed is not None else random.getrandbits(63)
-            seq.priority = priority
-            if self.decoder_factory is not None:
-                seq.decoder = self.decoder_factory(seq.prompt_ids)
-            self._resume(seq, handover)
-            self.seqs[seq_id] = seq
-            self.waiting.append(seq)
+        if seq_id is None:
+            seq_id = self._next_id
+            self._next_id += 1
+        seq = Sequence(seq_id, list(prompt_ids), params, self.clock() if arrival is None else arrival, on_event)
+        seq.seed = params.seed if params.seed is not None else random.getrandbits(63)
+        seq.priority = priority
+        if self.decoder_factory is not None:
+            seq.decoder = self.decoder_factory(seq.prompt_ids)
+        self._resume(seq, handover)
+        self.seqs[seq_id] = seq
+        self.waiting.append(seq)
         return seq_id
 
     def _resume(self, seq: Sequence, handover: Handover) -> None:
@@ -276,19 +274,17 @@ class LLMEngine:
 
     def abort(self, seq_id: int) -> bool:
         """Cancel a request and free its blocks now. Returns False if it is unknown or already finished."""
-        with self.lock:
-            seq = self.seqs.get(seq_id)
-            if seq is None or seq.finished:
-                return False
-            self._finish(seq, "abort")
-            return True
+        seq = self.seqs.get(seq_id)
+        if seq is None or seq.finished:
+            return False
+        self._finish(seq, "abort")
+        return True
 
     def priority_counts(self) -> dict[str, int]:
         """Running and waiting requests per priority: ``running_online``, ``waiting_offline``, ...
 
-        Read without the engine lock: ``stats()`` is asked from event loops (``/health``, ``/metrics``, a cluster
-        instance's poll, which is its heartbeat), and the lock is held for a whole step — a long prefill would
-        stall the loop for as long. Each queue is copied in one C call (atomic under the GIL), so a count is at
+        Read from other threads while the loop steps: ``stats()`` is asked from event loops (``/health``,
+        ``/metrics``, a cluster instance's poll, which is its heartbeat), which must not wait for a step. Each queue is copied in one C call (atomic under the GIL), so a count is at
         most one step old and never torn within a queue."""
         out = {f"{q}_{p}": 0 for q in ("running", "waiting") for p in Priority}
         for q, seqs in (("running", list(self.running)), ("waiting", list(self.waiting))):
@@ -317,10 +313,6 @@ class LLMEngine:
                                        p.hidden_planes))
 
     def step(self) -> list[TokenEvent]:
-        with self.lock:
-            return self._step()
-
-    def _step(self) -> list[TokenEvent]:
         self.last_step_progressed = False
         if not self.has_work():
             return []
@@ -433,11 +425,10 @@ class LLMEngine:
 
     def fail(self, seq: Sequence, message: str) -> None:
         """End one request with an error (its client gets an error, never a normal finish)."""
-        with self.lock:
-            if seq.finished:
-                return
-            seq.error = message
-            self._finish(seq, "error")
+        if seq.finished:
+            return
+        seq.error = message
+        self._finish(seq, "error")
 
     def _load_prefix(self, seq: Sequence, n: int, spare: int) -> tuple[int, int]:
         """Load ``seq``'s prefix computed before — the K/V it brought (``kv_in``: a moved request's), else its
