@@ -14,7 +14,9 @@ The front end talks to it with Ray actor calls (no home-made RPC), in the messag
   under a new incarnation, for benchmarks that compare policies on the same instances).
 
 The actor is async: each request's token stream (``RequestHandle.events()``) is read by a task on the actor's
-event loop, which the engine thread wakes.
+event loop, which the engine thread wakes. ``submit``, ``cancel`` and ``reset`` hand the engine messages its step
+loop applies between steps (``AsyncLLMEngine``'s inbox), so none of them waits for a step in progress: the event
+loop keeps answering polls (the heartbeat) through a long prefill.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ if TYPE_CHECKING:
     from ray.actor import ActorHandle
 
     from grserve.config import ClusterConfig, LLMServeConfig
+    from grserve.engine.llm import LLMEngine
     from grserve.engine.protocol import RequestHandle
     from grserve.engine.types import LLMResult
 
@@ -56,7 +59,6 @@ class EngineInstance:
         self._wake: asyncio.Event | None = None
         self._live: dict[str, tuple[int, RequestHandle[LLMResult]]] = {}  # request id → (attempt, handle)
         self._tasks: set[asyncio.Task] = set()
-        self._cancel_early: set[str] = set()  # cancelled while their submit was still in a worker thread
         self.token_interval = TokenInterval()  # PD role monitor: the recent decode token interval
 
     def _attach(self, incarnation: str) -> KVEventPublisher:
@@ -82,16 +84,12 @@ class EngineInstance:
     # ---- requests --------------------------------------------------------------------------------------------
     async def submit(self, attempt: Attempt) -> None:
         rid, n = attempt.request_id, attempt.attempt
-        self._cancel_early.discard(rid)
         try:
-            handle = await asyncio.to_thread(self._submit, attempt)
+            handle = self._submit(attempt)
         except Exception:  # noqa: BLE001 - refused here (stopping, never fits): the front end fails the request
             self._report(TokenReport(rid, n, 0, [], "", True, "error"))
             return
         self._live[rid] = (n, handle)
-        if rid in self._cancel_early:  # the front end cancelled it before it was live here
-            self._cancel_early.discard(rid)
-            await asyncio.to_thread(self.engine.cancel, handle.request_id)
         task = asyncio.get_running_loop().create_task(self._forward(rid, n, handle))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -101,8 +99,6 @@ class EngineInstance:
         return await asyncio.to_thread(fn, self, *args)
 
     def _submit(self, attempt: Attempt) -> RequestHandle[LLMResult]:
-        """In a worker thread: the engine lock is held for a whole step, and the event loop must keep answering
-        polls (the heartbeat) meanwhile."""
         from grserve.engine.types import Handover, LLMRequest
 
         # the prompt's K/V comes back at the end of its prefill (a move or a hand-off may need it), unless the
@@ -141,12 +137,7 @@ class EngineInstance:
 
     async def cancel(self, request_id: str) -> bool:
         entry = self._live.get(request_id)
-        if entry is None:
-            self._cancel_early.add(request_id)  # its submit may still be in a worker thread
-            if len(self._cancel_early) > 4096:  # ids of requests that had already ended here
-                self._cancel_early.clear()
-            return False
-        return await asyncio.to_thread(self.engine.cancel, entry[1].request_id)
+        return entry is not None and self.engine.cancel(entry[1].request_id)
 
     # ---- the front end's view ----------------------------------------------------------------------------------
     async def poll(self, wait_s: float = 0.05) -> LLMPoll:
@@ -168,18 +159,17 @@ class EngineInstance:
         return self.publisher.snapshot()  # the publisher's own lock: consistent with its sequence numbers
 
     async def reset(self, incarnation: str) -> None:
-        """Empty the prefix cache (same size and policy) under a new incarnation."""
-        await asyncio.to_thread(self._reset, incarnation)
+        """Empty the prefix cache (same size and policy) under a new incarnation (on the step loop, between
+        steps)."""
+        await asyncio.wrap_future(self.engine.call(lambda core: self._reset(core, incarnation)))
 
-    def _reset(self, incarnation: str) -> None:
-        core = self.engine.core
-        with core.lock:
-            if core.prefix_cache is not None:
-                core.prefix_cache.listener = None  # the old incarnation's publisher hears nothing more
-                core.prefix_cache.clear()
-            for k in ("prefix_hit_tokens", "prefill_tokens"):
-                core.stats[k] = 0
-            self.publisher = self._attach(incarnation)
+    def _reset(self, core: LLMEngine, incarnation: str) -> None:
+        if core.prefix_cache is not None:
+            core.prefix_cache.listener = None  # the old incarnation's publisher hears nothing more
+            core.prefix_cache.clear()
+        for k in ("prefix_hit_tokens", "prefill_tokens"):
+            core.stats[k] = 0
+        self.publisher = self._attach(incarnation)
 
     def pid(self) -> int:
         return os.getpid()
@@ -223,9 +213,10 @@ def spawn_instance(index: int, cfg: LLMServeConfig, cluster: ClusterConfig, inca
     from grserve.cluster.core.ray_runtime import instance_threads
 
     actor_cls = ray.remote(EngineInstance)
-    # max_concurrency: calls (coroutines) in flight per actor. Each ``submit`` waits in a worker thread for the
-    # engine lock; at 64, an overloaded instance's pending submits filled every slot and its polls (the heartbeat)
-    # queued behind them until the front end fenced all three instances (bench cluster, cluster12 session)
+    # max_concurrency: calls (coroutines) in flight per actor. At 64 (when each ``submit`` waited in a worker thread
+    # for the engine lock), an overloaded instance's pending submits filled every slot and its polls (the heartbeat)
+    # queued behind them until the front end fenced all three instances (bench cluster, cluster12 session); submits
+    # no longer wait (the engine's inbox), the bound stays generous
     return actor_cls.options(num_cpus=0, max_restarts=0, max_concurrency=4096, scheduling_strategy="SPREAD",
                              name=None).remote(index, cfg, incarnation, cluster.kv_block_size, cluster.kv_snapshot,
                                                instance_threads(cluster.instance_threads, cluster.instances))
