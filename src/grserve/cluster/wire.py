@@ -39,7 +39,7 @@ Tier = Literal["hbm", "dram", "ssd"]
 TIERS: tuple[Tier, ...] = ("hbm", "dram", "ssd")  # fastest first; a store on a CUDA device is "hbm", host "dram"
 
 
-# ---- both wings: the global KV index (core/kv_index.py) ---------------------------------------------------------------
+# ---- both wings: the global KV index (core/kv_index.py) -------------------------------------------------------
 @dataclass(frozen=True)
 class KVEvent:
     """One change of an instance's cached KV: blocks (LLM: chained block hashes; ranking: user keys) stored or

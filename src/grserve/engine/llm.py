@@ -284,8 +284,9 @@ class LLMEngine:
         """Running and waiting requests per priority: ``running_online``, ``waiting_offline``, ...
 
         Read from other threads while the loop steps: ``stats()`` is asked from event loops (``/health``,
-        ``/metrics``, a cluster instance's poll, which is its heartbeat), which must not wait for a step. Each queue is copied in one C call (atomic under the GIL), so a count is at
-        most one step old and never torn within a queue."""
+        ``/metrics``, a cluster instance's poll, which is its heartbeat), which must not wait for a step. Each queue
+        is copied in one C call (atomic under the GIL), so a count is at most one step old and never torn within a
+        queue."""
         out = {f"{q}_{p}": 0 for q in ("running", "waiting") for p in Priority}
         for q, seqs in (("running", list(self.running)), ("waiting", list(self.waiting))):
             for s in seqs:

@@ -15,8 +15,8 @@ ranking --instances N`` hand the unchanged retrieval / ranking app instead of a 
   instance is fenced and every request it held is re-submitted to a live one — recompute is the recovery of a
   single-step request — at most ``migration_limit`` times, then ``RequestLost`` (HTTP 503);
 - **state changes** (``wire.StateChange``) reach every live instance before the admin route answers
-  (``broadcast``): a catalog reload (retrieval), replaced users and new or replaced items (ranking). An instance that fails to apply one is fenced,
-  so no instance keeps serving stale state;
+  (``broadcast``): a catalog reload (retrieval), replaced users and new or replaced items (ranking). An instance
+  that fails to apply one is fenced, so no instance keeps serving stale state;
 - **restart** (``--restart-instances``, ``respawn.py``): a dead instance's index gets a new actor under a new
   incarnation; before it takes requests it is sent every state change so far (``broadcast_log.py``) and checked
   against a live peer (catalog fingerprint and version, or registry fingerprint). Broadcasts and a catch-up never

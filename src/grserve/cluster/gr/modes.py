@@ -7,9 +7,9 @@ app reads from an engine:
 - ``ClusterRankingEngine``: ``registry`` (the front end's own ``RankingRegistry``, built from the same flags as the
   instances'; a fingerprint check at start-up), ``runner`` (``FrontRunner``: the policy name, the instances' summed
   ranking stats, ``add_items`` → every instance). Routing: the user's cached KV (the global index's
-  ``user_key(user_id)`` entries, as the router reads a ``RankingRequest``) plus load. A replaced user or item (the registry's change listener) and new items
-  reach every instance before the admin route answers; a new user needs nothing there (a request carries the
-  user's tokens; the user's KV is admitted where the request runs).
+  ``user_key(user_id)`` entries, as the router reads a ``RankingRequest``) plus load. A replaced user or item (the
+  registry's change listener) and new items reach every instance before the admin route answers; a new user needs
+  nothing there (a request carries the user's tokens; the user's KV is admitted where the request runs).
 """
 
 from __future__ import annotations

@@ -214,7 +214,7 @@ class ClusterLLMEngine(FrontEndLifecycle):
         _fail(rec.handle, RequestCancelled(f"request {request_id} cancelled"))
         return True
 
-    # ---- instances: polls, heartbeats, deaths -------------------------------------------------------------------------
+    # ---- instances: polls, heartbeats, deaths -----------------------------------------------------------------
     def _poll_loop(self, inst: Instance) -> None:
         from grserve.cluster.core import heartbeat
 

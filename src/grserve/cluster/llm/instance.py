@@ -42,8 +42,8 @@ if TYPE_CHECKING:
 
 
 class EngineInstance:
-    def __init__(self, index: int, cfg: LLMServeConfig, incarnation: str, kv_block_size: int = 16, kv_snapshot: bool = True,
-                 torch_threads: int = 1):
+    def __init__(self, index: int, cfg: LLMServeConfig, incarnation: str, kv_block_size: int = 16,
+                 kv_snapshot: bool = True, torch_threads: int = 1):
         import torch
 
         from grserve.engine.async_llm import AsyncLLMEngine

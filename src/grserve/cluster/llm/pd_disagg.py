@@ -234,11 +234,13 @@ class PDCoordinator:
     def describe(self) -> str:
         c = self.cost
         roles = ", ".join(f"{i}:{self.pools.pool(i)}" for i in range(self.pools.n))
+        split = "--split-min-tokens" if self.cfg.split_min_tokens else "break-even"
+        headroom = getattr(self.cfg, "slo_headroom", 1.0)
         return (f"PD: pools {roles}; cost model prefill {c.prefill_tokens_per_s:.0f} tokens/s, KV "
                 f"{c.kv_bytes_per_token} B/token, transfer {c.transfer_bytes_per_s / 1e6:.0f} MB/s + "
-                f"{c.transfer_overhead_s * 1e3:.1f} ms (measured in {self.measured_s:.1f} s) -> split at >= {self.threshold} uncached tokens "
-                f"({'--split-min-tokens' if self.cfg.split_min_tokens else 'break-even'}); SLO TTFT "
-                f"{self.slo.ttft_slo_s}s TPOT {self.slo.tpot_slo_s}s (x {getattr(self.cfg, 'slo_headroom', 1.0)} headroom); flips {'on' if self.cfg.role_flips else 'off'}"
+                f"{c.transfer_overhead_s * 1e3:.1f} ms (measured in {self.measured_s:.1f} s) -> split at >= "
+                f"{self.threshold} uncached tokens ({split}); SLO TTFT {self.slo.ttft_slo_s}s TPOT "
+                f"{self.slo.tpot_slo_s}s (x {headroom} headroom); flips {'on' if self.cfg.role_flips else 'off'}"
                 f", dwell {self.cfg.min_dwell_s}s, >= {self.cfg.min_per_role} per role")
 
 

@@ -7,8 +7,8 @@ poll's stats) — and applies ``pd_policy.decide_flip`` with the TTFT predictor,
 (``--role-flips``, ``--min-dwell-s``, ``--min-per-role``). A flip only moves the instance to the other pool
 (``RolePools.flip``): same process, same model, no reload; requests running there finish there, new ones follow
 the pools. Each flip is logged (one line) and counted (``grserve_cluster_role_flips_total{direction}``); each
-instance's pool is a gauge (``grserve_cluster_instance_role{instance, role, pool}``). A dead instance never flips and does
-not count toward ``min_per_role`` (``RolePools.set_alive``, synced before each decision).
+instance's pool is a gauge (``grserve_cluster_instance_role{instance, role, pool}``). A dead instance never flips
+and does not count toward ``min_per_role`` (``RolePools.set_alive``, synced before each decision).
 """
 
 from __future__ import annotations
