@@ -2,7 +2,8 @@
 
 Every state change of the GR cluster reaches the instances as a broadcast (``ClusterGREngine.broadcast``) of a
 ``wire.StateChange``: a catalog reload (``CatalogReplace``) or new/replaced users and items (``RegistryUpdate``). A
-restarted instance starts from the start-up flags, so it has seen none of them. ``BroadcastLog`` keeps, compactly, what replays them:
+restarted instance starts from the start-up flags, so it has seen none of them. ``BroadcastLog`` keeps, compactly,
+what replays them:
 
 - the newest catalog with its version (older catalogs are irrelevant: a reload replaces the whole catalog, and the
   version is carried so the new instance's version counter agrees with the front end's);
