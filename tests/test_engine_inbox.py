@@ -100,6 +100,8 @@ def test_stop_answers_what_is_still_in_the_inbox(tiny_model):
         call.result(timeout=1)
     with pytest.raises(EngineStopped):
         eng.submit(LLMRequest([1, 2], SamplingParams(max_tokens=1)))
+    with pytest.raises(EngineStopped):  # a call after the stop is answered too, never left waiting
+        eng.call(lambda c: c.iterations).result(timeout=1)
     with pytest.raises(ValueError, match="never fits"):  # the fit is checked in the caller's thread, at once
         AsyncLLMEngine(_engine(tiny_model, num_blocks=4)).start().submit(
             LLMRequest(list(range(40)), SamplingParams(max_tokens=1)))

@@ -184,9 +184,13 @@ class AsyncLLMEngine:
 
     def _post(self, msg: _Submit | _Cancel | _Call) -> None:
         with self._cv:
-            if self._status == "stopped" and isinstance(msg, _Submit):  # raced with stop(): it drained already
-                self._open.discard(msg.request.request_id)
-                raise EngineStopped("engine is stopped")
+            if self._status == "stopped":  # after stop() (or raced with it: it has drained the inbox already)
+                if isinstance(msg, _Submit):
+                    self._open.discard(msg.request.request_id)
+                    raise EngineStopped("engine is stopped")
+                if isinstance(msg, _Call):
+                    msg.future.set_exception(EngineStopped("engine is stopped"))
+                return
             self._inbox.append(msg)
             self._cv.notify_all()
 
