@@ -8,7 +8,8 @@
 - one poller thread per instance long-polls it (``EngineInstance.poll`` → ``wire.LLMPoll``): token reports go to
   the requests' streams (``stream.TokenStream``: each position once), KV events to ``kv_index.GlobalKVIndex`` (a
   gap or a new incarnation → a snapshot), the prompt K/V of finished prefills to the request journal
-  (``journal.RequestRecord``);
+  (``journal.RequestRecord``); the text a client sees is the instances' own (each report carries the text its
+  tokens add; a moved request's next attempt continues it: ``engine.types.Handover``), never decoded here;
 - death: a poll that fails with an actor error, or none answering for ``heartbeat_timeout_s`` (then the actor is
   fenced: killed, so it cannot deliver late), takes the instance out of the router and the index and moves each
   request it held (``recovery.plan``: migrate with its snapshot, or recompute).
@@ -173,8 +174,7 @@ class ClusterLLMEngine(FrontEndLifecycle):
         self.fit.check(len(req.prompt_ids), req.params.max_tokens)  # ValueError: no instance could ever run it
         handle: RequestHandle[LLMResult] = RequestHandle(req.request_id, self.cancel)
         rec = RequestRecord(req.request_id, list(req.prompt_ids), req.params, handle, TokenStream(),
-                            submitted_at=time.perf_counter())
-        rec.priority = req.priority
+                            submitted_at=time.perf_counter(), priority=req.priority)
         with self._lock:
             if req.request_id in self.records:
                 raise ValueError(f"request id {req.request_id} is already running")
