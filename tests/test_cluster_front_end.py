@@ -130,7 +130,8 @@ def test_a_death_triggers_a_restart_only_when_asked(monkeypatch, restart):
     eng.instance_down(victim, "actor died", fence=False)
     assert asked == ([victim] if restart else [])
     assert eng.records["r0"].instance != victim and not h.future.done()  # its request moved first
-    assert not eng.instance_up(1 - victim, FakeActor(), LLMInstanceInfo(1 - victim, "x"))  # a live index is not replaced
+    live = 1 - victim
+    assert not eng.instance_up(live, FakeActor(), LLMInstanceInfo(live, "x"))  # a live index is not replaced
 
 
 def test_sigterm_after_ray_is_down_dies_by_the_signal():
