@@ -107,7 +107,7 @@ class _Actor:
 
 
 def test_cluster_start_reports_each_instance(monkeypatch):
-    from grserve.cluster.start_progress import wait_ready
+    from grserve.cluster.core.start_progress import wait_ready
 
     monkeypatch.setitem(sys.modules, "ray", _FakeRay({0: 3, 1: 1, 2: 4}))
     lines: list[str] = []

@@ -13,6 +13,7 @@ engine), ``RankingDataConfig`` (ranking users/items at start-up), ``RankingLimit
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -379,7 +380,20 @@ class ClusterConfig(Checked):
 
 
 # ---- issue 13: prefill/decode disaggregation, role flips, online/offline co-location (docs/cluster.md) ----------
-PRIORITIES = ("online", "offline")
+class Priority(enum.StrEnum):
+    """An LLM request's co-location class (``scheduler/colocation.py``): online work preempts offline work. A
+    ``StrEnum``: equal to its value as a string (the API's ``"online"`` / ``"offline"``, metric labels)."""
+
+    ONLINE = "online"
+    OFFLINE = "offline"
+
+    @classmethod
+    def of(cls, value: str) -> Priority:
+        """``value`` as a ``Priority``; ``ValueError`` naming the classes for anything else."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"priority must be one of {tuple(p.value for p in cls)}, not {value!r}") from None
 
 
 @dataclass(frozen=True)

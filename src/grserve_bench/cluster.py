@@ -250,9 +250,9 @@ def fault_run(engine, reqs: list[TraceRequest], kill_after: float) -> tuple[dict
         while not done.is_set():
             v = _victim(engine)
             if v is not None:
-                fault.update(killed=v, pid=engine.instances[v].info["pid"], kill_time=time.perf_counter(),
+                fault.update(killed=v, pid=engine.instances[v].info.pid, kill_time=time.perf_counter(),
                              in_flight=sum(r.instance == v for r in list(engine.records.values())))
-                os.kill(engine.instances[v].info["pid"], signal.SIGKILL)
+                os.kill(engine.instances[v].info.pid, signal.SIGKILL)
                 return
             time.sleep(0.002)
 
@@ -277,7 +277,7 @@ def fault_run(engine, reqs: list[TraceRequest], kill_after: float) -> tuple[dict
 
 # ---- the command -------------------------------------------------------------------------------------------------------
 def _launch(cfg: ClusterBenchConfig, cache_tokens: int):
-    from grserve.cluster.llm_cluster import ClusterLLMEngine
+    from grserve.cluster.llm.front_end import ClusterLLMEngine
     from grserve.config import ClusterConfig, EdgeConfig, LLMConfig, LLMServeConfig, ModelConfig
 
     serve = LLMServeConfig(model=ModelConfig(source=cfg.model),

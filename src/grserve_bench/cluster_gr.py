@@ -55,7 +55,7 @@ def _cache_bytes(args, vocab_size: int) -> int:
 def run_policy(policy: str, args, cache_bytes: int) -> dict:
     import dataclasses
 
-    from grserve.cluster.gr_modes import ClusterRankingEngine
+    from grserve.cluster.gr.modes import ClusterRankingEngine
     from grserve.config import ClusterConfig, RankingConfig, RankingDataConfig, RankingServeConfig
 
     cfg = RankingServeConfig(ranking=RankingConfig(policy="user_prefix", user_cache_bytes=cache_bytes),
@@ -99,7 +99,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     import ray
 
-    from grserve.cluster.ray_runtime import start_ray
+    from grserve.cluster.core.ray_runtime import start_ray
 
     owns = start_ray(None)
     try:

@@ -59,7 +59,7 @@ class PartConfig(Checked):
 
 
 def _launch(cfg: PartConfig):
-    from grserve.cluster.llm_cluster import ClusterLLMEngine
+    from grserve.cluster.llm.front_end import ClusterLLMEngine
     from grserve.config import ClusterConfig, LLMConfig, LLMServeConfig, ModelConfig, PDConfig, SLOConfig
 
     need = cfg.real_prompt_tokens + cfg.real_output_tokens + 64
@@ -199,7 +199,7 @@ def run_part(cfg: PartConfig) -> dict:
     pd = eng.pd
     for line in eng.describe():
         print(f"  {line}", flush=True)
-    vocab = eng.instances[0].info["vocab_size"]
+    vocab = eng.instances[0].info.vocab_size
     reqs, sizes = _requests(cfg, vocab)
     res: dict = {}
     try:
@@ -238,7 +238,7 @@ def run_part(cfg: PartConfig) -> dict:
                "kv_tokens_moved": pd.counters["kv_tokens_moved"] - tokens0,
                "pd_splits": pd.counters["splits"] - splits0, "pd_handoffs": pd.counters["handoffs"] - handoffs0,
                "pd_whole": pd.counters["whole"] - whole0, "pd_stayed": pd.counters["stayed"] - stayed0,
-               "instances_pids": [i.info["pid"] for i in eng.instances], "device": spec_info["device"]}
+               "instances_pids": [i.info.pid for i in eng.instances], "device": spec_info.device}
         by_phase = {f"{ph}_{d}": sum(1 for e in flip_log if e["phase"] == ph and (e["to"] in ("D", "P->D"))
                                      == (d == "p_to_d")) for ph in ("long_prompt", "long_output")
                     for d in ("p_to_d", "d_to_p")}

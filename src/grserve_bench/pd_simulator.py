@@ -2,7 +2,7 @@
 
 No tensors and no engine: each instance is an iteration-level continuous-batching loop whose iteration time comes
 from ``GPUCostModel`` (a roofline); requests move between instances through a KV-transfer link. The policy
-decisions (split or not, prefill and decode instance, role flips) are the ones of ``cluster/pd_policy.py``, the
+decisions (split or not, prefill and decode instance, role flips) are the ones of ``cluster/llm/pd_policy.py``, the
 same code the real cluster runs. ``grserve_bench/pd_sim.py`` searches arrival rates for goodput on top of this.
 
 Cost model (``GPUCostModel``; one iteration of one instance running ``n_dec`` decodes with total context ``C`` and
@@ -35,7 +35,7 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 
-from grserve.cluster.pd_policy import (
+from grserve.cluster.llm.pd_policy import (
     InstanceSignals,
     PDCostModel,
     Role,

@@ -172,7 +172,7 @@ def run(a: RankingBenchConfig) -> int:
                 summ["bat"]["computed_tokens"], 1)
     out["systems"] = {s: {k: v for k, v in summ[s].items()} for s in systems}
     if a.kv_workers >= 2:
-        from grserve.cluster.hrcs import compare_placements
+        from grserve.cluster.gr.hrcs import compare_placements
 
         measured = wall.get("item_prefix", 0) / max(len(reqs), 1)
         if a.hrcs_prefill_s is None and not measured:

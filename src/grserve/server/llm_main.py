@@ -82,8 +82,8 @@ def run(cfg: LLMServeConfig) -> int:
 
 def run_cluster(cfg: LLMServeConfig, cluster: ClusterConfig) -> int:
     """``--instances N`` (or ``--ray-address``): N engine instance actors on Ray behind this front end."""
-    from grserve.cluster.llm_cluster import ClusterLLMEngine
-    from grserve.cluster.metrics import ClusterCollector
+    from grserve.cluster.core.metrics import ClusterCollector
+    from grserve.cluster.llm.front_end import ClusterLLMEngine
     from grserve.server.serving import serve_until_exit
     from grserve.server.llm_app import create_llm_app
 
@@ -98,7 +98,7 @@ def run_cluster(cfg: LLMServeConfig, cluster: ClusterConfig) -> int:
     name = c.served_model_name or cfg.model.source
     engine.start()
     info = engine.instances[0].info
-    app = create_llm_app(engine, engine.tokenizer, name, info["max_model_len"], info["vocab_size"], edge=cfg.edge,
+    app = create_llm_app(engine, engine.tokenizer, name, info.max_model_len, info.vocab_size, edge=cfg.edge,
                          max_n=cfg.api.max_n, max_logprobs=cfg.api.max_logprobs)
     app.state.metrics.registry.register(ClusterCollector(engine))
     for line in engine.describe():

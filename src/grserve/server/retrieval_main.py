@@ -85,7 +85,7 @@ def run(cfg: ServeConfig) -> int:
     print(f"grserve: model {cfg.model.source} ({cfg.model.dtype}, {cfg.model.device}), catalog {len(cat):,} items "
           f"(depth {cat.depth}, codebooks {list(cat.codebook_sizes)}), default beam width {cfg.search.beam_width} "
           f"-> {_url(cfg.server)}", flush=True)
-    if cfg.search.warmup:
+    if cfg.search.warmup and hasattr(engine, "warm_up"):  # a stand-in engine (tests) may have none
         _warm_up(engine)
     engine.start()
     return serve_until_exit(app, cfg.server.host, cfg.server.port, cfg.server.log_level, engine.stop)
@@ -117,7 +117,7 @@ def _url(server) -> str:
 
 def run_cluster(cfg: ServeConfig) -> int:
     """``--instances N`` (or ``--ray-address``): N retrieval engine actors on Ray behind this front end."""
-    from grserve.cluster.gr_modes import ClusterRetrievalEngine
+    from grserve.cluster.gr.modes import ClusterRetrievalEngine
     from grserve.server.serving import serve_until_exit
 
     try:
@@ -145,8 +145,8 @@ def create_app_for(engine, cfg: ServeConfig, metrics, popularity=None):
 def cluster_app(engine, make_app):
     """The unchanged app around a cluster front end, its /metrics with the cluster's collectors and every
     instance's batches in the batch histograms."""
-    from grserve.cluster.gr_modes import GRClusterCollector
-    from grserve.cluster.metrics import ClusterCollector
+    from grserve.cluster.gr.modes import GRClusterCollector
+    from grserve.cluster.core.metrics import ClusterCollector
     from grserve.server.metrics import Metrics
 
     metrics = Metrics()

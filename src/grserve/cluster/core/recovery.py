@@ -20,11 +20,13 @@ Still lost: the front end itself — the journal, the snapshots and the open cli
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, Protocol
 
-from grserve.cluster.stream import TokenStream
 from grserve.engine.protocol import EngineError
+
+if TYPE_CHECKING:
+    import torch
 
 
 class RequestLost(EngineError):
@@ -47,52 +49,41 @@ class RecoveryCost:
         return snapshot_bytes / self.kv_bytes_per_s + (tokens - snapshot_tokens) / self.prefill_tokens_per_s
 
 
-@dataclass
-class RequestRecord:
-    request_id: str
-    prompt_ids: list[int]
-    params: Any  # SamplingParams
-    handle: Any  # RequestHandle
-    stream: TokenStream
-    instance: int = -1
-    migrations: int = 0
-    snapshot: Any = None  # K/V [L, 2, m, width] of prompt_ids[:m] (owned by the front end)
-    submitted_at: float = 0.0
-    first_token_at: float | None = None
-    recovered: list[str] = field(default_factory=list)  # "migrate" / "recompute", per move
-    priority: str = "online"  # co-location class, carried to every instance it runs on
+class Movable(Protocol):
+    """What a plan reads of a request's journal entry (``llm/journal.py``'s ``RequestRecord``)."""
+
+    migrations: int
+    snapshot: torch.Tensor | None
 
     @property
-    def delivered(self) -> int:
-        return len(self.stream.output_ids)
-
-    def resume_prompt(self) -> list[int]:
-        return self.prompt_ids + self.stream.output_ids
-
-    def resume_params(self):
-        return replace(self.params, max_tokens=self.params.max_tokens - self.delivered)
+    def resume_tokens(self) -> int: ...
 
 
 @dataclass(frozen=True)
 class RecoveryPlan:
-    action: str  # "migrate" | "recompute" | "fail"
-    prompt_ids: list[int]
-    params: Any
-    snapshot_tokens: int = 0
+    action: Literal["migrate", "recompute", "fail"]
+    snapshot_tokens: int = 0  # migrate: the K/V of the first this many tokens goes with it
     reason: str = ""
 
 
-def plan(record: RequestRecord, migration_limit: int, cost: RecoveryCost = RecoveryCost()) -> RecoveryPlan:
+def limit_reached(moves: int, migration_limit: int) -> str | None:
+    """Why a request whose instance died once more is lost (``moves`` so far), or None while it may move again: the
+    one migration limit of both wings."""
+    if moves >= migration_limit:
+        return f"its instance died {moves + 1} times (migration limit {migration_limit})"
+    return None
+
+
+def plan(record: Movable, migration_limit: int, cost: RecoveryCost = RecoveryCost()) -> RecoveryPlan:
     """What to do with a request whose instance died (the caller then routes it and resubmits)."""
-    if record.migrations >= migration_limit:
-        return RecoveryPlan("fail", [], None, reason=f"its instance died {record.migrations + 1} times "
-                                                      f"(migration limit {migration_limit})")
-    prompt = record.resume_prompt()
-    params = record.resume_params()
+    lost = limit_reached(record.migrations, migration_limit)
+    if lost is not None:
+        return RecoveryPlan("fail", reason=lost)
+    n = record.resume_tokens
     snap = record.snapshot
     if snap is not None and snap.shape[2] > 0:
-        m = min(int(snap.shape[2]), len(prompt) - 1)
+        m = min(int(snap.shape[2]), n - 1)
         nbytes = snap[:, :, :m].numel() * snap.element_size()
-        if cost.migrate(len(prompt), m, nbytes) < cost.recompute(len(prompt)):
-            return RecoveryPlan("migrate", prompt, params, m)
-    return RecoveryPlan("recompute", prompt, params)
+        if cost.migrate(n, m, nbytes) < cost.recompute(n):
+            return RecoveryPlan("migrate", m)
+    return RecoveryPlan("recompute")

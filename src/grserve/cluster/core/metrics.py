@@ -48,7 +48,7 @@ class ClusterCollector:
             yield CounterMetricFamily(f"grserve_cluster_kv_index_{key}", f"KV index: {key.replace('_', ' ')}.",
                                       value=idx.stats[key])
         if getattr(e, "pd", None) is not None:
-            from grserve.cluster.pd_roles import pd_metrics
+            from grserve.cluster.llm.pd_roles import pd_metrics
 
             yield from pd_metrics(e.pd)
 

@@ -9,36 +9,52 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
-from grserve.cluster import heartbeat
-from grserve.engine.protocol import EngineStopped
+from grserve.cluster.core import heartbeat
+from grserve.cluster.wire import InstanceInfo
+from grserve.engine.protocol import EngineStopped, RequestHandle
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
+    from grserve.cluster.core.kv_index import GlobalKVIndex
+    from grserve.cluster.core.router import Router
+    from grserve.config import ClusterConfig
 
 
 @dataclass
 class Instance:
+    """An instance as its front end sees it: its actor, what it said of itself, its last stats, up or down."""
+
     index: int
-    actor: Any
-    info: dict
+    actor: ActorHandle
+    info: InstanceInfo
     up: bool = True
-    stats: dict = field(default_factory=dict)
+    stats: dict[str, float] = field(default_factory=dict)
     down_at: float | None = None
     down_reason: str = ""
     thread: threading.Thread | None = None
+
+
+class Journaled(Protocol):
+    """What the life cycle reads of a wing's request record: the client's handle."""
+
+    handle: RequestHandle
 
 
 class FrontEndLifecycle:
     """Mixed into a front end that has ``_lock``, ``_status``, ``records`` (request id → a record with a
     ``handle``), ``instances``, ``owns_ray``, and for restarts ``index``, ``router`` and ``counters``."""
 
-    _lock: Any
+    _lock: threading.RLock
     _status: str
-    records: dict
+    records: dict[str, Journaled]  # request id → the wing's record (``RequestRecord``, ``GRRecord``)
     instances: list[Instance]
     owns_ray: bool
-    index: Any
-    router: Any
-    counters: dict
+    index: GlobalKVIndex
+    router: Router
+    counters: dict[str, int]
 
     def drain(self, timeout_s: float | None = None) -> bool:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -51,7 +67,7 @@ class FrontEndLifecycle:
             time.sleep(0.01)
         return True
 
-    def _rejoin(self, index: int, actor: Any, info: dict, poll: Callable[[Instance], None]) -> bool:
+    def _rejoin(self, index: int, actor: ActorHandle, info: InstanceInfo, poll: Callable[[Instance], None]) -> bool:
         """A restarted instance takes dead ``index``'s place (``respawn.py``): registered in the KV index (resynced
         by its first snapshot), back in the router with an empty booking, counted, polled by ``poll`` in a new
         thread. False (nothing changed) if ``index`` is up or the engine stopped."""
@@ -61,7 +77,7 @@ class FrontEndLifecycle:
                 return False
             inst.actor, inst.info, inst.stats = actor, info, {}
             inst.up, inst.down_at, inst.down_reason = True, None, ""
-            self.index.register(index, info["incarnation"])
+            self.index.register(index, info.incarnation)
             self.router.mark_up(index)
             self.counters["restarts"] += 1
             self._poll_thread(inst, poll)
@@ -121,34 +137,35 @@ class FrontEndLifecycle:
 def instance_line(inst: Instance, facts: str) -> str:
     """One start-up line of ``describe()``: where an instance runs, ``facts`` about its engine, its incarnation."""
     i = inst.info
-    return (f"instance {inst.index}: Ray actor pid {i['pid']} on {i['host']} ({i['node_ip']}), {i['device']}, "
-            f"{facts}, incarnation {i['incarnation']}")
+    return (f"instance {inst.index}: Ray actor pid {i.pid} on {i.host} ({i.node_ip}), {i.device}, {facts}, "
+            f"incarnation {i.incarnation}")
 
 
-def fail_handle(handle: Any, exc: BaseException) -> None:
+def fail_handle(handle: RequestHandle, exc: BaseException) -> None:
     """Fail a request's future with ``exc`` unless it already has its result."""
     if not handle.future.done():
         handle.future.set_exception(exc)
 
 
-def launch_actors(spawn: Callable[[int, str], Any], cluster: Any) -> tuple[list[Any], list[dict], bool]:
+def launch_actors(spawn: Callable[[int, str], ActorHandle], cluster: ClusterConfig
+                  ) -> tuple[list[ActorHandle], list[InstanceInfo], bool]:
     """Start (or join) Ray, create ``cluster.instances`` actors with ``spawn(index, incarnation)`` and wait until
     every one answers ``info()`` (its engine is built); on a failure fence them all (and stop a Ray started here).
     Returns (actors, their infos, whether this call started Ray)."""
-    from grserve.cluster.ray_runtime import new_incarnation, start_ray
-    from grserve.cluster.start_progress import wait_ready
+    from grserve.cluster.core.ray_runtime import new_incarnation, start_ray
+    from grserve.cluster.core.start_progress import wait_ready
 
     owns = start_ray(cluster.ray_address)
     actors = [spawn(i, new_incarnation()) for i in range(cluster.instances)]
     try:
-        infos = wait_ready(actors)  # a line per instance as it becomes ready (cluster/start_progress.py)
+        infos = wait_ready(actors)  # a line per instance as it becomes ready (cluster/core/start_progress.py)
     except Exception:
         abandon_actors(actors, owns)
         raise
     return actors, infos, owns
 
 
-def abandon_actors(actors: list[Any], owns_ray: bool) -> None:
+def abandon_actors(actors: list[ActorHandle], owns_ray: bool) -> None:
     """A launch that failed: fence every instance actor it spawned and stop the Ray it started."""
     import ray
 

@@ -13,19 +13,28 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, TypeVar
+
+from grserve.cluster.wire import GRPoll, LLMPoll
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
+    from grserve.cluster.core.kv_index import GlobalKVIndex
+    from grserve.config import ClusterConfig
 
 log = logging.getLogger("grserve.cluster")
+Poll = TypeVar("Poll", LLMPoll, GRPoll)  # what an instance's poll answers (wire.py)
 
 
-def poll_wait(cc: Any) -> float:
+def poll_wait(cc: ClusterConfig) -> float:
     """One poll's longest wait: ``poll_wait_s``, and never more than an eighth of the heartbeat timeout (so a slow
     answer on a loaded machine is not taken for death)."""
     return min(cc.poll_wait_s, cc.heartbeat_timeout_s / 8)
 
 
-def watch(actor: Any, cc: Any, running: Callable[[], bool], on_answer: Callable[[dict], None],
-          on_down: Callable[[str, float], None], name: str = "instance") -> None:
+def watch(actor: ActorHandle, cc: ClusterConfig, running: Callable[[], bool],
+          on_answer: Callable[[Poll], None], on_down: Callable[[str, float], None], name: str = "instance") -> None:
     """Poll ``actor`` while ``running()``; ``cc`` gives ``poll_wait_s`` and ``heartbeat_timeout_s``."""
     import ray
     from ray.exceptions import GetTimeoutError, RayActorError
@@ -55,7 +64,7 @@ def watch(actor: Any, cc: Any, running: Callable[[], bool], on_answer: Callable[
             log.exception("handling a poll answer of %s failed", name)
 
 
-def fence(actor: Any) -> None:
+def fence(actor: ActorHandle) -> None:
     """Kill an instance actor for good (a dead one is fine)."""
     import ray
 
@@ -67,7 +76,7 @@ def fence(actor: Any) -> None:
         pass
 
 
-def resync(index: Any, instance: int, actor: Any, timeout_s: float) -> None:
+def resync(index: GlobalKVIndex, instance: int, actor: ActorHandle, timeout_s: float) -> None:
     """Replace ``instance``'s entries in the global KV index by its snapshot when the index asks for one."""
     import ray
 

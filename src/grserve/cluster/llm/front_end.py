@@ -5,9 +5,11 @@
 ``stats``, ``health``, ``drain``, ``start``, ``stop``, ``queue_depth``. Inside:
 
 - ``router.Router`` picks the instance (KV-aware, least-loaded or round-robin) and books the load;
-- one poller thread per instance long-polls it (``EngineInstance.poll``): token reports go to the requests'
-  streams (``stream.TokenStream``: each position once), KV events to ``kv_index.GlobalKVIndex`` (a gap or a new
-  incarnation → a snapshot), KV snapshots of finished prefills to the request journal;
+- one poller thread per instance long-polls it (``EngineInstance.poll`` → ``wire.LLMPoll``): token reports go to
+  the requests' streams (``stream.TokenStream``: each position once), KV events to ``kv_index.GlobalKVIndex`` (a
+  gap or a new incarnation → a snapshot), the prompt K/V of finished prefills to the request journal
+  (``journal.RequestRecord``); the text a client sees is the instances' own (each report carries the text its
+  tokens add; a moved request's next attempt continues it: ``engine.types.Handover``), never decoded here;
 - death: a poll that fails with an actor error, or none answering for ``heartbeat_timeout_s`` (then the actor is
   fenced: killed, so it cannot deliver late), takes the instance out of the router and the index and moves each
   request it held (``recovery.plan``: migrate with its snapshot, or recompute).
@@ -18,18 +20,29 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from grserve.cluster.admission import FrontAdmission
-from grserve.cluster.front_end import FrontEndLifecycle, Instance, instance_line, launch_actors
-from grserve.cluster.front_end import fail_handle as _fail
-from grserve.cluster.kv_index import GlobalKVIndex
-from grserve.cluster.recovery import RecoveryCost, RequestLost, RequestRecord, plan
-from grserve.cluster.router import NoInstance, Router
-from grserve.cluster.stream import TokenStream
+from grserve.cluster.core.front_end import FrontEndLifecycle, Instance, instance_line, launch_actors
+from grserve.cluster.core.front_end import fail_handle as _fail
+from grserve.cluster.core.kv_index import GlobalKVIndex
+from grserve.cluster.core.recovery import RecoveryCost, RequestLost, plan
+from grserve.cluster.core.router import NoInstance, Router
+from grserve.cluster.llm.admission import FrontAdmission
+from grserve.cluster.llm.journal import RequestRecord
+from grserve.cluster.llm.stream import TokenStream
+from grserve.cluster.wire import Attempt, LLMInstanceInfo, LLMPoll, TokenReport
+from grserve.engine.async_llm import EngineStepFailed
 from grserve.engine.llm import TokenEvent
 from grserve.engine.protocol import EngineHealth, EngineStopped, RequestCancelled, RequestHandle, RequestTimedOut
 from grserve.engine.types import LLMRequest, LLMResult
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
+    from grserve.cluster.llm.pd_disagg import PDCoordinator
+    from grserve.config import ClusterConfig, EdgeConfig, LLMServeConfig
+    from grserve.engine.tokenizer import HFTokenizer
 
 log = logging.getLogger("grserve.cluster")
 SUMMED_STATS = ("running", "waiting", "free_blocks", "total_blocks", "preemptions", "prefix_hit_tokens",
@@ -39,17 +52,18 @@ SUMMED_STATS += ("offline_preemptions", "offline_deferred", "running_online", "r
 
 
 class ClusterLLMEngine(FrontEndLifecycle):
-    def __init__(self, actors: list[Any], infos: list[dict], cluster: Any, tokenizer: Any = None,
-                 owns_ray: bool = False, eos_token_id: int | None = None, edge: Any = None):
+    def __init__(self, actors: list[ActorHandle], infos: list[LLMInstanceInfo], cluster: ClusterConfig,
+                 tokenizer: HFTokenizer | None = None, owns_ray: bool = False, eos_token_id: int | None = None,
+                 edge: EdgeConfig | None = None):
         self.cc = cluster
         self.admission = FrontAdmission(edge)  # --max-waiting / --request-timeout at the front end (admission.py)
-        self.serve_cfg: Any = None  # the LLMServeConfig the instances run (set by launch): a restart needs it
+        self.serve_cfg: LLMServeConfig | None = None  # what the instances run (set by launch): a restart needs it
         self.instances = [Instance(i, a, info) for i, (a, info) in enumerate(zip(actors, infos))]
         self.tokenizer = tokenizer
         self.owns_ray = owns_ray
         self.index = GlobalKVIndex()
         for inst in self.instances:
-            self.index.register(inst.index, inst.info["incarnation"])
+            self.index.register(inst.index, inst.info.incarnation)
         self.router = self._new_router()
         self.cost = RecoveryCost()
         self.records: dict[str, RequestRecord] = {}
@@ -57,33 +71,32 @@ class ClusterLLMEngine(FrontEndLifecycle):
         self._status = "stopped"
         self.counters = {"migrated": 0, "recomputed": 0, "lost": 0, "instance_deaths": 0, "kv_snapshots_taken": 0,
                          "duplicate_tokens": 0, "finished": 0, "expired": 0, "restarts": 0}
-        self.on_death: list[Any] = []  # callbacks(instance index, seconds since its last answer) — benchmarks
+        self.on_death: list[Callable[[int, float], None]] = []  # (instance, seconds since its last answer): benches
         self.keep_finished = False  # keep ended requests' records in ``finished`` (benchmarks, tests)
         self.finished: list[RequestRecord] = []
-        self.pd: Any = None  # pd_disagg.PDCoordinator with --pd (attach_pd)
-        info0 = infos[0]
-        self.max_model_len, self.num_blocks, self.block_size = (info0["max_model_len"], info0["num_blocks"],
-                                                                info0["block_size"])
+        self.pd: PDCoordinator | None = None  # with --pd (attach_pd)
+        self.fit = infos[0].fit  # what an instance can ever hold (the instances run one config)
+        self.max_model_len = self.fit.max_model_len
 
     # ---- building -----------------------------------------------------------------------------------------------
     @classmethod
-    def launch(cls, cfg: Any, cluster: Any) -> "ClusterLLMEngine":
+    def launch(cls, cfg: LLMServeConfig, cluster: ClusterConfig) -> ClusterLLMEngine:
         """Start (or join) Ray, create ``cluster.instances`` instance actors from ``cfg`` (an LLMServeConfig) and
         wait until every one has loaded its model."""
-        from grserve.cluster.ray_runtime import spawn_instance
+        from grserve.cluster.llm.instance import spawn_instance
         from grserve.engine.tokenizer import load_tokenizer
 
         pd = getattr(cfg, "pd", None)
         if pd is not None and pd.pd:
-            from grserve.cluster.pd_disagg import check_pd
+            from grserve.cluster.llm.pd_disagg import check_pd
 
             check_pd(pd, cluster, cfg.llm.prefix_cache_tokens)
         actors, infos, owns = launch_actors(lambda i, inc: spawn_instance(i, cfg, cluster, inc), cluster)
-        tok = load_tokenizer(cfg.model.source, infos[0]["vocab_size"])
-        eng = cls(actors, infos, cluster, tok, owns, getattr(tok, "eos_token_id", None), getattr(cfg, "edge", None))
+        tok = load_tokenizer(cfg.model.source, infos[0].vocab_size)
+        eng = cls(actors, infos, cluster, tok, owns, tok.eos_token_id, cfg.edge)
         eng.serve_cfg = cfg
         if pd is not None and pd.pd:
-            from grserve.cluster.pd_disagg import attach_pd
+            from grserve.cluster.llm.pd_disagg import attach_pd
 
             attach_pd(eng, pd, cfg.slo)
         return eng
@@ -97,14 +110,15 @@ class ClusterLLMEngine(FrontEndLifecycle):
                  f"KV index blocks of {self.cc.kv_block_size} tokens, heartbeat timeout {self.cc.heartbeat_timeout_s}s"]
         for inst in self.instances:
             i = inst.info
-            lines.append(instance_line(inst, f"{i['num_blocks']} blocks x {i['block_size']}, prefix cache "
-                                             f"{i['prefix_cache_tokens']} tokens"))
+            assert isinstance(i, LLMInstanceInfo)
+            lines.append(instance_line(inst, f"{i.num_blocks} blocks x {i.block_size}, prefix cache "
+                                             f"{i.prefix_cache_tokens} tokens"))
         if self.pd is not None:
             lines.append(self.pd.describe())
         return lines
 
     # ---- lifecycle ------------------------------------------------------------------------------------------------
-    def start(self) -> "ClusterLLMEngine":
+    def start(self) -> ClusterLLMEngine:
         self._start_polling(self._poll_loop)
         return self
 
@@ -112,7 +126,7 @@ class ClusterLLMEngine(FrontEndLifecycle):
         self._stop_instances()
         self._shutdown_ray()
 
-    def __enter__(self) -> "ClusterLLMEngine":
+    def __enter__(self) -> ClusterLLMEngine:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -125,7 +139,7 @@ class ClusterLLMEngine(FrontEndLifecycle):
 
         import ray
 
-        from grserve.cluster.ray_runtime import new_incarnation
+        from grserve.cluster.core.ray_runtime import new_incarnation
 
         if self.records:
             raise RuntimeError("reset() with requests in flight")
@@ -157,44 +171,33 @@ class ClusterLLMEngine(FrontEndLifecycle):
     def submit(self, req: LLMRequest) -> RequestHandle[LLMResult]:
         if self._status != "ok":
             raise EngineStopped(f"engine is {self._status}")
-        total = len(req.prompt_ids) + req.params.max_tokens
-        if not req.prompt_ids:
-            raise ValueError("prompt must have at least one token")
-        if total > self.max_model_len:
-            raise ValueError(f"prompt ({len(req.prompt_ids)}) + max_tokens ({req.params.max_tokens}) exceeds the "
-                             f"model length {self.max_model_len}")
-        if -(-total // self.block_size) > self.num_blocks:
-            raise ValueError(f"prompt + max_tokens = {total} tokens never fits the KV pool "
-                             f"({self.num_blocks} blocks of {self.block_size})")
+        self.fit.check(len(req.prompt_ids), req.params.max_tokens)  # ValueError: no instance could ever run it
         handle: RequestHandle[LLMResult] = RequestHandle(req.request_id, self.cancel)
-        detok = self.tokenizer.decode if self.tokenizer is not None else None
-        rec = RequestRecord(req.request_id, list(req.prompt_ids), req.params, handle,
-                            TokenStream(detok, tuple(req.params.stop)), submitted_at=time.perf_counter())
-        rec.priority = req.priority
+        rec = RequestRecord(req.request_id, list(req.prompt_ids), req.params, handle, TokenStream(),
+                            submitted_at=time.perf_counter(), priority=req.priority)
         with self._lock:
             if req.request_id in self.records:
                 raise ValueError(f"request id {req.request_id} is already running")
             self.admission.admit(req.request_id)  # EngineOverloaded beyond --max-waiting
             self.records[req.request_id] = rec
             try:
-                self._send(rec, rec.prompt_ids, req.params, None, recovery=False)
+                self._send(rec, rec.next_attempt(), recovery=False)
             except RequestLost:
                 del self.records[req.request_id]
                 self.admission.started(req.request_id)
                 raise EngineStopped("no live instance") from None
         return handle
 
-    def _send(self, rec: RequestRecord, prompt: list[int], params: Any, snapshot: Any, recovery: bool) -> None:
+    def _send(self, rec: RequestRecord, attempt: Attempt, recovery: bool) -> None:
         """Route and submit one attempt of ``rec`` (lock held)."""
-        if self.pd is not None and not recovery and self.pd.route(rec, prompt, params):
+        if self.pd is not None and not recovery and self.pd.route(rec, attempt):
             return  # PD placed it (split, or whole on a decode-role instance)
         try:
-            d = self.router.route(rec.request_id, prompt, params.max_tokens, recovery=recovery)
+            d = self.router.route(attempt, recovery=recovery)
         except NoInstance:
             raise RequestLost("no live instance is left") from None
         rec.instance = d.instance
-        self.instances[d.instance].actor.submit.remote(rec.request_id, rec.stream.attempt, prompt, params, snapshot,
-                                                       priority=rec.priority)
+        self.instances[d.instance].actor.submit.remote(attempt)
 
     def cancel(self, request_id: str) -> bool:
         with self._lock:
@@ -211,11 +214,11 @@ class ClusterLLMEngine(FrontEndLifecycle):
         _fail(rec.handle, RequestCancelled(f"request {request_id} cancelled"))
         return True
 
-    # ---- instances: polls, heartbeats, deaths -------------------------------------------------------------------------
+    # ---- instances: polls, heartbeats, deaths -----------------------------------------------------------------
     def _poll_loop(self, inst: Instance) -> None:
-        from grserve.cluster import heartbeat
+        from grserve.cluster.core import heartbeat
 
-        def answered(res: dict) -> None:
+        def answered(res: LLMPoll) -> None:
             self._on_poll(inst, res)
             self._expire()
             heartbeat.resync(self.index, inst.index, inst.actor, self.cc.heartbeat_timeout_s)
@@ -224,38 +227,38 @@ class ClusterLLMEngine(FrontEndLifecycle):
                         lambda why, silent: self.instance_down(inst.index, why, fence=True, silent_s=silent),
                         f"instance {inst.index}")
 
-    def _on_poll(self, inst: Instance, res: dict) -> None:
+    def _on_poll(self, inst: Instance, res: LLMPoll) -> None:
         with self._lock:
             if not inst.up:
                 return  # a fenced instance's late answer
-            inst.stats = res["stats"]
-            self.index.apply(inst.index, res["kv_events"], res["kv_next_seq"])
-            for rid, attempt, kv in res["snapshots"]:
-                rec = self.records.get(rid)
-                if rec is not None and rec.stream.attempt == attempt and rec.instance == inst.index:
-                    rec.snapshot = kv
+            inst.stats = res.stats
+            self.index.apply(inst.index, res.kv_events, res.kv_next_seq)
+            for pk in res.prompt_kv:
+                rec = self.records.get(pk.request_id)
+                if rec is not None and rec.stream.attempt == pk.attempt and rec.instance == inst.index:
+                    rec.snapshot = pk.kv
                     self.counters["kv_snapshots_taken"] += 1
                     if self.pd is not None:
                         self.pd.on_snapshot(rec)
-            for report in res["tokens"]:
+            for report in res.tokens:
                 try:
-                    self._on_tokens(inst, *report)
+                    self._on_tokens(inst, report)
                 except Exception as exc:  # noqa: BLE001 - e.g. a token gap: that request fails, the poller lives
                     log.exception("bad token report from instance %d", inst.index)
-                    rec = self.records.get(report[0])
+                    rec = self.records.get(report.request_id)
                     if rec is not None:
                         self._end(rec, None, exc)
             if self.pd is not None and self.pd.monitor is not None:
                 self.pd.monitor.tick()
 
-    def _on_tokens(self, inst: Instance, rid: str, attempt: int, index: int, ids: list[int], finished: bool,
-                   reason: str | None) -> None:
+    def _on_tokens(self, inst: Instance, report: TokenReport) -> None:
+        rid, attempt, finished, reason = report.request_id, report.attempt, report.finished, report.finish_reason
         rec = self.records.get(rid)
         if rec is None or rec.stream.attempt != attempt or rec.instance != inst.index:
             return
         st = rec.stream
         before = st.duplicates
-        new = st.accept(attempt, index, ids)
+        new, text = st.accept(report)
         self.counters["duplicate_tokens"] += st.duplicates - before
         if new:
             if rec.first_token_at is None:
@@ -264,24 +267,21 @@ class ClusterLLMEngine(FrontEndLifecycle):
                 if self.pd is not None:
                     self.pd.on_first_token(rec)
             self.router.on_tokens(rid, len(new))
-        handoff = finished and self.pd is not None and self.pd.prefill_ended(rec, reason)
-        finished = finished and not handoff  # PD: the prefill attempt ended, the request goes on elsewhere
-        if finished and reason not in ("stop", "length"):
+        paused = finished and reason == "pause"  # PD: the prefill attempt ended, the request goes on elsewhere
+        if finished and not paused and reason not in ("stop", "length"):
             if reason == "error":
-                from grserve.engine.async_llm import EngineStepFailed
-
                 self._end(rec, None, EngineStepFailed(f"request {rid} failed in an engine step"))
             return  # "abort": cancelled by us (the handle is already failed)
-        delta = st.text_delta(final=finished)
-        done = finished or st.stopped
+        if paused and (self.pd is None or not self.pd.prefill_ended(rec)):
+            self._end(rec, None, EngineStepFailed(f"request {rid}: an attempt paused with nowhere to go on"))
+            return
+        done = finished and not paused
         if new or done:
-            rec.handle.push(TokenEvent(0, new, delta, done, (reason or "stop") if done else None))
+            rec.handle.push(TokenEvent(0, new, text, done, reason if done else None))
         if done:
-            if st.stopped and not finished:
-                inst.actor.cancel.remote(rid)
             self._end(rec, LLMResult(rid, list(st.output_ids), st.text, reason or "stop", len(rec.prompt_ids),
                                      rec.migrations), None)
-        elif handoff:
+        elif paused:
             self.pd.try_handoff(rec)
 
     def _expire(self) -> None:
@@ -336,17 +336,18 @@ class ClusterLLMEngine(FrontEndLifecycle):
         for cb in self.on_death:
             cb(index, silent_s)
         if getattr(self.cc, "restart_instances", False) and self.serve_cfg is not None and self._status == "ok":
-            from grserve.cluster import respawn
+            from grserve.cluster.core import respawn
 
             respawn.respawn_later(self, index)  # a new actor, a new incarnation (respawn.py)
 
-    def spawn_actor(self, index: int, incarnation: str) -> Any:
+    def spawn_actor(self, index: int, incarnation: str) -> ActorHandle:
         """A new engine instance actor for ``index`` from the instances' config (``respawn.py``)."""
-        from grserve.cluster.ray_runtime import spawn_instance
+        from grserve.cluster.llm.instance import spawn_instance
 
+        assert self.serve_cfg is not None
         return spawn_instance(index, self.serve_cfg, self.cc, incarnation)
 
-    def instance_up(self, index: int, actor: Any, info: dict) -> bool:
+    def instance_up(self, index: int, actor: ActorHandle, info: LLMInstanceInfo) -> bool:
         """A restarted instance (a new actor under a new incarnation) takes dead ``index``'s place: registered in
         the KV index (resynced by its first snapshot), back in the router, polled. False if ``index`` is up."""
         return self._rejoin(index, actor, info, self._poll_loop)
@@ -360,13 +361,14 @@ class ClusterLLMEngine(FrontEndLifecycle):
             self.counters["lost"] += 1
             self._end(rec, None, RequestLost(f"request {rec.request_id} lost: {p.reason}"))
             return
-        snapshot = rec.snapshot[:, :, :p.snapshot_tokens] if p.action == "migrate" else None
+        snapshot = rec.snapshot[:, :, :p.snapshot_tokens] if p.action == "migrate" and rec.snapshot is not None \
+            else None
         rec.migrations += 1
         rec.recovered.append(p.action)
         rec.stream.new_attempt()
         self.counters["migrated" if p.action == "migrate" else "recomputed"] += 1
         try:
-            self._send(rec, p.prompt_ids, p.params, snapshot, recovery=True)
+            self._send(rec, rec.next_attempt(snapshot), recovery=True)
         except RequestLost as exc:
             self.counters["lost"] += 1
             self._end(rec, None, RequestLost(f"request {rec.request_id} lost: {exc}"))

@@ -1,4 +1,5 @@
-"""Ray for the cluster: join an existing cluster or start a local one, and create engine instance actors.
+"""Ray for the cluster: join an existing cluster or start a local one; the front end's SIGTERM; incarnation ids,
+torch threads per instance, the node's address (each wing spawns its own instance actors).
 
 A local Ray is started with no dashboard and ``num_cpus`` logical CPUs (instances ask for 0 CPUs: on a small
 machine the OS shares the cores; the actors' torch threads are set per instance). Ray's own processes listen on
@@ -11,7 +12,7 @@ import atexit
 import contextlib
 import logging
 import uuid
-from typing import Any
+from types import FrameType
 
 log = logging.getLogger("grserve.cluster")
 
@@ -53,7 +54,7 @@ def front_end_sigterm():
             signal.signal(signal.SIGTERM, on_sigterm)
 
 
-def on_sigterm(signum: int, frame: Any) -> None:
+def on_sigterm(signum: int, frame: FrameType | None) -> None:
     """While Ray is up (launching, or joined with ``--ray-address``): unwind (Ray may turn the exit into status 1
     inside a ``ray.get``); at exit ``_die_by_signal`` shuts Ray down and dies by the signal. After the server's
     drain stopped the instances and shut the local Ray down: die by the signal at once, like a one-instance
@@ -94,17 +95,12 @@ def instance_threads(requested: int, instances: int, cores: int | None = None) -
     return max(1, (cores or os.cpu_count() or 1) // max(1, instances))
 
 
-def spawn_instance(index: int, cfg: Any, cluster: Any, incarnation: str) -> Any:
-    """One engine instance actor (``cluster/instance.py``), spread over the cluster's nodes; never restarted by
-    Ray (the front end decides: a dead instance's requests move, its entries leave the KV index)."""
-    import ray
+def node_ip() -> str:
+    try:
+        import ray
 
-    from grserve.cluster.instance import EngineInstance
-
-    actor_cls = ray.remote(EngineInstance)
-    # max_concurrency: calls (coroutines) in flight per actor. Each ``submit`` waits in a worker thread for the
-    # engine lock; at 64, an overloaded instance's pending submits filled every slot and its polls (the heartbeat)
-    # queued behind them until the front end fenced all three instances (bench cluster, cluster12 session)
-    return actor_cls.options(num_cpus=0, max_restarts=0, max_concurrency=4096, scheduling_strategy="SPREAD",
-                             name=None).remote(index, cfg, incarnation, cluster.kv_block_size, cluster.kv_snapshot,
-                                               instance_threads(cluster.instance_threads, cluster.instances))
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - only for the start-up line
+        pass
+    return "127.0.0.1"

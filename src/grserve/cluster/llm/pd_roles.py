@@ -7,25 +7,32 @@ poll's stats) — and applies ``pd_policy.decide_flip`` with the TTFT predictor,
 (``--role-flips``, ``--min-dwell-s``, ``--min-per-role``). A flip only moves the instance to the other pool
 (``RolePools.flip``): same process, same model, no reload; requests running there finish there, new ones follow
 the pools. Each flip is logged (one line) and counted (``grserve_cluster_role_flips_total{direction}``); each
-instance's pool is a gauge (``grserve_cluster_instance_role{instance, role, pool}``). A dead instance never flips and does
-not count toward ``min_per_role`` (``RolePools.set_alive``, synced before each decision).
+instance's pool is a gauge (``grserve_cluster_instance_role{instance, role, pool}``). A dead instance never flips
+and does not count toward ``min_per_role`` (``RolePools.set_alive``, synced before each decision).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from grserve.cluster.pd_policy import Role, decide_flip, pool_tpot
+from grserve.cluster.llm.pd_policy import Role, decide_flip, pool_tpot
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+
+    from prometheus_client.metrics_core import Metric
+
+    from grserve.cluster.llm.pd_disagg import PDCoordinator
 
 log = logging.getLogger("grserve.cluster")
 
 
 class RoleMonitor:
-    def __init__(self, coord: Any, interval_s: float = 0.05):
+    def __init__(self, coord: PDCoordinator, interval_s: float = 0.05):
         self.coord = coord
         self.interval_s = interval_s
         self._last = 0.0
@@ -62,8 +69,8 @@ class RoleMonitor:
         return d
 
 
-def pd_metrics(coord: Any):
-    """The PD families on ``/metrics`` (``cluster/metrics.py`` yields them when ``--pd`` is on)."""
+def pd_metrics(coord: PDCoordinator) -> Iterator[Metric]:
+    """The PD families on ``/metrics`` (``cluster/core/metrics.py`` yields them when ``--pd`` is on)."""
     flips = CounterMetricFamily("grserve_cluster_role_flips", "PD role flips by direction.", labels=["direction"])
     for k, n in coord.pools.flips.items():
         flips.add_metric([k], n)

@@ -1,9 +1,13 @@
 """The global KV index (xLLM §3.4): which instance holds which prefix block, in which tier.
 
-Instance side, ``KVEventPublisher``: the prefix cache's hooks (``PrefixKVStore.listener``) report each span it
-stores or evicts; the publisher turns spans into block keys (``kvcache/block_hash.chained_block_hashes``: block ``b`` is
-cached iff the tree holds tokens ``[0, (b+1)·B)``), keeps the instance's true contents ``block → tier`` and
-appends ordered ``KVEvent``\\ s, each with the instance's incarnation id and a sequence number (0, 1, 2, …).
+Instance side, ``KVEventPublisher``: the prefix cache's hooks (its ``listener``) report what it stores or evicts;
+the publisher turns that into block keys (``kvcache/block_hash.chained_block_hashes``: block ``b`` is cached iff
+the cache holds tokens ``[0, (b+1)·B)``), keeps the instance's true contents ``block → tier`` and appends ordered
+``KVEvent``\\ s, each with the instance's incarnation id and a sequence number (0, 1, 2, …). Both prefix caches
+report: the copying store (``PrefixKVStore``) spans of its radix tree; the shared-block cache
+(``SharedPrefixCache``, the default) the groups it adopts, named by its own block hashes, and evicts by those —
+the publisher remembers the index blocks each group stands for (the same keys when the index's block size is the
+engine's, the default).
 
 Front end, ``GlobalKVIndex``: block → {instance: tier}. It applies an instance's events in order; a gap in the
 sequence (an event lost), a sequence number behind what the instance says it has published (a lost tail) or a
@@ -14,32 +18,26 @@ every later event from it (a late poll) is ignored until a new incarnation regis
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
+from grserve.cluster.wire import TIERS, KVEvent, KVSnapshot, Tier
 from grserve.kvcache.block_hash import chained_block_hashes
 
-TIERS = ("hbm", "dram", "ssd")  # fastest first; a store on a CUDA device is "hbm", a host-memory store "dram"
+if TYPE_CHECKING:
+    from grserve.kvcache.prefix_kv import PrefixKVStore
 
 
-@dataclass(frozen=True)
-class KVEvent:
-    instance: int
-    incarnation: str
-    seq: int
-    kind: str  # "store" | "evict"
-    blocks: tuple[int, ...]
-    tier: str = "dram"
-
-
-@dataclass(frozen=True)
-class KVSnapshot:
-    instance: int
-    incarnation: str
-    next_seq: int  # the snapshot holds the effect of every event with seq < next_seq
-    contents: dict[int, str] = field(default_factory=dict)
+def user_key(user_id: int) -> int:
+    """The global-index key of a ranking user's cached KV (stable across processes, disjoint from the LLM's
+    chained block hashes by its domain prefix)."""
+    digest = hashlib.blake2b(b"grserve-user:" + str(int(user_id)).encode(), digest_size=16).digest()
+    return int.from_bytes(digest, "little")
 
 
 def _block_range(start: int, stop: int, block_size: int) -> range:
@@ -50,32 +48,67 @@ def _block_range(start: int, stop: int, block_size: int) -> range:
 class KVEventPublisher:
     """One instance's view of its own prefix cache, as block keys and ordered events (thread-safe)."""
 
-    def __init__(self, instance: int, incarnation: str, block_size: int, tier: str = "dram"):
+    def __init__(self, instance: int, incarnation: str, block_size: int, tier: Tier = "dram"):
         if tier not in TIERS:
             raise ValueError(f"tier must be one of {TIERS}")
         self.instance, self.incarnation, self.block_size, self.tier = instance, incarnation, block_size, tier
-        self.contents: dict[int, str] = {}
+        self.contents: dict[int, Tier] = {}
+        self._of_group: dict[int, list[int]] = {}  # a shared-block cache's group → the index blocks it stands for
+        self._groups_of: dict[int, int] = {}  # index block → how many held groups stand for it (two paths that
+        #                                       part within a group share the index blocks ending before they part)
         self.next_seq = 0
         self._pending: list[KVEvent] = []
         self._lock = threading.Lock()
 
     # ---- the prefix cache's listener interface -----------------------------------------------------------
-    def stored(self, tokens, start: int, stop: int) -> None:
+    def stored(self, tokens: Sequence[int], start: int, stop: int) -> None:
         """The cache now holds ``tokens[start:stop]`` (``tokens[:start]`` was cached already)."""
         self._emit("store", tokens, start, stop)
 
-    def evicted(self, tokens, start: int, stop: int) -> None:
+    def evicted(self, tokens: Sequence[int], start: int, stop: int) -> None:
         """The cache dropped ``tokens[start:stop]`` (``tokens`` is the whole path from position 0)."""
         self._emit("evict", tokens, start, stop)
 
-    def _emit(self, kind: str, tokens, start: int, stop: int) -> None:
+    def stored_blocks(self, tokens: Sequence[int], groups: list[tuple[int, int, int]]) -> None:
+        """A shared-block cache adopted ``groups`` — (its key, start, stop) — of the path ``tokens``."""
+        last = _block_range(0, max(stop for _, _, stop in groups), self.block_size).stop
+        path = chained_block_hashes(np.asarray(tokens[:last * self.block_size]), self.block_size)  # hashed once
+        keys: list[int] = []
+        for group, start, stop in groups:
+            rng = _block_range(start, stop, self.block_size)
+            self._of_group[group] = path[rng.start:rng.stop]
+            for k in self._of_group[group]:
+                self._groups_of[k] = self._groups_of.get(k, 0) + 1
+                if self._groups_of[k] == 1:
+                    keys.append(k)
+        if keys:
+            self.publish("store", keys)
+
+    def evicted_blocks(self, groups: list[int]) -> None:
+        """A shared-block cache dropped the groups with these keys."""
+        keys: list[int] = []
+        for g in groups:
+            for k in self._of_group.pop(g, ()):
+                self._groups_of[k] -= 1
+                if not self._groups_of[k]:
+                    del self._groups_of[k]
+                    keys.append(k)
+        if keys:
+            self.publish("evict", keys)
+
+    def _emit(self, kind: Literal["store", "evict"], tokens: Sequence[int], start: int, stop: int) -> None:
+        keys = self._keys(tokens, start, stop)
+        if keys:
+            self.publish(kind, keys)
+
+    def _keys(self, tokens: Sequence[int], start: int, stop: int) -> list[int]:
+        """The keys of the index blocks whose last token lies in ``tokens[start:stop]``."""
         rng = _block_range(start, stop, self.block_size)
         if not len(rng):
-            return
-        keys = chained_block_hashes(np.asarray(tokens[:rng.stop * self.block_size]), self.block_size)[rng.start:]
-        self.publish(kind, keys)
+            return []
+        return chained_block_hashes(np.asarray(tokens[:rng.stop * self.block_size]), self.block_size)[rng.start:]
 
-    def publish(self, kind: str, keys) -> None:
+    def publish(self, kind: Literal["store", "evict"], keys: Iterable[int]) -> None:
         """Record a change of the instance's contents as one event (also used directly by tests)."""
         with self._lock:
             for k in keys:
@@ -112,7 +145,7 @@ class GlobalKVIndex:
     """block key → {instance: tier}, kept from ordered events and snapshots (thread-safe)."""
 
     def __init__(self) -> None:
-        self.blocks: dict[int, dict[int, str]] = {}
+        self.blocks: dict[int, dict[int, Tier]] = {}
         self._inst: dict[int, _InstanceState] = {}
         self._lock = threading.RLock()
         self.stats = {"events": 0, "ignored_events": 0, "gaps": 0, "snapshots": 0, "dropped_instances": 0}
@@ -204,18 +237,18 @@ class GlobalKVIndex:
             self.stats["snapshots"] += 1
 
     # ---- queries --------------------------------------------------------------------------------------------
-    def contents_of(self, instance: int) -> dict[int, str]:
+    def contents_of(self, instance: int) -> dict[int, Tier]:
         with self._lock:
             return {k: self.blocks[k][instance] for k in self._inst[instance].blocks} if instance in self._inst \
                 else {}
 
-    def prefix_match(self, keys: list[int], instances) -> dict[int, dict[str, int]]:
+    def prefix_match(self, keys: Sequence[int], instances: Iterable[int]) -> dict[int, dict[Tier, int]]:
         """Per instance, how many leading blocks of ``keys`` it holds, counted per tier (the longest common
         block prefix: a block counts only if every block before it is held there too)."""
-        out: dict[int, dict[str, int]] = {}
+        out: dict[int, dict[Tier, int]] = {}
         with self._lock:
             for i in instances:
-                tiers: dict[str, int] = {}
+                tiers: dict[Tier, int] = {}
                 for key in keys:
                     tier = self.blocks.get(key, {}).get(i)
                     if tier is None:
@@ -225,9 +258,9 @@ class GlobalKVIndex:
         return out
 
 
-def tree_blocks(store, block_size: int, tier: str = "dram") -> dict[int, str]:
+def tree_blocks(store: PrefixKVStore, block_size: int, tier: Tier = "dram") -> dict[int, Tier]:
     """The true contents of a ``PrefixKVStore`` as block keys, by walking its radix tree (tests, snapshots)."""
-    out: dict[int, str] = {}
+    out: dict[int, Tier] = {}
     stack = [(store.tree.root, np.zeros(0, dtype=np.int64))]
     while stack:
         node, prefix = stack.pop()

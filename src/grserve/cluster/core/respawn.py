@@ -20,25 +20,42 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
+
+from grserve.cluster.core.heartbeat import fence
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
+    from grserve.cluster.wire import InstanceInfo
 
 log = logging.getLogger("grserve.cluster")
 
 
-def respawn_later(engine: Any, index: int) -> threading.Thread:
+class Respawnable(Protocol):
+    """What a restart needs of a front end (``ClusterLLMEngine``, ``ClusterGREngine``)."""
+
+    _status: str
+
+    def spawn_actor(self, index: int, incarnation: str) -> ActorHandle: ...
+
+    def instance_up(self, index: int, actor: ActorHandle, info: InstanceInfo) -> bool: ...
+
+
+def respawn_later(engine: Respawnable, index: int) -> threading.Thread:
     """Restart instance ``index`` in a background thread (the caller is a poller or a death callback)."""
     t = threading.Thread(target=respawn, args=(engine, index), daemon=True, name=f"grserve-cluster-respawn-{index}")
     t.start()
     return t
 
 
-def respawn(engine: Any, index: int, attempts: int = 3, load_timeout_s: float = 300.0,
+def respawn(engine: Respawnable, index: int, attempts: int = 3, load_timeout_s: float = 300.0,
             backoff_s: float = 1.0) -> bool:
     """Spawn a new actor for instance ``index``, wait for its model, and hand it to ``engine.instance_up``.
     Returns True when the instance is back."""
     import ray
 
-    from grserve.cluster.ray_runtime import new_incarnation
+    from grserve.cluster.core.ray_runtime import new_incarnation
 
     for attempt in range(attempts):
         if engine._status == "stopped":
@@ -49,21 +66,12 @@ def respawn(engine: Any, index: int, attempts: int = 3, load_timeout_s: float = 
             up = engine._status != "stopped" and engine.instance_up(index, actor, info)
         except Exception as exc:  # noqa: BLE001 - a failed start or catch-up: kill what was spawned, retry later
             log.warning("restart of instance %d failed (attempt %d): %s", index, attempt + 1, exc)
-            _kill(actor)
+            fence(actor)
             time.sleep(backoff_s * 2 ** attempt)
             continue
         if not up:
-            _kill(actor)
+            fence(actor)
             return False
-        log.warning("instance %d restarted: pid %s, incarnation %s", index, info["pid"], info["incarnation"])
+        log.warning("instance %d restarted: pid %s, incarnation %s", index, info.pid, info.incarnation)
         return True
     return False
-
-
-def _kill(actor: Any) -> None:
-    import ray
-
-    try:
-        ray.kill(actor, no_restart=True)
-    except Exception:  # noqa: BLE001 - already gone
-        pass

@@ -4,19 +4,19 @@
 ranking --instances N`` hand the unchanged retrieval / ranking app instead of a ``RetrievalEngine`` /
 ``RankingEngine``. A request is single-step, so the front end's journal is just the request itself:
 
-- **routing** (``router.Router``, the LLM cluster's): cost(i) = tokens booked on i + the request's tokens −
-  ``cache_weight`` · its tokens cached on i. Retrieval has no reusable KV across requests: load alone (the cached
-  term is empty; ``round_robin`` for comparison). Ranking: the user's profile tokens count as cached on every
-  instance whose BAT user cache holds the user, as the global KV index says (key ``user_key(user_id)``, kept from
-  the instances' user-cache events, resynced from a snapshot after a gap or a restart). Load is booked at the
-  decision and released with the answer;
+- **routing** (``core/router.Router``, the LLM cluster's, given the request as the app built it): cost(i) = tokens
+  booked on i + the request's tokens − ``cache_weight`` · its tokens cached on i. Retrieval has no reusable KV
+  across requests: load alone (``round_robin`` for comparison). Ranking: the user's profile tokens count as cached
+  on every instance whose BAT user cache holds the user, as the global KV index says (key ``user_key(user_id)``,
+  kept from the instances' user-cache events, resynced from a snapshot after a gap or a restart). Load is booked at
+  the decision and released with the answer;
 - **the answer** is the actor call's own result (``ObjectRef.future()``: no poll in between);
 - **death**: the call fails with an actor error, or the instance's heartbeat (``heartbeat.watch``) stops: the
   instance is fenced and every request it held is re-submitted to a live one — recompute is the recovery of a
   single-step request — at most ``migration_limit`` times, then ``RequestLost`` (HTTP 503);
-- **state changes** reach every live instance before the admin route answers (``broadcast``): a catalog reload
-  (retrieval), replaced users and new or replaced items (ranking). An instance that fails to apply one is fenced,
-  so no instance keeps serving stale state;
+- **state changes** (``wire.StateChange``) reach every live instance before the admin route answers
+  (``broadcast``): a catalog reload (retrieval), replaced users and new or replaced items (ranking). An instance
+  that fails to apply one is fenced, so no instance keeps serving stale state;
 - **restart** (``--restart-instances``, ``respawn.py``): a dead instance's index gets a new actor under a new
   incarnation; before it takes requests it is sent every state change so far (``broadcast_log.py``) and checked
   against a live peer (catalog fingerprint and version, or registry fingerprint). Broadcasts and a catch-up never
@@ -29,16 +29,19 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
-from grserve.cluster import heartbeat
-from grserve.cluster.broadcast_log import BroadcastLog
-from grserve.cluster.kv_index import GlobalKVIndex
-from grserve.cluster.front_end import FrontEndLifecycle, Instance, instance_line, launch_actors
-from grserve.cluster.front_end import fail_handle as _fail
-from grserve.cluster.recovery import RequestLost
-from grserve.cluster.router import NoInstance, Router
+from grserve.cluster.core import heartbeat
+from grserve.cluster.core.front_end import FrontEndLifecycle, Instance, instance_line, launch_actors
+from grserve.cluster.core.front_end import fail_handle as _fail
+from grserve.cluster.core.kv_index import GlobalKVIndex
+from grserve.cluster.core.recovery import RequestLost, limit_reached
+from grserve.cluster.core.router import NoInstance, Router
+from grserve.cluster.gr.broadcast_log import BroadcastLog
+from grserve.cluster.wire import GRInstanceInfo, GRPoll, StateChange
 from grserve.engine.protocol import (
     EngineError,
     EngineHealth,
@@ -47,6 +50,17 @@ from grserve.engine.protocol import (
     RequestCancelled,
     RequestHandle,
 )
+
+if TYPE_CHECKING:
+    from ray import ObjectRef
+    from ray.actor import ActorHandle
+
+    from grserve.config import ClusterConfig, RankingServeConfig, ServeConfig
+    from grserve.engine.ranking_runner import RankingResult
+    from grserve.engine.types import RankingRequest, RetrievalRequest, RetrievalResult
+
+    GRRequest = RetrievalRequest | RankingRequest
+    GRResult = RetrievalResult | RankingResult
 
 log = logging.getLogger("grserve.cluster")
 SUMMED_STATS = ("batches_run", "batches_failed", "requests_done", "requests_expired", "queue_depth", "running")
@@ -61,13 +75,12 @@ class InstanceOverloaded(EngineError):
 
 @dataclass
 class GRRecord:
-    request: Any
-    handle: RequestHandle
-    tokens: int  # the request's size for the router
+    request: GRRequest
+    handle: RequestHandle[GRResult]
     instance: int = -1
     attempt: int = 0
     moves: int = 0
-    ref: Any = None  # the current attempt's ObjectRef (kept alive until the answer)
+    ref: ObjectRef | None = None  # the current attempt's ObjectRef (kept alive until the answer)
 
 
 class ClusterGREngine(FrontEndLifecycle):
@@ -75,14 +88,14 @@ class ClusterGREngine(FrontEndLifecycle):
 
     mode = ""
 
-    def __init__(self, actors: list[Any], infos: list[dict], cluster: Any, owns_ray: bool = False,
-                 max_waiting: int | None = None):
+    def __init__(self, actors: list[ActorHandle], infos: list[GRInstanceInfo], cluster: ClusterConfig,
+                 owns_ray: bool = False, max_waiting: int | None = None):
         self.cc = cluster
         self.instances = [Instance(i, a, info) for i, (a, info) in enumerate(zip(actors, infos))]
         self.owns_ray = owns_ray
         self.index = GlobalKVIndex()
         for inst in self.instances:
-            self.index.register(inst.index, inst.info["incarnation"])
+            self.index.register(inst.index, inst.info.incarnation)
         self.router = Router(len(self.instances), cluster.routing, block_size=1, index=self.index,
                              decode_weight=0.0, cache_weight=cluster.cache_weight)
         self.records: dict[str, GRRecord] = {}
@@ -91,28 +104,16 @@ class ClusterGREngine(FrontEndLifecycle):
         self._max_waiting = max_waiting
         self.counters = {"migrated": 0, "recomputed": 0, "lost": 0, "instance_deaths": 0, "restarts": 0,
                          "finished": 0, "failed": 0}
-        self.on_batch: Any = None  # the app's batch histograms: called for every batch an instance ran
-        self.on_death: list[Any] = []  # callbacks(instance index, seconds since its last answer) — tests
-        self._answers: queue.SimpleQueue = queue.SimpleQueue()
+        self.on_batch: Callable[[int, int], None] | None = None  # the app's batch histograms: every batch run
+        self.on_death: list[Callable[[int, float], None]] = []  # (instance, seconds since its last answer): tests
+        self._answers: queue.SimpleQueue[_Answer | None] = queue.SimpleQueue()
         self._answerer: threading.Thread | None = None
-        self.serve_cfg: Any = None  # the config the instances run (set by the modes): a restart needs it
+        self.serve_cfg: ServeConfig | RankingServeConfig | None = None  # what the instances run: a restart needs it
         self.broadcasts = BroadcastLog()
         self._state_lock = threading.RLock()  # a broadcast and a restarted instance's catch-up never interleave
 
-    # ---- what subclasses define ----------------------------------------------------------------------------------
-    def _tokens(self, request: Any) -> int:
-        raise NotImplementedError
-
-    def _cached(self, request: Any) -> dict[int, int]:
-        """Tokens of ``request`` cached per instance (the router's cached term); empty: load alone."""
-        return {}
-
-    def _state_of(self, info: dict) -> tuple:
-        """What must agree between a restarted instance and a live one after its catch-up (from ``info()``)."""
-        return ()
-
     # ---- lifecycle ------------------------------------------------------------------------------------------------
-    def start(self) -> "ClusterGREngine":
+    def start(self) -> ClusterGREngine:
         self._start_polling(self._watch)
         return self
 
@@ -129,18 +130,18 @@ class ClusterGREngine(FrontEndLifecycle):
             self._answerer = None
         self._shutdown_ray()
 
-    def __enter__(self) -> "ClusterGREngine":
+    def __enter__(self) -> ClusterGREngine:
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
 
     # ---- requests -------------------------------------------------------------------------------------------------
-    def submit(self, request: Any) -> RequestHandle:
+    def submit(self, request: GRRequest) -> RequestHandle[GRResult]:
         if self._status != "ok":
             raise EngineStopped(f"engine is {self._status}")
-        handle: RequestHandle = RequestHandle(request.request_id, self.cancel)
-        rec = GRRecord(request, handle, max(1, self._tokens(request)))
+        handle: RequestHandle[GRResult] = RequestHandle(request.request_id, self.cancel)
+        rec = GRRecord(request, handle)
         with self._lock:
             if request.request_id in self.records:
                 raise ValueError(f"request id {request.request_id} is already running")
@@ -154,9 +155,8 @@ class ClusterGREngine(FrontEndLifecycle):
 
     def _send(self, rec: GRRecord, recovery: bool) -> None:
         """Route one attempt of ``rec`` and call its instance (lock held)."""
-        rid = rec.request.request_id
         try:
-            d = self.router.route(rid, range(rec.tokens), 0, recovery=recovery, cached_tokens=self._cached(rec.request))
+            d = self.router.route(rec.request, recovery=recovery)
         except NoInstance:
             raise RequestLost("no live instance is left") from None
         rec.instance, rec.attempt = d.instance, rec.attempt + 1
@@ -164,7 +164,7 @@ class ClusterGREngine(FrontEndLifecycle):
         attempt = rec.attempt
         self._answer_thread()
         # Ray's callback thread only queues the answer: our lock and further Ray calls there could deadlock
-        ref.future().add_done_callback(lambda fut: self._answers.put((rec, attempt, d.instance, fut)))
+        ref.future().add_done_callback(lambda fut: self._answers.put(_Answer(rec, attempt, d.instance, fut)))
 
     def _answer_thread(self) -> None:
         """Start the thread that handles the instances' answers (once; lock held)."""
@@ -178,14 +178,15 @@ class ClusterGREngine(FrontEndLifecycle):
             if item is None:
                 return
             try:
-                self._on_answer(*item)
+                self._on_answer(item)
             except Exception:  # noqa: BLE001 - one bad answer must not stop the others
-                log.exception("answer of request %s failed", item[0].request.request_id)
+                log.exception("answer of request %s failed", item.rec.request.request_id)
 
-    def _on_answer(self, rec: GRRecord, attempt: int, instance: int, fut: Any) -> None:
+    def _on_answer(self, answer: _Answer) -> None:
         """The instance answered the call: a result, the engine's error, or the actor's death."""
         from ray.exceptions import RayActorError, RayTaskError
 
+        rec, attempt, instance, fut = answer.rec, answer.attempt, answer.instance, answer.future
         exc = fut.exception()
         with self._lock:
             if self.records.get(rec.request.request_id) is not rec or rec.attempt != attempt:
@@ -225,16 +226,15 @@ class ClusterGREngine(FrontEndLifecycle):
         return True
 
     # ---- instances: polls, deaths, broadcasts ----------------------------------------------------------------------
-    def _on_poll(self, inst: Instance, res: dict) -> None:
+    def _on_poll(self, inst: Instance, res: GRPoll) -> None:
         with self._lock:
             if not inst.up:
                 return  # a fenced instance's late answer
-            inst.stats = res["stats"]
-            inst.stats["users_cached"] = res.get("users_cached", 0)
-            self.index.apply(inst.index, res["kv_events"], res["kv_next_seq"])
+            inst.stats = {**res.stats, "users_cached": res.users_cached}
+            self.index.apply(inst.index, res.kv_events, res.kv_next_seq)
         if self.on_batch is not None:
-            for n, tokens in res["batches"]:
-                self.on_batch(n, tokens)
+            for b in res.batches:
+                self.on_batch(b.requests, b.tokens)
         heartbeat.resync(self.index, inst.index, inst.actor, self.cc.heartbeat_timeout_s)
 
     def instance_down(self, index: int, why: str, silent_s: float = 0.0) -> None:
@@ -254,9 +254,9 @@ class ClusterGREngine(FrontEndLifecycle):
             for rec in [r for r in self.records.values() if r.instance == index]:
                 self.router.release(rec.request.request_id)
                 try:
-                    if rec.moves >= self.cc.migration_limit:
-                        raise RequestLost(f"request {rec.request.request_id} lost: its instance died {rec.moves + 1} "
-                                          f"times (migration limit {self.cc.migration_limit})")
+                    why = limit_reached(rec.moves, self.cc.migration_limit)
+                    if why is not None:
+                        raise RequestLost(f"request {rec.request.request_id} lost: {why}")
                     rec.moves += 1
                     self._send(rec, recovery=True)
                     self.counters["recomputed"] += 1
@@ -269,47 +269,47 @@ class ClusterGREngine(FrontEndLifecycle):
         for cb in self.on_death:
             cb(index, silent_s)
         if getattr(self.cc, "restart_instances", False) and self.serve_cfg is not None and self._status == "ok":
-            from grserve.cluster import respawn
+            from grserve.cluster.core import respawn
 
             respawn.respawn_later(self, index)  # a new actor, a new incarnation, caught up (instance_up)
 
-    def spawn_actor(self, index: int, incarnation: str) -> Any:
+    def spawn_actor(self, index: int, incarnation: str) -> ActorHandle:
         """A new instance actor for ``index`` from the instances' config (``respawn.py``)."""
-        from grserve.cluster.gr_instance import spawn_gr_instance
+        from grserve.cluster.gr.instance import spawn_gr_instance
 
+        assert self.serve_cfg is not None
         return spawn_gr_instance(index, self.mode, self.serve_cfg, self.cc, incarnation)
 
-    def instance_up(self, index: int, actor: Any, info: dict) -> bool:
+    def instance_up(self, index: int, actor: ActorHandle, info: GRInstanceInfo) -> bool:
         """A restarted instance takes dead ``index``'s place: every recorded state change is replayed on it, its
         state is checked against a live peer's (``RuntimeError`` on a mismatch: the restart attempt failed), then
         it is registered in the index, the router and polled. False if ``index`` is up or the engine stopped."""
         import ray
 
         timeout = max(30.0, self.cc.heartbeat_timeout_s)
-        call = lambda method, *args: ray.get(getattr(actor, method).remote(*args), timeout=timeout)  # noqa: E731
         with self._state_lock:
-            self.broadcasts.replay(call)
-            info = call("info")
+            self.broadcasts.replay(lambda change: ray.get(actor.apply.remote(change), timeout=timeout))
+            info = call_info(actor, timeout)
             peer = next((i for i in self.instances if i.up and i.index != index), None)
-            if peer is not None and self._state_of(call_info(peer.actor, timeout)) != self._state_of(info):
+            if peer is not None and call_info(peer.actor, timeout).state != info.state:
                 raise RuntimeError(f"restarted instance {index} does not serve the live instances' state after its "
                                    "catch-up")
             return self._rejoin(index, actor, info, self._watch)
 
-    def broadcast(self, method: str, *args: Any) -> list[Any]:
-        """Call ``method(*args)`` on every live instance and wait for all; an instance that fails to apply it is
-        taken out (so none serves stale state). Returns the live instances' answers."""
+    def broadcast(self, change: StateChange) -> list[int]:
+        """Apply ``change`` on every live instance and wait for all; an instance that fails to apply it is taken
+        out (so none serves stale state). Returns the live instances' answers."""
         import ray
 
         with self._state_lock:  # recorded first: an instance restarted later (or now down) is sent it too
-            self.broadcasts.record(method, args)
-            calls = [(inst, getattr(inst.actor, method).remote(*args)) for inst in self.instances if inst.up]
+            self.broadcasts.record(change)
+            calls = [(inst, inst.actor.apply.remote(change)) for inst in self.instances if inst.up]
             out = []
             for inst, ref in calls:
                 try:
                     out.append(ray.get(ref, timeout=max(30.0, self.cc.heartbeat_timeout_s)))
                 except Exception as exc:  # noqa: BLE001 - dead, hung or refused: fenced
-                    self.instance_down(inst.index, f"{method} failed ({type(exc).__name__})")
+                    self.instance_down(inst.index, f"{type(change).__name__} failed ({type(exc).__name__})")
         if not any(inst.up for inst in self.instances):
             raise RequestLost("no live instance is left")
         return out
@@ -326,7 +326,7 @@ class ClusterGREngine(FrontEndLifecycle):
             return None
         return self._max_waiting * max(1, sum(inst.up for inst in self.instances))
 
-    def health_detail(self) -> dict:
+    def health_detail(self) -> dict[str, int | str]:
         return {}
 
     def health(self) -> EngineHealth:
@@ -348,23 +348,35 @@ class ClusterGREngine(FrontEndLifecycle):
         lines = [f"front end: pid {os.getpid()} on {socket.gethostname()}, {self.mode}, routing {self.cc.routing}, "
                  f"heartbeat timeout {self.cc.heartbeat_timeout_s}s, migration limit {self.cc.migration_limit}"]
         for inst in self.instances:
-            lines.append(instance_line(inst, f"{inst.info['torch_threads']} torch threads, "
+            assert isinstance(inst.info, GRInstanceInfo)
+            lines.append(instance_line(inst, f"{inst.info.torch_threads} torch threads, "
                                              f"{self._instance_facts(inst.info)}"))
         return lines
 
-    def _instance_facts(self, info: dict) -> str:
+    def _instance_facts(self, info: GRInstanceInfo) -> str:
         return ""
 
 
-def call_info(actor: Any, timeout: float) -> dict:
+@dataclass(frozen=True)
+class _Answer:
+    """An instance's answer to one attempt, queued by Ray's callback thread for the answer thread."""
+
+    rec: GRRecord
+    attempt: int
+    instance: int
+    future: Future[GRResult]
+
+
+def call_info(actor: ActorHandle, timeout: float) -> GRInstanceInfo:
     import ray
 
     return ray.get(actor.info.remote(), timeout=timeout)
 
 
-def launch_instances(mode: str, cfg: Any, cluster: Any) -> tuple[list[Any], list[dict], bool]:
+def launch_instances(mode: str, cfg: ServeConfig | RankingServeConfig, cluster: ClusterConfig
+                     ) -> tuple[list[ActorHandle], list[GRInstanceInfo], bool]:
     """Start (or join) Ray, create ``cluster.instances`` instance actors of ``mode`` from ``cfg`` and wait until every
     one has built its engine; returns (actors, their infos, whether this call started Ray)."""
-    from grserve.cluster.gr_instance import spawn_gr_instance
+    from grserve.cluster.gr.instance import spawn_gr_instance
 
     return launch_actors(lambda i, inc: spawn_gr_instance(i, mode, cfg, cluster, inc), cluster)

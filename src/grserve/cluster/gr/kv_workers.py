@@ -121,7 +121,8 @@ def start_workers(placement, pool, use_ray: bool = False, chunk: int = 512, head
         ids = [i for i in placement.items_on(w) if i in pool]
         pages = sum(store.entry_pages(i) for i in ids)
         h = make_worker(w, use_ray, num_layers=store.num_layers, num_kv_heads=store.num_kv_heads,
-                        head_dim=store.head_dim, num_pages=pages + max(8, int(headroom * pages)), page_size=store.page_size, dtype=store.pages.dtype)
+                        head_dim=store.head_dim, num_pages=pages + max(8, int(headroom * pages)),
+                        page_size=store.page_size, dtype=store.pages.dtype)
         for k in range(0, len(ids), chunk):
             part = ids[k:k + chunk]
             h.call("put_items", part, store.get_concat(part), [store.length(i) for i in part])

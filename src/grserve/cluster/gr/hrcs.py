@@ -160,7 +160,7 @@ def compare_placements(trace, registry, pool, *, workers: int, alpha: float, lin
     Request k is served by the inference worker colocated with KV-cache worker k mod N; its candidates' KV are
     fetched through ``ClusterItemSource`` (remote ones through Ray when ``use_ray``), which counts bytes moved.
     """
-    from grserve.cluster.kv_workers import ClusterItemSource, start_workers, stop_workers
+    from grserve.cluster.gr.kv_workers import ClusterItemSource, start_workers, stop_workers
 
     half = len(trace) // 2
     hist, replay = trace[:half], trace[half:]

@@ -8,20 +8,23 @@ bound than the single process's). Beyond ``max_waiting`` waiting requests a subm
 (``EngineOverloaded`` → HTTP 429 with ``Retry-After``); a request still waiting ``request_timeout`` seconds after its
 submission is cancelled at its instance and failed with ``RequestTimedOut`` (HTTP 503 ``queue_timeout``). A request
 moved off a dead instance before its first token keeps its submission time: the client has waited all along.
-The instances' own engines run without a bound or deadline (``cluster/instance.py``): a moved request must never
+The instances' own engines run without a bound or deadline (``cluster/llm/instance.py``): a moved request must never
 be refused by its new instance.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from grserve.engine.protocol import EngineOverloaded
 
+if TYPE_CHECKING:
+    from grserve.config import EdgeConfig
+
 
 class FrontAdmission:
-    def __init__(self, edge: Any = None):
+    def __init__(self, edge: EdgeConfig | None = None):
         self.max_waiting: int | None = edge.max_waiting if edge is not None else None  # None: no edge (in code)
         self.request_timeout_s: float | None = edge.request_timeout if edge is not None else None
         self.waiting: dict[str, float] = {}  # request id → monotonic submission time, until its first token

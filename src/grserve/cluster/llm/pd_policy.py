@@ -138,9 +138,9 @@ class RolePools:
 
     def flip(self, i: int, now: float) -> Role:
         if not self.can_flip(i, now):
+            live = len(self.live_members(self.role(i)))
             raise ValueError(f"instance {i} may not flip at t={now}: dwell {self.min_dwell_s}s from "
-                             f"t={self._since[i]}, alive {self._alive[i]}, {len(self.live_members(self.role(i)))} live in its "
-                             "role")
+                             f"t={self._since[i]}, alive {self._alive[i]}, {live} live in its role")
         old = self._pool[i]
         new = _FLIP_TO[old]
         self.flips["p_to_d" if _ROLE_OF_POOL[new] is Role.DECODE else "d_to_p"] += 1
