@@ -127,6 +127,8 @@ class ServerConfig(Checked):
     max_top_n: int = flag(512, "largest top_n a request may ask for", check=positive_int)
     max_exclude_items: int = flag(4096, "longest exclude_items list a /v1/recommend request may give (413)",
                                   check=positive_int)
+    max_include_items: int = flag(16384, "longest include_items allowlist a /v1/recommend request may give (413)",
+                                  check=positive_int)
     truncate: str = flag("left", "a /v1/recommend history longer than --max-prompt-tokens, unless the request says: "
                                  "left keeps its newest items that fit (the answer counts the dropped ones), none "
                                  "refuses it (413)", choices=TRUNCATE_MODES)

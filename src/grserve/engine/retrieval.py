@@ -23,7 +23,7 @@ import torch
 
 from grserve.attention.beam_context import BeamDecodeContext, PrefillContext
 from grserve.catalog import Catalog
-from grserve.catalog.exclusion import ItemExclusion
+from grserve.catalog.allowlist import Allow, item_filter
 from grserve.config import SearchConfig
 from grserve.kvcache.beam import BeamKV
 from grserve.model import Decoder
@@ -52,9 +52,10 @@ class RetrievalRunner:
     @torch.inference_mode()
     def run(
         self, prompts: list[np.ndarray], beam_width: int, top_n: list[int], catalog: Catalog, trace: bool = False,
-        exclude: list[np.ndarray | None] | None = None,
+        exclude: list[np.ndarray | None] | None = None, include: list[Allow | None] | None = None,
     ) -> BatchOutput:
-        """One batch; ``exclude[i]``: item ids request ``i`` must never get (masked inside the search)."""
+        """One batch; ``exclude[i]``: item ids request ``i`` must never get, ``include[i]``: the only items it may get
+        (both masked inside the search: ``catalog/exclusion.py``, ``catalog/allowlist.py``)."""
         model, spec = self.model, self.model.spec
         dev = model.device
         events: list[tuple[str, float, float]] = []
@@ -70,7 +71,8 @@ class RetrievalRunner:
             dtype=model.dtype,
             device=dev,
         )
-        exclusions = [ItemExclusion(catalog, e) if e is not None and len(e) else None for e in (exclude or [])]
+        exclude, include = exclude or [None] * r, include or [None] * r
+        exclusions = [item_filter(catalog, e, a) for e, a in zip(exclude, include)]
         beams = BeamSearch(catalog, r, beam_width, self.search.top_k, self.search.topbw, dev, exclusions)
         hf = self.search.scoring == "hf"
 

@@ -86,10 +86,11 @@ class RetrievalEngine(BatchedEngine):
     def _execute(self, requests: list[RetrievalRequest]) -> list[RetrievalResult]:
         catalog = self.catalogs.current()
         start = time.perf_counter()
-        exclude = [r.exclude_items for r in requests]
+        exclude, include = [r.exclude_items for r in requests], [r.include for r in requests]
         prompts, top_n = [r.prompt_tokens for r in requests], [r.top_n for r in requests]
-        if any(e is not None and len(e) for e in exclude):
-            out = self._exclusion_runner().run(prompts, requests[0].beam_width, top_n, catalog, exclude=exclude)
+        if any(e is not None and len(e) for e in exclude) or any(a is not None for a in include):
+            out = self._exclusion_runner().run(prompts, requests[0].beam_width, top_n, catalog, exclude=exclude,
+                                               include=include)
         else:
             out = self.runner.run(prompts, requests[0].beam_width, top_n, catalog)
         done = time.perf_counter()
@@ -101,8 +102,9 @@ class RetrievalEngine(BatchedEngine):
 
 
     def _exclusion_runner(self) -> RetrievalRunner:
-        """The runner for batches with ``exclude_items``: the host-driven reference path masks them; the device fast
-        path has no exclusion mask yet, so such batches take the reference path (never silently unmasked)."""
+        """The runner for batches with ``exclude_items`` or an allowlist: the host-driven reference path masks them;
+        the device fast path has no per-request mask yet, so such batches take the reference path (never silently
+        unmasked)."""
         if isinstance(self.runner, RetrievalRunner):
             return self.runner
         if self._reference is None:

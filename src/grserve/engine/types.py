@@ -16,6 +16,7 @@ import numpy as np
 from grserve.config import Priority
 
 if TYPE_CHECKING:
+    from grserve.catalog.allowlist import Allow
     import torch
 
     from grserve.engine.sampling import SamplingParams
@@ -29,6 +30,7 @@ class RetrievalRequest:
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
     arrival: float = field(default_factory=time.perf_counter)
     exclude_items: np.ndarray | None = None  # int64 item ids masked out inside the search (unknown ids: no-op)
+    include: "Allow | None" = None  # the only items it may get (include_items / include_sid_prefix), masked alike
 
     @property
     def num_tokens(self) -> int:

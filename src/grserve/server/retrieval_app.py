@@ -4,7 +4,8 @@ admin route ``POST /v1/catalog`` (hot catalog reload); ``/health`` and ``/metric
 
 A history is given in one of three forms and laid out as prompt tokens here, against one catalog snapshot, so
 the engine receives valid ``RetrievalRequest``\\ s only. A history longer than ``--max-prompt-tokens`` keeps its
-newest entries that fit (``truncate`` "left", the default) or is a 413 (``"none"``); a history that lays out to no
+newest entries that fit (``truncate`` "left", the default) or is a 413 (``"none"``); ``exclude_items`` and the
+allowlist (``include_items``, ``include_sid_prefix``) are masked inside the search; a history that lays out to no
 token (a new user) is answered from the popularity order (``cold_start``), not by the engine. Errors: the house
 convention (``server/errors.py``).
 """
@@ -19,6 +20,7 @@ from typing import Any
 import numpy as np
 from fastapi import FastAPI, Request
 
+from grserve.catalog.allowlist import Allow, allowed_rows
 from grserve.catalog.popularity import Popularity
 from grserve.config import CatalogReloadConfig, EdgeConfig, ServerConfig
 from grserve.engine.protocol import RetrievalService
@@ -159,14 +161,42 @@ def excluded_items(body: RecommendRequest, server_cfg: ServerConfig) -> np.ndarr
     return np.asarray([v for v in body.exclude_items if INT64_MIN <= v <= INT64_MAX], dtype=np.int64)
 
 
+def allowed(body: RecommendRequest, catalog: Any, server_cfg: ServerConfig) -> Allow | None:
+    """The request's allowlist (``include_items``, ``include_sid_prefix``) or None: 413 over
+    ``--max-include-items``; a prefix longer than the catalog depth or a code outside its level's codebook is a 400.
+    Unknown ids allow nothing and are dropped, like ``exclude_items``'."""
+    items, prefix = body.include_items, body.include_sid_prefix
+    if items is None and prefix is None:
+        return None
+    if items is not None and len(items) > server_cfg.max_include_items:
+        raise ApiError(413, f"include_items: {len(items)} items, more than the limit of "
+                            f"{server_cfg.max_include_items}", "include_items", "too_many_included")
+    if prefix is not None:
+        depth, sizes = int(catalog.depth), [int(c) for c in catalog.codebook_sizes]
+        if len(prefix) > depth:
+            raise ApiError(400, f"include_sid_prefix: {len(prefix)} codes, more than the catalog depth {depth}",
+                           "include_sid_prefix", "wrong_depth")
+        bad = next((j for j, c in enumerate(prefix) if not 0 <= c < sizes[j]), None)
+        if bad is not None:
+            raise ApiError(400, f"include_sid_prefix[{bad}]: code {prefix[bad]} is out of range for level {bad} "
+                                f"[0, {sizes[bad]})", f"include_sid_prefix[{bad}]", "out_of_range")
+    ids = None if items is None else np.asarray([v for v in items if INT64_MIN <= v <= INT64_MAX], dtype=np.int64)
+    return Allow(ids, None if prefix is None else tuple(int(c) for c in prefix))
+
+
 # ----------------------------------------------------------------------------------------------------------
 # the app
 # ----------------------------------------------------------------------------------------------------------
 def cold_start(req: RetrievalRequest, catalog: Any, popular: Popularity) -> RetrievalResult:
-    """The answer to a history with no prompt token: the ``top_n`` most popular catalog items, ``exclude_items``
-    never among them (``catalog/popularity.py``); computed here, the engine is not asked."""
+    """The answer to a history with no prompt token: the ``top_n`` most popular catalog items the request may get
+    (``exclude_items`` never, only its allowlist's when it has one; ``catalog/popularity.py``); computed here, the
+    engine is not asked."""
     t0 = time.perf_counter()
-    top = popular.top(catalog, req.top_n, req.exclude_items)
+    if req.include is not None:  # the allowlist, exclusions folded in, as item ids of this snapshot
+        top = popular.top(catalog, req.top_n, include=catalog.item_ids[allowed_rows(catalog, req.include,
+                                                                                    req.exclude_items)])
+    else:
+        top = popular.top(catalog, req.top_n, req.exclude_items)
     items = [RetrievedItem(int(i), tuple(int(c) for c in sid), float(score))
              for i, sid, score in zip(top.item_ids, top.sids, top.scores)]
     return RetrievalResult(req.request_id, items, compute_ms=(time.perf_counter() - t0) * 1e3, batch_size=0,
@@ -199,7 +229,8 @@ def create_app(engine: RetrievalService, server_cfg: ServerConfig, metrics: Metr
                                          body.truncate or server_cfg.truncate)
         kwargs = {"request_id": body.request_id} if body.request_id is not None else {}
         req = RetrievalRequest(prompt_tokens=prompt, beam_width=beam_width, top_n=body.top_n,
-                               exclude_items=excluded_items(body, server_cfg), **kwargs)
+                               exclude_items=excluded_items(body, server_cfg),
+                               include=allowed(body, catalog, server_cfg), **kwargs)
         if prompt.size == 0:  # a new user: nothing for the model to answer from (catalog/popularity.py)
             result, source = cold_start(req, catalog, popular), "popularity"
         else:

@@ -28,6 +28,8 @@ class RecommendRequest(BaseModel):
     - ``history_sids``: SIDs, one ``[c_0, ..., c_{depth-1}]`` list per item (code ``c_l`` in ``[0, codebook_size_l)``).
     - ``history_tokens``: raw prompt token ids, each in ``[0, vocab_size)``.
 
+    ``exclude_items`` are never returned; with ``include_items`` and/or ``include_sid_prefix`` only the items they
+    allow are (both inside the beam search, equal to a search over the catalog restricted to them).
     An empty history is a new user (cold start): answered from the popularity order (``catalog/popularity.py``).
     ``truncate``: a history longer than the server's ``--max-prompt-tokens`` keeps its newest entries that fit
     (``"left"``) or is refused with 413 (``"none"``); unset: the server's ``--truncate`` (default ``"left"``).
@@ -41,6 +43,8 @@ class RecommendRequest(BaseModel):
     beam_width: Annotated[StrictInt, Field(ge=1)] | None = None  # None → the server's SearchConfig.beam_width
     top_n: Annotated[StrictInt, Field(ge=1)] = 10
     exclude_items: list[StrictInt] | None = None  # catalog item ids never returned (masked inside the search)
+    include_items: list[StrictInt] | None = None  # an allowlist: only these catalog items (masked alike)
+    include_sid_prefix: Annotated[list[StrictInt], Field(min_length=1)] | None = None  # only items under this prefix
     truncate: Truncate | None = None  # None → the server's ServerConfig.truncate
     request_id: Annotated[StrictStr, Field(min_length=1, max_length=128)] | None = None
 
