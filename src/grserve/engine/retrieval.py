@@ -120,8 +120,7 @@ class RetrievalRunner:
         return self._mask_pool.submit(build)
 
     def _level_logits(self, hidden: torch.Tensor, catalog: Catalog, level: int, beams: BeamSearch) -> None:
-        a, b = catalog.layout.level_range(level)
-        beams.logits[level].copy_(self.model.logits(hidden, (a, b)))
+        beams.logits[level].copy_(self.model.logits(hidden, beams.heads.rows[level]))
 
     def _full_lse(self, hidden: torch.Tensor) -> torch.Tensor:
         return torch.logsumexp(self.model.logits(hidden).float(), dim=-1, keepdim=True)

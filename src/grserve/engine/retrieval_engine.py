@@ -13,9 +13,11 @@ import time
 from collections.abc import Callable
 
 from grserve.catalog import Catalog, CatalogStore, generate_catalog, load_catalog
+from grserve.catalog.sid_text import bind_catalog
 from grserve.config import AccelConfig, EdgeConfig, SchedulerConfig, SearchConfig, ServeConfig
 from grserve.engine.batching import BatchedEngine, BatchingCore, admission
 from grserve.engine.retrieval import RetrievalRunner
+from grserve.engine.tokenizer import model_tokenizer
 from grserve.engine.types import RetrievalRequest, RetrievalResult, RetrievedItem
 from grserve.model import Decoder, load_model
 
@@ -33,6 +35,8 @@ class RetrievalEngine(BatchedEngine):
     ):
         self.model = model
         self.catalogs = catalogs
+        self.tokenizer = None  # the model directory's own tokenizer (``build``), for SID token text
+        self.layout_note: str | None = None  # what ``build`` inferred about the SID layout (printed at start-up)
         self.search = search or SearchConfig()
         self.scheduler = scheduler or SchedulerConfig()
         self.vocab_size = model.spec.vocab_size
@@ -45,8 +49,13 @@ class RetrievalEngine(BatchedEngine):
     def build(cls, cfg: ServeConfig, on_batch: Callable[[int, int], None] | None = None) -> "RetrievalEngine":
         m = cfg.model
         model = load_model(m.source, dtype=m.dtype, device=m.device, seed=m.seed)
-        store = CatalogStore(build_catalog(cfg), vocab_size=model.spec.vocab_size)
-        return cls(model, store, cfg.search, cfg.scheduler, on_batch, cfg.edge, cfg.accel)
+        tokenizer = model_tokenizer(m.source)
+        catalog, note = bind_catalog(build_catalog(cfg), tokenizer)  # SID token strings → the tokenizer's ids
+        store = CatalogStore(catalog, vocab_size=model.spec.vocab_size,
+                             bind=lambda c: bind_catalog(c, tokenizer)[0])
+        engine = cls(model, store, cfg.search, cfg.scheduler, on_batch, cfg.edge, cfg.accel)
+        engine.tokenizer, engine.layout_note = tokenizer, note
+        return engine
 
     # ---- the mode's part of the Engine contract ------------------------------------------------------------
     def stop(self) -> None:
