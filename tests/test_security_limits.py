@@ -29,7 +29,8 @@ from grserve.config import (
 from grserve.engine.batching import BatchingCore
 from grserve.engine.protocol import EngineHealth, RequestHandle, RequestTimedOut
 from grserve.engine.types import RetrievalRequest, RetrievalResult
-from grserve.server.core import EdgeMiddleware, house_error
+from grserve.server.edge import EdgeMiddleware
+from grserve.server.errors import house_error
 from grserve.server.retrieval_app import create_app
 
 KEY, ADMIN_KEY = "k-123", "adm-456"
@@ -381,7 +382,8 @@ def test_shutdown_drains_then_answers_503_stopped(tmp_path, monkeypatch):
     import uvicorn
 
     from grserve.config import CatalogReloadConfig
-    from grserve.server import catalog_reload, core
+    from grserve.server import catalog_reload
+    from grserve.server import serving as core
 
     monkeypatch.setattr(core, "SHUTDOWN_GRACE_S", 0.5)
     stuck = threading.Event()
@@ -604,7 +606,8 @@ def test_quality_bench_excludes_seen_items_in_the_search(tiny_model, monkeypatch
         return 0.0
 
     monkeypatch.setattr(quality, "recall_at_k", record)
-    monkeypatch.setattr(quality, "unconstrained_beam_search", lambda *a: np.zeros((0, 3), dtype=np.int64))  # not tested here
+    monkeypatch.setattr(quality, "unconstrained_beam_search",  # not tested here
+                        lambda *a: np.zeros((0, 3), dtype=np.int64))
     quality.evaluate(tiny_model(seed=0), cat, split, max_items=6, beam_width=10, k=10, batch=3, progress=False)
     excluded = seen_rows[1]  # the rows dict's order: served, served_seen_excluded, popularity, random
     for u, items in enumerate(excluded):

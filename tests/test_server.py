@@ -18,7 +18,7 @@ from grserve.cli import main as cli_main
 from grserve.config import CatalogReloadConfig, EdgeConfig, SchedulerConfig, SearchConfig, ServerConfig
 from grserve.engine.protocol import EngineHealth, EngineOverloaded, EngineStopped, RequestHandle
 from grserve.engine.types import RetrievalRequest, RetrievalResult, RetrievedItem
-from grserve.server.core import field_path
+from grserve.server.errors import field_path
 from grserve.server.metrics import Metrics
 from grserve.server.retrieval_app import create_app
 
@@ -249,8 +249,8 @@ def test_sid_error_message_names_level_range(client):
 def test_non_json_bodies(client):
     _err(client.post("/v1/recommend", content=b"{not json", headers={"content-type": "application/json"}),
          400, None, "invalid_json")
-    _err(client.post("/v1/recommend", content=b'{"history_tokens": [1,]}', headers={"content-type": "application/json"}),
-         400, None, "invalid_json")
+    _err(client.post("/v1/recommend", content=b'{"history_tokens": [1,]}',
+                     headers={"content-type": "application/json"}), 400, None, "invalid_json")
     _err(client.post("/v1/recommend", content=b"history=1", headers={"content-type": "text/plain"}),
          415, None, "unsupported_media_type")
     _err(client.post("/v1/recommend", content=b"", headers={"content-type": "application/json"}), 422, None)
@@ -580,8 +580,8 @@ def test_cli_bench_builds_the_bench_config(monkeypatch):
 def test_serve_until_exit_stops_the_engine_and_passes_uvicorns_exit_code(monkeypatch):
     """The one run-and-stop used by `grserve serve`, `serve ranking` and `serve llm`: uvicorn exits 1 when it
     cannot bind; the engine is stopped either way."""
-    from grserve.server import core
-    from grserve.server.core import serve_until_exit
+    from grserve.server import serving as core
+    from grserve.server.serving import serve_until_exit
 
     stopped = []
 
@@ -597,7 +597,7 @@ def test_serve_until_exit_stops_the_engine_and_passes_uvicorns_exit_code(monkeyp
 
 def test_cli_serve_builds_and_runs(monkeypatch, capsys, tmp_path):
     """serve wires config → engine.build(on_batch=metrics.on_batch) → create_app → uvicorn, then stops."""
-    from grserve.server import core
+    from grserve.server import serving as core
 
     built = {}
 

@@ -182,7 +182,7 @@ def test_generation_config_eos_ids_stop_like_eos(tmp_path):
 
 def test_serve_llm_prints_the_tokenizer_directory(tmp_path, monkeypatch, capsys):
     """`grserve serve llm MODEL` writes a preset's tokenizer and prints its directory (aiperf --tokenizer DIR)."""
-    import grserve.server.core as core
+    import grserve.server.serving as core
     from grserve import cli
 
     monkeypatch.setattr(core, "serve_until_exit", lambda app, host, port, level, stop: stop() or 0)

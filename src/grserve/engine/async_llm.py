@@ -21,9 +21,9 @@ from typing import Any
 from grserve.config import EdgeConfig, LLMServeConfig
 from grserve.engine.llm import LLMEngine, Sequence, TokenEvent
 from grserve.engine.protocol import (
-    EngineError,
     EngineHealth,
     EngineOverloaded,
+    EngineStepFailed,
     EngineStopped,
     RequestCancelled,
     RequestHandle,
@@ -32,10 +32,6 @@ from grserve.engine.protocol import (
 from grserve.engine.types import LLMRequest, LLMResult
 
 log = logging.getLogger("grserve.engine")
-
-
-class EngineStepFailed(EngineError):
-    """An engine iteration raised; the requests it held are failed (the engine keeps serving)."""
 
 
 class AsyncLLMEngine:

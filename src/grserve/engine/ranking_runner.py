@@ -16,23 +16,24 @@ Per request (``RankingRunner.run``):
    softmax → top-k.
 
 A cached token is never recomputed: ``computed_tokens`` counts exactly the tokens that entered the forward.
-Batches run one at a time (``engine/ranking_engine.py`` gives the runner one executor thread): cache decisions and writes are sequential, so each request
-sees the cache state left by the previous batch (on 2 CPU cores one forward already uses every core).
+Batches run one at a time (``engine/ranking_engine.py`` gives the runner one executor thread): cache decisions and
+writes are sequential, so each request sees the cache state left by the previous batch (on 2 CPU cores one forward
+already uses every core).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
 
 from grserve.config import RankingConfig
 from grserve.attention.bipartite import BipartiteBatchContext, BipartiteRequest
+from grserve.engine.types import RankingRequest, RankingResult
 from grserve.kvcache.item_pool import ItemKVPool, ItemKVSource
 from grserve.kvcache.meta import CacheMetaService
 from grserve.kvcache.paged import PagedKVStore
@@ -42,37 +43,6 @@ from grserve.ranking.layouts import ITEM_PREFIX, USER_PREFIX, BipartitePrompt, b
 from grserve.ranking.registry import RankingRegistry
 from grserve.ranking.scoring import score_candidates
 from grserve.scheduler.prefix_choice import PrefixDecision, PrefixPolicy, PrefixQuery, make_policy
-
-
-@dataclass
-class RankingRequest:
-    user_tokens: np.ndarray  # int64 profile 𝒰
-    item_tokens: list[np.ndarray]  # per candidate; the last token is its identifier token
-    user_id: int | None = None  # None: raw tokens, never cached
-    item_ids: list[int | None] | None = None  # None entries: raw candidates (never cached)
-    top_k: int = 10
-    now: float | None = None  # hotness clock (trace seconds); None → time.time()
-    request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
-    arrival: float = field(default_factory=time.perf_counter)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.user_tokens) + sum(len(t) for t in self.item_tokens)
-
-
-@dataclass
-class RankingResult:
-    request_id: str
-    order: list[int]  # candidate indices, best first
-    scores: list[float]  # softmax probabilities of ``order``
-    layout: str
-    total_tokens: int
-    computed_tokens: int
-    cached_tokens: int
-    user_cache_hit: bool
-    queue_ms: float = 0.0
-    compute_ms: float = 0.0
-    batch_size: int = 1
 
 
 @dataclass
@@ -120,7 +90,8 @@ def _kv_store(model: Decoder, capacity_bytes: int, page_size: int) -> PagedKVSto
 
 
 @torch.no_grad()
-def precompute_item_kv(model: Decoder, items: Sequence[tuple[int, np.ndarray]], put: Callable[[int, torch.Tensor], object],
+def precompute_item_kv(model: Decoder, items: Sequence[tuple[int, np.ndarray]],
+                       put: Callable[[int, torch.Tensor], object],
                        notation: np.ndarray | None = None, notation_kv: torch.Tensor | None = None,
                        batch_tokens: int = 8192, progress: bool = False) -> int:
     """Compute every item's KV alone (IP positions, after the notation) and hand it to ``put(item_id, kv)``.

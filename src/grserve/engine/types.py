@@ -71,3 +71,37 @@ class LLMResult:
     prompt_tokens: int
     num_preemptions: int = 0
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache (its last admission)
+
+
+@dataclass
+class RankingRequest:
+    """One BAT ranking request: a user profile and candidate items as tokens (already validated)."""
+
+
+    user_tokens: np.ndarray  # int64 profile 𝒰
+    item_tokens: list[np.ndarray]  # per candidate; the last token is its identifier token
+    user_id: int | None = None  # None: raw tokens, never cached
+    item_ids: list[int | None] | None = None  # None entries: raw candidates (never cached)
+    top_k: int = 10
+    now: float | None = None  # hotness clock (trace seconds); None → time.time()
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
+    arrival: float = field(default_factory=time.perf_counter)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.user_tokens) + sum(len(t) for t in self.item_tokens)
+
+
+@dataclass
+class RankingResult:
+    request_id: str
+    order: list[int]  # candidate indices, best first
+    scores: list[float]  # softmax probabilities of ``order``
+    layout: str
+    total_tokens: int
+    computed_tokens: int
+    cached_tokens: int
+    user_cache_hit: bool
+    queue_ms: float = 0.0
+    compute_ms: float = 0.0
+    batch_size: int = 1

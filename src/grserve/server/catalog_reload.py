@@ -35,7 +35,7 @@ from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
 from grserve.config import CatalogReloadConfig
-from grserve.server.core import ApiError
+from grserve.server.errors import ApiError
 
 CATALOG_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}\.(jsonl|csv|grcat)")
 _POLL_S = 0.02

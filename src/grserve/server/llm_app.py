@@ -1,4 +1,4 @@
-"""The LLM app: the OpenAI-compatible routes (``openai_routes.py``) on the server core's app (OpenAI-shaped
+"""The LLM app: the OpenAI-compatible routes (``openai_routes.py``) on the shared app (``app.py``) (OpenAI-shaped
 errors, the shared metrics with the LLM engine's gauges, ``/health`` with the pool state, ``/metrics`` with the
 request metrics of ``llm_metrics.py`` labelled by ``model_name``)."""
 
@@ -9,7 +9,8 @@ from typing import Any
 from fastapi import FastAPI
 
 from grserve.config import EdgeConfig
-from grserve.server.core import new_app
+from grserve.engine.protocol import Engine
+from grserve.server.app import new_app
 from grserve.server.llm_metrics import LLMMetrics, StatusCounter
 from grserve.server.metrics import Metrics
 from grserve.server.openai_routes import create_openai_router
@@ -17,7 +18,7 @@ from grserve.server.openai_routes import create_openai_router
 HEALTH_STATS = ("waiting", "free_blocks", "total_blocks")  # engine.stats() keys /health shows
 
 
-def create_llm_app(engine: Any, tokenizer: Any, model_name: str, max_model_len: int, vocab_size: int,
+def create_llm_app(engine: Engine, tokenizer: Any, model_name: str, max_model_len: int, vocab_size: int,
                    metrics: Metrics | None = None, edge: EdgeConfig | None = None, *, max_n: int = 16,
                    max_logprobs: int = 20) -> FastAPI:
     """The LLM app around a started (or to-be-started) LLM engine; the caller owns start/stop."""

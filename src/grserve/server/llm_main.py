@@ -57,7 +57,7 @@ def run(cfg: LLMServeConfig) -> int:
         return run_cluster(cfg, cfg.cluster)
 
     from grserve.engine.async_llm import AsyncLLMEngine
-    from grserve.server.core import serve_until_exit
+    from grserve.server.serving import serve_until_exit
     from grserve.server.llm_app import create_llm_app
 
     try:
@@ -84,7 +84,7 @@ def run_cluster(cfg: LLMServeConfig, cluster: ClusterConfig) -> int:
     """``--instances N`` (or ``--ray-address``): N engine instance actors on Ray behind this front end."""
     from grserve.cluster.llm_cluster import ClusterLLMEngine
     from grserve.cluster.metrics import ClusterCollector
-    from grserve.server.core import serve_until_exit
+    from grserve.server.serving import serve_until_exit
     from grserve.server.llm_app import create_llm_app
 
     if cfg.llm.prefix_cache_tokens == 0:

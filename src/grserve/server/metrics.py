@@ -11,7 +11,8 @@ histograms (``on_batch``) and ``grserve_items_returned``. LLM (``bind_llm_stats`
 
 from __future__ import annotations
 
-from typing import Callable
+import time
+from typing import Any, Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -100,3 +101,31 @@ class Metrics:
     # --- exposition --------------------------------------------------------------------------------------
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class MetricsMiddleware:
+    """Pure-ASGI request counter and latency histogram, labelled by route *template* ("/v1/rank"); a path no
+    route matches is labelled "unmatched", never verbatim (a bounded label set whatever clients send)."""
+
+    def __init__(self, app: Any, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = [500]
+
+        async def send_wrapper(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            route = scope.get("route")
+            name = getattr(route, "path", None) or "unmatched"
+            self.metrics.observe_request(name, status[0], time.perf_counter() - start)

@@ -2,7 +2,7 @@
 ``/v1/models/{id}``, and vLLM's ``/tokenize``, ``/detokenize``, ``/version``.
 
 Typed bodies and responses (``openai_schemas.py``, which also rejects every parameter that is not implemented);
-errors in OpenAI's shape (the LLM app installs that family's handlers, ``server/core.py``). A request runs on the
+errors in OpenAI's shape (the LLM app installs that family's handlers, ``server/errors.py``). A request runs on the
 LLM engine through the Engine protocol: ``submit`` → its handle's token events (streamed as chunks, or collected)
 → ``result()``; ``n > 1`` submits n engine requests (choice i seeded ``choice_seed(seed, i)``). A client that
 disconnects has its requests cancelled, which frees their blocks at once.
@@ -28,12 +28,13 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from grserve.engine.async_llm import EngineStepFailed
-from grserve.engine.protocol import RequestHandle
+from grserve.engine.protocol import Engine, EngineStepFailed, RequestHandle
 from grserve.engine.sampling import SamplingParams, mix64
 from grserve.engine.tokenizer import ChatTemplateError
 from grserve.engine.types import LLMRequest
-from grserve.server.core import ApiError, finish, submit, token_ids
+from grserve.server.errors import ApiError
+from grserve.server.lifecycle import finish, submit
+from grserve.server.validators import token_ids
 from grserve.server.llm_metrics import LLMMetrics, RequestTimer
 from grserve.server.openai_answers import Choice, CompletionShape, ChatShape, Shape, sse, sse_error, usage
 from grserve.server.openai_schemas import (
@@ -80,7 +81,8 @@ def sampling_params(body: SamplingRequest, max_tokens: int, vocab_size: int, i: 
         raise ApiError(400, f"min_tokens ({body.min_tokens}) is more than max_tokens ({max_tokens})", "min_tokens",
                        "invalid_value")
     return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                          top_k=max(body.top_k or 0, 0), min_p=body.min_p, seed=choice_seed(body.seed if seed is None else seed, i),
+                          top_k=max(body.top_k or 0, 0), min_p=body.min_p,
+                          seed=choice_seed(body.seed if seed is None else seed, i),
                           stop=body.stops(), stop_token_ids=stop_ids, ignore_eos=body.ignore_eos,
                           min_tokens=body.min_tokens, presence_penalty=body.presence_penalty,
                           frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
@@ -90,7 +92,7 @@ def sampling_params(body: SamplingRequest, max_tokens: int, vocab_size: int, i: 
 class _Group:
     """n engine requests as one: cancelling one cancels all (for ``core.finish``)."""
 
-    def __init__(self, engine: Any, handles: list[RequestHandle]) -> None:
+    def __init__(self, engine: Engine, handles: list[RequestHandle]) -> None:
         self.engine, self.handles = engine, handles
 
     def cancel(self, _request_id: str = "") -> None:
@@ -229,7 +231,7 @@ async def _stream(group: _Group, shape: Shape, timers: list[RequestTimer], n_pro
 class OpenAIContext:
     """What every OpenAI route needs: the engine, the tokenizer, the served model and the per-request limits."""
 
-    engine: Any
+    engine: Engine
     tokenizer: Any
     model_name: str
     max_model_len: int
@@ -298,7 +300,7 @@ async def generate(ctx: OpenAIContext, request: Request, body: SamplingRequest, 
     return shape.whole(choices, usage(len(prompt_ids), sum(c.n_out for c in choices), choices[0].cached_tokens))
 
 
-def create_openai_router(engine: Any, tokenizer: Any, model_name: str, max_model_len: int, vocab_size: int,
+def create_openai_router(engine: Engine, tokenizer: Any, model_name: str, max_model_len: int, vocab_size: int,
                          metrics: LLMMetrics, max_n: int = 16, max_logprobs: int = 20) -> APIRouter:
     """The OpenAI routes around an LLM engine (the Engine protocol; events are ``TokenEvent``\\ s)."""
     router = APIRouter()

@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, AllowInfNan, BaseModel, ConfigDict, Field, Strict, field_validator, \
     model_validator
 
-from grserve.server.core import ApiError
+from grserve.server.errors import ApiError
 
 FinishReason = Literal["stop", "length"]
 INT64_MIN, UINT64_END = -(2 ** 63), 2 ** 64

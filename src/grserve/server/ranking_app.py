@@ -1,21 +1,21 @@
-"""The BAT ranking app: the ranking routes (``ranking_routes.py``) on the server core's app (house errors,
+"""The BAT ranking app: the ranking routes (``ranking_routes.py``) on the shared app (``app.py``) (house errors,
 metrics, ``/health`` with the prefix policy and registry sizes, ``/metrics``)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import FastAPI
 
 from grserve.config import EdgeConfig, RankingLimits
-from grserve.server.core import new_app
+from grserve.engine.protocol import RankingService
+from grserve.server.app import new_app
 from grserve.server.metrics import Metrics
 from grserve.server.ranking_routes import ADMIN_ROUTES, build_router
 
 
-def create_ranking_app(engine: Any, limits: RankingLimits | None = None, metrics: Metrics | None = None,
+def create_ranking_app(engine: RankingService, limits: RankingLimits | None = None, metrics: Metrics | None = None,
                        edge: EdgeConfig | None = None) -> FastAPI:
-    """The ranking app around a started (or to-be-started) ``RankingEngine``; the caller owns start/stop."""
+    """The ranking app around a started (or to-be-started) ranking engine or cluster front end (the
+    ``RankingService`` protocol); the caller owns start/stop."""
     runner = engine.runner
     app = new_app(engine, metrics, title="grserve ranking",
                   description="GR ranking with Bipartite Attention (BAT): user + candidates in, ranked candidates out.",

@@ -68,7 +68,7 @@ def run(cfg: RankingServeConfig) -> int:
     from grserve.engine.ranking_runner import RankingRunner
     from grserve.model import load_model
     from grserve.ranking.registry import RegistryError
-    from grserve.server.core import serve_until_exit
+    from grserve.server.serving import serve_until_exit
     from grserve.server.ranking_app import create_ranking_app
 
     m = cfg.model
@@ -94,7 +94,7 @@ def run_cluster(cfg: RankingServeConfig) -> int:
     """``--instances N`` (or ``--ray-address``): N ranking engine actors on Ray behind this front end."""
     from grserve.cluster.gr_modes import ClusterRankingEngine
     from grserve.ranking.registry import RegistryError
-    from grserve.server.core import serve_until_exit
+    from grserve.server.serving import serve_until_exit
     from grserve.server.ranking_app import create_ranking_app
     from grserve.server.retrieval_main import cluster_app
 

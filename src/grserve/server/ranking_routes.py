@@ -3,7 +3,7 @@
 ``POST /v1/rank`` takes a user (``user_id`` of a registered user, or raw ``user_tokens``) and candidates
 (registered ``candidates`` item ids, or raw ``candidate_tokens`` lists whose last token is the identifier token)
 and returns the candidates ranked by the softmax over their identifier-token logits. Raw users/items are never
-cached. Errors: the house convention (``server/core.py``) — 404 ``unknown_user`` / ``unknown_items``; 400
+cached. Errors: the house convention (``server/errors.py``) — 404 ``unknown_user`` / ``unknown_items``; 400
 ``duplicate_candidates``, ``identifier_collision`` (raw candidates sharing an identifier token), ``empty_*``,
 ``out_of_range`` tokens; 413 ``too_many_candidates``, ``profile_too_long``, ``item_too_long``; 422 exactly-one-of
 violations; 429 ``overloaded``. ``POST /v1/users`` and ``/v1/items`` change state: they need the admin key
@@ -22,9 +22,12 @@ from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 
 from grserve.config import RankingLimits
-from grserve.engine.ranking_runner import RankingRequest
+from grserve.engine.protocol import RankingService
+from grserve.engine.types import RankingRequest
 from grserve.ranking.registry import RegistryError
-from grserve.server.core import ApiError, check_length, finish, submit, token_ids, unknown_ids
+from grserve.server.errors import ApiError
+from grserve.server.lifecycle import finish, submit
+from grserve.server.validators import check_length, token_ids, unknown_ids
 from grserve.server.schemas import (
     ItemsRequest,
     RankedItem,
@@ -143,8 +146,8 @@ def _check_identifiers(items: list, reg: Any) -> None:
         batch[ident] = (it.item_id, k)
 
 
-def build_router(engine: Any, limits: RankingLimits) -> APIRouter:
-    """Routes around a ``RankingEngine`` (``engine.registry``, ``engine.runner``)."""
+def build_router(engine: RankingService, limits: RankingLimits) -> APIRouter:
+    """Routes around a ranking engine (``engine.registry``, ``engine.runner``)."""
     router = APIRouter()
 
     @router.post("/v1/rank", response_model=RankResponse, responses=_ERRORS)

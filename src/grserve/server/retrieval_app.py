@@ -1,8 +1,9 @@
 """The GR retrieval app: ``POST /v1/recommend`` (a history in, the top items by SID beam search out) and the
-admin route ``POST /v1/catalog`` (hot catalog reload); ``/health`` and ``/metrics`` come from the server core.
+admin route ``POST /v1/catalog`` (hot catalog reload); ``/health`` and ``/metrics`` come from the shared app
+(``app.py``).
 
 A history is given in one of three forms and laid out as prompt tokens here, against one catalog snapshot, so
-the engine receives valid ``RetrievalRequest``\\ s only. Errors: the house convention (``server/core.py``).
+the engine receives valid ``RetrievalRequest``\\ s only. Errors: the house convention (``server/errors.py``).
 """
 
 from __future__ import annotations
@@ -16,20 +17,12 @@ import numpy as np
 from fastapi import FastAPI, Request
 
 from grserve.config import CatalogReloadConfig, EdgeConfig, ServerConfig
+from grserve.engine.protocol import RetrievalService
 from grserve.engine.types import RetrievalRequest, RetrievalResult
-from grserve.server.core import (
-    INT64_MAX,
-    INT64_MIN,
-    ApiError,
-    check_length,
-    finish,
-    int64_in_range,
-    new_app,
-    submit,
-    token_ids,
-    unknown_ids,
-)
+from grserve.server.app import new_app
 from grserve.server.catalog_reload import CatalogReloader
+from grserve.server.errors import ApiError
+from grserve.server.lifecycle import finish, submit
 from grserve.server.metrics import Metrics
 from grserve.server.schemas import (
     CatalogInfo,
@@ -40,6 +33,7 @@ from grserve.server.schemas import (
     RecommendResponse,
     Timing,
 )
+from grserve.server.validators import INT64_MAX, INT64_MIN, check_length, int64_in_range, token_ids, unknown_ids
 
 log = logging.getLogger("grserve.server")
 _ERRORS: dict[int | str, dict[str, Any]] = {k: {} for k in (400, 401, 404, 413, 415, 422, 429, 500, 503)}
@@ -147,9 +141,10 @@ def excluded_items(body: RecommendRequest, server_cfg: ServerConfig) -> np.ndarr
 # ----------------------------------------------------------------------------------------------------------
 # the app
 # ----------------------------------------------------------------------------------------------------------
-def create_app(engine: Any, server_cfg: ServerConfig, metrics: Metrics | None = None, edge: EdgeConfig | None = None,
-               reload: CatalogReloadConfig | None = None) -> FastAPI:
-    """The retrieval app around a started (or to-be-started) ``RetrievalEngine``; the caller owns start/stop."""
+def create_app(engine: RetrievalService, server_cfg: ServerConfig, metrics: Metrics | None = None,
+               edge: EdgeConfig | None = None, reload: CatalogReloadConfig | None = None) -> FastAPI:
+    """The retrieval app around a started (or to-be-started) retrieval engine or cluster front end (the
+    ``RetrievalService`` protocol); the caller owns start/stop."""
     app = new_app(engine, metrics, title="grserve",
                   description="Generative-recommender retrieval: history in, top items by SID beam search out.",
                   groups=("history",), detail=lambda: {"catalog": catalog_info(engine.catalogs.current()).model_dump(),

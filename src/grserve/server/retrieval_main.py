@@ -69,7 +69,7 @@ def run(cfg: ServeConfig) -> int:
         return run_cluster(cfg)
 
     from grserve.engine.retrieval_engine import RetrievalEngine
-    from grserve.server.core import serve_until_exit
+    from grserve.server.serving import serve_until_exit
     from grserve.server.metrics import Metrics
     from grserve.server.retrieval_app import create_app
 
@@ -100,7 +100,7 @@ def _url(server) -> str:
 def run_cluster(cfg: ServeConfig) -> int:
     """``--instances N`` (or ``--ray-address``): N retrieval engine actors on Ray behind this front end."""
     from grserve.cluster.gr_modes import ClusterRetrievalEngine
-    from grserve.server.core import serve_until_exit
+    from grserve.server.serving import serve_until_exit
 
     try:
         engine = ClusterRetrievalEngine.launch(cfg, cfg.cluster)

@@ -4,7 +4,7 @@
 Numbers are strict: ``"5"``, ``5.0`` and ``true`` are rejected where an integer is expected, so a client bug
 shows up as a 422 naming the field instead of being silently coerced. Unknown top-level fields are rejected
 too (a typo such as ``history_item`` would otherwise look like a missing history). Range checks that pydantic
-does (``ge=1``, ``min_length=1``) answer 400, like every other bad value (``server/core.py``).
+does (``ge=1``, ``min_length=1``) answer 400, like every other bad value (``server/errors.py``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,60 @@
+"""The app every server starts from: ``new_app`` builds a FastAPI app around an engine (the ``Engine`` protocol of
+``grserve.engine.protocol``) with what the three servers share and nothing mode-specific: the error handlers of
+its API family (``errors.py``), the edge middleware (``edge.py``: API key, admin routes, body limit, full queue),
+the metrics middleware (outermost, pure ASGI: it sees every final status, the edge's refusals and a client
+disconnect included), ``GET /health`` (``engine.health()`` plus the app's detail; 503 unless ``ok``) and
+``GET /metrics``. The mode's routes are then added by its app module."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+
+from grserve.config import EdgeConfig
+from grserve.engine.protocol import Engine
+from grserve.server.edge import EdgeMiddleware
+from grserve.server.errors import house_error, house_validation_error, install_error_handlers, openai_error, \
+    openai_validation_error
+from grserve.server.metrics import Metrics, MetricsMiddleware
+
+
+def new_app(engine: Engine, metrics: Metrics | None, *, title: str, description: str, openai: bool = False,
+            groups: Sequence[str] = (), detail: Callable[[], dict] | None = None, edge: EdgeConfig | None = None,
+            admin_routes: frozenset[tuple[str, str]] = frozenset(),
+            queued_routes: frozenset[tuple[str, str]] = frozenset()) -> FastAPI:
+    """A FastAPI app around ``engine`` with the shared parts installed: the error handlers of one API family
+    (``openai``: OpenAI's shape; else the house shape, ``groups`` its one-of field groups), the edge middleware
+    (``edge``; ``admin_routes``: the (method, path) pairs that change state; ``queued_routes``: those that queue
+    work in the engine, refused at the edge while its queue is full), the metrics middleware (outermost:
+    it counts the edge's refusals too), ``GET /health`` (``engine.health()`` plus ``detail()``) and
+    ``GET /metrics``."""
+    metrics = metrics if metrics is not None else Metrics()
+    metrics.bind_queue_depth(lambda: engine.queue_depth)
+    app = FastAPI(title=title, version="0.1.0", description=description)
+    app.state.engine = engine
+    app.state.metrics = metrics
+    app.state.edge = edge = edge or EdgeConfig()
+    render = openai_error if openai else house_error
+    app.add_middleware(EdgeMiddleware, edge=edge, render=render, admin_routes=admin_routes, engine=engine,
+                       queued_routes=queued_routes, router=app.router)
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    if openai:
+        install_error_handlers(app, openai_error, openai_validation_error)
+    else:
+        install_error_handlers(app, house_error, lambda exc: house_validation_error(exc, groups))
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        h = engine.health()
+        body = {"status": h.status, "queue_depth": int(h.queue_depth), "running": int(h.running), **h.detail,
+                **(detail() if detail is not None else {})}
+        return JSONResponse(body, status_code=200 if h.status == "ok" else 503)
+
+    @app.get("/metrics")
+    async def metrics_route() -> Response:
+        payload, content_type = metrics.render()
+        return Response(content=payload, media_type=content_type)
+
+    return app
