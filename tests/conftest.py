@@ -10,8 +10,9 @@ change their weights, dtype or device (build its own model for that).
   from ties);
 - ``hf_qwen3(kv_heads, seed, perturb_norms)``: a small HF transformers ``Qwen3ForCausalLM`` and the same weights
   loaded by grserve, the pair every "grserve = HF" LLM test compares;
-- ``onerec_dir`` / ``minionerec_dir``: GR model directories shaped like the published checkpoints (SIDs as added
-  tokens of their tokenizer, a catalog file beside them; ``tests/gr_fixtures.py``). Not factories: one each.
+- ``onerec_dir`` / ``minionerec_dir`` / ``thinking_onerec_dir``: GR model directories shaped like the published
+  checkpoints (SIDs as added tokens of their tokenizer, a catalog file beside them; ``tests/gr_fixtures.py``). Not
+  factories: one each.
 """
 
 from __future__ import annotations
@@ -139,3 +140,13 @@ def minionerec_dir(tmp_path_factory):
     from gr_fixtures import build_minionerec_like
 
     return build_minionerec_like(tmp_path_factory.mktemp("minionerec-like"))
+
+
+@pytest.fixture(scope="session")
+def thinking_onerec_dir(tmp_path_factory):
+    """A OneRec-like model directory that thinks: untied, ``<|sid_begin|>``'s head row doubled, so its greedy text
+    ends in sid_begin by itself after some prompts and runs to the limit after others."""
+    pytest.importorskip("transformers")
+    from gr_fixtures import build_onerec_like
+
+    return build_onerec_like(tmp_path_factory.mktemp("onerec-thinking"), tied=False, sid_begin_boost=2.0)

@@ -69,7 +69,7 @@ def _tokenizer(added: list[str], special: list[str], eos: str, template: str | N
     return fast
 
 
-def _model(family: str, vocab: int, tied: bool, seed: int, out: Path) -> None:
+def _model(family: str, vocab: int, tied: bool, seed: int, out: Path, boost: dict[int, float] | None = None) -> None:
     import transformers
 
     torch.manual_seed(seed)
@@ -85,15 +85,21 @@ def _model(family: str, vocab: int, tied: bool, seed: int, out: Path) -> None:
                 p.normal_(0.0, 0.5)
             elif name.endswith("norm.weight"):
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
+        for token, scale in (boost or {}).items():  # a token the model writes more often (its head row scaled)
+            hf.lm_head.weight[token] *= scale
     hf.save_pretrained(out)
 
 
-def build_onerec_like(out: Path, codes: int = 12, n_items: int = 200, seed: int = 0) -> GRModelDir:
+def build_onerec_like(out: Path, codes: int = 12, n_items: int = 200, seed: int = 0, tied: bool = True,
+                      sid_begin_boost: float | None = None) -> GRModelDir:
+    """``sid_begin_boost``: ``<|sid_begin|>``'s head row scaled by it (untied models: the model then ends some of its
+    thoughts itself, for think-then-recommend)."""
     out.mkdir(parents=True, exist_ok=True)
     sid_tokens = [t.replace("{}", str(c)) for t in ONEREC_TEMPLATES for c in range(codes)]
     special = ["<|im_start|>", "<|im_end|>", "<|sid_begin|>", "<|sid_end|>"]
     tok = _tokenizer(["<think>", "</think>", *sid_tokens], special, "<|im_end|>", CHAT_TEMPLATE, out)
-    _model("qwen3", len(tok), True, seed, out)
+    boost = {tok.convert_tokens_to_ids("<|sid_begin|>"): sid_begin_boost} if sid_begin_boost else None
+    _model("qwen3", len(tok), tied, seed, out, boost)
     sids = _sids(n_items, codes, seed)
     catalog = out / "catalog.jsonl"
     header = {"codebook_sizes": [codes] * 3, "sid_token_templates": list(ONEREC_TEMPLATES),

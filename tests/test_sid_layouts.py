@@ -183,7 +183,7 @@ def test_two_codes_on_one_token_are_refused():
             return [[5] for _ in texts]
 
     text = SidText((None,), (("<a_1>", "<A_1>"),))
-    with pytest.raises(CatalogError, match="'<a_1>' and '<A_1>' are the same token"):
+    with pytest.raises(CatalogError, match="level-0 codes 0 and 1 are written as the same token"):
         resolve_layout(text, (2,), [np.array([0, 1])], Normalising(), "src")
 
 
@@ -292,3 +292,64 @@ def test_arithmetic_catalog_is_unchanged_by_binding(tmp_path):
     for tok in (None, preset):
         bound, note = bind_catalog(cat, tok)
         assert bound is cat and note is None
+
+
+@pytest.mark.parametrize("layout", ["onerec", "gathered"])
+def test_bench_chat_beam_shape_runs_on_cpu_and_agrees_with_hf(capsys, layout):
+    """``grserve bench retrieval --suite p2 --sid-layout onerec|gathered``: the device fast path over a tokenizer-native
+    layout (the chat-beam shape the GPU run measures), top-1 = HF, no invalid item."""
+    from grserve.cli import main
+
+    argv = ["bench", "retrieval", "--suite", "p2", "--p2-model", "tiny", "--p2-dtype", "float32",
+            "--p2-prompt-len", "40", "--p2-batch", "2", "--p2-beam-width", "8", "--grid-ctx", "40",
+            "--grid-batch", "1", "--grid-bw", "8", "--iters", "1", "--warmup", "0", "--hf-requests", "2",
+            "--num-items", "3000", "--codebook-size", "64", "--sid-layout", layout]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["sid_layout"] == layout and out["invalid_item_rate"] == 0.0 and out["hf_top1_agreement"] == 1.0
+
+
+def test_bench_prompts_write_items_as_a_chat_prompt_would():
+    from grserve.bench.workload import bench_layout, history_prompts
+    from grserve.catalog import generate_catalog
+
+    cat = bench_layout(generate_catalog(2000, 3, 32, seed=1), "gathered", 1000, seed=2)
+    assert not cat.layout.is_arithmetic and cat.layout.sid_begin == 998 and cat.layout.sid_end == 999
+    for p in history_prompts(cat, 3, 61, seed=4):
+        assert p.size == 61 and p[-1] == 998  # ends where the beams start
+        ends = np.flatnonzero(p == 999)
+        whole = p[ends[0] + 1:-1].reshape(-1, 5)  # after the first whole item: begin, 3 SID tokens, end
+        assert (whole[:, 0] == 998).all() and (whole[:, 4] == 999).all()
+        assert cat.contains_sids(cat.layout.tokens_to_sids(whole[:, 1:4].reshape(-1))).all()
+
+
+def test_catalog_commands_validate_against_a_model_and_convert(minionerec_dir, tmp_path, capsys):
+    from grserve.cli import main
+
+    assert main(["catalog", "validate", str(minionerec_dir.catalog), "--model", str(minionerec_dir.path)]) == 0
+    out = capsys.readouterr().out
+    assert "200 items" in out and "<a_{}>" in out and "gathered" in out
+    assert main(["catalog", "convert", str(minionerec_dir.catalog), "--out", str(tmp_path / "items.grcat")]) == 0
+    back = load_catalog(tmp_path / "items.grcat")
+    assert back.text == load_catalog(minionerec_dir.catalog).text and len(back) == 200
+    bad = tmp_path / "bad.index.json"
+    bad.write_text(json.dumps({"1": ["<a_1>", "<b_1>", "<zz_1>"]}))
+    assert main(["catalog", "validate", str(bad), "--model", str(minionerec_dir.path)]) == 1
+    assert "'<zz_1>'" in capsys.readouterr().err
+    assert main(["catalog", "convert", str(minionerec_dir.catalog), "--out", str(tmp_path / "x.csv")]) == 2
+
+
+def test_start_up_prints_the_layout_and_what_it_inferred(onerec_dir, tmp_path, capsys):
+    from grserve.config import CatalogConfig, ModelConfig, ServeConfig
+    from grserve.engine.retrieval_engine import RetrievalEngine
+    from grserve.server.retrieval_main import print_layout
+
+    codes = tmp_path / "codes.jsonl"  # no header: nothing declared
+    codes.write_text("".join(json.dumps({"item_id": i, "sid": [int(c) for c in s]}) + "\n"
+                             for i, s in enumerate(onerec_dir.sids)))
+    engine = RetrievalEngine.build(ServeConfig(model=ModelConfig(source=str(onerec_dir.path)),
+                                               catalog=CatalogConfig(path=str(codes))))
+    print_layout(engine)
+    out = capsys.readouterr().out
+    assert "inferred from the tokenizer's added tokens" in out and "<s_a_{}>" in out and "<|sid_begin|>" in out
+    assert "SID layout: tokenizer SID tokens" in out

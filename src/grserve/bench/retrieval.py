@@ -51,6 +51,10 @@ class RetrievalBenchConfig(Checked):
     num_items: int = flag(20_000, "generated catalog size", check=positive_int)
     codebook_size: int = flag(256, "codes per SID level", check=positive_int)
     depth: int = flag(3, "SID tokens per item", check=positive_int)
+    sid_layout: str = flag("arithmetic", "SID tokens: arithmetic; onerec (tokenizer-native: per-level contiguous ids at "
+                                         "the top of the vocabulary, prompts wrapped in sid_begin/sid_end like a "
+                                         "OneRec chat prompt); gathered (the same ids shuffled: the LM-head gather)",
+                           choices=("arithmetic", "onerec", "gathered"))
     requests: int = flag(16, "requests through grserve per beam width", check=positive_int)
     batch: int = flag(8, "requests per grserve batch (token capacity = batch × prompt)", check=positive_int)
     hf_requests: int = flag(2, "requests through HF per beam width (~6 s each at BW 128 on 2 cores)",
@@ -146,7 +150,7 @@ def run(cfg: RetrievalBenchConfig) -> int:
     from rich.table import Table
     from tqdm import tqdm
 
-    from grserve.bench.workload import history_prompts
+    from grserve.bench.workload import bench_layout, history_prompts
     from grserve.catalog import CatalogStore, generate_catalog
     from grserve.config import SchedulerConfig, SearchConfig
     from grserve.engine.retrieval_engine import RetrievalEngine
@@ -169,6 +173,7 @@ def run(cfg: RetrievalBenchConfig) -> int:
     model = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, seed=cfg.seed,
                        min_vocab=catalog.layout.num_tokens)
     spec = model.spec
+    catalog = bench_layout(catalog, cfg.sid_layout, spec.vocab_size, cfg.seed)
     catalog.layout.check_vocab(spec.vocab_size)
     b_tok = spec.kv_bytes_per_token(torch.empty((), dtype=model.dtype).element_size())
     prompts = history_prompts(catalog, max(cfg.requests, cfg.hf_requests, cfg.naive_requests), cfg.prompt_len, cfg.seed)

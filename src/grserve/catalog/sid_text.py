@@ -226,8 +226,8 @@ def _check_distinct(ids: np.ndarray, text: SidText, level: int, source: str) -> 
     same = np.flatnonzero(ids[order][1:] == ids[order][:-1])
     if same.size:
         a, b = order[same[0]], order[same[0] + 1]
-        raise CatalogError(f"{source}: level-{level} SID tokens {text.strings(level, [a])[0]!r} and "
-                           f"{text.strings(level, [b])[0]!r} are the same token of the model's tokenizer")
+        raise CatalogError(f"{source}: level-{level} codes {a} and {b} are written as the same token of the model's "
+                           "tokenizer")
 
 
 # ---- inference from the tokenizer ------------------------------------------------------------------------------

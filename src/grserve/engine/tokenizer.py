@@ -217,12 +217,13 @@ class HFTokenizer:
         return self.tok.decode([token_id]).encode("utf-8")
 
     def apply_chat_template(self, messages: list[dict], tools: list | None = None,
-                            add_generation_prompt: bool = True) -> str:
+                            add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        """``kwargs``: extra template variables (vLLM's ``chat_template_kwargs``, e.g. ``enable_thinking``)."""
         if not self.tok.chat_template:
             raise ChatTemplateError(f"the tokenizer of {self.name_or_path} has no chat template")
         try:
             return self.tok.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                                tokenize=False)
+                                                tokenize=False, **kwargs)
         except Exception as exc:  # jinja's TemplateError, raise_exception(...), a template's own TypeError
             raise ChatTemplateError(f"the chat template failed: {exc}") from exc
 
@@ -258,7 +259,7 @@ class NoTokenizer:
         raise MissingTokenizerError(self.message)
 
     def apply_chat_template(self, messages: list[dict], tools: list | None = None,
-                            add_generation_prompt: bool = True) -> str:
+                            add_generation_prompt: bool = True, **kwargs: Any) -> str:
         raise MissingTokenizerError(self.message)
 
     def added_tokens(self) -> dict[str, int]:
