@@ -133,3 +133,32 @@ def test_model_dir_without_tokenizer_refuses_text_and_chat(tmp_path):
         assert str(tmp_path) in str(e.value) and "no tokenizer files" in str(e.value)
     assert tok.decode([1, 2, 3]) == "" and tok.decode_stream([1]).step(5) == ""  # token ids still flow
     assert model_tokenizer(str(tmp_path)) is None
+
+
+def test_llm_server_on_a_model_dir_without_tokenizer_refuses_text_not_token_ids(tmp_path):
+    from fastapi.testclient import TestClient
+
+    from grserve.engine.async_llm import AsyncLLMEngine
+    from grserve.engine.llm import build_model_engine
+    from grserve.engine.tokenizer import load_tokenizer
+    from grserve.scheduler.fcfs import FCFSScheduler
+    from grserve.server.llm_app import create_llm_app
+
+    _hf("qwen3", True).save_pretrained(tmp_path)
+    model = load_model(str(tmp_path))
+    tok = load_tokenizer(str(tmp_path), model.spec.vocab_size)
+    eng = build_model_engine(model, FCFSScheduler(), num_blocks=64, block_size=8, eos_token_id=None,
+                             detokenize=tok.decode, decoder_factory=tok.decode_stream)
+    loop = AsyncLLMEngine(eng, tok).start()
+    try:
+        with TestClient(create_llm_app(loop, tok, "m", 256, model.spec.vocab_size)) as c:
+            for path, body, param in (("/v1/completions", {"prompt": "hello"}, "prompt"),
+                                      ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]},
+                                       "messages")):
+                r = c.post(path, json={"model": "m", "max_tokens": 3, **body})
+                assert r.status_code == 400 and r.json()["error"]["param"] == param
+                assert "no tokenizer files" in r.json()["error"]["message"]
+            r = c.post("/v1/completions", json={"model": "m", "prompt": [5, 6, 7], "max_tokens": 3})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    finally:
+        loop.stop()
