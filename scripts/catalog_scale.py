@@ -70,7 +70,7 @@ def _client(engine, stop: threading.Event, prompts, stats: dict, lock: threading
 
 
 def reload_under_load(paths: list[Path], args) -> dict:
-    from grserve.bench.workload import history_prompts
+    from grserve_bench.workload import history_prompts
     from grserve.catalog import CatalogStore, load_catalog
     from grserve.config import SchedulerConfig, SearchConfig
     from grserve.engine.retrieval_engine import RetrievalEngine

@@ -23,6 +23,9 @@ import os
 import socket
 import threading
 import time
+import tomllib
+from importlib.metadata import EntryPoint
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,6 +34,28 @@ import torch
 # defined (grserve imports its kernel sources lazily, so setting it here is early enough). Never on a CUDA machine.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def declared_commands() -> dict[str, EntryPoint]:
+    """The ``grserve.commands`` entry points that pyproject.toml declares: what installing this tree registers."""
+    with open(Path(__file__).resolve().parents[1] / "pyproject.toml", "rb") as f:
+        declared = tomllib.load(f)["project"]["entry-points"]["grserve.commands"]
+    return {name: EntryPoint(name, value, "grserve.commands") for name, value in declared.items()}
+
+
+def _use_declared_commands() -> None:
+    """The tests run this source tree; an install made from an older tree (an editable install made before the lab
+    package existed) lacks its entry points, so the command line the tests drive loads the declared ones. A fresh
+    ``make install`` registers them itself (tests/test_cli.py checks both)."""
+    from grserve import cli
+
+    declared = declared_commands()
+    installed = cli.installed_commands
+    if set(installed()) != set(declared):
+        cli.installed_commands = functools.wraps(installed)(lambda: {name: ep.load() for name, ep in declared.items()})
+
+
+_use_declared_commands()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -45,7 +45,7 @@ def test_compact_format_round_trips_a_large_catalog(tmp_path):
 
 
 def test_hot_reload_under_load_fails_no_request(tiny_model, tmp_path):
-    from grserve.bench.workload import history_prompts
+    from grserve_bench.workload import history_prompts
     from grserve.config import SchedulerConfig, SearchConfig
     from grserve.engine.retrieval_engine import RetrievalEngine
     from grserve.engine.types import RetrievalRequest

@@ -340,7 +340,7 @@ def test_bench_part_colocation_smoke(small, tmp_path):
     """A miniature of ``grserve bench pd --parts colocation``: the keys, finite (a small model saved as a dir)."""
     import math
 
-    from grserve.bench import pd_colocation
+    from grserve_bench import pd_colocation
     from grserve.model.loader import save_pretrained
 
     save_pretrained(small, tmp_path)

@@ -597,7 +597,7 @@ def test_cli_one_line_errors(capsys):
 
 def test_cli_bench_builds_the_bench_config(monkeypatch):
     """`grserve bench retrieval FLAGS` hands the bench's run() its config built from the flags (was: argv forwarded)."""
-    import grserve.bench.retrieval as bench
+    import grserve_bench.retrieval as bench
 
     seen = {}
     monkeypatch.setattr(bench, "run", lambda cfg: seen.setdefault("cfg", cfg) and 0)

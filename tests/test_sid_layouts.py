@@ -225,7 +225,7 @@ def test_infer_sid_text_patterns():
 # ---- beam search over the tokenizer's ids = HF generate with the trie in token space -----------------------------
 @pytest.mark.parametrize("which", ["onerec", "minionerec"])
 def test_beams_over_tokenizer_ids_equal_hf_generate(which, onerec_dir, minionerec_dir):
-    from grserve.bench.baselines import HFConstrainedBeamSearch
+    from grserve_bench.baselines import HFConstrainedBeamSearch
     from grserve.engine.tokenizer import HFTokenizer
     from grserve.model import load_model
 
@@ -310,7 +310,7 @@ def test_bench_chat_beam_shape_runs_on_cpu_and_agrees_with_hf(capsys, layout):
 
 
 def test_bench_prompts_write_items_as_a_chat_prompt_would():
-    from grserve.bench.workload import bench_layout, history_prompts
+    from grserve_bench.workload import bench_layout, history_prompts
     from grserve.catalog import generate_catalog
 
     cat = bench_layout(generate_catalog(2000, 3, 32, seed=1), "gathered", 1000, seed=2)

@@ -1,6 +1,6 @@
 """Dynamic prefill/decode disaggregation policy (xLLM §3.2, digest §3.3): pure decisions, no tensors, no Ray.
 
-The real cluster (``cluster/pd``) and the discrete-event simulation (``bench/pd_sim``) both ask this module the
+The real cluster (``cluster/pd``) and the discrete-event simulation (``grserve_bench/pd_sim``) both ask this module the
 same questions: which pool is each instance in, is this request worth splitting, where does it prefill, where
 does it decode, and should an instance flip role now.
 

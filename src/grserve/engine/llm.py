@@ -5,7 +5,7 @@ then execute its ``SchedulerOutput`` — preempt (free blocks, back to the front
 block tables, run one packed forward pass (``HybridPagedContext``), sample (temperature / top-p / seed), apply
 stop conditions (max_tokens, EOS, stop token ids, stop strings), free finished requests' blocks.
 
-The executor is swappable: ``ModelExecutor`` runs the real model; ``bench.simulator.SimulatedExecutor``
+The executor is swappable: ``ModelExecutor`` runs the real model; ``grserve_bench.simulator.SimulatedExecutor``
 returns a cost-model duration instead (the discrete-event simulator). The clock is injectable (virtual time
 in the benchmark). ``abort()`` frees a request's blocks at once (between iterations: the engine lock).
 

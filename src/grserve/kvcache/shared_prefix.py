@@ -198,10 +198,6 @@ class SharedPrefixCache:
     def hit_rate(self) -> float:
         return self.stats["hit_tokens"] / self.stats["lookup_tokens"] if self.stats["lookup_tokens"] else 0.0
 
-    @property
-    def cached_blocks(self) -> int:
-        return sum(len(e.blocks) for e in self.entries.values())
-
     def check(self) -> None:
         """Invariants (tests): every entry's blocks are retained and in use; evictable == no request holds it."""
         pool = self.pool

@@ -115,10 +115,6 @@ class ErrorDetail(BaseModel):
     type: str  # machine-readable kind, e.g. "unknown_items", "out_of_range", "invalid_json"
 
 
-class ErrorBody(BaseModel):
-    error: ErrorDetail
-
-
 # ---- ranking (BAT) ------------------------------------------------------------------------------------------
 class RankRequest(BaseModel):
     """A user (``user_id`` of a registered user, or raw ``user_tokens``) and candidates (registered

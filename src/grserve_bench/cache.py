@@ -1,6 +1,6 @@
 """``grserve bench cache``: replay cache traces under LRU, OPT (Belady), FPB, HF and LARU.
 
-Traces (``bench/traces.py``): Zipf 0.9 over 100k keys (the P5 setting), Zipf with popularity drift, a loop of
+Traces (``grserve_bench/traces.py``): Zipf 0.9 over 100k keys (the P5 setting), Zipf with popularity drift, a loop of
 1.5k keys (P5), a hot set with scans, an Online-QA-like multi-turn prefix trace through the radix prefix cache
 (token hit rate), and DLRM sparse-feature batches through the 64-way set-associative embedding cache.
 
@@ -25,9 +25,10 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
-from grserve.bench import traces as T
-from grserve.bench.cache_trace import TRACE_POLICIES, bench_predictor
-from grserve.eviction import AccessListOracle, NoisyPredictor, make_policy, simulate
+from grserve_bench import traces as T
+from grserve_bench.cache_trace import TRACE_POLICIES, bench_predictor
+from grserve.eviction import make_policy
+from grserve_bench.eviction import AccessListOracle, NoisyPredictor, simulate
 from grserve.flags import (Checked, comma_list, config_command, flag, fraction, non_negative, one_of, positive_int,
                            split_commas)
 
@@ -64,7 +65,7 @@ class CacheBenchConfig(Checked):
     async_batch: int = flag(64, "ASYNC prediction batch for the learned predictor", check=positive_int)
     seed: int = flag(0, "seed of the traces and of the prediction noise", check=non_negative)
     trace_file: str = flag("", "replay this trace instead (Mooncake JSONL with hash_ids, or one key per line); "
-                               "see bench/cache_trace.py", metavar="PATH")
+                               "see grserve_bench/cache_trace.py", metavar="PATH")
     sizes: str = flag("0.01,0.02,0.05,0.1,0.2", "--trace-file: cache sizes as fractions of the unique keys",
                       check=comma_list(float, each=fraction))
     modes: str = flag("block,radix", "--trace-file: block (each hash id one item), radix (prefix tree, leaves only "
@@ -148,7 +149,8 @@ def run_paging(keys: list[int], k: int, policy: str, predictor: str, p: float, a
 
 
 def run_prefix(reqs, cap: int, policy: str, predictor: str, p: float, args, times_cache: dict) -> dict:
-    from grserve.kvcache.radix import RadixCache, prefix_access_times
+    from grserve.kvcache.radix import RadixCache
+    from grserve_bench.eviction.oracle import prefix_access_times
 
     prompts = [r.tokens for r in reqs]
     if policy not in ("lru", *OWN_MODEL) and predictor != "lgbm" and "times" not in times_cache:
@@ -180,7 +182,7 @@ def run_prefix(reqs, cap: int, policy: str, predictor: str, p: float, args, time
 def run_dlrm(batches, cap: int, policy: str, predictor: str, p: float, args, times_cache: dict) -> dict:
     import torch
 
-    from grserve.kvcache.embedding_cache import EmbeddingCache, access_times
+    from grserve_bench.eviction.embedding_cache import EmbeddingCache, access_times
 
     ways = 64
     n_ids = int(max(int(b[0].max()) for b in batches)) + 1
@@ -320,7 +322,7 @@ def run(cfg: CacheBenchConfig) -> int:
 
 
 def run_trace_file(cfg: CacheBenchConfig) -> int:
-    from grserve.bench.cache_trace import print_tables, run_trace_bench
+    from grserve_bench.cache_trace import print_tables, run_trace_bench
     from grserve.flags import UsageError
 
     if not os.path.exists(cfg.trace_file):

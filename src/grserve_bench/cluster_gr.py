@@ -1,6 +1,6 @@
 """Ranking instances on Ray: does routing by the user's cached KV keep users' KV hits across instances?
 
-    python -m grserve.bench.cluster_gr [--instances 2] [--requests 160] [--policies kv,round_robin,least_loaded]
+    python -m grserve_bench.cluster_gr [--instances 2] [--requests 160] [--policies kv,round_robin,least_loaded]
 
 (not a ``grserve bench`` command: a quick check of ``serve ranking --instances N``; docs/cluster.md). Every policy
 gets fresh instances (empty user caches) and the same requests: users drawn Zipf-like from a synthetic registry,

@@ -2,13 +2,13 @@
 
 Two modes, one engine (same schedulers, same block pool):
 - default: the real model (``--model``, default the MHA preset ``tiny-mha``) on CPU; the clock advances by each
-  iteration's measured time and jumps idle gaps (``bench.simulator.TimedExecutor``). SLOs are multiples of the
+  iteration's measured time and jumps idle gaps (``grserve_bench.simulator.TimedExecutor``). SLOs are multiples of the
   measured single-request latencies (TTFT: prefill of the mean prompt; TBT: one decode step); the pool holds
   ``--mem-requests`` mean-size requests' KV, so memory binds as on a GPU.
 - ``--simulate``: the discrete-event simulator with the OPT-13B / A100-40GB cost model (Table 3 SLOs,
   1,754 blocks ≈ 14k tokens of KV; ``--cost-model``); ``--simulate --paper-tables``: the paper's Tables 4 and 5
   in shape next to its numbers, then effective throughput at 90 % / 60 % of FCFS, chunked and Apt-Serve on the
-  three datasets (``bench.aptserve_repro``); ``--simulate --ladder``: the reconstruction, piece by piece.
+  three datasets (``grserve_bench.aptserve_repro``); ``--simulate --ladder``: the reconstruction, piece by piece.
 
 Rates sweep multiples of the single-request service rate; effective throughput = the highest rate with ≥ 90 %
 attainment. Also measures decode throughput at batch 32 vs HF transformers ``generate`` (target P7).
@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from grserve.bench.llm_workloads import DATASETS, attainment, effective_throughput, make_trace
+from grserve_bench.llm_workloads import DATASETS, attainment, effective_throughput, make_trace
 from grserve.config import LLM_SCHEDULERS, LLMConfig
 from grserve.flags import Checked, comma_list, config_command, flag, non_negative, positive, positive_int, split_commas
 
@@ -309,7 +309,7 @@ def run(cfg: ServeBenchConfig) -> int:
     from tqdm import tqdm
 
     from grserve.engine.llm import LLMEngine, build_model_engine, calibrate_rho
-    from grserve.bench.simulator import CostModel, SimulatedExecutor, TimedExecutor, VirtualClock, run_trace
+    from grserve_bench.simulator import CostModel, SimulatedExecutor, TimedExecutor, VirtualClock, run_trace
     from grserve.kvcache.blocks import BlockPool
     from grserve.scheduler.llm_factory import make_llm_scheduler
 
@@ -327,7 +327,7 @@ def run(cfg: ServeBenchConfig) -> int:
                   "num_requests": n_req, "mean_prompt": mean_p, "mean_output": mean_o}
 
     if cfg.simulate:
-        from grserve.bench.aptserve_repro import kv_blocks_opt13b_a100
+        from grserve_bench.aptserve_repro import kv_blocks_opt13b_a100
 
         cost = CostModel.preset(cfg.cost_model)
         ttft_slo, tbt_slo = TABLE3[cfg.dataset]
@@ -450,7 +450,7 @@ def run(cfg: ServeBenchConfig) -> int:
     summary = {"effective_throughput": eff, **ratios, "decode_speedup_vs_hf": dec["speedup"] if dec else None,
                "png": str(png), **{k: v for k, v in info.items() if k != "rates"}}
     if not cfg.simulate and cfg.sim_effective:  # the paper-scale counterpart, at 90 % (the simulator, seconds)
-        from grserve.bench import aptserve_repro as repro
+        from grserve_bench import aptserve_repro as repro
 
         with tqdm(desc="simulated effective throughput", file=sys.stderr) as bar:
             sim = repro.effective_table(repro.Runner(lambda: bar.update(1), cache_dir=out_dir / "sim-cache"),
@@ -471,14 +471,14 @@ def _pct(x) -> str:
 
 
 def _run_paper(cfg: ServeBenchConfig) -> int:
-    """``--simulate --paper-tables`` / ``--ladder``: the paper-scale reproduction (bench/aptserve_repro.py)."""
+    """``--simulate --paper-tables`` / ``--ladder``: the paper-scale reproduction (grserve_bench/aptserve_repro.py)."""
     import dataclasses
 
     from rich.console import Console
     from rich.table import Table
     from tqdm import tqdm
 
-    from grserve.bench import aptserve_repro as R
+    from grserve_bench import aptserve_repro as R
 
     console = Console()
     s = R.Setting(cost=cfg.cost_model, seed=cfg.seed, num_requests=cfg.num_requests or 500)

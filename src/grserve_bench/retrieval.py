@@ -24,6 +24,7 @@ import numpy as np
 from grserve.config import DTYPES
 from grserve.flags import (
     Checked,
+    UsageError,
     comma_list,
     config_command,
     device_name,
@@ -65,7 +66,7 @@ class RetrievalBenchConfig(Checked):
     skip_hf: bool = flag(False, "do not run HF transformers (e.g. for GPU-scale shapes)")
     skip_naive: bool = flag(False, "do not run the copy-per-beam baseline")
     seed: int = flag(0, "seed of the weights, the catalog and the prompts", check=non_negative)
-    # ---- the device fast path (issue 15; bench/retrieval_device.py) ----
+    # ---- the device fast path (issue 15; grserve_bench/retrieval_device.py) ----
     suite: str = flag("auto", "auto: the P2 case + grid on a CUDA device, the beam-width sweep on CPU; sweep; p2",
                       choices=("auto", "sweep", "p2"))
     p2_model: str = flag("qwen3-1.7b", "--suite p2: model preset or directory", metavar="PRESET_OR_DIR")
@@ -150,15 +151,18 @@ def run(cfg: RetrievalBenchConfig) -> int:
     from rich.table import Table
     from tqdm import tqdm
 
-    from grserve.bench.workload import bench_layout, history_prompts
+    from grserve_bench.workload import bench_layout, history_prompts
     from grserve.catalog import CatalogStore, generate_catalog
     from grserve.config import SchedulerConfig, SearchConfig
     from grserve.engine.retrieval_engine import RetrievalEngine
     from grserve.engine.retrieval import RetrievalRunner
     from grserve.model import load_model
 
+    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError(f"--device {cfg.device}: no CUDA device is available here (the GPU suite needs one, "
+                         "docs/gpu.md; --device cpu runs the CPU sweep)")
     if cfg.suite == "p2" or (cfg.suite == "auto" and cfg.device.startswith("cuda")):
-        from grserve.bench.retrieval_device import run_suite
+        from grserve_bench.retrieval_device import run_suite
 
         return run_suite(cfg)
     console = Console(stderr=False)
@@ -187,11 +191,11 @@ def run(cfg: RetrievalBenchConfig) -> int:
     engine = RetrievalEngine(model, CatalogStore(catalog), SearchConfig(scoring=cfg.scoring), sched).start()
     hf = naive = None
     if not cfg.skip_hf:
-        from grserve.bench.baselines import HFConstrainedBeamSearch
+        from grserve_bench.baselines import HFConstrainedBeamSearch
 
         hf = HFConstrainedBeamSearch(model)
     if not cfg.skip_naive:
-        from grserve.bench.baselines import NaiveCopyBeamSearch
+        from grserve_bench.baselines import NaiveCopyBeamSearch
 
         naive = NaiveCopyBeamSearch(model)
     runner = RetrievalRunner(model, SearchConfig(scoring=cfg.scoring))  # one batch, timed alone

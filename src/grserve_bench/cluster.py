@@ -30,10 +30,13 @@ from pathlib import Path
 
 import numpy as np
 
-from grserve.flags import Checked, config_command, flag, fraction, non_negative, positive, positive_int
+from grserve.flags import (Checked, UsageError, config_command, flag, fraction, non_negative, positive,
+                           positive_int)
 
 POLICIES = ("round_robin", "least_loaded", "kv")
 TRACE_NAME = "mooncake_conversation_trace.jsonl"
+TRACE_SOURCE = ("the Mooncake conversation trace (FAST '25): conversation_trace.jsonl under FAST25-release/traces "
+                "in https://github.com/kvcache-ai/Mooncake")
 
 
 @dataclass(frozen=True)
@@ -104,25 +107,31 @@ def block_tokens(hash_id: int, n: int, seed: int, vocab: int = 32000) -> list[in
 
 
 def find_trace(path: str) -> Path:
+    """``path``, or for a relative one not found here, the first of parent/path and parent/shared/traces/NAME over
+    the parents of the working directory; a ``UsageError`` naming the file and where to get it if none exists."""
     p = Path(path)
-    if p.is_file() or p.is_absolute():
+    if p.is_file():
         return p
-    for parent in Path.cwd().resolve().parents:
-        if (parent / p).is_file():
-            return parent / p
-        if (parent / "shared" / "traces" / p.name).is_file():
-            return parent / "shared" / "traces" / p.name
-    return p
+    if not p.is_absolute():
+        for parent in Path.cwd().resolve().parents:
+            for candidate in (parent / p, parent / "shared" / "traces" / p.name):
+                if candidate.is_file():
+                    return candidate
+    raise UsageError(f"--trace {path}: no such file (a relative path is also looked for from each parent directory "
+                     f"and its shared/traces/); get {TRACE_SOURCE}, and pass its path with --trace")
 
 
 def load_trace(cfg: ClusterBenchConfig) -> list[TraceRequest]:
     rows = []
-    with open(find_trace(cfg.trace)) as f:
+    path = find_trace(cfg.trace)
+    with open(path) as f:
         for i, line in enumerate(f):
             if i >= cfg.start + cfg.requests:
                 break
             if i >= cfg.start:
                 rows.append(json.loads(line))
+    if not rows:
+        raise UsageError(f"--start {cfg.start}: {path} has fewer requests than that")
     t0, t1 = rows[0]["timestamp"], rows[-1]["timestamp"]
     span = max(t1 - t0, 1)
     duration = cfg.duration_s or 1.0  # 0: arrivals as fractions of the span, scaled once capacity is measured

@@ -1,5 +1,5 @@
 """Part 'sim' of ``grserve bench pd`` (bench/pd.py): goodput of static PD, dynamic PD and co-located serving at
-GPU scale, in the discrete-event simulation of ``bench/pd_simulator.py`` (cost model documented there and in
+GPU scale, in the discrete-event simulation of ``grserve_bench/pd_simulator.py`` (cost model documented there and in
 docs/cluster.md, "PD disaggregation: policy and simulation").
 
 Goodput of a configuration on a trace shape = the highest arrival rate (requests/s) at which at least
@@ -67,7 +67,7 @@ class PartConfig(Checked):
 
 def _setup(cfg: PartConfig, mode: str, prefill: int):
     """``mode``: static, dynamic, colocated, or the ablations dynamic-noflip / dynamic-nooverflow."""
-    from grserve.bench.pd_simulator import SimSetup
+    from grserve_bench.pd_simulator import SimSetup
 
     pd = PDConfig(pd=True, prefill_instances=max(1, prefill), min_dwell_s=cfg.sim_min_dwell_s,
                   role_flips=mode != "dynamic-noflip")
@@ -84,7 +84,7 @@ class _Search:
     """Goodput by rate search; caches every run (config, trace, rate) -> result."""
 
     def __init__(self, cfg: PartConfig):
-        from grserve.bench.pd_simulator import GPUCostModel, TraceShape
+        from grserve_bench.pd_simulator import GPUCostModel, TraceShape
 
         self.cfg = cfg
         self.cost = GPUCostModel.preset(cfg.sim_model, cfg.sim_gpu, cfg.sim_link_gbps)
@@ -94,7 +94,7 @@ class _Search:
         self.last: dict = {}
 
     def attainment(self, mode: str, prefill: int, kind: str, rate: float) -> float:
-        from grserve.bench.pd_simulator import make_trace, simulate
+        from grserve_bench.pd_simulator import make_trace, simulate
 
         c = self.cfg
         reqs = make_trace(kind, rate, c.sim_duration_s, self.shape, c.sim_seed)

@@ -6,6 +6,8 @@
   the *inverted* one, −(true next-request time); p = 1 is fully adversarial. Decision (digest §10.3): the coin is
   drawn once per access of a key, so repeated queries between two accesses agree (predictions stay ``stable``).
 * ``RandomPredictor`` / ``ConstantPredictor``: uninformative predictions for the robustness bound tests.
+* ``prefix_access_times``: the access times an oracle needs for the nodes of a radix prefix cache
+  (``grserve.kvcache.radix``), whose keys only exist once prompts have split the tree.
 
 Never-requested-again keys have next-access time +inf (inverted: −inf).
 """
@@ -17,6 +19,11 @@ import math
 import random
 from collections import defaultdict
 from typing import Hashable, Iterable, Sequence
+
+import numpy as np
+
+from grserve.eviction.policy import EvictionPolicy
+from grserve.kvcache.radix import RadixCache
 
 INF = math.inf
 
@@ -112,3 +119,54 @@ class ConstantPredictor:
 
     def predict(self, keys: Sequence[Hashable], now: int) -> list[float]:
         return [self.value] * len(keys)
+
+
+class _AccessRecorder(EvictionPolicy):
+    """Infinite-capacity 'policy' that records, per node key, the request times that touched it."""
+
+    name = "recorder"
+
+    def __init__(self):
+        super().__init__(1)
+        self.times: dict[Hashable, list[int]] = {}
+
+    def _add(self, key: Hashable, now: int) -> None:
+        ts = self.times.setdefault(key, [])
+        if not ts or ts[-1] != now:
+            ts.append(now)
+
+    def on_insert(self, key, now):
+        self._add(key, now)
+
+    def on_hit(self, key, now):
+        self._add(key, now)
+
+    def on_split(self, head, tail, now):
+        self.times[tail] = [t for t in self.times.get(head, []) if t < now]
+
+    def on_remove(self, key):
+        pass
+
+    def set_evictable(self, key, evictable):
+        pass
+
+    def victim(self, now):
+        raise AssertionError("the recorder never evicts")
+
+    def __len__(self):
+        return len(self.times)
+
+    def __contains__(self, key):
+        return key in self.times
+
+
+def prefix_access_times(prompts: Sequence[np.ndarray]) -> dict[Hashable, list[int]]:
+    """For an offline oracle on prefix traces: replay the prompts (request r at time r) through an unbounded tree
+    and return, per node key, the sorted request times that touched that node. Every node that a bounded tree can
+    hold starts at a boundary of the unbounded tree (a request end or a divergence point), so its key is here."""
+    rec = _AccessRecorder()
+    tree = RadixCache(1 << 62, policy=rec)
+    for r, toks in enumerate(prompts):
+        tree.match_prefix(toks, now=r)
+        tree.insert(toks, now=r)
+    return rec.times

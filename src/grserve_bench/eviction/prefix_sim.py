@@ -83,6 +83,7 @@ class _Tree:
         self.cached: set[Hashable] = set()
         self.parent: dict[Hashable, Hashable | None] = {}
         self.children: dict[Hashable, int] = {}  # cached key -> number of cached children
+        self.in_use: set[Hashable] = set()  # the cached blocks of the request being served (radix mode)
 
     def request_blocks(self, path: Sequence[Hashable], t: int) -> int:
         pol, cached, hits = self.policy, self.cached, 0
@@ -140,8 +141,12 @@ class _Tree:
         i = self._match(path, t)
         if i == n:
             return n
-        if i > 0 and self.children[path[i - 1]] == 0:
-            pol.set_evictable(path[i - 1], False)  # locked now, an inner node once its child is in
+        # The request's path is locked while it is served. Its matched blocks above path[i - 1] have a cached child
+        # on the path, so they stay inner nodes; path[i - 1] may be a leaf, or an inner node whose other children
+        # are all evicted below: it must not become evictable then (``_evict`` reads ``in_use``).
+        self.in_use = set(path[:i])
+        if i > 0:
+            pol.set_evictable(path[i - 1], False)
         for j in range(i, n):
             x = path[j]
             pol.on_miss(x, t + j)
@@ -153,6 +158,7 @@ class _Tree:
             self.parent[x] = prev
             pol.on_insert(x, t + j)
             cached.add(x)
+            self.in_use.add(x)
             self.children[x] = 0
             if prev is not None:
                 self.children[prev] += 1
@@ -160,6 +166,7 @@ class _Tree:
                 pol.set_evictable(x, False)  # on the path being extended
         else:
             j = n
+        self.in_use = set()
         last = path[min(j, n) - 1] if j > 0 else None
         # unlock: the deepest cached block of this request is a leaf again (its ancestors have a cached child)
         if last is not None and last in cached and self.children[last] == 0:
@@ -174,7 +181,7 @@ class _Tree:
         p = self.parent.get(z)
         if p is not None and p in self.cached:
             self.children[p] -= 1
-            if self.children[p] == 0:
+            if self.children[p] == 0 and p not in self.in_use:
                 self.policy.set_evictable(p, True)
 
     def check_tree(self) -> None:

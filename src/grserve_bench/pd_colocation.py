@@ -84,7 +84,7 @@ class _Sim:
     process keeps its fitted model)."""
 
     def __init__(self, model, cfg: PartConfig, latency_model, slo: float, reqs: list[_Req]):
-        from grserve.bench.simulator import TimedExecutor, VirtualClock
+        from grserve_bench.simulator import TimedExecutor, VirtualClock
         from grserve.engine.llm import LLMEngine, build_model_engine
         from grserve.scheduler.colocation import ColocationScheduler
         from grserve.scheduler.llm_factory import make_llm_scheduler

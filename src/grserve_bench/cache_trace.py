@@ -24,11 +24,12 @@ import tempfile
 import time
 from typing import Any, Callable
 
-from grserve.bench.trace_file import (
+from grserve_bench.trace_file import (
     LCS_ALGOS, PathTrace, libcachesim_available, load_trace, run_libcachesim, write_lcs_csv)
-from grserve.eviction import AccessListOracle, PredictorConfig, make_policy
+from grserve.eviction import PredictorConfig, make_policy
 from grserve.eviction.predictor import LearnedPredictor
-from grserve.eviction.prefix_sim import simulate_paths
+from grserve_bench.eviction import AccessListOracle
+from grserve_bench.eviction.prefix_sim import simulate_paths
 
 TRACE_POLICIES = ("lru", "opt", "lfu", "fpb", "hf", "laru", "density", "leader", "leader-inverted", "libcachesim")
 

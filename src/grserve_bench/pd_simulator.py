@@ -3,7 +3,7 @@
 No tensors and no engine: each instance is an iteration-level continuous-batching loop whose iteration time comes
 from ``GPUCostModel`` (a roofline); requests move between instances through a KV-transfer link. The policy
 decisions (split or not, prefill and decode instance, role flips) are the ones of ``cluster/pd_policy.py``, the
-same code the real cluster runs. ``bench/pd_sim.py`` searches arrival rates for goodput on top of this.
+same code the real cluster runs. ``grserve_bench/pd_sim.py`` searches arrival rates for goodput on top of this.
 
 Cost model (``GPUCostModel``; one iteration of one instance running ``n_dec`` decodes with total context ``C`` and
 prefill chunks ``(start, new)``):

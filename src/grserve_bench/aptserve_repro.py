@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from grserve.bench.llm_workloads import (
+from grserve_bench.llm_workloads import (
     LENGTH_DISTRIBUTIONS,
     SHAREGPT_PRE17,
     TraceItem,
@@ -109,17 +109,21 @@ def trace_for(s: Setting, dataset: str, rate: float, cv: float) -> list[TraceIte
     return trace
 
 
-_SOURCES = ("bench/aptserve_repro.py", "bench/simulator.py", "bench/llm_workloads.py", "engine/llm.py",
-            "kvcache/blocks.py", "scheduler/aptserve.py", "scheduler/fcfs.py", "scheduler/chunked.py",
-            "scheduler/knapsack.py", "scheduler/llm_types.py")
+_SOURCES = ("grserve_bench/aptserve_repro.py", "grserve_bench/simulator.py", "grserve_bench/llm_workloads.py",
+            "grserve/engine/llm.py", "grserve/kvcache/blocks.py", "grserve/scheduler/aptserve.py",
+            "grserve/scheduler/fcfs.py", "grserve/scheduler/chunked.py", "grserve/scheduler/knapsack.py",
+            "grserve/scheduler/llm_types.py")
 
 
 def code_version() -> str:
     """Hash of the sources a simulation point depends on (a disk-cached point is reused only by the same code)."""
-    root = Path(__file__).resolve().parents[1]
+    import grserve
+
+    roots = {"grserve": Path(grserve.__file__).resolve().parent, "grserve_bench": Path(__file__).resolve().parent}
     h = hashlib.sha1()
     for rel in _SOURCES:
-        h.update((root / rel).read_bytes())
+        package, _, path = rel.partition("/")
+        h.update((roots[package] / path).read_bytes())
     return h.hexdigest()[:16]
 
 
@@ -147,7 +151,7 @@ class Runner:
         if key not in self.cache and path is not None and path.exists():
             self.cache[key] = json.loads(path.read_text())
         if key not in self.cache:
-            from grserve.bench.simulator import CostModel, simulate
+            from grserve_bench.simulator import CostModel, simulate
 
             cost = CostModel.preset(s.cost)
             name, kw = policy(system, s)

@@ -81,7 +81,7 @@ def run_suite(cfg) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from grserve.bench.workload import bench_layout, history_prompts
+    from grserve_bench.workload import bench_layout, history_prompts
     from grserve.catalog import generate_catalog
     from grserve.config import AccelConfig, SearchConfig
     from grserve.engine.device_runner import DeviceRetrievalRunner
@@ -137,8 +137,8 @@ def _hf_runs(cfg, model, catalog, hf_runner, pairs, console) -> dict:
     """HF per (context, BW): it decodes one request at a time, so the batch size does not change its req/s."""
     if cfg.skip_hf:
         return {}
-    from grserve.bench.baselines import HFConstrainedBeamSearch
-    from grserve.bench.workload import history_prompts
+    from grserve_bench.baselines import HFConstrainedBeamSearch
+    from grserve_bench.workload import history_prompts
 
     hf = HFConstrainedBeamSearch(model)
     out = {}

@@ -82,7 +82,8 @@ def run(a: RankingBenchConfig) -> int:
     from grserve.engine.ranking_runner import RankingRequest, RankingRunner, _kv_store, precompute_item_kv
     from grserve.kvcache.item_pool import ItemKVPool
     from grserve.model import load_model
-    from grserve.ranking.workload import WorkloadSpec, generate_workload
+    from grserve.ranking.workload import WorkloadSpec
+    from grserve_bench.ranking_trace import generate_workload
 
     scale = 1.0 if a.full_scale else a.scale
     systems = split_commas(a.systems)

@@ -2,11 +2,11 @@
 
 Three parts, each its own module with its own flags (``--parts`` picks which run):
 
-- ``real`` (``bench/pd_real.py``): 3 tiny instances on Ray, a long-prompt phase then a long-output phase; flips
+- ``real`` (``grserve_bench/pd_real.py``): 3 tiny instances on Ray, a long-prompt phase then a long-output phase; flips
   each way, KV bytes moved, lost requests, outputs equal to the no-PD run;
-- ``colocation`` (``bench/pd_colocation.py``): online load at ~60 % of capacity plus an offline backlog, against
+- ``colocation`` (``grserve_bench/pd_colocation.py``): online load at ~60 % of capacity plus an offline backlog, against
   online alone and offline alone;
-- ``sim`` (``bench/pd_sim.py``): goodput of static PD, dynamic PD and co-located serving at GPU scale in the
+- ``sim`` (``grserve_bench/pd_sim.py``): goodput of static PD, dynamic PD and co-located serving at GPU scale in the
   discrete-event simulator, on a stable and a bursty arrival trace.
 
 The last line is one JSON object: the keys of every part that ran.
@@ -30,7 +30,7 @@ class PDBenchConfig(Checked):
 
 
 def _parts() -> dict[str, ModuleType]:
-    from grserve.bench import pd_colocation, pd_real, pd_sim
+    from grserve_bench import pd_colocation, pd_real, pd_sim
 
     return {"real": pd_real, "colocation": pd_colocation, "sim": pd_sim}
 

@@ -118,7 +118,8 @@ def unconstrained_beam_search(model, prompt: np.ndarray, layout, beam_width: int
 def _unconstrained_beam_search(model, prompt: np.ndarray, layout, beam_width: int, top_n: int) -> np.ndarray:
     import torch
 
-    from grserve.attention.context import BatchedBeamsKVContext, SequenceKVContext
+    from grserve.attention.context import SequenceKVContext
+    from grserve_bench.baselines import BatchedBeamsKVContext
 
     dev = model.device
     seq = SequenceKVContext(model.spec.num_hidden_layers)
