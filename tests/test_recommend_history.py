@@ -198,3 +198,25 @@ def test_a_history_of_items_larger_than_the_limit_becomes_a_cold_start(engine, c
     body = r.json()
     assert body["source"] == "popularity" and body["history_dropped"] == 1
     assert body["items"][0]["item_id"] == int(catalog.item_ids[5])
+
+
+def test_a_layout_with_a_start_token_answers_a_new_user_from_the_model(onerec_dir):
+    """OneRec-like layout (items wrapped in sid_begin/sid_end): an empty history is the prompt-only history
+    [sid_begin], answered by the model; a long history is cut in whole wrapped items (5 tokens each)."""
+    from grserve.config import CatalogConfig, ModelConfig, ServeConfig
+
+    cfg = ServeConfig(model=ModelConfig(source=str(onerec_dir.path)),
+                      catalog=CatalogConfig(path=str(onerec_dir.catalog)), search=SearchConfig(beam_width=8))
+    eng = RetrievalEngine.build(cfg).start()
+    try:
+        client = TestClient(create_app(eng, ServerConfig(max_prompt_tokens=10)), raise_server_exceptions=False)
+        layout = eng.catalogs.current().layout
+        r = client.post("/v1/recommend", json={"history_items": [], "top_n": 4})
+        assert r.status_code == 200 and r.json()["source"] == "model", r.text
+        same = client.post("/v1/recommend", json={"history_tokens": [layout.sid_begin], "top_n": 4}).json()
+        assert r.json()["items"] == same["items"]
+        body, prompt = _prompt_of(eng, None, client, {"history_items": [3, 7, 11], "top_n": 4})
+        assert body["history_dropped"] == 1
+        assert prompt == layout.items_to_tokens(onerec_dir.sids[[7, 11]]).tolist() + [layout.sid_begin]
+    finally:
+        eng.stop()

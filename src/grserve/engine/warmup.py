@@ -8,8 +8,9 @@ says ``ok`` only when the configured shapes are warm.
 
 The plan: every beam width of ``SearchConfig.warmup_beam_widths`` (default: the server's ``--beam-width``) × every
 batch bucket — the device runner's ``--batch-buckets`` up to ``--max-batch-requests``; the host-driven runner has
-no buckets, so one batch of one request. The prompt is catalog items' SID tokens: one prompt bucket long on the
-device path (``--prompt-bucket``; longer prompts capture their bucket on first use), 16 items on the host path.
+no buckets, so one batch of one request. The prompt is catalog items laid out as a ``history_items`` request lays
+them out: within one prompt bucket on the device path (``--prompt-bucket``; longer prompts capture their bucket on
+first use), about 16 items on the host path.
 """
 
 from __future__ import annotations
@@ -59,9 +60,14 @@ def warm_up(runner: Any, catalog: Any, plan: list[tuple[int, int, int]],
     """Run the plan's batches through ``runner`` (results discarded); ``log`` gets one line per batch."""
     runs = []
     rows = np.arange(len(catalog))
+    layout = catalog.layout
+    per_item = catalog.depth + (layout.sid_begin is not None) + (layout.sid_end is not None)
     for k, (bw, r, prompt_tokens) in enumerate(plan, 1):
-        items = rows[(np.arange(prompt_tokens // catalog.depth) + k) % rows.size]
-        prompt = catalog.layout.sids_to_tokens(catalog.sids[items])
+        n_items = max(1, (prompt_tokens - (layout.sid_begin is not None)) // per_item)
+        items = rows[(np.arange(n_items) + k) % rows.size]
+        prompt = layout.items_to_tokens(catalog.sids[items])  # as a request's history_items lays them out
+        if layout.sid_begin is not None:
+            prompt = np.append(prompt, layout.sid_begin)  # where the beams start
         t = time.perf_counter()
         runner.run([prompt] * r, bw, [1] * r, catalog)
         runs.append(WarmupRun(bw, r, int(prompt.size), time.perf_counter() - t))

@@ -14,7 +14,9 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
 from pydantic_core import PydanticCustomError
 
-HISTORY_FIELDS = ("history_items", "history_sids", "history_tokens")
+from grserve.server.openai_schemas import ChatMessage
+
+HISTORY_FIELDS = ("history_items", "history_sids", "history_tokens", "prompt", "messages")
 
 NonEmptyInts = Annotated[list[StrictInt], Field(min_length=1)]
 Truncate = Literal["left", "none"]
@@ -22,16 +24,23 @@ Source = Literal["model", "popularity"]
 
 
 class RecommendRequest(BaseModel):
-    """A user's history, in exactly one of three forms, and the search knobs.
+    """A user's history, in exactly one of five forms, and the search knobs.
 
-    - ``history_items``: catalog item ids, oldest first; each is mapped to its SID.
+    - ``history_items``: catalog item ids, oldest first; each is mapped to its SID (wrapped in ``sid_begin`` /
+      ``sid_end`` where the layout has them).
     - ``history_sids``: SIDs, one ``[c_0, ..., c_{depth-1}]`` list per item (code ``c_l`` in ``[0, codebook_size_l)``).
     - ``history_tokens``: raw prompt token ids, each in ``[0, vocab_size)``.
+    - ``prompt``: text with the items written as SID token text, encoded with the model's tokenizer.
+    - ``messages``: a chat (OpenAI's messages), rendered with the model's chat template.
+
+    ``max_think_tokens`` > 0: the model first writes free text (greedy) until ``sid_begin``
+    (think-then-recommend, ``engine/think.py``); the text comes back in ``thinking``.
 
     ``exclude_items`` are never returned; with ``include_items`` and/or ``include_sid_prefix`` only the items they
     allow are (both inside the beam search, equal to a search over the catalog restricted to them).
-    An empty history is a new user (cold start): answered from the popularity order (``catalog/popularity.py``).
-    ``truncate``: a history longer than the server's ``--max-prompt-tokens`` keeps its newest entries that fit
+    An empty history (``history_*``) is a new user (cold start): where it lays out to no prompt token, it is answered
+    from the popularity order (``catalog/popularity.py``).
+    ``truncate``: a ``history_*`` longer than the server's ``--max-prompt-tokens`` keeps its newest entries that fit
     (``"left"``) or is refused with 413 (``"none"``); unset: the server's ``--truncate`` (default ``"left"``).
     """
 
@@ -40,6 +49,9 @@ class RecommendRequest(BaseModel):
     history_items: list[StrictInt] | None = None
     history_sids: list[list[StrictInt]] | None = None
     history_tokens: list[StrictInt] | None = None
+    prompt: Annotated[StrictStr, Field(min_length=1)] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    max_think_tokens: Annotated[StrictInt, Field(ge=0)] = 0
     beam_width: Annotated[StrictInt, Field(ge=1)] | None = None  # None → the server's SearchConfig.beam_width
     top_n: Annotated[StrictInt, Field(ge=1)] = 10
     exclude_items: list[StrictInt] | None = None  # catalog item ids never returned (masked inside the search)
@@ -53,12 +65,13 @@ class RecommendRequest(BaseModel):
         given = [name for name in HISTORY_FIELDS if getattr(self, name) is not None]
         if not given:
             raise PydanticCustomError(
-                "history_missing", "exactly one of history_items, history_sids, history_tokens is required")
+                "history_missing", "exactly one of history_items, history_sids, history_tokens, prompt, messages "
+                                   "is required")
         if len(given) > 1:
             raise PydanticCustomError(
                 "history_ambiguous",
-                "exactly one of history_items, history_sids, history_tokens may be given, got {given}",
-                {"given": ", ".join(given)})
+                "exactly one of history_items, history_sids, history_tokens, prompt, messages may be given, got "
+                "{given}", {"given": ", ".join(given)})
         return self
 
     @property
@@ -83,6 +96,7 @@ class RecommendResponse(BaseModel):
     items: list[ItemOut]  # best first
     source: Source = "model"  # "popularity": the history laid out to no prompt token (cold start)
     history_dropped: int = 0  # oldest history entries (items, SIDs or tokens, as given) cut by truncate "left"
+    thinking: str | None = None  # max_think_tokens > 0: the text the model wrote before its first SID token
     beam_width: int
     catalog_version: int
     timing: Timing
