@@ -54,7 +54,7 @@ class CacheBenchConfig(Checked):
     policies: str = flag("lru,opt,fpb,hf,laru", "comma-separated policies (lfu, density, leader also available)",
                          check=comma_list(str.lower, allowed=POLICIES))
     learned: bool = flag(True, "the LightGBM-predictor rows (--no-learned: skip them)")
-    quick: bool = flag(False, "small traces and one cache size per trace (~30 s)")
+    quick: bool = flag(False, "small traces and one cache size per trace (2.5-4 min on a loaded 2-core machine)")
     out_dir: str = flag("bench-results", "where the PNG and the JSON are written", metavar="DIR")
     laru_decay: str = flag("1", "LARU λ ← λ/b every N prediction-induced misses: 1 (Algorithm 1, DLRM setting) or "
                                 "'auto' (the LLM setting, ⌈k/32⌉ for k > 64: better with a decent predictor, weaker "

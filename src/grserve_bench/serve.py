@@ -36,7 +36,8 @@ TABLE3 = {"sharegpt": (1.0, 1.0), "humaneval": (0.5, 0.5), "longbench": (4.0, 1.
 class ServeBenchConfig(Checked):
     """The knobs of ``grserve bench serve``."""
 
-    quick: bool = flag(False, "few requests, few rates, short decode benchmark")
+    quick: bool = flag(False, "few requests, few rates, short decode benchmark (7-20 min on a loaded 2-core "
+                                "machine, the simulator included)")
     simulate: bool = flag(False, "discrete-event simulator, OPT-13B on an A100")
     paper_tables: bool = flag(False, "with --simulate: the paper's Tables 4 and 5 in shape, then effective "
                                      "throughput at 90%% / 60%% attainment of fcfs, chunked, aptserve on the three "
