@@ -162,7 +162,7 @@ def test_a_missing_trace_file_is_one_line_naming_it_and_where_to_get_it(capsys, 
     assert "Mooncake" in capsys.readouterr().err
     assert cli.main(["bench", "cache", "--trace-file", missing]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and missing in err
+    assert err.count("\n") == 1 and missing in err and "github.com/kvcache-ai/Mooncake" in err
 
 
 def test_the_gpu_bench_without_a_gpu_is_one_line(capsys):

@@ -326,7 +326,10 @@ def run_trace_file(cfg: CacheBenchConfig) -> int:
     from grserve.flags import UsageError
 
     if not os.path.exists(cfg.trace_file):
-        raise UsageError(f"--trace-file: no such file {cfg.trace_file!r}")
+        from grserve_bench.cluster import TRACE_SOURCE
+
+        raise UsageError(f"--trace-file: no such file {cfg.trace_file!r} (a Mooncake JSONL with hash_ids, e.g. "
+                         f"{TRACE_SOURCE}, or a file of one key per line)")
     summary = run_trace_bench(cfg.trace_file, split_commas(cfg.sizes, float), split_commas(cfg.modes),
                               split_commas(cfg.trace_policies), cfg.max_requests)
     print_tables(summary)
