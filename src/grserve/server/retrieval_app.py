@@ -34,6 +34,7 @@ from grserve.server.schemas import (
     Timing,
 )
 from grserve.server.validators import INT64_MAX, INT64_MIN, check_length, int64_in_range, token_ids, unknown_ids
+from grserve.state.store import StateStore
 
 log = logging.getLogger("grserve.server")
 _ERRORS: dict[int | str, dict[str, Any]] = {k: {} for k in (400, 401, 404, 413, 415, 422, 429, 500, 503)}
@@ -142,9 +143,11 @@ def excluded_items(body: RecommendRequest, server_cfg: ServerConfig) -> np.ndarr
 # the app
 # ----------------------------------------------------------------------------------------------------------
 def create_app(engine: RetrievalService, server_cfg: ServerConfig, metrics: Metrics | None = None,
-               edge: EdgeConfig | None = None, reload: CatalogReloadConfig | None = None) -> FastAPI:
+               edge: EdgeConfig | None = None, reload: CatalogReloadConfig | None = None,
+               store: StateStore | None = None) -> FastAPI:
     """The retrieval app around a started (or to-be-started) retrieval engine or cluster front end (the
-    ``RetrievalService`` protocol); the caller owns start/stop."""
+    ``RetrievalService`` protocol); the caller owns start/stop. ``store``: where reloads are kept (memory only
+    without one)."""
     app = new_app(engine, metrics, title="grserve",
                   description="Generative-recommender retrieval: history in, top items by SID beam search out.",
                   groups=("history",), detail=lambda: {"catalog": catalog_info(engine.catalogs.current()).model_dump(),
@@ -152,7 +155,7 @@ def create_app(engine: RetrievalService, server_cfg: ServerConfig, metrics: Metr
                   edge=edge, admin_routes=ADMIN_ROUTES, queued_routes=frozenset({("POST", "/v1/recommend")}))
     metrics = app.state.metrics
     app.state.server_cfg = server_cfg
-    reloader = CatalogReloader(reload or CatalogReloadConfig(), engine.catalogs, int(engine.vocab_size))
+    reloader = CatalogReloader(reload or CatalogReloadConfig(), engine.catalogs, int(engine.vocab_size), store)
     app.state.reloader = reloader
 
     @app.post("/v1/recommend", response_model=RecommendResponse, responses=_ERRORS)
