@@ -118,12 +118,13 @@ def test_catalog_reload_survives_kill_9_and_the_file_changing(tmp_path):
     args = ["retrieval", "--num-items", "500", "--beam-width", "8", "--catalog-dir", str(cat_dir),
             "--state-dir", str(state)]
     history = {"history_items": [10_000, 10_001, 10_002], "top_n": 4, "beam_width": 8}
-    with _server(args, tmp_path / "first.log") as (proc, url, _):
+    with _server(args, tmp_path / "first.log") as (proc, url, log):
+        assert "no catalog reload stored" in log.read_text()
         assert _post(url, "/v1/catalog", {"name": "v2.grcat"})["catalog"]["version"] == 2
         _kill9(proc)
     save_catalog(_shifted_catalog(2, 50_000), cat_dir / "v2.grcat")  # the file changes after the acknowledgement
     with _server(args, tmp_path / "second.log") as (proc, url, log):
-        assert "catalog 'v2.grcat' version 2" in log.read_text()
+        assert "restored catalog 'v2.grcat' version 2" in log.read_text()
         catalog = httpx.get(url + "/health").json()["catalog"]
         assert (catalog["version"], catalog["num_items"]) == (2, 300)
         got = _post(url, "/v1/recommend", history)

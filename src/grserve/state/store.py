@@ -61,7 +61,7 @@ class StoredState:
 
 class StateStore:
     def __init__(self, state_dir: str, mode: str) -> None:
-        self.path = os.path.join(state_dir, FILE)
+        self.path, self.mode = os.path.join(state_dir, FILE), mode
         self._lock = threading.Lock()  # one connection, shared by the threads that write through it
         self._lock_fd: int | None = None
         self._db: sqlite3.Connection | None = None
@@ -240,6 +240,10 @@ def state_line(store: StateStore | None, state: StoredState) -> str:
     """The start-up line: where the state lives and what was restored, or that it lives in memory only."""
     if store is None:
         return MEMORY_ONLY
-    cat = f", catalog {state.catalog.source!r} version {state.catalog.version}" if state.catalog is not None else ""
-    return (f"state: {store.path} (SQLite WAL, synchronous=FULL; kept across restarts): restored "
-            f"{len(state.users)} users, {len(state.items)} items{cat}")
+    if store.mode == "ranking":
+        restored = f"restored {len(state.users)} users, {len(state.items)} items"
+    elif state.catalog is not None:
+        restored = f"restored catalog {state.catalog.source!r} version {state.catalog.version}"
+    else:
+        restored = "no catalog reload stored (the start-up catalog serves)"
+    return f"state: {store.path} (SQLite WAL, synchronous=FULL; kept across restarts): {restored}"
