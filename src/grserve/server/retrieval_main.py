@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from grserve.config import (
     AccelConfig,
+    BeamApiConfig,
     CatalogConfig,
     CatalogReloadConfig,
     ClusterConfig,
@@ -44,6 +45,7 @@ def add_command(sub) -> None:
     add_flags(p, d.scheduler, title="batching")
     add_flags(p, d.server, title="HTTP")
     add_edge_flags(p, reload=True)
+    add_flags(p, d.beams, title="OpenAI beam routes (docs/serving-gr-models.md)")
     add_flags(p, d.state, title="state across restarts (docs/security.md)")
     add_flags(p, d.accel, title="accelerator (docs/gpu.md)")
     add_flags(p, ClusterConfig, title="cluster (several instances on Ray; docs/cluster.md)", skip=GR_CLUSTER_SKIP)
@@ -64,6 +66,7 @@ def config_from_args(ns: argparse.Namespace) -> ServeConfig:
         accel=from_args(AccelConfig, ns),
         cluster=from_args(ClusterConfig, ns),
         state=from_args(StateConfig, ns),
+        beams=from_args(BeamApiConfig, ns),
     )
 
 
@@ -81,7 +84,6 @@ def run(cfg: ServeConfig) -> int:
     from grserve.engine.retrieval_engine import RetrievalEngine
     from grserve.server.serving import serve_until_exit
     from grserve.server.metrics import Metrics
-    from grserve.server.retrieval_app import create_app
 
     metrics = Metrics()
     try:
@@ -89,9 +91,10 @@ def run(cfg: ServeConfig) -> int:
         restore_catalog(engine.catalogs, stored.catalog)
     except (ValueError, KeyError, OSError) as exc:  # CatalogError is a ValueError: bad file, vocab mismatch...
         raise _usage_error(exc) from None
-    app = create_app(engine, cfg.server, metrics, cfg.edge, cfg.reload, store)
+    app = create_app_for(engine, cfg, metrics, store)
     print(f"grserve: {state_line(store, stored)}", flush=True)
     cat = engine.catalogs.current()
+    print_layout(engine)
     print(f"grserve: model {cfg.model.source} ({cfg.model.dtype}, {cfg.model.device}), catalog {len(cat):,} items "
           f"(depth {cat.depth}, codebooks {list(cat.codebook_sizes)}), default beam width {cfg.search.beam_width} "
           f"-> {_url(cfg.server)}", flush=True)
@@ -122,6 +125,7 @@ def run_cluster(cfg: ServeConfig, store: StateStore | None, stored: StoredState)
         raise _usage_error(exc) from None
     app = cluster_app(engine, lambda m: create_app_for(engine, cfg, m, store))
     cat = engine.catalogs.current()
+    print_layout(engine)
     for line in engine.describe():
         print(f"grserve: {line}", flush=True)
     print(f"grserve: model {cfg.model.source} ({cfg.model.dtype}, {cfg.model.device}) on {cfg.cluster.instances} "
@@ -145,10 +149,23 @@ def restore_started(engine, stored: StoredState) -> None:
         raise
 
 
+def served_model_name(cfg: ServeConfig) -> str:
+    """The OpenAI routes' model id: ``--served-model-name``, else ``--model`` as given."""
+    return cfg.beams.served_model_name or cfg.model.source
+
+
+def print_layout(engine) -> None:
+    """The SID layout the catalog serves with, and what was inferred from the tokenizer (if anything)."""
+    note = getattr(engine, "layout_note", None)
+    if note:
+        print(f"grserve: {note}", flush=True)
+    print(f"grserve: SID layout: {engine.catalogs.current().layout.describe()}", flush=True)
+
+
 def create_app_for(engine, cfg: ServeConfig, metrics, store: StateStore | None = None):
     from grserve.server.retrieval_app import create_app
 
-    return create_app(engine, cfg.server, metrics, cfg.edge, cfg.reload, store)
+    return create_app(engine, cfg.server, metrics, cfg.edge, cfg.reload, cfg.beams, served_model_name(cfg), store)
 
 
 def cluster_app(engine, make_app):
