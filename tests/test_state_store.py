@@ -270,3 +270,39 @@ def test_one_server_per_directory_and_mode(tmp_path):
     StateStore(str(tmp_path), "ranking").close()
     assert open_state(None, "ranking")[0] is None
     assert state_line(None, StoredState()) == MEMORY_ONLY and "lost" in MEMORY_ONLY
+
+
+def test_a_stored_catalog_keeps_its_sid_text_and_is_bound_again(tmp_path):
+    """A catalog whose SIDs are tokenizer tokens is stored with its SID text (as ``.grcat`` bytes) and bound to the
+    tokenizer again when restored: the served layout maps every code to the same token id, at the stored version."""
+    import json
+
+    from grserve.catalog import CatalogStore, load_catalog
+    from grserve.catalog.sid_text import bind_catalog
+    from grserve.state.store import restore_catalog
+
+    ids = {f"<a_{c}>": 100 + 7 * c for c in range(3)} | {f"<b_{c}>": 250 - 3 * c for c in range(6)}
+
+    class Vocab:
+        def encode_each(self, texts):
+            return [[ids[t]] for t in texts]
+
+        def added_tokens(self):
+            return dict(ids)
+
+    path = tmp_path / "c.jsonl"
+    path.write_text("".join(json.dumps({"item_id": i, "sid_tokens": [f"<a_{i % 3}>", f"<b_{i}>"]}) + "\n"
+                            for i in range(6)))
+    bind = lambda c: bind_catalog(c, Vocab())[0]  # noqa: E731
+    served = bind(load_catalog(path))
+    assert not served.layout.is_arithmetic
+    store = StateStore(str(tmp_path / "state"), "retrieval")
+    store.put_catalog(served, 4)
+    stored = store.load().catalog
+    store.close()
+    catalogs = CatalogStore(served, vocab_size=300, bind=bind)
+    restore_catalog(catalogs, stored)
+    got = catalogs.current()
+    assert got.version == 4 and got.layout == served.layout and got.source == served.source
+    np.testing.assert_array_equal(got.item_ids, served.item_ids)
+    np.testing.assert_array_equal(got.sids, served.sids)

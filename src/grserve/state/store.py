@@ -1,9 +1,9 @@
 """The durable state of one server: an SQLite database (stdlib ``sqlite3``) in WAL mode under ``--state-dir``.
 
 What is kept, and nothing else: ranking's registered users and items (each id's newest tokens, numbered in the order
-of their last write) and retrieval's current catalog **as parsed** — item ids, SIDs, layout, the name it was loaded
-from, its version and a digest — never a path, so a restart serves the acknowledged catalog whatever became of the
-file since.
+of their last write) and retrieval's current catalog **as parsed**, as ``.grcat`` bytes (item ids, SIDs, the layout
+and SID text it declares) with the name it was loaded from, its version and a digest — never a path, so a restart
+serves the acknowledged catalog whatever became of the file since.
 
 A write is one transaction, committed with ``synchronous=FULL`` (the WAL is fsynced at every commit) before the
 route applies it and answers: an answered write survives kill -9, SIGTERM and a power cut. A write torn by a kill is
@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
-import json
+import io
 import os
 import sqlite3
 import threading
@@ -39,7 +39,7 @@ _TABLES = (
     "tokens BLOB NOT NULL, PRIMARY KEY (kind, id))",  # id as decimal text: any integer a client may send
     "CREATE INDEX IF NOT EXISTS registry_seq ON registry (seq)",
     "CREATE TABLE IF NOT EXISTS catalog (one INTEGER PRIMARY KEY CHECK (one = 1), version INTEGER NOT NULL, "
-    "name TEXT NOT NULL, layout TEXT NOT NULL, item_ids BLOB NOT NULL, sids BLOB NOT NULL, digest TEXT NOT NULL)",
+    "name TEXT NOT NULL, grcat BLOB NOT NULL, digest TEXT NOT NULL)",
 )
 MEMORY_ONLY = ("state: memory only (no --state-dir): registered users and items and catalog reloads are lost when "
                "the server stops")
@@ -127,12 +127,14 @@ class StateStore:
 
     def put_catalog(self, catalog: Catalog, version: int) -> None:
         """The catalog to serve at ``version`` (it replaces the stored one)."""
-        layout = json.dumps({"codebook_sizes": [int(c) for c in catalog.codebook_sizes],
-                             "token_offset": int(catalog.layout.token_offset)})
-        ids, sids = catalog.item_ids.astype("<i8").tobytes(), catalog.sids.astype("<i4").tobytes()
+        from grserve.catalog.io import write_grcat
+
+        buf = io.BytesIO()
+        write_grcat(catalog, buf)
+        blob = buf.getvalue()
         with self._transaction() as db:
-            db.execute("INSERT OR REPLACE INTO catalog VALUES (1, ?, ?, ?, ?, ?, ?)",
-                       (int(version), catalog.source, layout, ids, sids, _digest(layout, ids, sids)))
+            db.execute("INSERT OR REPLACE INTO catalog VALUES (1, ?, ?, ?, ?)",
+                       (int(version), catalog.source, blob, hashlib.blake2b(blob, digest_size=16).hexdigest()))
 
     # ---- reads --------------------------------------------------------------------------------------------------
     def load(self) -> StoredState:
@@ -140,7 +142,7 @@ class StateStore:
             with self._lock:
                 db = self._conn()
                 rows = db.execute("SELECT kind, id, tokens FROM registry ORDER BY seq").fetchall()
-                cat = db.execute("SELECT version, name, layout, item_ids, sids, digest FROM catalog").fetchone()
+                cat = db.execute("SELECT version, name, grcat, digest FROM catalog").fetchone()
         except sqlite3.Error as exc:
             raise StateError(f"{self.path}: cannot read the state store ({exc})") from None
         state = StoredState(catalog=self._catalog(*cat) if cat is not None else None)
@@ -148,16 +150,12 @@ class StateStore:
             (state.users if kind == "user" else state.items).append((int(key), np.frombuffer(blob, "<i8").copy()))
         return state
 
-    def _catalog(self, version: int, name: str, layout: str, ids: bytes, sids: bytes, digest: str) -> Catalog:
-        from grserve.catalog import Catalog
+    def _catalog(self, version: int, name: str, blob: bytes, digest: str) -> Catalog:
+        from grserve.catalog.io import read_catalog
 
-        if _digest(layout, ids, sids) != digest:
+        if hashlib.blake2b(blob, digest_size=16).hexdigest() != digest:
             raise StateError(f"{self.path}: the stored catalog {name!r} does not match its digest")
-        meta = json.loads(layout)
-        depth = len(meta["codebook_sizes"])
-        catalog = Catalog.from_arrays(np.frombuffer(ids, "<i8").astype(np.int64),
-                                      np.frombuffer(sids, "<i4").reshape(-1, depth).astype(np.int64),
-                                      meta["codebook_sizes"], meta["token_offset"], name)
+        catalog = read_catalog(io.BytesIO(blob), ".grcat", name, len(blob))
         catalog.version = int(version)
         return catalog
 
@@ -171,13 +169,6 @@ class StateStore:
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # the directory is free for the next server
         self._db = self._lock_fd = None
-
-
-def _digest(layout: str, ids: bytes, sids: bytes) -> str:
-    h = hashlib.blake2b(layout.encode(), digest_size=16)
-    h.update(ids)
-    h.update(sids)
-    return h.hexdigest()
 
 
 def _lock_dir(state_dir: str) -> int:
@@ -225,15 +216,19 @@ def restore_registry(registry: RankingRegistry, state: StoredState) -> None:
 
 
 def restore_catalog(catalogs: CatalogStore, catalog: Catalog | None) -> None:
-    """Serve the stored catalog at its version; it must fit the served model as a reload must (the same layout)."""
+    """Serve the stored catalog at its version, bound to the served model as a reload is (its SID text resolved by
+    the tokenizer); it must have the served depth and codebook sizes, as a reload must."""
     if catalog is None:
         return
-    served = catalogs.current().layout
-    if catalog.layout != served:
-        raise UsageError(f"--state-dir: the stored catalog {catalog.source!r} (version {catalog.version}) has layout "
-                         f"{catalog.layout}, the served model's is {served}: start with the model and catalog it "
-                         "was stored for, or another --state-dir")
-    catalogs.replace(catalog, catalog.version)
+    version = catalog.version
+    bound = catalogs.bind(catalog) if catalogs.bind is not None else catalog
+    new, served = bound.layout, catalogs.current().layout
+    if (new.depth, new.codebook_sizes) != (served.depth, served.codebook_sizes):
+        raise UsageError(f"--state-dir: the stored catalog {catalog.source!r} (version {version}) has depth "
+                         f"{new.depth} and codebook sizes {list(new.codebook_sizes)}, the served model's layout "
+                         f"{served.depth} and {list(served.codebook_sizes)}: start with the model it was stored for, "
+                         "or another --state-dir")
+    catalogs.replace(bound, version)
 
 
 def state_line(store: StateStore | None, state: StoredState) -> str:
