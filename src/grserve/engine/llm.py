@@ -123,10 +123,14 @@ class ModelExecutor:
     """Runs one packed forward over the hybrid cache; for the requests that sample it returns their logits, or,
     when every one of them is greedy, their token ids (list) chosen by the screened greedy head."""
 
-    def __init__(self, model, storage: HybridCacheStorage, screened_greedy: bool = True):
+    def __init__(self, model, storage: HybridCacheStorage, screened_greedy: bool = True, packed_linears: bool = True):
         self.model = model
         self.storage = storage
         spec = model.spec
+        if packed_linears:  # oneDNN-prepacked projections on a CPU (model/packed_linear.py); F.linear otherwise
+            from grserve.model.packed_linear import pack_linears
+
+            pack_linears(model)
         self.hkv, self.d = spec.num_key_value_heads, spec.head_dim
         # exact greedy argmax through a bf16 screen of the LM head (engine/greedy_head.py), fp32 models only
         self.greedy_head = None
@@ -522,11 +526,12 @@ class LLMEngine:
 
 def build_model_engine(model, scheduler: LLMScheduler, *, num_blocks: int, block_size: int = 16,
                        prefix_cache_tokens: int = 0, prefix_cache_policy: str = "leader",
-                       prefix_cache_mode: str = "share", **kw) -> LLMEngine:
+                       prefix_cache_mode: str = "share", packed_linears: bool = True, **kw) -> LLMEngine:
     """Engine over a real model: pool + storage sized from the model spec (planes of K/V width); with
     ``prefix_cache_tokens`` > 0 a prompt-prefix cache of that many tokens, evicting by ``prefix_cache_policy``:
     ``prefix_cache_mode="share"`` shares full cached blocks of the pool (``SharedPrefixCache``, at most
-    ⌊tokens / block_size⌋ groups), ``"copy"`` copies from a separate store (``PrefixKVStore``)."""
+    ⌊tokens / block_size⌋ groups), ``"copy"`` copies from a separate store (``PrefixKVStore``). ``packed_linears``:
+    the decoder's projections run on oneDNN-prepacked weights where the CPU build has them (``model/packed_linear``)."""
     spec = model.spec
     pool = BlockPool.for_model(num_blocks, block_size, spec.hidden_size, spec.kv_size)
     storage = HybridCacheStorage(pool, spec.num_hidden_layers, spec.kv_size, spec.hidden_size, dtype=model.dtype,
@@ -540,4 +545,4 @@ def build_model_engine(model, scheduler: LLMScheduler, *, num_blocks: int, block
         from grserve.kvcache.prefix_kv import PrefixKVStore
 
         kw["prefix_cache"] = PrefixKVStore.for_storage(storage, prefix_cache_tokens, prefix_cache_policy)
-    return LLMEngine(scheduler, pool, ModelExecutor(model, storage), **kw)
+    return LLMEngine(scheduler, pool, ModelExecutor(model, storage, packed_linears=packed_linears), **kw)

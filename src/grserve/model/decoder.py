@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from grserve.attention.context import AttentionContext
+from grserve.model.packed_linear import linear
 from grserve.model.spec import ModelSpec
 
 
@@ -138,17 +139,17 @@ class Decoder(nn.Module):
             h = layer.input_layernorm(x)
             if observe is not None:
                 observe(i, h)
-            q = F.linear(h, a.q_proj.weight, a.q_proj.bias).view(n, a.hq, a.d)
-            k = F.linear(h, a.k_proj.weight, a.k_proj.bias).view(n, a.hkv, a.d)
-            v = F.linear(h, a.v_proj.weight, a.v_proj.bias).view(n, a.hkv, a.d)
+            q = linear(h, a.q_proj).view(n, a.hq, a.d)
+            k = linear(h, a.k_proj).view(n, a.hkv, a.d)
+            v = linear(h, a.v_proj).view(n, a.hkv, a.d)
             if a.q_norm is not None:
                 q, k = a.q_norm(q), a.k_norm(k)
             o = ctx.attend(i, _rotate(q, cos, sin), _rotate(k, cos, sin), v)
-            x = x + F.linear(o.reshape(n, a.hq * a.d), a.o_proj.weight, a.o_proj.bias)
+            x = x + linear(o.reshape(n, a.hq * a.d), a.o_proj)
             m = layer.mlp
             h = layer.post_attention_layernorm(x)
-            g = F.silu(F.linear(h, m.gate_proj.weight)) * F.linear(h, m.up_proj.weight)
-            x = x + F.linear(g, m.down_proj.weight)
+            g = F.silu(linear(h, m.gate_proj)) * linear(h, m.up_proj)
+            x = x + linear(g, m.down_proj)
         return self.model.norm(x)
 
     def kv_from_hidden(self, layer: int, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,8 +160,8 @@ class Decoder(nn.Module):
         """
         a = self.model.layers[layer].self_attn
         n = h.shape[0]
-        k = F.linear(h, a.k_proj.weight, a.k_proj.bias).view(n, a.hkv, a.d)
-        v = F.linear(h, a.v_proj.weight, a.v_proj.bias).view(n, a.hkv, a.d)
+        k = linear(h, a.k_proj).view(n, a.hkv, a.d)
+        v = linear(h, a.v_proj).view(n, a.hkv, a.d)
         if a.k_norm is not None:
             k = a.k_norm(k)
         cos, sin = self.rope(positions)
