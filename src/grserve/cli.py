@@ -3,7 +3,7 @@
 ::
 
     grserve serve [retrieval] | ranking | llm        server/retrieval_main.py, ranking_main.py, llm_main.py
-    grserve bench retrieval | cache | ranking | serve | quality | cluster | pd
+    grserve bench retrieval | cache | ranking | serve | quality | cluster | pd | peers
     grserve catalog generate | validate | build
 
 Each command module has ``add_command(sub)``: it adds its subcommand to a group with flags generated from config
@@ -27,6 +27,7 @@ from typing import Any, Sequence
 from grserve.bench import cache as bench_cache
 from grserve.bench import cluster as bench_cluster
 from grserve.bench import pd as bench_pd
+from grserve.bench import peers as bench_peers
 from grserve.bench import ranking as bench_ranking
 from grserve.bench import retrieval as bench_retrieval
 from grserve.bench import serve as bench_serve
@@ -143,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = _group(sub, "bench", "benchmarks", "Benchmarks; 'grserve bench BENCH --help' lists a benchmark's flags.",
                    "BENCH")
     for module in (bench_retrieval, bench_cache, movielens_quality, bench_ranking, bench_serve, bench_cluster,
-                   bench_pd):
+                   bench_pd, bench_peers):
         module.add_command(bench)
 
     catalog = _group(sub, "catalog", "generate, validate or build catalog files",

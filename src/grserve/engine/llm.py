@@ -127,10 +127,10 @@ class ModelExecutor:
         self.model = model
         self.storage = storage
         spec = model.spec
-        if packed_linears:  # oneDNN-prepacked projections on a CPU (model/packed_linear.py); F.linear otherwise
-            from grserve.model.packed_linear import pack_linears
+        from grserve.model.packed_linear import maybe_pack
 
-            pack_linears(model)
+        # oneDNN-prepacked projections on a CPU (model/packed_linear.py; the model is not changed); else F.linear
+        self.packed = maybe_pack(model, packed_linears)
         self.hkv, self.d = spec.num_key_value_heads, spec.head_dim
         # exact greedy argmax through a bf16 screen of the LM head (engine/greedy_head.py), fp32 models only
         self.greedy_head = None
@@ -159,7 +159,7 @@ class ModelExecutor:
         dev = self.storage.data.device
         ctx = HybridPagedContext(self.storage, slices, self.model.kv_from_hidden, self.hkv, self.d)
         with torch.inference_mode():
-            h = self.model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), ctx)
+            h = self.model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), ctx, packed=self.packed)
             if not rows:
                 return None, None
             last = h[torch.tensor(rows, device=dev)]

