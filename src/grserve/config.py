@@ -231,6 +231,9 @@ class LLMConfig(Checked):
     packed_linears: bool = flag(True, "run the decoder's projections on oneDNN-prepacked weights on a CPU "
                                       "(1.4-2x faster GEMMs at serving batch sizes; same math up to the fp32 "
                                       "summation order; doubles the projection weights' memory)")
+    decode_staging: bool = flag(True, "pure decode steps read K/V from a persistent head-major copy of the "
+                                      "batch's cache instead of gathering it from the pool every layer and step "
+                                      "(at most 1 GiB; attention/decode_staging.py)")
 
 
 @dataclass(frozen=True)
