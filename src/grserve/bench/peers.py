@@ -150,6 +150,18 @@ class Server:
         self.stop()
         raise RuntimeError(f"{cmd[0]} did not start in {timeout_s:g} s; see {log}")
 
+    def cpu_seconds(self) -> float:
+        """CPU time (user + system) of every live process of the server's session (its workers included)."""
+        tick, total = os.sysconf("SC_CLK_TCK"), 0
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == self.proc.pid:  # field 6 of stat: the session id
+                total += int(fields[11]) + int(fields[12])  # utime, stime
+        return total / tick
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGINT)
@@ -196,12 +208,14 @@ def client_run(vllm_bin: Path, server: Server, model_dir: Path, c: int, n: int, 
            "--max-concurrency", str(c), "--num-prompts", str(n), "--request-rate", "inf", "--seed", str(cfg.seed),
            "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,90", "--disable-tqdm",
            "--save-result", "--result-dir", str(out.parent), "--result-filename", name]
+    cpu = server.cpu_seconds()
     with open(out.with_suffix(".log"), "w") as f:
         subprocess.run(cmd, check=True, stdout=f, stderr=subprocess.STDOUT)
+    cpu = server.cpu_seconds() - cpu
     r = json.loads(out.read_text())
     return {"output_tok_s": r["output_throughput"], "ttft_p50_ms": r["median_ttft_ms"],
             "ttft_p90_ms": r["p90_ttft_ms"], "tpot_p50_ms": r["median_tpot_ms"], "completed": r["completed"],
-            "num_prompts": n}
+            "num_prompts": n, "server_cpu_ms_per_token": 1e3 * cpu / max(1, r["total_output_tokens"])}
 
 
 # ---- the serve part ----------------------------------------------------------------------------------------------
@@ -227,8 +241,8 @@ def serve_round(cfg: PeersBenchConfig, models: dict[str, Path], vllm_bin: Path, 
                     res["load"] = os.getloadavg()[0]
                     out["runs"][f"{name}/{c}/{system}"] = res
                     print(f"peers: round {rnd} {name} c={c} {system}: {res['output_tok_s']:.1f} tok/s, TTFT p50 "
-                          f"{res['ttft_p50_ms']:.0f} ms, TPOT p50 {res['tpot_p50_ms']:.1f} ms (load "
-                          f"{res['load']:.1f})", flush=True)
+                          f"{res['ttft_p50_ms']:.0f} ms, TPOT p50 {res['tpot_p50_ms']:.1f} ms, server CPU "
+                          f"{res['server_cpu_ms_per_token']:.2f} ms/token (load {res['load']:.1f})", flush=True)
     out["load_after"] = os.getloadavg()
     return out
 
@@ -248,7 +262,8 @@ def summarize_serve(rounds: list[dict], models: list[str], conc: list[int]) -> d
             for system in ("grserve", "vllm"):
                 runs = [r["runs"][f"{name}/{c}/{system}"] for r in rounds]
                 row[system] = {k: round(_median([x[k] for x in runs]), 2)
-                               for k in ("output_tok_s", "ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms")}
+                               for k in ("output_tok_s", "ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms",
+                                         "server_cpu_ms_per_token")}
                 row[system]["tok_s_spread"] = [round(min(x["output_tok_s"] for x in runs), 1),
                                                round(max(x["output_tok_s"] for x in runs), 1)]
             g, v = row["grserve"], row["vllm"]
