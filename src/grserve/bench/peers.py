@@ -415,8 +415,18 @@ def run(cfg: PeersBenchConfig) -> int:
         result["serve_load"] = [[round(x, 2) for x in r["load_before"]] + [round(r["load_after"][0], 2)]
                                 for r in rounds]
     if "offline" in parts:
-        result["offline"] = offline_part(cfg, served, vllm_bin, work)
+        result["offline"] = _guarded(offline_part, cfg, served, vllm_bin, work)
     if "gr" in parts:
-        result["gr"] = gr_part(cfg, models["tiny"], vllm_bin, work)
+        result["gr"] = _guarded(gr_part, cfg, models["tiny"], vllm_bin, work)
     print(json.dumps(result), flush=True)
     return 0
+
+
+def _guarded(part, *args) -> dict:
+    """A part that fails (a server that does not start, a peer that refuses a request) is reported in the JSON
+    line as ``{"error": ...}``; the parts before it keep their results."""
+    try:
+        return part(*args)
+    except Exception as exc:  # noqa: BLE001 - the benchmark's last line must still come out
+        print(f"peers: {part.__name__} failed: {type(exc).__name__}: {exc}", flush=True)
+        return {"error": f"{type(exc).__name__}: {exc}"}
