@@ -271,6 +271,8 @@ def summarize_serve(rounds: list[dict], models: list[str], conc: list[int]) -> d
             row["ttft_p50_ratio"] = round(g["ttft_p50_ms"] / v["ttft_p50_ms"], 3)  # grserve / vLLM: <= 1 is better
             row["tpot_p50_ratio"] = round(g["tpot_p50_ms"] / v["tpot_p50_ms"], 3)
             row["met"] = row["tok_s_ratio"] >= 1 and row["ttft_p50_ratio"] <= 1 and row["tpot_p50_ratio"] <= 1
+            # tokens per second of server CPU, grserve / vLLM (> 1: grserve does more with the CPU it gets)
+            row["tok_per_cpu_s_ratio"] = round(v["server_cpu_ms_per_token"] / g["server_cpu_ms_per_token"], 3)
             table[f"{name}/c{c}"] = row
     return table
 
