@@ -281,16 +281,23 @@ def summarize_serve(rounds: list[dict], models: list[str], conc: list[int]) -> d
 VLLM_OFFLINE = r'''
 import json, sys, time
 from vllm import LLM, SamplingParams
-job = json.loads(open(sys.argv[1]).read())
-llm = LLM(model=job["model"], dtype="float32", gpu_memory_utilization=0.25, max_model_len=4096, seed=0)
-sp = SamplingParams(temperature=0, max_tokens=job["max_tokens"], ignore_eos=True)
-prompts = [{"prompt_token_ids": p} for p in job["prompts"]]
-llm.generate(prompts[:1], sp, use_tqdm=False)  # warm-up
-t = time.perf_counter()
-outs = llm.generate(prompts, sp, use_tqdm=False)
-dt = time.perf_counter() - t
-ids = [list(o.outputs[0].token_ids) for o in outs]
-print("PEERS-JSON " + json.dumps({"seconds": dt, "tokens": sum(map(len, ids)), "outputs": ids}))
+
+
+def main():
+    job = json.loads(open(sys.argv[1]).read())
+    llm = LLM(model=job["model"], dtype="float32", gpu_memory_utilization=0.25, max_model_len=4096, seed=0)
+    sp = SamplingParams(temperature=0, max_tokens=job["max_tokens"], ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in job["prompts"]]
+    llm.generate(prompts[:1], sp, use_tqdm=False)  # warm-up
+    t = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    dt = time.perf_counter() - t
+    ids = [list(o.outputs[0].token_ids) for o in outs]
+    print("PEERS-JSON " + json.dumps({"seconds": dt, "tokens": sum(map(len, ids)), "outputs": ids}), flush=True)
+
+
+if __name__ == "__main__":  # vLLM starts its engine core with multiprocessing's spawn: the script must be importable
+    main()
 '''
 
 
