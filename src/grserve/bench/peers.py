@@ -389,7 +389,9 @@ def gr_part(cfg: PeersBenchConfig, tiny: Path, vllm_bin: Path, work: Path) -> di
                 post(srv.url + "/v1/recommend", {"history_tokens": prompts[i], "beam_width": bw, "top_n": 10})
             rec(0)  # warm-up
             rps["grserve"][bw] = closed_loop(rec, cfg.gr_requests, cfg.gr_concurrency)
-    with Server(server_cmd("vllm", tiny, cfg, vllm_bin), work / "server-vllm-beam.log", cfg.startup_timeout) as srv:
+    # vLLM's beam search asks its engine for 2 x beam-width log-probabilities per step (--max-logprobs, default 20)
+    vllm_beam = [*server_cmd("vllm", tiny, cfg, vllm_bin), "--max-logprobs", str(2 * max(bws))]
+    with Server(vllm_beam, work / "server-vllm-beam.log", cfg.startup_timeout) as srv:
         for bw in bws:
             def beam(i: int, bw: int = bw) -> None:
                 post(srv.url + "/v1/completions", {"model": str(tiny), "prompt": prompts[i], "max_tokens": 3,
