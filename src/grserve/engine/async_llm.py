@@ -101,6 +101,7 @@ class AsyncLLMEngine:
         core = build_model_engine(model, pol, num_blocks=c.num_blocks, block_size=c.block_size,
                                   prefix_cache_tokens=c.prefix_cache_tokens,
                                   prefix_cache_policy=c.prefix_cache_policy, prefix_cache_mode=c.prefix_cache_mode,
+                                  packed_linears=c.packed_linears, decode_staging=c.decode_staging,
                                   eos_token_id=tok.eos_token_id, detokenize=tok.decode,
                                   decoder_factory=tok.decode_stream)
         return cls(core, tok, model, cfg.edge)
