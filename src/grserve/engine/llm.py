@@ -91,6 +91,7 @@ class Sequence:
     prefix_saved: bool = False  # this (re)prefill's tokens were offered to the prefix cache
     cached_tokens: int = 0  # prompt tokens its last admission took from the prefix cache (usage.cached_tokens)
     last_scheduled: float | None = None  # start of the last iteration that computed tokens for it (pending time)
+    first_scheduled: float | None = None  # start of the first one (its queue time ends there)
     priority: str = "online"  # "online" | "offline" (co-location, scheduler/colocation.py)
 
     @property
@@ -354,6 +355,8 @@ class LLMEngine:
         t0 = self.clock()
         for it in items:
             it.seq.last_scheduled = t0
+            if it.seq.first_scheduled is None:
+                it.seq.first_scheduled = t0
         logits, duration = self.executor.execute(items, self.pool)
         if duration is not None:  # simulated executor: advance the virtual clock
             self.clock_advance(duration)

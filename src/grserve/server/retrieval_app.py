@@ -20,6 +20,7 @@ from grserve.config import CatalogReloadConfig, EdgeConfig, ServerConfig
 from grserve.engine.protocol import RetrievalService
 from grserve.engine.types import RetrievalRequest, RetrievalResult
 from grserve.server.app import new_app
+from grserve.server.bodies import Precheck
 from grserve.server.catalog_reload import CatalogReloader
 from grserve.server.errors import ApiError
 from grserve.server.lifecycle import finish, submit
@@ -126,16 +127,37 @@ def catalog_info(catalog: Any) -> CatalogInfo:
                        codebook_sizes=[int(c) for c in catalog.codebook_sizes])
 
 
+def _check_excluded(n: int, server_cfg: ServerConfig) -> None:
+    limit = int(server_cfg.max_exclude_items)
+    if n > limit:
+        raise ApiError(413, f"exclude_items: {n} items, more than the limit of {limit}", "exclude_items",
+                       "too_many_excluded")
+
+
 def excluded_items(body: RecommendRequest, server_cfg: ServerConfig) -> np.ndarray | None:
     """``exclude_items`` as int64 ids (413 over ``--max-exclude-items``). Ids the catalog does not know — and ids
     beyond int64, which no catalog can hold — exclude nothing and are dropped (decided: docs/security.md)."""
     if not body.exclude_items:
         return None
-    limit = int(server_cfg.max_exclude_items)
-    if len(body.exclude_items) > limit:
-        raise ApiError(413, f"exclude_items: {len(body.exclude_items)} items, more than the limit of {limit}",
-                       "exclude_items", "too_many_excluded")
+    _check_excluded(len(body.exclude_items), server_cfg)
     return np.asarray([v for v in body.exclude_items if INT64_MIN <= v <= INT64_MAX], dtype=np.int64)
+
+
+def recommend_precheck(engine: RetrievalService, server_cfg: ServerConfig) -> Precheck:
+    """The cheap length checks of ``/v1/recommend`` on its raw JSON (``bodies.py``: before it is validated): the
+    history as prompt tokens (a SID or an item lays out to ``depth`` tokens) and ``exclude_items``."""
+
+    def check(raw: Any) -> None:
+        if not isinstance(raw, dict):
+            return
+        depth = int(engine.catalogs.current().depth)
+        for name, tokens_each in (("history_tokens", 1), ("history_items", depth), ("history_sids", depth)):
+            if isinstance(raw.get(name), list):
+                _too_long(len(raw[name]) * tokens_each, int(server_cfg.max_prompt_tokens), name)
+        if isinstance(raw.get("exclude_items"), list):
+            _check_excluded(len(raw["exclude_items"]), server_cfg)
+
+    return check
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -149,8 +171,11 @@ def create_app(engine: RetrievalService, server_cfg: ServerConfig, metrics: Metr
                   description="Generative-recommender retrieval: history in, top items by SID beam search out.",
                   groups=("history",), detail=lambda: {"catalog": catalog_info(engine.catalogs.current()).model_dump(),
                                                        "vocab_size": int(engine.vocab_size)},
-                  edge=edge, admin_routes=ADMIN_ROUTES, queued_routes=frozenset({("POST", "/v1/recommend")}))
+                  edge=edge, admin_routes=ADMIN_ROUTES, queued_routes=frozenset({("POST", "/v1/recommend")}),
+                  prechecks={"/v1/recommend": recommend_precheck(engine, server_cfg)},
+                  max_brackets=int(server_cfg.max_prompt_tokens) + 64)  # a SID a list: more is too long anyway
     metrics = app.state.metrics
+    metrics.bind_gr_stats(lambda: engine.stats())  # read at scrape time
     app.state.server_cfg = server_cfg
     reloader = CatalogReloader(reload or CatalogReloadConfig(), engine.catalogs, int(engine.vocab_size))
     app.state.reloader = reloader
@@ -161,16 +186,17 @@ def create_app(engine: RetrievalService, server_cfg: ServerConfig, metrics: Metr
         catalog = engine.catalogs.current()  # one snapshot for the whole conversion
         beam_width = _search_knobs(body, engine.search, server_cfg)
         prompt = history_tokens(body, catalog, int(engine.vocab_size), int(server_cfg.max_prompt_tokens))
-        kwargs = {"request_id": body.request_id} if body.request_id is not None else {}
+        # the engine's key (its cancel key) is the server's own: a client's request_id is only echoed, so a client
+        # that reuses another's id and disconnects cancels nothing but its own request
         req = RetrievalRequest(prompt_tokens=prompt, beam_width=beam_width, top_n=body.top_n,
-                               exclude_items=excluded_items(body, server_cfg), **kwargs)
+                               exclude_items=excluded_items(body, server_cfg))
         result: RetrievalResult = await finish(request, engine, submit(engine, req))
         items = [ItemOut(item_id=int(it.item_id), sid=[int(c) for c in it.sid],
                          score=float(it.score) if math.isfinite(float(it.score)) else -1e30)
                  for it in result.items]
         metrics.observe_items(len(items))
         return RecommendResponse(
-            request_id=result.request_id or req.request_id, items=items, beam_width=beam_width,
+            request_id=body.request_id or req.request_id, items=items, beam_width=beam_width,
             catalog_version=int(result.catalog_version),
             timing=Timing(queue_ms=float(result.queue_ms), compute_ms=float(result.compute_ms),
                           total_ms=(time.perf_counter() - t0) * 1000.0),
