@@ -24,7 +24,7 @@ step() {  # step NAME SECONDS CMD...: run CMD under a time limit, log to $OUT/NA
     echo "== $name rc=$rc $((SECONDS - t0))s"
     tail -n "${TAIL:-4}" "$OUT/$name.log"
 }
-BENCH="python3 -m grserve.cli bench retrieval --device cuda"
+BENCH="python3 -m grserve_bench retrieval --device cuda"
 PYTEST="python3 -m pytest -q -p no:cacheprovider -rfEs"
 case $MODE in
 quick)

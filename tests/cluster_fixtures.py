@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from grserve.cluster.llm_cluster import ClusterLLMEngine
+from grserve.cluster.llm.front_end import ClusterLLMEngine
 from grserve.config import ClusterConfig, LLMServeConfig
 
 HEARTBEAT_S = 6.0  # a loaded 2-core machine starved healthy instances past 3 s of silence (fenced, then requests lost)

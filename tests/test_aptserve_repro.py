@@ -10,9 +10,9 @@ import time
 import numpy as np
 import pytest
 
-from grserve.bench.aptserve_repro import Runner, Setting, kv_blocks_opt13b_a100, trace_for
-from grserve.bench.llm_workloads import LENGTH_DISTRIBUTIONS, attainment, make_trace, p99, sample_lengths
-from grserve.bench.simulator import (
+from grserve_bench.aptserve_repro import Runner, Setting, kv_blocks_opt13b_a100, trace_for
+from grserve_bench.llm_workloads import LENGTH_DISTRIBUTIONS, attainment, make_trace, p99, sample_lengths
+from grserve_bench.simulator import (
     CostModel,
     RequestRecord,
     SimulatedExecutor,

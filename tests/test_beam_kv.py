@@ -6,7 +6,23 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grserve.kvcache.beam import BeamKV, two_pass_inplace_reorder
+from grserve.kvcache.beam import BeamKV
+
+
+def two_pass_inplace_reorder(rows: torch.Tensor, parents: list[int]) -> None:
+    """The paper's in-place reorder with direction indices (xGR §5.1), on dim 0 of ``rows``.
+
+    Pass 1 does the "upward" writes (parent[i] > i) top to bottom, pass 2 the "downward" writes (parent[i] < i)
+    bottom to top. Equal to the gather ``rows[i] = old[parents[i]]`` only when ``parents`` is non-decreasing
+    (new beams ordered by parent); callers must sort the selected beams by parent first.
+    """
+    n = len(parents)
+    for i in range(n):
+        if parents[i] > i:
+            rows[i].copy_(rows[parents[i]])
+    for i in reversed(range(n)):
+        if parents[i] < i:
+            rows[i].copy_(rows[parents[i]])
 
 
 def make_kv(lens=(5, 9), bw=4, nd=3):

@@ -3,8 +3,8 @@ read off a coarse grid (a grid of 0.5 req/s steps put FCFS's cliff at 0.66 inste
 
 from __future__ import annotations
 
-from grserve.bench.llm_workloads import effective_throughput
-from grserve.bench.serve import _refine
+from grserve_bench.llm_workloads import effective_throughput
+from grserve_bench.serve import _refine
 
 
 class _Bar:
@@ -34,7 +34,7 @@ def test_refine_leaves_curves_without_a_crossing_alone():
 
 
 def test_sweep_stops_a_system_past_its_wall():
-    from grserve.bench.serve import _sweep
+    from grserve_bench.serve import _sweep
 
     calls = []
 

@@ -1,20 +1,27 @@
 """The one command line: every subcommand's --help works, shows every default and imports no torch; bad values exit
 2 naming the flag; `grserve serve` defaults to retrieval; every old flag name still parses; each command's config
-comes from its dataclass defaults (one place)."""
+comes from its dataclass defaults (one place); `grserve bench` comes from the lab package through an entry point,
+the product never imports the lab, and without the lab `grserve bench` says in one line how to get it."""
 
 from __future__ import annotations
 
 import argparse
+import ast
+import inspect
+import json
 import subprocess
 import sys
+import tomllib
+from importlib.metadata import EntryPoint, distribution
+from pathlib import Path
 
 import pytest
 
 from grserve import cli
-from grserve.bench.cache import CacheBenchConfig
-from grserve.bench.ranking import RankingBenchConfig
-from grserve.bench.retrieval import RetrievalBenchConfig
-from grserve.bench.serve import ServeBenchConfig
+from grserve_bench.cache import CacheBenchConfig
+from grserve_bench.ranking import RankingBenchConfig
+from grserve_bench.retrieval import RetrievalBenchConfig
+from grserve_bench.serve import ServeBenchConfig
 from grserve.config import LLMServeConfig, RankingServeConfig, ServeConfig
 from grserve.server import llm_main, ranking_main, retrieval_main
 
@@ -46,7 +53,7 @@ def test_the_command_list():
     expected = {("serve", "retrieval"), ("serve", "ranking"), ("serve", "llm"), ("bench", "retrieval"),
                 ("bench", "cache"), ("bench", "ranking"), ("bench", "serve"), ("bench", "quality"), ("bench", "cluster"),
                 ("bench", "pd"),
-                ("catalog", "generate"), ("catalog", "validate"), ("catalog", "build")}
+                ("catalog", "generate"), ("catalog", "validate"), ("catalog", "convert"), ("catalog", "build")}
     assert expected == set(LEAVES)
 
 
@@ -72,15 +79,16 @@ def test_help_imports_no_torch():
             "    yield path\n"
             "    for name, child in (subs[0].choices.items() if subs else ()):\n"
             "        yield from walk(child, path + (name,))\n"
-            "paths = list(walk(cli.build_parser()))\n"
+            "from grserve_bench.cli import register\n"
+            "paths = list(walk(cli.build_parser({'bench': register})))\n"
             "with contextlib.redirect_stdout(io.StringIO()):\n"
-            "    rcs = [cli.main([*p, '--help']) for p in paths]\n"
+            "    rcs = [cli.main([*p, '--help'], {'bench': register}) for p in paths]\n"
             "assert rcs == [0] * len(rcs), rcs\n"
             "assert 'torch' not in sys.modules, 'torch imported'\n"
             "print(len(paths))\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert int(r.stdout) == 17  # the root, 3 groups, 13 commands
+    assert int(r.stdout) == 18  # the root, 3 groups, 14 commands
 
 
 def test_serve_help_lists_the_modes_and_the_default(capsys):
@@ -144,6 +152,29 @@ def test_usage_errors_found_after_parsing_exit_2(capsys, tmp_path):
     assert "does not exist" in capsys.readouterr().err
 
 
+def test_a_missing_trace_file_is_one_line_naming_it_and_where_to_get_it(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no parent holds shared/traces/
+    missing = str(tmp_path / "none.jsonl")
+    assert cli.main(["bench", "cluster", "--trace", missing]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and missing in err and "github.com/kvcache-ai/Mooncake" in err
+    assert cli.main(["bench", "cluster"]) == 2  # the default, ../shared/traces/..., is not there either
+    assert "Mooncake" in capsys.readouterr().err
+    assert cli.main(["bench", "cache", "--trace-file", missing]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and missing in err
+
+
+def test_the_gpu_bench_without_a_gpu_is_one_line(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    assert cli.main(["bench", "retrieval", "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no CUDA device" in err
+
+
 # every flag these commands had before they were generated from dataclasses (tests and docs use them)
 OLD_FLAGS = {
     ("serve", "retrieval"): "--model --device --dtype --seed --catalog --num-items --depth --codebook-size "
@@ -183,10 +214,10 @@ def _configs_of(argv: list[str], module, monkeypatch) -> object:
 
 def test_no_flags_means_the_dataclass_defaults(monkeypatch):
     """Defaults live in one place: a command given no flags runs on its config class's defaults."""
-    import grserve.bench.cache as cache
-    import grserve.bench.ranking as ranking
-    import grserve.bench.retrieval as retrieval
-    import grserve.bench.serve as serve
+    import grserve_bench.cache as cache
+    import grserve_bench.ranking as ranking
+    import grserve_bench.retrieval as retrieval
+    import grserve_bench.serve as serve
 
     assert _configs_of(["bench", "retrieval"], retrieval, monkeypatch) == RetrievalBenchConfig()
     assert _configs_of(["bench", "cache"], cache, monkeypatch) == CacheBenchConfig()
@@ -198,8 +229,8 @@ def test_no_flags_means_the_dataclass_defaults(monkeypatch):
 
 
 def test_flags_reach_the_configs(monkeypatch):
-    import grserve.bench.cache as cache
-    import grserve.bench.serve as serve
+    import grserve_bench.cache as cache
+    import grserve_bench.serve as serve
 
     cfg = _configs_of(["serve", "--port", "9000", "--seed", "3", "--beam-width", "600", "--max-waiting", "9"],
                       retrieval_main, monkeypatch)
@@ -216,10 +247,85 @@ def test_flags_reach_the_configs(monkeypatch):
 
 
 def test_ctrl_c_exits_130(monkeypatch):
-    import grserve.bench.cache as cache
+    import grserve_bench.cache as cache
 
     def interrupted(cfg):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(cache, "run", interrupted)
     assert cli.main(["bench", "cache"]) == 130
+
+
+# ---- the product and the lab --------------------------------------------------------------------------------------
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _pyproject() -> dict:
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)
+
+
+def test_bench_is_declared_as_the_labs_entry_point():
+    declared = _pyproject()["project"]["entry-points"][cli.COMMANDS_GROUP]
+    assert declared == {"bench": "grserve_bench.cli:register"}
+    from grserve_bench.cli import register
+
+    assert EntryPoint("bench", declared["bench"], cli.COMMANDS_GROUP).load() is register
+
+
+def test_setuptools_finds_both_packages():
+    from setuptools import find_packages
+
+    found = _pyproject()["tool"]["setuptools"]["packages"]["find"]
+    packages = set(find_packages(str(ROOT / found["where"][0]), include=found.get("include", ("*",))))
+    assert {"grserve", "grserve.eviction", "grserve_bench", "grserve_bench.eviction"} <= packages
+
+
+def test_a_fresh_install_of_this_tree_registers_the_lab():
+    """What `make install` gives (CI: a clean clone, `make test`): the installed entry points are the declared ones."""
+    dist = distribution("grserve")
+    url = json.loads(dist.read_text("direct_url.json") or "{}").get("url", "")
+    if url.removeprefix("file://").rstrip("/") != str(ROOT):
+        pytest.skip(f"grserve is installed from {url or 'a wheel'}, not from this tree")
+    installed = {ep.name: ep.value for ep in dist.entry_points if ep.group == cli.COMMANDS_GROUP}
+    assert installed == _pyproject()["project"]["entry-points"][cli.COMMANDS_GROUP]
+
+
+def test_installed_commands_come_from_the_entry_point_group(monkeypatch):
+    """Every loadable entry point of the group becomes a command; one whose module is gone is left out."""
+    import importlib.metadata
+
+    def register(sub):
+        p = sub.add_parser("hello")
+        p.set_defaults(handler=lambda ns: 7)
+
+    monkeypatch.setattr(sys.modules[__name__], "_hello_register", register, raising=False)
+    eps = [EntryPoint("hello", f"{__name__}:_hello_register", cli.COMMANDS_GROUP),
+           EntryPoint("gone", "no_such_module_anywhere:register", cli.COMMANDS_GROUP)]
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: [e for e in eps if e.group == group])
+    found = inspect.unwrap(cli.installed_commands)()  # grserve's own (tests/conftest.py may wrap it)
+    assert list(found) == ["hello"] and found["hello"] is register
+    assert cli.main(["hello"], found) == 7
+
+
+@pytest.mark.parametrize("argv", [["bench"], ["bench", "retrieval", "--iters", "1"], ["bench", "cache", "--help"]])
+def test_without_the_lab_bench_says_in_one_line_how_to_get_it(argv, capsys):
+    assert cli.main(argv, commands={}) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("grserve: error: grserve bench: ")
+    assert "grserve_bench" in err and "pip install -e ." in err
+    assert cli.main(["--help"], commands={}) == 0
+    out = capsys.readouterr().out
+    assert "serve" in out and "bench" in out and "catalog" in out
+
+
+def test_the_product_never_imports_the_lab():
+    """No module of grserve names grserve_bench in an import; the whole command line builds without loading it."""
+    for path in (ROOT / "src" / "grserve").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            assert not any(n.split(".")[0] == "grserve_bench" for n in names), (path, ast.unparse(node))
+    code = ("import sys; from grserve import cli; cli.build_parser({}); "
+            "assert not any(m.startswith('grserve_bench') for m in sys.modules)")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,6 +1,6 @@
 """The cluster front end with fake instances (no Ray: the front end's calls to an instance are
 ``actor.submit.remote(...)`` / ``actor.cancel.remote(...)``; the tests play the pollers by handing the front end
-poll answers). Admission (``cluster/admission.py``): ``--max-waiting`` bounds the requests waiting for their first
+poll answers). Admission (``cluster/llm/admission.py``): ``--max-waiting`` bounds the requests waiting for their first
 token (429 with Retry-After beyond it), ``--request-timeout`` fails the ones that wait too long (503
 ``queue_timeout``), through the real ``ClusterLLMEngine`` and LLM app. Restart: a death triggers a respawn only
 with ``--restart-instances`` (the respawn itself runs on Ray: ``test_cluster_ray.py``)."""
@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-from grserve.cluster.llm_cluster import ClusterLLMEngine
+from grserve.cluster.llm.front_end import ClusterLLMEngine
+from grserve.cluster.wire import LLMInstanceInfo, LLMPoll, TokenReport
 from grserve.config import ClusterConfig, EdgeConfig
 from grserve.engine.protocol import EngineOverloaded, RequestTimedOut
 from grserve.engine.sampling import SamplingParams
@@ -24,8 +25,8 @@ class _Call:
     def __init__(self, log: list, name: str):
         self.log, self.name = log, name
 
-    def remote(self, *args, **kw):
-        self.log.append((self.name, args))  # keyword arguments (priority) are not what these tests check
+    def remote(self, *args):
+        self.log.append((self.name, args))
 
 
 class FakeActor:
@@ -39,8 +40,7 @@ class FakeActor:
 def _engine(max_waiting: int, timeout_s: float, instances: int = 2,
             restart: bool = False) -> tuple[ClusterLLMEngine, list[FakeActor]]:
     actors = [FakeActor() for _ in range(instances)]
-    infos = [{"incarnation": f"inc{i}", "max_model_len": 256, "num_blocks": 64, "block_size": 16, "pid": 0,
-              "vocab_size": 300, "host": "h", "node_ip": "127.0.0.1", "device": "cpu", "prefix_cache_tokens": 0}
+    infos = [LLMInstanceInfo(i, f"inc{i}", host="h", max_model_len=256, vocab_size=300, num_blocks=64)
              for i in range(instances)]
     eng = ClusterLLMEngine(actors, infos, ClusterConfig(instances=instances, routing="round_robin",
                                                          restart_instances=restart),
@@ -49,9 +49,8 @@ def _engine(max_waiting: int, timeout_s: float, instances: int = 2,
     return eng, actors
 
 
-def _poll(eng: ClusterLLMEngine, inst: int, tokens: list[tuple]) -> None:
-    eng._on_poll(eng.instances[inst], {"stats": {}, "kv_events": [], "kv_next_seq": 0, "snapshots": [],
-                                       "tokens": tokens})
+def _poll(eng: ClusterLLMEngine, inst: int, tokens: list[TokenReport]) -> None:
+    eng._on_poll(eng.instances[inst], LLMPoll(tokens))
 
 
 def _req(rid: str) -> LLMRequest:
@@ -65,21 +64,21 @@ def test_max_waiting_bounds_the_front_end_and_a_first_token_frees_a_slot():
     with pytest.raises(EngineOverloaded):
         eng.submit(_req("r3"))
     assert "r3" not in eng.records and sum(len(a.calls) for a in actors) == 3  # refused before routing
-    _poll(eng, eng.records["r0"].instance, [("r0", 0, 0, [11], False, None)])  # r0's first token: no longer waits
+    _poll(eng, eng.records["r0"].instance, [TokenReport("r0", 0, 0, [11])])  # r0's first token: no longer waits
     assert eng.queue_depth == 2
     eng.submit(_req("r3"))
     with pytest.raises(EngineOverloaded):
         eng.submit(_req("r4"))
     eng.cancel("r1")  # a cancel frees its slot too
     eng.submit(_req("r4"))
-    _poll(eng, eng.records["r0"].instance, [("r0", 0, 1, [12, 13], True, "length")])
+    _poll(eng, eng.records["r0"].instance, [TokenReport("r0", 0, 1, [12, 13], finished=True, finish_reason="length")])
     assert handles[0].future.result(timeout=1).output_ids == [11, 12, 13]
 
 
 def test_request_timeout_applies_while_waiting_at_the_front_end():
     eng, actors = _engine(max_waiting=8, timeout_s=0.2)
     slow, started = eng.submit(_req("slow")), eng.submit(_req("started"))
-    _poll(eng, eng.records["started"].instance, [("started", 0, 0, [11], False, None)])
+    _poll(eng, eng.records["started"].instance, [TokenReport("started", 0, 0, [11])])
     eng._expire()
     assert not slow.future.done()  # not yet past the deadline
     time.sleep(0.25)
@@ -120,7 +119,7 @@ def test_http_429_with_retry_after_and_503_queue_timeout():
 
 @pytest.mark.parametrize("restart", [True, False])
 def test_a_death_triggers_a_restart_only_when_asked(monkeypatch, restart):
-    from grserve.cluster import respawn
+    from grserve.cluster.core import respawn
 
     asked: list[int] = []
     monkeypatch.setattr(respawn, "respawn_later", lambda engine, index: asked.append(index))
@@ -131,7 +130,8 @@ def test_a_death_triggers_a_restart_only_when_asked(monkeypatch, restart):
     eng.instance_down(victim, "actor died", fence=False)
     assert asked == ([victim] if restart else [])
     assert eng.records["r0"].instance != victim and not h.future.done()  # its request moved first
-    assert not eng.instance_up(1 - victim, FakeActor(), {"incarnation": "x"})  # a live index is not replaced
+    live = 1 - victim
+    assert not eng.instance_up(live, FakeActor(), LLMInstanceInfo(live, "x"))  # a live index is not replaced
 
 
 def test_sigterm_after_ray_is_down_dies_by_the_signal():
@@ -141,7 +141,53 @@ def test_sigterm_after_ray_is_down_dies_by_the_signal():
     import subprocess
     import sys
 
-    code = ("import os, signal, time\nfrom grserve.cluster.ray_runtime import on_sigterm\n"
+    code = ("import os, signal, time\nfrom grserve.cluster.core.ray_runtime import on_sigterm\n"
             "signal.signal(signal.SIGTERM, on_sigterm)\nos.kill(os.getpid(), signal.SIGTERM)\ntime.sleep(30)\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == -signal.SIGTERM, r.stderr
+
+
+def test_the_front_end_refuses_what_no_instance_can_hold_by_the_engines_rule():
+    """One fit check (``engine.types.LLMFit``): the front end refused a request only when its tokens needed more
+    block *groups* than the pool's blocks, while an instance's engine counts both K and V planes — a request between
+    the two passed the front end and failed on its instance. Now both use the instances' own ``LLMFit``."""
+    from grserve.engine.types import LLMFit
+
+    actors = [FakeActor()]
+    info = LLMInstanceInfo(0, "inc0", max_model_len=4096, num_blocks=64, block_size=16, kv_planes=2)
+    eng = ClusterLLMEngine(actors, [info], ClusterConfig(instances=1))
+    eng._status = "ok"
+    assert eng.fit == LLMFit(4096, 64, 16, 2)
+    with pytest.raises(ValueError, match="never fits the KV pool"):  # 38 groups: 76 blocks of 64
+        eng.submit(LLMRequest(list(range(400)), SamplingParams(max_tokens=200)))
+    with pytest.raises(ValueError, match="exceeds the model length 4096"):
+        eng.submit(LLMRequest([1], SamplingParams(max_tokens=5000)))
+    with pytest.raises(ValueError, match="at least one token"):
+        eng.submit(LLMRequest([], SamplingParams(max_tokens=1)))
+    assert actors[0].calls == [] and not eng.records
+    eng.submit(LLMRequest(list(range(400)), SamplingParams(max_tokens=112)))  # 32 groups: the whole pool
+    assert [c[0] for c in actors[0].calls] == ["submit"]
+
+
+def test_the_text_is_the_instances_and_never_decoded_again():
+    """One output path: the client's text is the instance engines' text deltas, in order, across a move; the front
+    end decodes nothing (it re-decoded the whole output on every report)."""
+
+    class NoDecode:
+        eos_token_id = None
+
+        def decode(self, ids):
+            raise AssertionError("the front end decoded tokens")
+
+    eng, actors = _engine(max_waiting=8, timeout_s=60)
+    eng.tokenizer = NoDecode()
+    h = eng.submit(_req("r0"))
+    first = eng.records["r0"].instance
+    _poll(eng, first, [TokenReport("r0", 0, 0, [11], "he")])
+    eng.instance_down(first, "test", fence=False)  # moved: its next attempt continues after the delivered token
+    moved = eng.records["r0"].instance
+    name, (attempt,) = actors[moved].calls[-1]
+    assert name == "submit" and attempt.attempt == 1 and attempt.delivered == [11]
+    _poll(eng, moved, [TokenReport("r0", 1, 0, [12], "ll"), TokenReport("r0", 1, 1, [13], "o", True, "stop")])
+    r = h.future.result(timeout=1)
+    assert (r.output_ids, r.text, r.finish_reason, r.num_preemptions) == ([11, 12, 13], "hello", "stop", 1)

@@ -23,9 +23,9 @@ ray = pytest.importorskip("ray")
 
 from fastapi.testclient import TestClient  # noqa: E402
 
-from grserve.cluster.gr_instance import catalog_digest, spawn_gr_instance, user_key  # noqa: E402
-from grserve.cluster.gr_modes import ClusterRankingEngine, ClusterRetrievalEngine  # noqa: E402
-from grserve.cluster.ray_runtime import new_incarnation, start_ray  # noqa: E402
+from grserve.cluster.gr.instance import catalog_digest, spawn_gr_instance, user_key  # noqa: E402
+from grserve.cluster.gr.modes import ClusterRankingEngine, ClusterRetrievalEngine  # noqa: E402
+from grserve.cluster.core.ray_runtime import new_incarnation, start_ray  # noqa: E402
 from grserve.config import (  # noqa: E402
     CatalogConfig,
     CatalogReloadConfig,
@@ -66,7 +66,7 @@ def clusters():
 @pytest.fixture(scope="module")
 def references():
     """One retrieval engine and one ranking engine in this process, built from the same configs."""
-    from grserve.cluster.gr_instance import build_ranking_engine
+    from grserve.cluster.gr.instance import build_ranking_engine
     from grserve.engine.retrieval_engine import RetrievalEngine
 
     torch.set_num_threads(1)  # beside three busy actors on a small machine, more threads only spin
@@ -122,7 +122,7 @@ def test_retrieval_equals_one_engine(clusters, references):
         _same_retrieval(a, b)
     assert ret.router.decisions["load"] == 9 and ret.router.decisions["prefix"] == 0  # retrieval: load alone
     lines = ret.describe()
-    assert len(lines) == 2 and all(str(inst.info["pid"]) in "\n".join(lines) for inst in ret.instances)
+    assert len(lines) == 2 and all(str(inst.info.pid) in "\n".join(lines) for inst in ret.instances)
 
 
 def test_ranking_prefers_the_instance_with_the_users_kv(clusters, references):
@@ -191,11 +191,11 @@ def test_http_apps_admin_changes_reach_every_instance(clusters, references, tmp_
     r = rclient.post("/v1/recommend", json={"history_items": items, "top_n": 3},
                      headers={"Authorization": "Bearer adm"})
     assert r.status_code == 200 and r.json()["catalog_version"] == 2, r.text
-    assert ret.broadcast("info")[0]["catalog_items"] == 300  # the instance serves the new catalog
+    assert ray.get(ret.instances[0].actor.info.remote()).catalog_items == 300  # the instance serves it
 
 
 def _kill(eng, victim):
-    os.kill(eng.instances[victim].info["pid"], signal.SIGKILL)
+    os.kill(eng.instances[victim].info.pid, signal.SIGKILL)
 
 
 def test_kill_ranking_instance_by_pid_loses_nothing(clusters, references):
@@ -225,17 +225,17 @@ def test_killed_instances_restart_with_the_live_state(clusters, references):
     """--restart-instances (on): the killed ranking instance (previous test) and a killed retrieval instance come
     back as new actors that got every admin change made before (a replaced user; catalog version 2) and serve."""
     ret, rank = clusters
-    old_pid = ret.instances[0].info["pid"]
+    old_pid = ret.instances[0].info.pid
     _kill(ret, 0)
     _wait(lambda: ret.counters["restarts"] == 1 and rank.counters["restarts"] == 1, timeout=300)
     assert ret.health().detail["instances_up"] == 1 and rank.health().detail["instances_up"] == 2
     new = ret.instances[0].info
-    assert new["pid"] != old_pid and (new["catalog_version"], new["catalog_items"]) == (2, 300)
-    assert new["catalog"] == catalog_digest(ret.catalogs.current())
+    assert new.pid != old_pid and (new.catalog_version, new.catalog_items) == (2, 300)
+    assert new.catalog == catalog_digest(ret.catalogs.current())
     got = _retrieve(ret, _histories(ret, 2, 5, seed=7), "rs")
     assert all({i.item_id for i in h.future.result(60).items} <= set(ret.catalogs.current().item_ids) for h in got)
     a, b = (inst.actor.info.remote() for inst in rank.instances)
-    assert ray.get(a)["registry"] == ray.get(b)["registry"]  # the replaced user reached the new instance too
+    assert ray.get(a).registry == ray.get(b).registry  # the replaced user reached the new instance too
     reg = rank.registry
     reqs = [_rank_request(reg, u, 5) for u in reg.user_ids()[5:9]]
     before = list(rank.router.routed)

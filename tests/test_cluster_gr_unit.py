@@ -13,12 +13,18 @@ import pytest
 
 pytest.importorskip("ray")
 
-from grserve.cluster.gr_cluster import ClusterGREngine  # noqa: E402
-from grserve.cluster.gr_instance import user_key  # noqa: E402
-from grserve.cluster.gr_modes import ClusterRankingEngine  # noqa: E402
-from grserve.cluster.kv_index import KVEvent, KVSnapshot  # noqa: E402
-from grserve.cluster.recovery import RequestLost  # noqa: E402
+from grserve.cluster.core.kv_index import user_key  # noqa: E402
+from grserve.cluster.core.recovery import RequestLost  # noqa: E402
+from grserve.cluster.gr.front_end import ClusterGREngine  # noqa: E402
+from grserve.cluster.wire import (  # noqa: E402
+    CatalogReplace,
+    GRInstanceInfo,
+    KVEvent,
+    KVSnapshot,
+    RegistryUpdate,
+)
 from grserve.config import ClusterConfig  # noqa: E402
+from grserve.engine.types import RankingRequest  # noqa: E402
 
 
 class _Method:
@@ -42,27 +48,17 @@ class _Actor:
 
 class _Engine(ClusterGREngine):
     mode = "test"
-    _cached = ClusterRankingEngine._cached  # the ranking rule: the user's tokens where the index holds the user
-
-    def _tokens(self, request):
-        return request.num_tokens
 
 
-@dataclasses.dataclass
-class _Req:
-    request_id: str
-    user_tokens: np.ndarray
-    user_id: int | None = None
-    items: int = 10
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.user_tokens) + self.items
+def _Req(request_id: str, user_tokens: np.ndarray, user_id: int | None = None, items: int = 10) -> RankingRequest:
+    """A ranking request of ``len(user_tokens) + items`` tokens: ten one-token candidates."""
+    return RankingRequest(user_tokens, [np.array([7]) for _ in range(items)], user_id=user_id, request_id=request_id)
 
 
 def _engine(n=3, **cc):
     actors = [_Actor() for _ in range(n)]
-    eng = _Engine(actors, [{"incarnation": f"inc{i}"} for i in range(n)], ClusterConfig(instances=n, **cc))
+    infos = [GRInstanceInfo(i, f"inc{i}", mode="ranking") for i in range(n)]
+    eng = _Engine(actors, infos, ClusterConfig(instances=n, **cc))
     eng._status = "ok"  # no poll threads: nothing here may reach Ray
     for i in range(n):
         eng.index.apply_snapshot(KVSnapshot(i, f"inc{i}", 0, {}))
@@ -126,37 +122,35 @@ def test_engine_errors_reach_the_client_and_cancel_reaches_the_instance():
 
 
 def test_the_front_end_refuses_instances_serving_another_catalog():
-    from grserve.cluster.gr_instance import catalog_digest
-    from grserve.cluster.gr_modes import ClusterRetrievalEngine
+    from grserve.cluster.gr.instance import catalog_digest
+    from grserve.cluster.gr.modes import ClusterRetrievalEngine
     from grserve.config import CatalogConfig, ServeConfig
     from grserve.engine.retrieval_engine import build_catalog
 
     cfg = ServeConfig(catalog=CatalogConfig(num_items=300))
-    good = {"index": 0, "incarnation": "a", "vocab_size": 32000, "catalog_version": 1,
-            "catalog": catalog_digest(build_catalog(cfg))}
+    good = GRInstanceInfo(0, "a", vocab_size=32000, catalog_version=1, catalog=catalog_digest(build_catalog(cfg)))
     eng = ClusterRetrievalEngine([_Actor()], [good], ClusterConfig(), cfg)
     assert eng.catalogs.current().version == 1 and len(eng.catalogs.current()) == 300
     other = dataclasses.replace(cfg, catalog=CatalogConfig(num_items=300, seed=1))
-    bad = dict(good, index=1, catalog=catalog_digest(build_catalog(other)))
+    bad = dataclasses.replace(good, index=1, catalog=catalog_digest(build_catalog(other)))
     with pytest.raises(ValueError, match="same catalog"):
         ClusterRetrievalEngine([_Actor(), _Actor()], [good, bad], ClusterConfig(instances=2), cfg)
 
 
 def test_broadcast_log_replays_the_newest_state_compactly():
     """A restarted instance is sent the newest catalog (with its version) and each key's newest tokens, in the
-    order of the last updates; calls that change no state ("info") are not recorded."""
-    from grserve.cluster.broadcast_log import BroadcastLog
+    order of the last updates, grouped into runs of one kind."""
+    from grserve.cluster.gr.broadcast_log import BroadcastLog
 
     log = BroadcastLog()
-    assert log.replay(lambda *a: pytest.fail("nothing to replay")) == 0
+    assert log.replay(lambda change: pytest.fail("nothing to replay")) == 0
     cat2, cat3 = SimpleNamespace(version=2), SimpleNamespace(version=3)
-    log.record("update", ("user", [(1, "a"), (2, "x")]))
-    log.record("update", ("item", [(5, "i")]))
-    log.record("replace_catalog", (cat2,))
-    log.record("info", ())
-    log.record("update", ("user", [(1, "b")]))
-    log.record("replace_catalog", (cat3,))
-    calls = []
-    assert log.replay(lambda *a: calls.append(a)) == 4 and len(log) == 4
-    assert calls == [("replace_catalog", cat3, 3), ("update", "user", [(2, "x")]), ("update", "item", [(5, "i")]),
-                     ("update", "user", [(1, "b")])]
+    log.record(RegistryUpdate("user", ((1, "a"), (2, "x"))))
+    log.record(RegistryUpdate("item", ((5, "i"),)))
+    log.record(CatalogReplace(cat2))
+    log.record(RegistryUpdate("user", ((1, "b"),)))
+    log.record(CatalogReplace(cat3))
+    sent = []
+    assert log.replay(sent.append) == 4 and len(log) == 4
+    assert sent == [CatalogReplace(cat3, 3), RegistryUpdate("user", ((2, "x"),)), RegistryUpdate("item", ((5, "i"),)),
+                    RegistryUpdate("user", ((1, "b"),))]

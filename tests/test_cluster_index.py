@@ -16,10 +16,12 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from grserve.kvcache.block_hash import chained_block_hashes
-from grserve.cluster.kv_index import GlobalKVIndex, KVEventPublisher, tree_blocks
-from grserve.cluster.recovery import RecoveryCost, RequestRecord, plan
-from grserve.cluster.router import Router
-from grserve.cluster.stream import TokenStream
+from grserve.cluster.core.kv_index import GlobalKVIndex, KVEventPublisher, tree_blocks
+from grserve.cluster.core.recovery import RecoveryCost, plan
+from grserve.cluster.core.router import Router
+from grserve.cluster.llm.journal import RequestRecord
+from grserve.cluster.llm.stream import TokenStream
+from grserve.cluster.wire import Attempt, TokenReport
 from grserve.engine.sampling import SamplingParams
 
 
@@ -75,22 +77,48 @@ def test_publisher_equals_tree_contents_under_inserts_and_evictions():
         assert pub.contents == tree_blocks(store, 4), f"step {step}"
         events += len(pub.take_events()[0])
     assert store.tree.stats["evicted_tokens"] > 0 and events > 0
+    store.clear()  # a benchmark's fresh start: every slot free, nothing cached
+    store.check()
+    assert store.tree.size == 0 and len(store.match(stems[0])) == 0
 
 
-def test_export_put_round_trip():
-    store, storage, pool = _store(capacity=64)
-    pool.reserve(0, 40, "kv")
-    storage.data.normal_()
-    toks = list(range(10, 40))
-    store.save(toks, storage, pool.table(0))
-    kv = store.export(toks)
-    assert kv.shape[2] == 30
-    other, _, _ = _store(capacity=64)
-    pub = KVEventPublisher(1, "x", block_size=8)
-    other.listener = pub
-    assert other.put(toks, kv) == 30
-    assert torch.equal(other.export(toks), kv)
-    assert pub.contents == tree_blocks(other, 8) and len(pub.contents) == 3
+@pytest.mark.parametrize("index_block", [4, 2, 8])
+def test_publisher_follows_the_shared_block_cache(index_block):
+    """The default prefix cache (``SharedPrefixCache``, groups of 4 tokens here) under saves and LRU evictions: the
+    publisher's contents are the index blocks of the groups the cache holds — its own keys when the index's block
+    is the engine's (4), the blocks ending in each held group otherwise — and ``clear`` empties them."""
+    from grserve.kvcache.blocks import BlockPool, HybridCacheStorage
+    from grserve.kvcache.shared_prefix import SharedPrefixCache
+
+    B = 4
+    pool = BlockPool.for_model(64, B, 16, 8)
+    storage = HybridCacheStorage(pool, 1, 8, 16)
+    cache = SharedPrefixCache(pool, capacity_blocks=6, policy="lru")
+    pub = KVEventPublisher(0, "inc", block_size=index_block)
+    cache.listener = pub
+    rng = np.random.default_rng(1)
+    stems = [rng.integers(0, 50, 12).tolist() for _ in range(3)]
+    path_of: dict[int, list[int]] = {}  # group hash → its path from position 0 (what the test saved)
+    for step in range(40):
+        toks = stems[step % 3][:int(rng.integers(4, 12))] + rng.integers(0, 50, int(rng.integers(0, 10))).tolist()
+        pool.reserve(step, len(toks), "kv")
+        pool.table(step).num_tokens = len(toks)
+        cache.save(toks, storage, pool.table(step))
+        pool.free(step)
+        for g, h in enumerate(chained_block_hashes(toks, B)):
+            path_of[h] = toks[:(g + 1) * B]
+        want = {}
+        for h in cache.entries:
+            path = path_of[h]
+            keys = chained_block_hashes(path, index_block)
+            want.update({k: "dram" for k in keys[(len(path) - B) // index_block:]})
+        assert pub.contents == want, f"step {step}"
+        if index_block == B:
+            assert set(pub.contents) == set(cache.entries)
+    assert cache.stats["evicted_groups"] > 0
+    cache.clear()
+    assert pub.contents == {} and not cache.entries and pool.num_free == pool.num_blocks
+    cache.check()
 
 
 # ---- the global index under lost events -------------------------------------------------------------------------
@@ -190,6 +218,10 @@ def test_index_detects_a_lost_tail_and_a_restart():
 
 
 # ---- router -------------------------------------------------------------------------------------------------------
+def _attempt(request_id: str, prompt: list[int], max_tokens: int) -> Attempt:
+    return Attempt(request_id, 0, prompt, SamplingParams(max_tokens=max_tokens))
+
+
 def _index_with(instance_blocks: dict[int, tuple[list[int], str]], bs: int = 4) -> GlobalKVIndex:
     idx = GlobalKVIndex()
     for i, (tokens, tier) in instance_blocks.items():
@@ -204,12 +236,12 @@ def test_kv_router_prefers_the_cached_prefix_and_books_load():
     prompt = list(range(33))
     idx = _index_with({1: (prompt[:16], "dram"), 2: (prompt[:8], "dram")})
     r = Router(3, "kv", block_size=4, index=idx)
-    d = r.route("a", prompt, max_tokens=10)
+    d = r.route(_attempt("a", prompt, 10))
     assert (d.instance, d.reason, d.cached_tokens) == (1, "prefix", 16)
     assert r.load[1].prefill_tokens == 33 - 16
     # the booked load now makes instance 1 dearer: a second identical request goes elsewhere once 1 is loaded
     for k in range(3):
-        r.route(f"b{k}", prompt, max_tokens=10)
+        r.route(_attempt(f"b{k}", prompt, 10))
     assert r.routed[1] >= 1 and r.routed[0] + r.routed[2] >= 1
     r.on_tokens("a", 1)
     assert r.load[1].decode_tokens == 9 and r.load[1].prefill_tokens == 3 * 0 + sum(
@@ -223,52 +255,53 @@ def test_equal_prefixes_least_loaded_wins_and_tiers_weigh():
     idx = _index_with({0: (prompt[:16], "dram"), 1: (prompt[:16], "dram")})
     r = Router(2, "kv", block_size=4, index=idx)
     r.load[0].prefill_tokens = 50
-    assert r.route("x", prompt, 4).instance == 1
+    assert r.route(_attempt("x", prompt, 4)).instance == 1
     idx2 = _index_with({0: (prompt[:16], "ssd"), 1: (prompt[:16], "hbm")})
-    assert Router(2, "kv", block_size=4, index=idx2).route("y", prompt, 4).instance == 1
+    assert Router(2, "kv", block_size=4, index=idx2).route(_attempt("y", prompt, 4)).instance == 1
 
 
 def test_round_robin_and_least_loaded_ignore_the_cache():
     prompt = list(range(40))
     idx = _index_with({2: (prompt, "dram")})
     rr = Router(3, "round_robin", block_size=4, index=idx)
-    assert [rr.route(f"r{k}", prompt, 4).instance for k in range(5)] == [0, 1, 2, 0, 1]
+    assert [rr.route(_attempt(f"r{k}", prompt, 4)).instance for k in range(5)] == [0, 1, 2, 0, 1]
     ll = Router(3, "least_loaded", block_size=4, index=idx)
-    assert ll.route("l0", prompt, 4).instance == 0  # no cache term: all equal → lowest index
-    assert ll.route("l1", prompt, 4).instance == 1
+    assert ll.route(_attempt("l0", prompt, 4)).instance == 0  # no cache term: all equal → lowest index
+    assert ll.route(_attempt("l1", prompt, 4)).instance == 1
     rr.mark_down(2)
-    assert 2 not in {rr.route(f"d{k}", prompt, 4).instance for k in range(4)}
+    assert 2 not in {rr.route(_attempt(f"d{k}", prompt, 4)).instance for k in range(4)}
 
 
 # ---- the client's stream: each position once --------------------------------------------------------------------
+def _report(attempt: int, index: int, ids: list[int], text: str = "") -> TokenReport:
+    return TokenReport("r", attempt, index, ids, text)
+
+
 def test_token_stream_exactly_once_across_attempts():
-    s = TokenStream(lambda ids: "".join(chr(97 + i % 26) for i in ids))
-    assert s.accept(0, 0, [1, 2]) == [1, 2]
-    assert s.accept(0, 2, [3]) == [3]
+    s = TokenStream()
+    assert s.accept(_report(0, 0, [1, 2], "ab")) == ([1, 2], "ab")
+    assert s.accept(_report(0, 2, [3], "c")) == ([3], "c")
     s.new_attempt()  # the instance died after delivering 3 tokens; the new attempt starts at position 3
-    assert s.accept(0, 3, [4]) == []  # a late report of the old attempt
-    assert s.accept(1, 0, [4, 5]) == [4, 5]
-    assert s.accept(1, 1, [5, 6]) == [6]  # a re-sent position is skipped
-    with pytest.raises(AssertionError):
-        s.accept(1, 5, [9])  # a gap
-    assert s.output_ids == [1, 2, 3, 4, 5, 6]
-
-
-def test_token_stream_stop_string_across_attempts():
-    s = TokenStream(lambda ids: "".join(chr(i) for i in ids), stop=("xy",))
-    s.accept(0, 0, [ord("a"), ord("x")])
-    assert s.text_delta(False) == "a"  # "x" is held back: it may start the stop string
-    s.new_attempt()
-    s.accept(1, 0, [ord("y"), ord("z")])
-    assert s.text_delta(False) == "" and s.stopped and s.text == "a"
+    assert s.accept(_report(0, 3, [4], "x")) == ([], "")  # a late report of the old attempt
+    assert s.accept(_report(1, 0, [4, 5], "de")) == ([4, 5], "de")
+    assert s.accept(_report(1, 0, [4, 5], "de")) == ([], "")  # a re-sent report is skipped
+    assert s.duplicates == 2
+    with pytest.raises(AssertionError, match="gap"):
+        s.accept(_report(1, 5, [9]))
+    with pytest.raises(AssertionError, match="overlapping"):
+        s.accept(_report(1, 1, [5, 6], "ef"))  # its text cannot be split by token
+    assert s.output_ids == [1, 2, 3, 4, 5] and s.text == "abcde"
 
 
 # ---- the recovery plan ----------------------------------------------------------------------------------------------
 def test_recovery_plan_migrate_recompute_fail():
-    rec = RequestRecord("r", list(range(100)), SamplingParams(max_tokens=20, temperature=0), None, TokenStream(None))
-    rec.stream.accept(0, 0, [7, 8, 9])
+    rec = RequestRecord("r", list(range(100)), SamplingParams(max_tokens=20, temperature=0), None, TokenStream())
+    rec.stream.accept(_report(0, 0, [7, 8, 9]))
     p = plan(rec, migration_limit=2)
-    assert p.action == "recompute" and p.prompt_ids == list(range(100)) + [7, 8, 9] and p.params.max_tokens == 17
+    assert p.action == "recompute" and rec.resume_tokens == 103
+    rec.stream.new_attempt()
+    nxt = rec.next_attempt()
+    assert (nxt.attempt, nxt.prompt_ids, nxt.delivered, nxt.max_new_tokens) == (1, list(range(100)), [7, 8, 9], 17)
     rec.snapshot = torch.zeros(2, 2, 100, 8)
     p = plan(rec, migration_limit=2)
     assert p.action == "migrate" and p.snapshot_tokens == 100
@@ -284,13 +317,37 @@ def test_cache_weight_trades_balance_for_affinity():
     for cw, expect in ((1.0, 1), (2.0, 0)):
         r = Router(2, "kv", block_size=4, index=idx, cache_weight=cw)
         r.load[0].prefill_tokens = 60
-        assert r.route("x", prompt, 4).instance == expect
+        assert r.route(_attempt("x", prompt, 4)).instance == expect
 
 
 def test_instance_threads_share_the_cores():
-    from grserve.cluster.ray_runtime import instance_threads
+    from grserve.cluster.core.ray_runtime import instance_threads
 
     assert instance_threads(0, 3, cores=2) == 1
     assert instance_threads(0, 2, cores=16) == 8
     assert instance_threads(0, 4, cores=16) == 4
     assert instance_threads(3, 4, cores=16) == 3  # an explicit count wins
+
+
+def test_router_reads_gr_requests_as_they_are():
+    """A retrieval request books its history's tokens (no reusable KV: load alone, even under ``kv``); a ranking
+    request books its user's and candidates' tokens, minus its user's profile where the index holds the user."""
+    from grserve.cluster.core.kv_index import user_key
+    from grserve.engine.types import RankingRequest, RetrievalRequest
+
+    idx = GlobalKVIndex()
+    pub = KVEventPublisher(1, "i1", 1)
+    pub.publish("store", [user_key(42)])
+    for i in (0, 1):
+        idx.register(i, "i1" if i else "i0")
+    idx.apply_snapshot(pub.snapshot())
+    r = Router(2, "kv", block_size=4, index=idx)
+    long_history = RetrievalRequest(np.arange(30), beam_width=4, top_n=2, request_id="h30")
+    d = r.route(long_history)
+    assert (d.instance, d.reason, d.cached_tokens, r.load[0].prefill_tokens) == (0, "load", 0, 30)
+    assert r.route(RetrievalRequest(np.arange(5), beam_width=4, top_n=2, request_id="h5")).instance == 1
+    ranked = RankingRequest(np.arange(12), [np.arange(3), np.arange(3)], user_id=42, request_id="u42")
+    d = r.route(ranked)  # 18 tokens; 12 of them (the profile) cached on instance 1, which has 5 booked
+    assert (d.instance, d.reason, d.cached_tokens) == (1, "prefix", 12) and r.load[1].prefill_tokens == 5 + 6
+    stranger = RankingRequest(np.arange(12), [np.arange(3)], user_id=7, request_id="u7")
+    assert r.route(stranger).cached_tokens == 0

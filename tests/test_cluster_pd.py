@@ -21,8 +21,8 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from cluster_fixtures import consume, one_engine, running_cluster, save_random_model  # noqa: E402
-from grserve.cluster.pd_disagg import engine_stats  # noqa: E402
-from grserve.cluster.pd_policy import Role, RolePools  # noqa: E402
+from grserve.cluster.llm.pd_disagg import engine_stats  # noqa: E402
+from grserve.cluster.llm.pd_policy import Role, RolePools  # noqa: E402
 from grserve.config import LLMConfig, LLMServeConfig, ModelConfig, PDConfig, SLOConfig  # noqa: E402
 from grserve.engine.sampling import SamplingParams  # noqa: E402
 from grserve.engine.types import LLMRequest  # noqa: E402
@@ -153,11 +153,11 @@ def test_role_flips_each_way_from_the_rule(cluster, reference):
     (decodes running) → P->D. Same processes, counted in /metrics."""
     from fastapi.testclient import TestClient
 
-    from grserve.cluster.metrics import ClusterCollector
+    from grserve.cluster.core.metrics import ClusterCollector
     from grserve.server.llm_app import create_llm_app
 
     pd = cluster.pd
-    pids = [inst.info["pid"] for inst in cluster.instances]
+    pids = [inst.info.pid for inst in cluster.instances]
     sp = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     prompts = _prompts(7, 3, 100, 200)
     pd.slo = SLOConfig(ttft_slo_s=1e-4, tpot_slo_s=30.0)
@@ -175,7 +175,7 @@ def test_role_flips_each_way_from_the_rule(cluster, reference):
     assert len(pd.monitor.log) == pd.pools.flips["d_to_p"] + pd.pools.flips["p_to_d"]
     assert len(pd.pools.members(Role.PREFILL)) >= 1 and len(pd.pools.members(Role.DECODE)) >= 1
     info = cluster.instances[0].info
-    app = create_llm_app(cluster, cluster.tokenizer, "m", info["max_model_len"], info["vocab_size"])
+    app = create_llm_app(cluster, cluster.tokenizer, "m", info.max_model_len, info.vocab_size)
     app.state.metrics.registry.register(ClusterCollector(cluster))
     with TestClient(app) as client:
         text = client.get("/metrics").text
@@ -200,7 +200,7 @@ def test_prefill_instance_killed_loses_nothing(cluster, reference):
     _wait(lambda: all(_decoding_elsewhere(cluster, h, victim) for h in hs))
     hs.append(cluster.submit(LLMRequest(prompts[3], sp)))
     assert pd.phase(hs[-1].request_id) == "prefill" and cluster.records[hs[-1].request_id].instance == victim
-    os.kill(cluster.instances[victim].info["pid"], signal.SIGKILL)
+    os.kill(cluster.instances[victim].info.pid, signal.SIGKILL)
     outs = [h.future.result(timeout=60).output_ids for h in hs]
     assert outs == reference(prompts, sp)
     _wait(lambda: not cluster.instances[victim].up)  # its requests may have left it before the kill: no hurry then

@@ -20,7 +20,7 @@ import torch
 ray = pytest.importorskip("ray")
 
 from cluster_fixtures import HEARTBEAT_S, consume, one_engine, running_cluster, save_random_model  # noqa: E402
-from grserve.cluster.recovery import RequestLost  # noqa: E402
+from grserve.cluster.core.recovery import RequestLost  # noqa: E402
 from grserve.config import LLMConfig, LLMServeConfig, ModelConfig  # noqa: E402
 from grserve.engine.sampling import SamplingParams  # noqa: E402
 from grserve.engine.types import LLMRequest  # noqa: E402
@@ -65,14 +65,14 @@ def test_sigterm_handler_is_the_front_ends(cluster):
     """``ray.init`` installs ``sys.exit(15)`` as the driver's SIGTERM handler: a SIGTERM'd ``serve --instances N``
     drained, then exited with status 15 where a one-instance server dies by the signal (143). ``start_ray`` puts
     the front end's own handler there (its behaviour: ``test_cluster_front_end.py``)."""
-    from grserve.cluster.ray_runtime import on_sigterm
+    from grserve.cluster.core.ray_runtime import on_sigterm
 
     assert signal.getsignal(signal.SIGTERM) is on_sigterm
 
 def test_startup_and_kv_routing_equal_one_engine(cluster, reference):
-    assert len({inst.info["pid"] for inst in cluster.instances}) == 3
+    assert len({inst.info.pid for inst in cluster.instances}) == 3
     lines = cluster.describe()
-    assert len(lines) == 4 and all(str(inst.info["pid"]) in "\n".join(lines) for inst in cluster.instances)
+    assert len(lines) == 4 and all(str(inst.info.pid) in "\n".join(lines) for inst in cluster.instances)
     shared = _prompts(0, 1, 64, 65)[0]
     prompts = _prompts(1, 4, shared=shared)
     first = cluster.submit(LLMRequest(prompts[0], GREEDY))
@@ -93,11 +93,11 @@ def test_startup_and_kv_routing_equal_one_engine(cluster, reference):
 def test_http_app_and_metrics(cluster, cfg):
     from fastapi.testclient import TestClient
 
-    from grserve.cluster.metrics import ClusterCollector
+    from grserve.cluster.core.metrics import ClusterCollector
     from grserve.server.llm_app import create_llm_app
 
     info = cluster.instances[0].info
-    app = create_llm_app(cluster, cluster.tokenizer, "m", info["max_model_len"], info["vocab_size"])
+    app = create_llm_app(cluster, cluster.tokenizer, "m", info.max_model_len, info.vocab_size)
     app.state.metrics.registry.register(ClusterCollector(cluster))
     with TestClient(app) as client:
         r = client.post("/v1/completions", json={"model": "m", "prompt": [5, 6, 7, 8], "max_tokens": 5,
@@ -142,7 +142,7 @@ def test_kill_by_pid_mid_prefill_and_mid_decode_loses_nothing(cluster, reference
     assert cluster.records[hs[-1].request_id].delivered == 0
     assert all(cluster.records[h.request_id].delivered < LONG.max_tokens for h in hs[:4])
     t0 = time.perf_counter()
-    os.kill(cluster.instances[victim].info["pid"], signal.SIGKILL)
+    os.kill(cluster.instances[victim].info.pid, signal.SIGKILL)
 
     async def consume_all():
         return await asyncio.gather(*(consume(h) for h in hs))
@@ -180,7 +180,7 @@ def test_frozen_instance_is_fenced_by_heartbeat(cluster, reference):
         cluster.router.load[2].prefill_tokens -= 10**6
     while not all(cluster.records[h.request_id].delivered >= 2 for h in hs if h.request_id in cluster.records):
         time.sleep(0.005)
-    pid = cluster.instances[victim].info["pid"]
+    pid = cluster.instances[victim].info.pid
     t0 = time.perf_counter()
     os.kill(pid, signal.SIGSTOP)
     try:
@@ -204,7 +204,7 @@ def test_last_instance_death_fails_with_request_lost(cluster):
     hs = [cluster.submit(LLMRequest(p, GREEDY)) for p in _prompts(6, 2)]
     while not any(cluster.records.get(h.request_id) and cluster.records[h.request_id].delivered for h in hs):
         time.sleep(0.005)
-    os.kill(cluster.instances[2].info["pid"], signal.SIGKILL)
+    os.kill(cluster.instances[2].info.pid, signal.SIGKILL)
     for h in hs:
         with pytest.raises(RequestLost) as err:
             h.future.result(timeout=30)
@@ -219,14 +219,14 @@ def test_dead_instance_restarts_and_rejoins(cluster):
     back as a new actor and incarnation: it serves again, the KV index resyncs it by snapshot, /metrics shows it."""
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from grserve.cluster.metrics import ClusterCollector
-    from grserve.cluster.respawn import respawn
+    from grserve.cluster.core.metrics import ClusterCollector
+    from grserve.cluster.core.respawn import respawn
 
     old = cluster.instances[0].info
     assert not cluster.instances[0].up
     assert respawn(cluster, 0)
     new = cluster.instances[0].info
-    assert cluster.instances[0].up and new["pid"] != old["pid"] and new["incarnation"] != old["incarnation"]
+    assert cluster.instances[0].up and new.pid != old.pid and new.incarnation != old.incarnation
     prompt = _prompts(7, 1, 80, 81)[0]
     assert len(cluster.submit(LLMRequest(prompt, GREEDY)).future.result(timeout=60).output_ids) == 40
     deadline = time.monotonic() + 10

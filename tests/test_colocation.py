@@ -4,12 +4,12 @@ the priority carried through the cluster front end to an instance's engine."""
 
 from __future__ import annotations
 
-import inspect
 import random
 
 import numpy as np
 import pytest
 
+from grserve.config import Priority
 from grserve.engine.sampling import SamplingParams
 from grserve.engine.types import LLMRequest
 from grserve.model.spec import ModelSpec
@@ -260,6 +260,15 @@ def test_priority_is_validated_by_the_engine(small):
     eng.add_request([1, 2, 3], SamplingParams(max_tokens=2), priority="offline")
     assert eng.priority_counts() == {"running_online": 0, "running_offline": 0, "waiting_online": 0,
                                      "waiting_offline": 1}
+    assert eng.waiting[0].priority is Priority.OFFLINE  # one enum inside, whatever string came in
+
+
+def test_priority_is_one_enum_from_the_request_on():
+    req = LLMRequest([1, 2], SamplingParams(max_tokens=1), priority="offline")
+    assert req.priority is Priority.OFFLINE and req.priority == "offline" and f"{req.priority}" == "offline"
+    assert LLMRequest([1], SamplingParams()).priority is Priority.ONLINE
+    with pytest.raises(ValueError, match=r"priority must be one of \('online', 'offline'\), not 'batch'"):
+        LLMRequest([1], SamplingParams(), priority="batch")
 
 
 # ---------------------------------------------------------------------------------------------------- API, metrics
@@ -314,25 +323,28 @@ class _FakeActor:
 
 
 def test_cluster_front_end_carries_priority_to_the_instance():
-    from grserve.cluster.llm_cluster import ClusterLLMEngine
+    from grserve.cluster.llm.front_end import ClusterLLMEngine
     from grserve.config import ClusterConfig
 
+    from grserve.cluster.wire import Attempt, LLMInstanceInfo
+
     actor = _FakeActor()
-    info = {"incarnation": "x", "max_model_len": 512, "num_blocks": 64, "block_size": 16}
+    info = LLMInstanceInfo(0, "x", max_model_len=512, num_blocks=64)
     eng = ClusterLLMEngine([actor], [info], ClusterConfig(instances=1))
     eng._status = "ok"  # no poll threads: only the submit path is under test
     eng.submit(LLMRequest([1, 2, 3], SamplingParams(max_tokens=2), request_id="a", priority="offline"))
     eng.submit(LLMRequest([1, 2, 3], SamplingParams(max_tokens=2), request_id="b"))
-    assert [kw.get("priority") for _, kw in actor.calls] == ["offline", "online"]
+    assert [a[0].priority for a, _ in actor.calls] == ["offline", "online"]
     # the instance side: EngineInstance.submit hands it to its engine
-    from grserve.cluster.instance import EngineInstance
+    from grserve.cluster.llm.instance import EngineInstance
 
     inst = EngineInstance.__new__(EngineInstance)
+    inst.kv_snapshot = True
     got = []
     inst.engine = type("E", (), {"prefix_cache": None, "submit": lambda self, req: got.append(req.priority)})()
-    inst._submit("r", 0, [1, 2], SamplingParams(max_tokens=1), None, "offline")
+    inst._submit(Attempt("r", 0, [1, 2], SamplingParams(max_tokens=1), priority="offline"))
     assert got == ["offline"]
-    assert inspect.signature(EngineInstance.submit).parameters["priority"].default == "online"
+    assert Attempt("r", 0, [1], SamplingParams()).priority == "online"
 
 
 # ---------------------------------------------------------------------------------------------------- the benchmark
@@ -340,7 +352,7 @@ def test_bench_part_colocation_smoke(small, tmp_path):
     """A miniature of ``grserve bench pd --parts colocation``: the keys, finite (a small model saved as a dir)."""
     import math
 
-    from grserve.bench import pd_colocation
+    from grserve_bench import pd_colocation
     from grserve.model.loader import save_pretrained
 
     save_pretrained(small, tmp_path)

@@ -133,7 +133,7 @@ def test_exclude_items_on_the_fast_path_engine_are_masked(model, catalog):
 
 def test_import_needs_neither_cuda_nor_triton():
     code = ("import sys, grserve, grserve.engine.retrieval_engine, grserve.engine.device_runner, "
-            "grserve.attention.backends, grserve.attention.flex_bipartite, grserve.kernels; "
+            "grserve.attention.backends, grserve_bench.flex_bipartite, grserve.kernels; "
             "assert 'triton' not in sys.modules, 'triton imported'")
     subprocess.run([sys.executable, "-c", code], check=True, env={"PYTHONPATH": "src", "PATH": ""})
 

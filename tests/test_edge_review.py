@@ -145,7 +145,7 @@ def test_a_streaming_client_that_leaves_while_queued_has_its_request_cancelled(l
             state["n"] += 1
             if state["n"] == 1:
                 return {"type": "http.request", "body": body, "more_body": False}
-            while not eng.core.waiting:  # the request is queued: now the client goes away
+            while not eng.queue_depth:  # the request is queued: now the client goes away
                 await asyncio.sleep(0.01)
             return {"type": "http.disconnect"}
 
@@ -159,6 +159,7 @@ def test_a_streaming_client_that_leaves_while_queued_has_its_request_cancelled(l
 
     try:
         asyncio.run(call())
+        eng._expire()  # the step loop's turn (there is no loop thread): the inbox's submit, then its cancel
         assert not eng.core.waiting and not eng._live and eng.core.iterations == 0
         starts = [m["status"] for m in sent if m["type"] == "http.response.start"]
         assert starts in ([], [499]), starts

@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from grserve.bench import traces as T
-from grserve.eviction import AccessListOracle, NoisyPredictor, make_policy, simulate
-from grserve.kvcache.embedding_cache import EmbeddingCache, _set_of, access_times, sparse_length_sum_reference
+from grserve_bench import traces as T
+from grserve.eviction import make_policy
+from grserve_bench.eviction import AccessListOracle, NoisyPredictor, simulate
+from grserve_bench.eviction.embedding_cache import EmbeddingCache, _set_of, access_times, sparse_length_sum_reference
 
 
 @pytest.mark.parametrize("clock", ["batch", "lookup", "id"])

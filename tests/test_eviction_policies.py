@@ -6,22 +6,61 @@ from __future__ import annotations
 import os
 import random
 from collections import OrderedDict
+from typing import Hashable
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grserve.eviction import (
-    AccessListOracle,
-    EvictionConfig,
-    NoEvictableKey,
-    make_policy,
-    make_policy_from_config,
-    policy_names,
-    simulate,
-)
-from grserve.eviction.recency import RecencyIndex, ReferenceRecency
+from grserve.eviction import NoEvictableKey, make_policy, policy_names
+from grserve_bench.eviction import AccessListOracle, simulate
+from grserve.eviction.recency import NEG_INF, RecencyIndex
+
+
+class ReferenceRecency:
+    """Slow twin of ``RecencyIndex`` (a Python list in recency order), for tests."""
+
+    def __init__(self):
+        self.order: list[Hashable] = []
+        self.val: dict[Hashable, float] = {}
+        self.ev: dict[Hashable, bool] = {}
+
+    def touch(self, key, value=None, evictable=None):
+        if key in self.ev:
+            self.order.remove(key)
+        else:
+            self.val[key] = NEG_INF if value is None else value
+            self.ev[key] = True if evictable is None else evictable
+        if value is not None:
+            self.val[key] = value
+        if evictable is not None:
+            self.ev[key] = evictable
+        self.order.append(key)
+
+    def remove(self, key):
+        self.order.remove(key)
+        del self.val[key], self.ev[key]
+
+    def set_value(self, key, value):
+        self.val[key] = value
+
+    def set_evictable(self, key, evictable):
+        self.ev[key] = evictable
+
+    def evictable_order(self):
+        return [k for k in self.order if self.ev[k]]
+
+    def oldest(self, l=1):
+        return self.evictable_order()[l - 1]
+
+    def argmax_among_oldest(self, l):
+        cand = self.evictable_order()[:l]
+        best = cand[0]
+        for k in cand[1:]:
+            if self.val[k] > self.val[best]:
+                best = k
+        return best
 
 
 # ---- RecencyIndex == ReferenceRecency ------------------------------------------------------------------------
@@ -75,7 +114,7 @@ def _libcachesim_miss_ratio(trace: list[int], cache_size: int, algo: str, tmp_pa
 
 def _traces():
     rng = np.random.default_rng(7)
-    from grserve.bench import traces
+    from grserve_bench import traces
 
     return [
         ("uniform", rng.integers(0, 60, 3000).tolist(), 16),
@@ -216,5 +255,5 @@ def test_registry():
         make_policy("laru", 4)  # needs a predictor
     with pytest.raises(ValueError):
         make_policy("belady", 4)  # needs the future
-    pol = make_policy_from_config(EvictionConfig(policy="laru"), 16, predictor=AccessListOracle({}))
-    assert pol.name == "laru" and pol.b == 2.0 and pol.mode == "sync"
+    pol = make_policy("laru", 16, predictor=AccessListOracle({}))  # Algorithm 1's defaults: b = 2, SYNC
+    assert pol.name == "laru" and pol.b == 2.0 and pol.mode == "sync" and pol.decay_every == 1

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from grserve.attention.bipartite import BipartiteBatchContext, BipartiteRequest, reference_forward
-from grserve.attention.flex_bipartite import FlexBipartiteContext
+from grserve_bench.flex_bipartite import FlexBipartiteContext
 from grserve.attention.reference import reference_attention
 from grserve.model import PRESETS
 from grserve.ranking.layouts import ITEM_PREFIX, USER_PREFIX, build_prompt

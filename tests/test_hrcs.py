@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from grserve.cluster.hrcs import (ReReplicator, compute_replication_ratio, hash_placement, hrcs_placement,
+from grserve.cluster.gr.hrcs import (ReReplicator, compute_replication_ratio, hash_placement, hrcs_placement,
                                   max_comm_ratio, replicate_placement)
-from grserve.cluster.kv_workers import ClusterItemSource, make_meta_service, start_workers, stop_workers
+from grserve.cluster.gr.kv_workers import ClusterItemSource, make_meta_service, start_workers, stop_workers
 from grserve.kvcache.item_pool import ItemKVPool
 from grserve.kvcache.paged import PagedKVStore
 

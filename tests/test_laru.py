@@ -10,16 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grserve.bench import traces as tr
-from grserve.eviction import (
-    AccessListOracle,
-    ConstantPredictor,
-    LARUPolicy,
-    NoisyPredictor,
-    RandomPredictor,
-    make_policy,
-    simulate,
-)
+from grserve_bench import traces as tr
+from grserve.eviction import LARUPolicy, make_policy
+from grserve_bench.eviction import AccessListOracle, ConstantPredictor, NoisyPredictor, RandomPredictor, simulate
 
 traces_st = st.tuples(st.lists(st.integers(0, 20), min_size=1, max_size=300), st.integers(1, 10))
 

@@ -3,6 +3,7 @@ type, SLO demotion, FCFS / chunked plans, and engine liveness under each policy 
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -10,8 +11,32 @@ import pytest
 from grserve.scheduler.aptserve import AptServeScheduler
 from grserve.scheduler.chunked import ChunkedPrefillScheduler
 from grserve.scheduler.fcfs import FCFSScheduler
-from grserve.scheduler.knapsack import Candidate, exhaustive, greedy, increments
+from grserve.kvcache.blocks import CacheKind
+from grserve.scheduler.knapsack import Candidate, Solution, greedy, increments
 from grserve.scheduler.llm_types import PoolView, SchedulerInput, SeqView
+
+
+def exhaustive(cands: list[Candidate], budget: int) -> Solution:
+    """Reference optimum over all 3^n assignments (small n only)."""
+    options = []
+    for c in cands:
+        opts: list[tuple[CacheKind | None, float, int]] = [(None, 0.0, 0)]
+        if c.theta_override is not None:
+            opts.append(("kv", c.theta_override * c.cost_kv, c.cost_kv))
+        else:
+            opts.append(("kv", c.value_kv, c.cost_kv))
+            if c.value_hidden is not None and c.cost_hidden is not None:
+                opts.append(("hidden", c.value_hidden, c.cost_hidden))
+        options.append(opts)
+    best = Solution({}, 0.0, 0)
+    for combo in itertools.product(*options):
+        cost = sum(o[2] for o in combo)
+        if cost > budget:
+            continue
+        val = sum(o[1] for o in combo)
+        if val > best.value:
+            best = Solution({c.req: o[0] for c, o in zip(cands, combo) if o[0] is not None}, val, cost)
+    return best
 
 
 def _random_instance(rng: random.Random, n: int, half: bool):
@@ -111,8 +136,8 @@ def test_chunked_respects_token_budget_and_decodes_first():
 
 @pytest.mark.parametrize("name", ["fcfs", "chunked", "aptserve"])
 def test_liveness_in_simulator(name):
-    from grserve.bench.llm_workloads import make_trace
-    from grserve.bench.simulator import CostModel, simulate
+    from grserve_bench.llm_workloads import make_trace
+    from grserve_bench.simulator import CostModel, simulate
 
     trace = make_trace("sharegpt", 60, rate=4.0, seed=1, max_len=2048)
     res = simulate(trace, name, CostModel.opt13b_a100(), num_blocks=1200, block_size=16, ttft_slo=1.0,

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grserve.bench.llm_workloads import TraceItem, make_trace
+from grserve_bench.llm_workloads import TraceItem, make_trace
 from grserve.engine.llm import LLMEngine, build_model_engine
-from grserve.bench.simulator import (
+from grserve_bench.simulator import (
     CostModel,
     SchedulerStalled,
     SimulatedExecutor,

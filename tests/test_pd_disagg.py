@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from grserve.cluster.pd_disagg import PDCoordinator, QueueTTFTPredictor, check_pd, splittable
+from grserve.cluster.llm.pd_disagg import PDCoordinator, QueueTTFTPredictor, check_pd, splittable
 from grserve.config import ClusterConfig, LLMServeConfig, PDConfig, SLOConfig
 from grserve.engine.sampling import SamplingParams
 

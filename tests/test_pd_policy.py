@@ -1,4 +1,4 @@
-"""The PD policy (cluster/pd_policy.py): pools and their invariants, the flip rules, the split threshold, the
+"""The PD policy (cluster/llm/pd_policy.py): pools and their invariants, the flip rules, the split threshold, the
 prefill/decode choices and the online TTFT fit."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grserve.cluster.pd_policy import (
+from grserve.cluster.llm.pd_policy import (
     InstanceSignals,
     PDCostModel,
     Role,

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from grserve.bench import pd_sim
-from grserve.bench.pd_simulator import GPUCostModel, SimSetup, TraceShape, make_trace, simulate
+from grserve_bench import pd_sim
+from grserve_bench.pd_simulator import GPUCostModel, SimSetup, TraceShape, make_trace, simulate
 from grserve.config import PDConfig, SLOConfig
 
 COST = GPUCostModel.preset("llama2-13b", "a100-80gb")

@@ -7,9 +7,10 @@ import math
 import numpy as np
 import pytest
 
-from grserve.bench import traces as T
-from grserve.eviction import LARUPolicy, PredictorConfig, make_policy, simulate
+from grserve_bench import traces as T
+from grserve.eviction import LARUPolicy, PredictorConfig, make_policy
 from grserve.eviction.predictor import LearnedPredictor
+from grserve_bench.eviction import simulate
 
 pytest.importorskip("lightgbm")
 

@@ -99,7 +99,8 @@ def test_bat_protects_frequent_users_in_a_bound_cache():
 def test_workload_has_the_papers_statistics():
     """The bench trace (BAT §2.5 digest): > 55% of users once, ≈ 90% of realized candidate accesses on the top 10%
     of items, 100 candidates × 10–18 tokens, long-tailed profiles capped at 8K."""
-    from grserve.ranking.workload import WorkloadSpec, generate_workload
+    from grserve.ranking.workload import WorkloadSpec
+    from grserve_bench.ranking_trace import generate_workload
 
     reg, trace, st = generate_workload(WorkloadSpec(num_items=2000, num_users=40, seed=3), vocab_size=32000)
     assert st["users_seen_once"] > 0.55

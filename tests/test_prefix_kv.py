@@ -181,7 +181,7 @@ def test_serve_llm_flags_build_a_prefix_cache():
 
 
 def test_prefix_bench_reports_the_saving():
-    from grserve.bench.serve import prefix_vs_none
+    from grserve_bench.serve import prefix_vs_none
 
     r = prefix_vs_none(requests=4, system_len=64, user_len=8, new_tokens=2, batch=2, repeats=1)
     assert r["same_tokens"]

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from grserve.movielens.quality import (
+from grserve_bench.quality import (
     ndcg_at_k, popularity_ranking, random_unseen, recall_at_k, report_json, top_k_unseen,
 )
 

@@ -8,9 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grserve.bench import traces as T
-from grserve.eviction import AccessListOracle, NoisyPredictor, make_policy
-from grserve.kvcache.radix import RadixCache, prefix_access_times, prefix_hashes
+from grserve_bench import traces as T
+from grserve.eviction import make_policy
+from grserve.kvcache.radix import RadixCache, prefix_hashes
+from grserve_bench.eviction import AccessListOracle, NoisyPredictor
+from grserve_bench.eviction.oracle import prefix_access_times
 
 
 def _lcp(a, b):

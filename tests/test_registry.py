@@ -1,13 +1,13 @@
 """The by-name registry (grserve.registry) and the config choices that must name exactly what is registered."""
 
-import typing
+import subprocess
+import sys
 
 import pytest
 
 from grserve import config
-from grserve.bench.llm_workloads import DATASETS, LENGTH_DISTRIBUTIONS
+from grserve_bench.llm_workloads import DATASETS, LENGTH_DISTRIBUTIONS
 from grserve.eviction import EVICTION_POLICIES
-from grserve.eviction.config import PolicyName
 from grserve.kvcache.prefix_kv import PrefixKVStore
 from grserve.registry import Registry, UnknownName
 from grserve.scheduler.llm_factory import SCHEDULERS, make_llm_scheduler
@@ -44,12 +44,23 @@ def test_register_create_aliases_and_names():
 def test_config_choices_are_the_registered_names():
     assert set(config.RANKING_POLICIES) == set(PREFIX_POLICIES.names())
     assert set(config.LLM_SCHEDULERS) == set(LLM_SCHEDULERS.names()) == set(SCHEDULERS)
-    assert set(typing.get_args(PolicyName)) == set(EVICTION_POLICIES.names())
     assert set(DATASETS) == set(LENGTH_DISTRIBUTIONS.names()) == {"sharegpt", "humaneval", "longbench"}
     # the prefix cache offers the eviction policies that need no oracle of the future
     assert set(config.PREFIX_CACHE_POLICIES) <= set(EVICTION_POLICIES.names())
     for name in config.PREFIX_CACHE_POLICIES:
         assert PrefixKVStore(16, 1, 4, policy=name).tree.policy.name == name
+
+
+def test_the_product_registers_exactly_the_selectable_eviction_policies():
+    """Every eviction policy grserve itself registers is one a serving flag can select (--prefix-cache-policy); the
+    lab adds the offline ones (Belady needs the future, FPB / HF are baselines) when it is loaded."""
+    code = ("import sys; from grserve.eviction import EVICTION_POLICIES; "
+            "assert not any(m.startswith('grserve_bench') for m in sys.modules); print(*EVICTION_POLICIES.names())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert sorted(out) == sorted(config.PREFIX_CACHE_POLICIES)
+    import grserve_bench.eviction  # noqa: F401 - registers the lab's policies
+
+    assert set(EVICTION_POLICIES.names()) == set(config.PREFIX_CACHE_POLICIES) | {"belady", "fpb", "hf"}
 
 
 def test_every_registered_policy_reports_its_name():

@@ -85,7 +85,7 @@ def test_renormalized_scores_dominate_hf_scores(model, small_catalog):
 @pytest.mark.parametrize("bw", [4, 8])
 def test_beams_equal_hf_generate(model, bw):
     pytest.importorskip("transformers")
-    from grserve.bench.baselines import HFConstrainedBeamSearch
+    from grserve_bench.baselines import HFConstrainedBeamSearch
 
     catalog = generate_catalog(600, 3, 16, seed=2)
     hf = HFConstrainedBeamSearch(model)
@@ -99,7 +99,7 @@ def test_beams_equal_hf_generate(model, bw):
 
 
 def test_separated_kv_equals_private_copy_per_beam(model):
-    from grserve.bench.baselines import NaiveCopyBeamSearch
+    from grserve_bench.baselines import NaiveCopyBeamSearch
 
     catalog = generate_catalog(2000, 3, 32, seed=1)
     p = prompt(45, seed=4)

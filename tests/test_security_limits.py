@@ -592,7 +592,7 @@ def test_quality_bench_excludes_seen_items_in_the_search(tiny_model, monkeypatch
     """``grserve bench quality``'s "history excluded" row comes from the served search with ``exclude_items``:
     K items per user, none of them in the user's history (the client-side filter it replaces could return fewer)."""
     pd = pytest.importorskip("pandas")
-    from grserve.movielens import quality
+    from grserve_bench import quality
     from grserve.movielens.split import leave_one_out
 
     cat = generate_catalog(200, 3, 8, seed=1, token_offset=16)

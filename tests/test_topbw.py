@@ -5,7 +5,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grserve.search.topbw import TopBW, top_bw_heap, top_bw_reference
+from grserve.search.topbw import TopBW, top_bw_heap
+
+
+def top_bw_reference(cand: np.ndarray, bw: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """cand [B, K] → (scores, beams, ranks), each [min(bw, B·K)], best first, tie rule applied."""
+    b, k = cand.shape
+    flat = cand.reshape(-1)
+    order = np.lexsort((np.arange(flat.size), -flat))[:bw]
+    return flat[order], order // k, order % k
 
 
 @st.composite

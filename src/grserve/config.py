@@ -13,6 +13,7 @@ engine), ``RankingDataConfig`` (ranking users/items at start-up), ``RankingLimit
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -134,6 +135,17 @@ class ServeConfig:
     reload: "CatalogReloadConfig" = field(default_factory=lambda: CatalogReloadConfig())
     accel: "AccelConfig" = field(default_factory=lambda: AccelConfig())  # defined at the end (GPU fast path)
     cluster: "ClusterConfig" = field(default_factory=lambda: ClusterConfig())  # --instances N (end of file)
+    beams: "BeamApiConfig" = field(default_factory=lambda: BeamApiConfig())  # the OpenAI beam routes
+
+
+@dataclass(frozen=True)
+class BeamApiConfig(Checked):
+    """The OpenAI routes of ``serve retrieval`` (``/v1/chat/completions``, ``/v1/completions``: beams as choices;
+    docs/serving-gr-models.md)."""
+
+    served_model_name: str | None = flag(None, "model id of the OpenAI routes (default: --model)")
+    max_think_tokens: int = flag(1024, "largest max_think_tokens a request may ask for (0: no thinking)",
+                                 check=non_negative)
 
 
 # ---- ranking (BAT) -------------------------------------------------------------------------------------------
@@ -373,7 +385,20 @@ class ClusterConfig(Checked):
 
 
 # ---- issue 13: prefill/decode disaggregation, role flips, online/offline co-location (docs/cluster.md) ----------
-PRIORITIES = ("online", "offline")
+class Priority(enum.StrEnum):
+    """An LLM request's co-location class (``scheduler/colocation.py``): online work preempts offline work. A
+    ``StrEnum``: equal to its value as a string (the API's ``"online"`` / ``"offline"``, metric labels)."""
+
+    ONLINE = "online"
+    OFFLINE = "offline"
+
+    @classmethod
+    def of(cls, value: str) -> Priority:
+        """``value`` as a ``Priority``; ``ValueError`` naming the classes for anything else."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"priority must be one of {tuple(p.value for p in cls)}, not {value!r}") from None
 
 
 @dataclass(frozen=True)

@@ -5,9 +5,10 @@ then execute its ``SchedulerOutput`` — preempt (free blocks, back to the front
 block tables, run one packed forward pass (``HybridPagedContext``), sample (temperature / top-p / seed), apply
 stop conditions (max_tokens, EOS, stop token ids, stop strings), free finished requests' blocks.
 
-The executor is swappable: ``ModelExecutor`` runs the real model; ``bench.simulator.SimulatedExecutor``
+The executor is swappable: ``ModelExecutor`` runs the real model; ``grserve_bench.simulator.SimulatedExecutor``
 returns a cost-model duration instead (the discrete-event simulator). The clock is injectable (virtual time
-in the benchmark). ``abort()`` frees a request's blocks at once (between iterations: the engine lock).
+in the benchmark). ``abort()`` frees a request's blocks at once. One thread drives an engine (``AsyncLLMEngine``'s
+step loop, which applies other threads' requests between steps; or a benchmark); it takes no lock.
 
 Prefix cache: ``prefix_cache`` (default None) is a ``kvcache.prefix_kv.PrefixKVStore`` (a radix tree of cached
 prompt spans with a pluggable eviction policy, e.g. LARU). A KV request admitted to prefill first copies its
@@ -31,13 +32,13 @@ import numpy as np
 import torch
 
 from grserve.attention.hybrid import HybridPagedContext, SeqSlice
-from grserve.kvcache.blocks import BlockPool, CacheKind, HybridCacheStorage
-from grserve.engine.fair_lock import FairRLock
+from grserve.config import Priority
+from grserve.kvcache.blocks import BlockPool, BlockTable, CacheKind, HybridCacheStorage
 from grserve.engine.sampling import SampleOutput, SampleRow, SamplingParams, TokenLogprobs, sample
+from grserve.engine.types import Handover, LLMFit
 from grserve.scheduler.llm_types import LLMScheduler, PoolView, SchedulerInput, SchedulerOutput, SeqView
 
 log = logging.getLogger("grserve.engine")
-PRIORITIES = ("online", "offline")  # co-location classes (LLMRequest.priority)
 
 
 class PrefixCache(Protocol):
@@ -58,9 +59,10 @@ class TokenEvent:
     token_ids: list[int]
     text: str
     finished: bool
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    finish_reason: str | None = None  # "stop" | "length" | "pause" | "abort" | "error"
     logprobs: list[TokenLogprobs] | None = None  # one per token id, when the request asked for logprobs
     error: str | None = None  # why the request failed (finish_reason "error")
+    prompt_kv: torch.Tensor | None = None  # on the first token's event of a request that asked (``export_kv``)
 
 
 class IncrementalDecoder(Protocol):
@@ -92,7 +94,12 @@ class Sequence:
     cached_tokens: int = 0  # prompt tokens its last admission took from the prefix cache (usage.cached_tokens)
     last_scheduled: float | None = None  # start of the last iteration that computed tokens for it (pending time)
     first_scheduled: float | None = None  # start of the first one (its queue time ends there)
-    priority: str = "online"  # "online" | "offline" (co-location, scheduler/colocation.py)
+    priority: Priority = Priority.ONLINE  # co-location class (scheduler/colocation.py)
+    resumed: int = 0  # output tokens it started with (delivered by an earlier attempt elsewhere)
+    pause_at: int | None = None  # end the attempt ("pause", text unfinished) at this many output tokens
+    export_kv: bool = False  # hand out the K/V its first prefill computed (``TokenEvent.prompt_kv``)
+    kv_in: torch.Tensor | None = None  # K/V [L, 2, m, width] of its first m tokens, computed elsewhere
+    kv_out: torch.Tensor | None = None  # the exported K/V, until its first token's event carries it
 
     @property
     def tokens(self) -> list[int]:
@@ -208,6 +215,7 @@ class LLMEngine:
         self.decoder_factory = decoder_factory
         self.clock = clock
         self.max_model_len = max_model_len
+        self.fit = LLMFit(max_model_len, pool.num_blocks, pool.block_size, pool.kv_planes)  # what it can ever hold
         self.prefix_cache = prefix_cache
         self._storage = getattr(executor, "storage", None)
         if prefix_cache is not None and self._storage is None:
@@ -219,7 +227,6 @@ class LLMEngine:
         self.seqs: dict[int, Sequence] = {}
         self.finished: list[Sequence] = []
         self.keep_finished = False
-        self.lock = FairRLock()  # FIFO: the step loop cannot starve other threads (engine/fair_lock.py)
         self._next_id = 0
         self.iterations = 0
         self.last_step_progressed = False  # did the last step() schedule or preempt anything?
@@ -229,50 +236,59 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt_ids: list[int], params: SamplingParams, *, arrival: float | None = None,
                     on_event: Callable[[TokenEvent], None] | None = None, seq_id: int | None = None,
-                    priority: str = "online") -> int:
-        """Queue a request; raises ValueError if it can never fit (model length or pool size). ``priority``:
-        "online" or "offline" (only a co-location policy, ``scheduler/colocation.py``, tells them apart)."""
-        if priority not in PRIORITIES:
-            raise ValueError(f"priority must be one of {PRIORITIES}, not {priority!r}")
-        if not prompt_ids:
-            raise ValueError("prompt must have at least one token")
-        total = len(prompt_ids) + params.max_tokens
-        if self.max_model_len is not None and total > self.max_model_len:
-            raise ValueError(f"prompt ({len(prompt_ids)}) + max_tokens ({params.max_tokens}) exceeds the model "
-                             f"length {self.max_model_len}")
-        if self.pool.blocks_for(total, "kv") > self.pool.num_blocks:
-            raise ValueError(f"prompt + max_tokens = {total} tokens never fits the KV pool "
-                             f"({self.pool.num_blocks} blocks of {self.pool.block_size})")
-        with self.lock:
-            if seq_id is None:
-                seq_id = self._next_id
-                self._next_id += 1
-            seq = Sequence(seq_id, list(prompt_ids), params, self.clock() if arrival is None else arrival, on_event)
-            seq.seed = params.seed if params.seed is not None else random.getrandbits(63)
-            seq.priority = priority
-            if self.decoder_factory is not None:
-                seq.decoder = self.decoder_factory(seq.prompt_ids)
-            self.seqs[seq_id] = seq
-            self.waiting.append(seq)
+                    priority: Priority | str = Priority.ONLINE, handover: Handover | None = None) -> int:
+        """Queue a request; raises ValueError if it can never fit (model length or pool size). ``priority``: its
+        co-location class (only a co-location policy, ``scheduler/colocation.py``, tells them apart). ``handover``:
+        what a request carries across cluster instances (``engine.types.Handover``)."""
+        priority = Priority.of(priority)
+        self.fit.check(len(prompt_ids), params.max_tokens)
+        handover = handover if handover is not None else Handover()
+        if len(handover.delivered) >= params.max_tokens:
+            raise ValueError(f"{len(handover.delivered)} tokens delivered: nothing left of max_tokens "
+                             f"{params.max_tokens}")
+        if seq_id is None:
+            seq_id = self._next_id
+            self._next_id += 1
+        seq = Sequence(seq_id, list(prompt_ids), params, self.clock() if arrival is None else arrival, on_event)
+        seq.seed = params.seed if params.seed is not None else random.getrandbits(63)
+        seq.priority = priority
+        if self.decoder_factory is not None:
+            seq.decoder = self.decoder_factory(seq.prompt_ids)
+        self._resume(seq, handover)
+        self.seqs[seq_id] = seq
+        self.waiting.append(seq)
         return seq_id
+
+    def _resume(self, seq: Sequence, handover: Handover) -> None:
+        """Start ``seq`` after the tokens an earlier attempt delivered: they are its first outputs (sampling,
+        penalties and stop rules see them so; admission recomputes them like a preempted request's), and its
+        incremental decoder replays them, so its text state — the characters held back for a stop string or an
+        unfinished UTF-8 character — is what the earlier attempt's was; its events carry only what follows."""
+        seq.output_ids = list(handover.delivered)
+        seq.resumed = len(seq.output_ids)
+        if handover.pause_after is not None:
+            seq.pause_at = seq.resumed + handover.pause_after
+        seq.export_kv, seq.kv_in = handover.export_kv, handover.prompt_kv
+        if seq.decoder is not None:
+            for tok in seq.output_ids:
+                self._new_text(seq, tok, final=False)
 
     def abort(self, seq_id: int) -> bool:
         """Cancel a request and free its blocks now. Returns False if it is unknown or already finished."""
-        with self.lock:
-            seq = self.seqs.get(seq_id)
-            if seq is None or seq.finished:
-                return False
-            self._finish(seq, "abort")
-            return True
+        seq = self.seqs.get(seq_id)
+        if seq is None or seq.finished:
+            return False
+        self._finish(seq, "abort")
+        return True
 
     def priority_counts(self) -> dict[str, int]:
         """Running and waiting requests per priority: ``running_online``, ``waiting_offline``, ...
 
-        Read without the engine lock: ``stats()`` is asked from event loops (``/health``, ``/metrics``, a cluster
-        instance's poll, which is its heartbeat), and the lock is held for a whole step — a long prefill would
-        stall the loop for as long. Each queue is copied in one C call (atomic under the GIL), so a count is at
-        most one step old and never torn within a queue."""
-        out = {f"{q}_{p}": 0 for q in ("running", "waiting") for p in PRIORITIES}
+        Read from other threads while the loop steps: ``stats()`` is asked from event loops (``/health``,
+        ``/metrics``, a cluster instance's poll, which is its heartbeat), which must not wait for a step. Each queue
+        is copied in one C call (atomic under the GIL), so a count is at most one step old and never torn within a
+        queue."""
+        out = {f"{q}_{p}": 0 for q in ("running", "waiting") for p in Priority}
         for q, seqs in (("running", list(self.running)), ("waiting", list(self.waiting))):
             for s in seqs:
                 out[f"{q}_{s.priority}"] += 1
@@ -285,7 +301,7 @@ class LLMEngine:
     def _view(self, s: Sequence) -> SeqView:
         p = self.pool
         return SeqView(s.seq_id, s.arrival, s.token_times[-1] if s.token_times else None, s.num_tokens,
-                       s.num_computed, len(s.output_ids), s.cache, p.blocks_of(s.seq_id),
+                       s.num_computed, len(s.output_ids) - s.resumed, s.cache, p.blocks_of(s.seq_id),
                        p.freeable_blocks(s.seq_id) if p.shared_credit else -1, s.last_scheduled, s.priority,
                        s.num_preemptions, s.token_times[0] if s.token_times else None)
 
@@ -299,10 +315,6 @@ class LLMEngine:
                                        p.hidden_planes))
 
     def step(self) -> list[TokenEvent]:
-        with self.lock:
-            return self._step()
-
-    def _step(self) -> list[TokenEvent]:
         self.last_step_progressed = False
         if not self.has_work():
             return []
@@ -319,7 +331,7 @@ class LLMEngine:
             seq.num_computed, seq.cache, seq.prefix_saved = 0, None, False
             seq.num_preemptions += 1
             self.stats["preemptions"] += 1
-            if seq.priority == "offline":
+            if seq.priority == Priority.OFFLINE:
                 self.stats["offline_preemptions"] += 1
             if seq in self.running:
                 self.running.remove(seq)
@@ -343,7 +355,8 @@ class LLMEngine:
                 self.running.append(seq)
                 seq.cache = x.cache
             n = min(x.num_tokens, seq.num_tokens - seq.num_computed)
-            if admitted and x.cache == "kv" and self.prefix_cache is not None and seq.num_computed == 0:
+            if admitted and x.cache == "kv" and seq.num_computed == 0 and (
+                    self.prefix_cache is not None or seq.kv_in is not None):
                 n, used = self._load_prefix(seq, n, spare)
                 spare -= used
             self.pool.reserve(x.seq_id, seq.num_computed + n, x.cache)
@@ -369,6 +382,9 @@ class LLMEngine:
             it.seq.num_computed += it.num_new
             table = self.pool.table(it.seq.seq_id)
             table.num_tokens = it.seq.num_computed
+            if it.sample and it.seq.export_kv:  # the end of its first prefill: hand its K/V out (cluster)
+                it.seq.export_kv = False
+                it.seq.kv_out = self._export(table, it.seq.num_computed if it.kind == "kv" else 0)
             if self.prefix_cache is not None and it.kind == "kv" and it.sample and not it.seq.prefix_saved:
                 it.seq.prefix_saved = True  # the end of this (re)prefill: offer its tokens to the cache
                 self.prefix_cache.save(it.seq.tokens[:it.seq.num_computed], self._storage, table)
@@ -413,27 +429,36 @@ class LLMEngine:
 
     def fail(self, seq: Sequence, message: str) -> None:
         """End one request with an error (its client gets an error, never a normal finish)."""
-        with self.lock:
-            if seq.finished:
-                return
-            seq.error = message
-            self._finish(seq, "error")
+        if seq.finished:
+            return
+        seq.error = message
+        self._finish(seq, "error")
 
     def _load_prefix(self, seq: Sequence, n: int, spare: int) -> tuple[int, int]:
-        """Copy ``seq``'s longest cached prefix (m ≤ num_tokens − 1 tokens) into its blocks; return how many
-        tokens to compute now and how many blocks beyond its plan it took. The cached prefix is free, so the
-        request still computes its planned n tokens after it (fewer at the end of the prompt) if ``spare``
-        blocks (ones no other planned item needs) allow; otherwise it stays within the blocks planned for n
-        tokens (m ≤ n − 1, computing n − m)."""
+        """Load ``seq``'s prefix computed before — the K/V it brought (``kv_in``: a moved request's), else its
+        longest cached prefix — into its blocks (m ≤ num_tokens − 1 tokens); return how many tokens to compute
+        now and how many blocks beyond its plan it took. The prefix is free, so the request still computes its
+        planned n tokens after it (fewer at the end of the prompt) if ``spare`` blocks (ones no other planned item
+        needs) allow; otherwise it stays within the blocks planned for n tokens (m ≤ n − 1, computing n − m)."""
         pc = self.prefix_cache
+        if seq.kv_in is not None:
+            kv, seq.kv_in = seq.kv_in, None
+            return self._copy_prefix(seq, n, spare, min(int(kv.shape[2]), seq.num_tokens - 1),
+                                     lambda table, m: self._import(table, kv[:, :, :m]))
         if getattr(pc, "shares_blocks", False):  # SharedPrefixCache: attach cached blocks, no copy
             m, n_after, extra = pc.attach(seq.seq_id, seq.tokens, n, spare, self._storage)
             seq.num_computed = seq.cached_tokens = m
             self.stats["prefix_hit_tokens"] += m
             return n_after, extra
         slots = pc.match(seq.tokens)
-        m = len(slots)
-        if m == 0:
+        return self._copy_prefix(seq, n, spare, len(slots),
+                                 lambda table, m: pc.copy_in(slots[:m], self._storage, table))
+
+    def _copy_prefix(self, seq: Sequence, n: int, spare: int, m: int,
+                     copy: Callable[[BlockTable, int], object]) -> tuple[int, int]:
+        """``_load_prefix`` of a prefix of ``m`` tokens that is copied into the request's blocks (``copy(table,
+        m)``, after the reservation; m may be cut to stay within the plan)."""
+        if m <= 0:
             return n, 0
         n_after = min(n, seq.num_tokens - m)
         pool = self.pool
@@ -442,10 +467,21 @@ class LLMEngine:
             m = min(m, n - 1)
             n_after, extra = n - m, 0
         pool.reserve(seq.seq_id, m + n_after, "kv")
-        pc.copy_in(slots[:m], self._storage, pool.table(seq.seq_id))
+        copy(pool.table(seq.seq_id), m)
         seq.num_computed = seq.cached_tokens = m
         self.stats["prefix_hit_tokens"] += m
         return n_after, max(0, extra)
+
+    def _export(self, table: BlockTable, m: int) -> torch.Tensor:
+        """A copy of rows 0 … m−1 of ``table``'s K and V: ``[L, 2, m, width]`` (the prefix store's layout)."""
+        rows = self._storage.row_index(table, 0, m)
+        return torch.stack([self._storage.data[:, rows[0]], self._storage.data[:, rows[1]]], dim=1)
+
+    def _import(self, table: BlockTable, kv: torch.Tensor) -> None:
+        """Write K/V ``[L, 2, m, width]`` computed elsewhere into rows 0 … m−1 of ``table``."""
+        rows = self._storage.row_index(table, 0, kv.shape[2])
+        for plane in (0, 1):
+            self._storage.data[:, rows[plane]] = kv[:, plane].to(self._storage.data)
 
     def clock_advance(self, dt: float) -> None:
         adv = getattr(self.clock, "advance", None)
@@ -469,11 +505,15 @@ class LLMEngine:
             delta, reason = seq.parts[-1], "stop"
         if reason is None and len(seq.output_ids) >= p.max_tokens:
             reason = "length"
-        if reason is not None and seq.pending:
+        if reason is None and seq.pause_at is not None and len(seq.output_ids) >= seq.pause_at:
+            reason = "pause"  # the attempt's end, not the request's: the held-back text stays held back
+        if reason not in (None, "pause") and seq.pending:
             delta += seq.pending
             seq.parts.append(seq.pending)
             seq.pending = ""
-        ev = TokenEvent(seq.seq_id, [tok], delta, reason is not None, reason, [lp] if lp is not None else None)
+        ev = TokenEvent(seq.seq_id, [tok], delta, reason is not None, reason, [lp] if lp is not None else None,
+                        prompt_kv=seq.kv_out)
+        seq.kv_out = None
         if reason is not None:
             self._finish(seq, reason, emit=False)
         if seq.on_event is not None:

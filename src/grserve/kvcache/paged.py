@@ -65,9 +65,6 @@ class PagedKVStore:
     def pages_for(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.page_size)
 
-    def bytes_for(self, num_tokens: int) -> int:
-        return self.pages_for(num_tokens) * self.bytes_per_page
-
     def entry_pages(self, key: Hashable) -> int:
         return int(self._entries[key][0].numel())
 

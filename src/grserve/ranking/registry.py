@@ -137,9 +137,6 @@ class RankingRegistry:
     def item_ids(self) -> list[int]:
         return list(self._items)
 
-    def mean_item_tokens(self) -> float:
-        return float(np.mean([len(t) for t in self._items.values()])) if self._items else 0.0
-
     # ---- files --------------------------------------------------------------------------------------------
     def load_jsonl(self, path: str | Path, kind: str) -> int:
         """Load ``kind`` ("user" | "item") records; errors name the file and line. Returns the record count."""

@@ -26,14 +26,17 @@ def new_app(engine: Engine, metrics: Metrics | None, *, title: str, description:
             groups: Sequence[str] = (), detail: Callable[[], dict] | None = None, edge: EdgeConfig | None = None,
             admin_routes: frozenset[tuple[str, str]] = frozenset(),
             queued_routes: frozenset[tuple[str, str]] = frozenset(),
-            prechecks: Mapping[str, Precheck] | None = None, max_brackets: int = MAX_BRACKETS) -> FastAPI:
+            prechecks: Mapping[str, Precheck] | None = None, max_brackets: int = MAX_BRACKETS,
+            openai_paths: frozenset[str] = frozenset()) -> FastAPI:
     """A FastAPI app around ``engine`` with the shared parts installed: the error handlers of one API family
     (``openai``: OpenAI's shape; else the house shape, ``groups`` its one-of field groups), the edge middleware
     (``edge``; ``admin_routes``: the (method, path) pairs that change state; ``queued_routes``: those that queue
     work, counted by admission from the edge on and refused there past ``max_waiting``), the metrics middleware
     (outermost: it counts the edge's refusals too), ``GET /health`` (``engine.health()`` plus ``detail()``),
     ``GET /metrics``, and the route class of the routes added to the app itself (``bodies.py``: bodies parsed
-    and validated off the event loop, ``prechecks`` first, by path; at most ``max_brackets`` containers)."""
+    and validated off the event loop, ``prechecks`` first, by path; at most ``max_brackets`` containers).
+    ``openai_paths``: paths of a house app answered in OpenAI's error shape (the retrieval server's OpenAI beam
+    routes)."""
     metrics = metrics if metrics is not None else Metrics()
     metrics.bind_queue_depth(lambda: engine.queue_depth)
     admission = Admission(engine)
@@ -46,12 +49,12 @@ def new_app(engine: Engine, metrics: Metrics | None, *, title: str, description:
     app.state.edge = edge = edge or EdgeConfig()
     render = openai_error if openai else house_error
     app.add_middleware(EdgeMiddleware, edge=edge, render=render, admin_routes=admin_routes, admission=admission,
-                       queued_routes=queued_routes, router=app.router)
+                       queued_routes=queued_routes, router=app.router, openai_paths=openai_paths)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     if openai:
         install_error_handlers(app, openai_error, openai_validation_error)
     else:
-        install_error_handlers(app, house_error, lambda exc: house_validation_error(exc, groups))
+        install_error_handlers(app, house_error, lambda exc: house_validation_error(exc, groups), openai_paths)
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse
 
 from grserve.config import EdgeConfig
 from grserve.server.admission import Admission, hand_over
-from grserve.server.errors import ApiError, body_too_large, unauthorized
+from grserve.server.errors import ApiError, body_too_large, openai_error, unauthorized
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # answered without the API key (load balancers, Prometheus)
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
@@ -56,10 +56,15 @@ class EdgeMiddleware:
 
     def __init__(self, app: Any, edge: EdgeConfig, render: Callable[[ApiError], JSONResponse],
                  admin_routes: frozenset[tuple[str, str]] = frozenset(), admission: Admission | None = None,
-                 queued_routes: frozenset[tuple[str, str]] = frozenset(), router: Any = None) -> None:
-        self.app, self.edge, self.render, self.admin_routes = app, edge, render, admin_routes
+                 queued_routes: frozenset[tuple[str, str]] = frozenset(), router: Any = None,
+                 openai_paths: frozenset[str] = frozenset()) -> None:
+        self.app, self.edge, self._render, self.admin_routes = app, edge, render, admin_routes
         self.admission, self.queued_routes, self.router = admission, queued_routes, router
+        self.openai_paths = openai_paths  # answered in OpenAI's shape (errors.py)
         self._routes: list[Any] | None = None
+
+    def render(self, exc: ApiError, scope: dict) -> JSONResponse:
+        return (openai_error if scope["path"] in self.openai_paths else self._render)(exc)
 
     def queued(self, scope: dict) -> bool:
         return self.admission is not None and (scope["method"], scope["path"]) in self.queued_routes
@@ -106,7 +111,7 @@ class EdgeMiddleware:
 
     async def refuse(self, refusal: ApiError, scope: dict, receive: Any, send: Any) -> None:
         self.label(scope)
-        await self.render(refusal)(scope, receive, send)
+        await self.render(refusal, scope)(scope, receive, send)
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":

@@ -76,15 +76,18 @@ def run(cfg: LLMServeConfig) -> int:
               if pc is not None else "")
     print(f"grserve: LLM {name} ({cfg.model.dtype}), scheduler {c.scheduler}, {c.num_blocks} blocks x "
           f"{c.block_size} tokens{prefix} -> http://{s.host}:{s.port}/v1", flush=True)
-    print(f"grserve: tokenizer {tok.name_or_path} (an HF directory: aiperf --tokenizer {tok.name_or_path})",
-          flush=True)
+    if getattr(tok, "message", None):  # NoTokenizer: a model directory without tokenizer files
+        print(f"grserve: {tok.message}", flush=True)
+    else:
+        print(f"grserve: tokenizer {tok.name_or_path} (an HF directory: aiperf --tokenizer {tok.name_or_path})",
+              flush=True)
     return serve_until_exit(app, s.host, s.port, s.log_level, engine.stop)
 
 
 def run_cluster(cfg: LLMServeConfig, cluster: ClusterConfig) -> int:
     """``--instances N`` (or ``--ray-address``): N engine instance actors on Ray behind this front end."""
-    from grserve.cluster.llm_cluster import ClusterLLMEngine
-    from grserve.cluster.metrics import ClusterCollector
+    from grserve.cluster.core.metrics import ClusterCollector
+    from grserve.cluster.llm.front_end import ClusterLLMEngine
     from grserve.server.serving import serve_until_exit
     from grserve.server.llm_app import create_llm_app
 
@@ -99,7 +102,7 @@ def run_cluster(cfg: LLMServeConfig, cluster: ClusterConfig) -> int:
     name = c.served_model_name or cfg.model.source
     engine.start()
     info = engine.instances[0].info
-    app = create_llm_app(engine, engine.tokenizer, name, info["max_model_len"], info["vocab_size"], edge=cfg.edge,
+    app = create_llm_app(engine, engine.tokenizer, name, info.max_model_len, info.vocab_size, edge=cfg.edge,
                          max_n=cfg.api.max_n, max_logprobs=cfg.api.max_logprobs,
                          max_messages=cfg.api.max_chat_messages)
     app.state.metrics.registry.register(ClusterCollector(engine))

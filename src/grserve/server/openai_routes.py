@@ -30,7 +30,7 @@ from fastapi.responses import StreamingResponse
 
 from grserve.engine.protocol import Engine, EngineStepFailed, RequestHandle
 from grserve.engine.sampling import SamplingParams, mix64
-from grserve.engine.tokenizer import ChatTemplateError
+from grserve.engine.tokenizer import ChatTemplateError, MissingTokenizerError
 from grserve.engine.types import LLMRequest
 from grserve.server.bodies import body_route
 from grserve.server.errors import ApiError
@@ -60,6 +60,15 @@ log = logging.getLogger("grserve.server")
 _ERRORS: dict[int | str, dict[str, Any]] = {k: {} for k in (400, 404, 500, 503)}
 DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI
 DEFAULT_CHAT_MAX_TOKENS = 256  # /v1/chat/completions without max_tokens: at most this, at most what fits
+
+
+def encode(tokenizer: Any, text: str, field: str, **kwargs: Any) -> list[int]:
+    """Text → token ids; a model directory without tokenizer files is a 400 naming the field (never a made-up
+    tokenizer)."""
+    try:
+        return tokenizer.encode(text, **kwargs)
+    except MissingTokenizerError as exc:
+        raise ApiError(400, str(exc), field, "no_tokenizer") from None
 
 
 def choice_seed(seed: int | None, i: int) -> int | None:
@@ -289,10 +298,11 @@ class OpenAIContext:
                  add_special_tokens: bool = False) -> list[int]:
         """The chat's prompt token ids: rendered by the chat template, then encoded (a heavy-work thread's job)."""
         text = self.chat_prompt([m.for_template() for m in messages], tools, add_generation_prompt)
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return encode(self.tokenizer, text, "messages", add_special_tokens=add_special_tokens)
 
-    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return await off_loop(self.tokenizer.encode, text, add_special_tokens)
+    async def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        """``encode`` (``param``: the field a missing tokenizer's 400 names) on a heavy-work thread."""
+        return await off_loop(lambda: encode(self.tokenizer, text, param, add_special_tokens=add_special_tokens))
 
     def card(self) -> ModelCard:
         return ModelCard(id=self.model_name, created=self.created, max_model_len=self.max_model_len)
@@ -352,7 +362,7 @@ def create_openai_router(engine: Engine, tokenizer: Any, model_name: str, max_mo
             text = await off_loop(tokenizer.decode, ids) if body.echo else ""
         else:
             text = p[0] if isinstance(p, list) else p
-            ids = await ctx.encode(text)
+            ids = await ctx.encode(text, "prompt")
         shape = CompletionShape(f"cmpl-{uuid.uuid4().hex[:24]}", ctx.created, model_name, tokenizer,
                                 text if body.echo else "")
         return await generate(ctx, request, body, ids, body.requested_max_tokens() or DEFAULT_MAX_TOKENS, shape)
@@ -388,7 +398,7 @@ def add_utility_routes(router: APIRouter, ctx: OpenAIContext) -> None:
             ids = await off_loop(ctx.chat_ids, body.messages, None, body.add_generation_prompt,
                                  bool(body.add_special_tokens))
         else:
-            ids = await ctx.encode(body.prompt, body.add_special_tokens is not False)
+            ids = await ctx.encode(body.prompt, "prompt", body.add_special_tokens is not False)
         return TokenizeResponse(count=len(ids), max_model_len=ctx.max_model_len, tokens=ids)
 
     @router.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)

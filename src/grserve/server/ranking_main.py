@@ -92,7 +92,7 @@ def run(cfg: RankingServeConfig) -> int:
 
 def run_cluster(cfg: RankingServeConfig) -> int:
     """``--instances N`` (or ``--ray-address``): N ranking engine actors on Ray behind this front end."""
-    from grserve.cluster.gr_modes import ClusterRankingEngine
+    from grserve.cluster.gr.modes import ClusterRankingEngine
     from grserve.ranking.registry import RegistryError
     from grserve.server.serving import serve_until_exit
     from grserve.server.ranking_app import create_ranking_app

@@ -15,7 +15,9 @@ from typing import Annotated
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
 from pydantic_core import PydanticCustomError
 
-HISTORY_FIELDS = ("history_items", "history_sids", "history_tokens")
+from grserve.server.openai_schemas import ChatMessage
+
+HISTORY_FIELDS = ("history_items", "history_sids", "history_tokens", "prompt", "messages")
 UNPRINTABLE = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})  # control, format, surrogate, line/paragraph separators
 
 NonEmptyInts = Annotated[list[StrictInt], Field(min_length=1)]
@@ -34,11 +36,17 @@ RequestId = Annotated[StrictStr, Field(min_length=1, max_length=128), AfterValid
 
 
 class RecommendRequest(BaseModel):
-    """A user's history, in exactly one of three forms, and the search knobs.
+    """A user's history, in exactly one of five forms, and the search knobs.
 
-    - ``history_items``: catalog item ids, oldest first; each is mapped to its SID.
+    - ``history_items``: catalog item ids, oldest first; each is mapped to its SID (wrapped in ``sid_begin`` /
+      ``sid_end`` where the layout has them).
     - ``history_sids``: SIDs, one ``[c_0, ..., c_{depth-1}]`` list per item (code ``c_l`` in ``[0, codebook_size_l)``).
     - ``history_tokens``: raw prompt token ids, each in ``[0, vocab_size)``.
+    - ``prompt``: text with the items written as SID token text, encoded with the model's tokenizer.
+    - ``messages``: a chat (OpenAI's messages), rendered with the model's chat template.
+
+    ``max_think_tokens`` > 0: the model first writes free text (greedy) until ``sid_begin``
+    (think-then-recommend, ``engine/think.py``); the text comes back in ``thinking``.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -46,6 +54,9 @@ class RecommendRequest(BaseModel):
     history_items: NonEmptyInts | None = None
     history_sids: Annotated[list[list[StrictInt]], Field(min_length=1)] | None = None
     history_tokens: NonEmptyInts | None = None
+    prompt: Annotated[StrictStr, Field(min_length=1)] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    max_think_tokens: Annotated[StrictInt, Field(ge=0)] = 0
     beam_width: Annotated[StrictInt, Field(ge=1)] | None = None  # None → the server's SearchConfig.beam_width
     top_n: Annotated[StrictInt, Field(ge=1)] = 10
     exclude_items: list[StrictInt] | None = None  # catalog item ids never returned (masked inside the search)
@@ -56,12 +67,13 @@ class RecommendRequest(BaseModel):
         given = [name for name in HISTORY_FIELDS if getattr(self, name) is not None]
         if not given:
             raise PydanticCustomError(
-                "history_missing", "exactly one of history_items, history_sids, history_tokens is required")
+                "history_missing", "exactly one of history_items, history_sids, history_tokens, prompt, messages "
+                                   "is required")
         if len(given) > 1:
             raise PydanticCustomError(
                 "history_ambiguous",
-                "exactly one of history_items, history_sids, history_tokens may be given, got {given}",
-                {"given": ", ".join(given)})
+                "exactly one of history_items, history_sids, history_tokens, prompt, messages may be given, got "
+                "{given}", {"given": ", ".join(given)})
         return self
 
     @property
@@ -84,6 +96,7 @@ class Timing(BaseModel):
 class RecommendResponse(BaseModel):
     request_id: str  # the client's request_id, else the server's id of the request
     items: list[ItemOut]  # best first
+    thinking: str | None = None  # max_think_tokens > 0: the text the model wrote before its first SID token
     beam_width: int
     catalog_version: int
     timing: Timing
@@ -114,10 +127,6 @@ class ErrorDetail(BaseModel):
     message: str
     field: str | None = None  # e.g. "history_sids[3][1]"; None when the error is not about one field
     type: str  # machine-readable kind, e.g. "unknown_items", "out_of_range", "invalid_json"
-
-
-class ErrorBody(BaseModel):
-    error: ErrorDetail
 
 
 # ---- ranking (BAT) ------------------------------------------------------------------------------------------
