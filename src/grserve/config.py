@@ -146,6 +146,9 @@ class BeamApiConfig(Checked):
     served_model_name: str | None = flag(None, "model id of the OpenAI routes (default: --model)")
     max_think_tokens: int = flag(1024, "largest max_think_tokens a request may ask for (0: no thinking)",
                                  check=non_negative)
+    max_chat_messages: int = flag(2048, "most messages (and content parts) a chat may have (these routes and "
+                                        "/v1/recommend's messages); at most --max-prompt-tokens too (400 "
+                                        "too_many_messages, before the chat template)", check=positive_int, metavar="N")
 
 
 # ---- ranking (BAT) -------------------------------------------------------------------------------------------

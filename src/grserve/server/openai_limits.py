@@ -8,13 +8,17 @@ without being tokenized (text that the tokenizer's normalizer would delete — c
 is refused too; a prompt that large is not a real one). A token-id prompt or ``/detokenize`` list longer than the
 window, and more chat messages (or content parts) than ``min(max_model_len, --max-chat-messages)`` — each renders
 to at least one token — are refused the same way.
+
+The retrieval server checks its text histories (``/v1/recommend``'s ``prompt`` / ``messages``) and its OpenAI beam
+routes the same way, against ``--max-prompt-tokens`` instead of a context window (``PromptTokenLimits``: 413
+``prompt_too_long``, the answer its check after tokenizing gives).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from grserve.server.errors import ApiError
 
@@ -24,6 +28,7 @@ class PromptLimits:
     max_model_len: int  # the context window, in tokens
     max_token_chars: int | None  # the tokenizer's longest token in characters (None: unknown, no character bound)
     max_messages: int  # --max-chat-messages
+    window: ClassVar[str] = "the context window"  # what max_model_len is, in the refusals
 
     @property
     def max_chars(self) -> int | None:
@@ -61,8 +66,8 @@ class PromptLimits:
             return
         limit = self.message_limit
         if len(messages) > limit:
-            raise ApiError(400, f"messages: {len(messages)} messages, more than the limit of {limit} (at most the "
-                                f"context window of {self.max_model_len} tokens and --max-chat-messages "
+            raise ApiError(400, f"messages: {len(messages)} messages, more than the limit of {limit} (at most "
+                                f"{self.window} of {self.max_model_len} tokens and --max-chat-messages "
                                 f"{self.max_messages})", "messages", "too_many_messages")
         parts, chars = 0, 0
         for m in messages:
@@ -76,6 +81,18 @@ class PromptLimits:
             raise ApiError(400, f"messages: {parts} content parts, more than the limit of {limit}", "messages",
                            "too_many_messages")
         self.check_text("messages", chars)
+
+
+@dataclass(frozen=True)
+class PromptTokenLimits(PromptLimits):
+    """The retrieval server's prompt limits: ``max_model_len`` is ``--max-prompt-tokens``, and a prompt past it is a
+    413 ``prompt_too_long`` naming the field, as the server's check of the tokenized prompt answers."""
+
+    window: ClassVar[str] = "--max-prompt-tokens"
+
+    def too_long(self, param: str, n: int, what: str) -> ApiError:
+        return ApiError(413, f"{param}: the prompt has {n} {what}, more than the limit of {self.max_model_len} tokens "
+                             f"(--max-prompt-tokens) can hold", param, "prompt_too_long")
 
 
 def _field(raw: Any, name: str) -> Any:
