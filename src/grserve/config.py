@@ -147,6 +147,9 @@ class BeamApiConfig(Checked):
     served_model_name: str | None = flag(None, "model id of the OpenAI routes (default: --model)")
     max_think_tokens: int = flag(1024, "largest max_think_tokens a request may ask for (0: no thinking)",
                                  check=non_negative)
+    max_chat_messages: int = flag(2048, "most messages (and content parts) a chat may have (these routes and "
+                                        "/v1/recommend's messages); at most --max-prompt-tokens too (400 "
+                                        "too_many_messages, before the chat template)", check=positive_int, metavar="N")
 
 
 # ---- ranking (BAT) -------------------------------------------------------------------------------------------
@@ -334,10 +337,15 @@ class LLMApiConfig(Checked):
 
     tokenizer: str | None = flag(None, "HF tokenizer directory (default: the model directory's own; for a preset "
                                        "its byte-level tokenizer, written under --tokenizer-cache)", metavar="DIR")
-    tokenizer_cache: str = flag(".grserve-cache/tokenizers", "where a preset's tokenizer is written (an HF "
-                                                             "directory: aiperf --tokenizer DIR)", metavar="DIR")
+    tokenizer_cache: str | None = flag(None, "where a preset's tokenizer is written and, verified, reused (an HF "
+                                             "directory: aiperf --tokenizer DIR); default: $GRSERVE_CACHE_DIR/"
+                                             "tokenizers, else $XDG_CACHE_HOME/grserve/tokenizers, else "
+                                             "~/.cache/grserve/tokenizers", metavar="DIR")
     max_logprobs: int = flag(20, "largest logprobs / top_logprobs a request may ask for", check=non_negative)
     max_n: int = flag(16, "largest n (choices per request)", check=positive_int)
+    max_chat_messages: int = flag(2048, "most messages (and content parts) a chat request may have; at most the "
+                                        "context window too (400 too_many_messages, before the chat template)",
+                                  check=positive_int, metavar="N")
 
 
 # ---- accelerator fast path (issue 15) ------------------------------------------------------------------------

@@ -94,6 +94,7 @@ class Sequence:
     prefix_saved: bool = False  # this (re)prefill's tokens were offered to the prefix cache
     cached_tokens: int = 0  # prompt tokens its last admission took from the prefix cache (usage.cached_tokens)
     last_scheduled: float | None = None  # start of the last iteration that computed tokens for it (pending time)
+    first_scheduled: float | None = None  # start of the first one (its queue time ends there)
     priority: Priority = Priority.ONLINE  # co-location class (scheduler/colocation.py)
     resumed: int = 0  # output tokens it started with (delivered by an earlier attempt elsewhere)
     pause_at: int | None = None  # end the attempt ("pause", text unfinished) at this many output tokens
@@ -383,6 +384,8 @@ class LLMEngine:
         t0 = self.clock()
         for it in items:
             it.seq.last_scheduled = t0
+            if it.seq.first_scheduled is None:
+                it.seq.first_scheduled = t0
         logits, duration = self.executor.execute(items, self.pool)
         if duration is not None:  # simulated executor: advance the virtual clock
             self.clock_advance(duration)

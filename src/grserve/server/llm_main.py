@@ -73,7 +73,8 @@ def run(cfg: LLMServeConfig) -> int:
     tok, model = engine.tokenizer, engine.model
     engine.start()
     app = create_llm_app(engine, tok, name, model.spec.max_position_embeddings, model.spec.vocab_size,
-                         edge=cfg.edge, max_n=cfg.api.max_n, max_logprobs=cfg.api.max_logprobs)
+                         edge=cfg.edge, max_n=cfg.api.max_n, max_logprobs=cfg.api.max_logprobs,
+                         max_messages=cfg.api.max_chat_messages)
     pc = engine.prefix_cache
     prefix = (f", prefix cache {pc.capacity} tokens ({pc.bytes / 2**20:.0f} MiB, {c.prefix_cache_policy})"
               if pc is not None else "")
@@ -118,7 +119,8 @@ def run_cluster(cfg: LLMServeConfig, cluster: ClusterConfig) -> int:
     engine.start()
     info = engine.instances[0].info
     app = create_llm_app(engine, engine.tokenizer, name, info.max_model_len, info.vocab_size, edge=cfg.edge,
-                         max_n=cfg.api.max_n, max_logprobs=cfg.api.max_logprobs)
+                         max_n=cfg.api.max_n, max_logprobs=cfg.api.max_logprobs,
+                         max_messages=cfg.api.max_chat_messages)
     app.state.metrics.registry.register(ClusterCollector(engine))
     for line in engine.describe():
         print(f"grserve: {line}", flush=True)

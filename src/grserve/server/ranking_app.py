@@ -26,5 +26,6 @@ def create_ranking_app(engine: RankingService, limits: RankingLimits | None = No
                                   "items": runner.registry.num_items, "vocab_size": runner.registry.vocab_size},
                   edge=edge, admin_routes=ADMIN_ROUTES, queued_routes=frozenset({("POST", "/v1/rank")}))
     engine.on_batch = app.state.metrics.on_batch
+    app.state.metrics.bind_gr_stats(engine.stats, lambda: runner.stats.summary())
     app.include_router(build_router(engine, limits or RankingLimits(), store))
     return app

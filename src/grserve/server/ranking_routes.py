@@ -29,6 +29,7 @@ from grserve.config import RankingLimits
 from grserve.engine.protocol import RankingService
 from grserve.engine.types import RankingRequest
 from grserve.ranking.registry import RegistryError
+from grserve.server.bodies import Precheck, body_route
 from grserve.server.errors import ApiError
 from grserve.state.store import StateError, StateStore
 from grserve.server.lifecycle import finish, submit
@@ -46,6 +47,7 @@ from grserve.server.schemas import (
 _ERRORS: dict[int | str, dict[str, Any]] = {k: {} for k in (400, 401, 404, 413, 415, 422, 429, 500, 503)}
 _ADMIN_ERRORS: dict[int | str, dict[str, Any]] = {k: {} for k in (400, 401, 403, 409, 413, 415, 422, 500)}
 ADMIN_ROUTES = frozenset({("POST", "/v1/users"), ("POST", "/v1/items")})
+MAX_CONTAINERS = 1 << 15  # JSON arrays + objects of a body: 256 candidates, or 16k registrations a call
 
 
 def _user(body: RankRequest, reg: Any, limits: RankingLimits) -> np.ndarray:
@@ -95,6 +97,12 @@ def _raw_items(cands: list[list[int]], vocab: int, limits: RankingLimits) -> lis
     return items
 
 
+def _check_candidates(n: int, field: str, limits: RankingLimits) -> None:
+    if n > limits.max_candidates:
+        raise ApiError(413, f"{field}: {n} candidates, more than the limit of {limits.max_candidates}", field,
+                       "too_many_candidates")
+
+
 def rank_request(body: RankRequest, reg: Any, limits: RankingLimits) -> RankingRequest:
     """A validated ``RankingRequest`` from the wire body (every check above, in the order a reader expects)."""
     user = _user(body, reg, limits)
@@ -102,19 +110,15 @@ def rank_request(body: RankRequest, reg: Any, limits: RankingLimits) -> RankingR
     cands: list = body.candidates if body.candidates is not None else body.candidate_tokens  # type: ignore[assignment]
     if not cands:
         raise ApiError(400, f"{field}: at least one candidate is required", field, "empty_candidates")
-    if len(cands) > limits.max_candidates:
-        raise ApiError(413, f"{field}: {len(cands)} candidates, more than the limit of {limits.max_candidates}",
-                       field, "too_many_candidates")
+    _check_candidates(len(cands), field, limits)
     if body.candidates is not None:
         items, item_ids = _registered_items(cands, reg), list(cands)
     else:
         items = _raw_items(cands, reg.vocab_size, limits)
         item_ids = [None] * len(items)
     top_k = min(body.top_k, len(items), limits.max_top_k)
-    req = RankingRequest(user, items, user_id=body.user_id, item_ids=item_ids, top_k=top_k)
-    if body.request_id:
-        req.request_id = body.request_id
-    return req
+    # the engine's key is the server's own; a client's request_id is only echoed (no client can cancel another's)
+    return RankingRequest(user, items, user_id=body.user_id, item_ids=item_ids, top_k=top_k)
 
 
 def _check_tokens(entries: list, limit: int, vocab: int, field: str, what: str, etype: str) -> None:
@@ -163,9 +167,47 @@ async def _durable(store: StateStore | None, kind: str, entries: list) -> None:
                        "state_write_failed") from None
 
 
+def _lengths(entries: Any, limit: int, field: str, what: str, etype: str) -> None:
+    """Each ``entries[k].tokens`` (raw JSON) at most ``limit`` long (as ``_check_tokens`` says it)."""
+    for k, e in enumerate(entries if isinstance(entries, list) else ()):
+        tokens = e.get("tokens") if isinstance(e, dict) else None
+        if isinstance(tokens, list):
+            check_length(len(tokens), limit, f"{field}[{k}].tokens", f"{what} {e.get(what + '_id')}", etype)
+
+
+def prechecks(limits: RankingLimits) -> dict[str, Precheck]:
+    """The cheap length checks of the ranking routes on their raw JSON (``bodies.py``: before validation)."""
+
+    def rank(raw: Any) -> None:
+        if not isinstance(raw, dict):
+            return
+        if isinstance(raw.get("user_tokens"), list):
+            check_length(len(raw["user_tokens"]), limits.max_profile_tokens, "user_tokens", "the profile",
+                         "profile_too_long")
+        for field in ("candidates", "candidate_tokens"):
+            if isinstance(raw.get(field), list):
+                _check_candidates(len(raw[field]), field, limits)
+        cands = raw.get("candidate_tokens")
+        for k, toks in enumerate(cands if isinstance(cands, list) else ()):
+            if isinstance(toks, list):
+                check_length(len(toks), limits.max_item_tokens, f"candidate_tokens[{k}]", "the item",
+                             "item_too_long")
+
+    def users(raw: Any) -> None:
+        if isinstance(raw, dict):
+            _lengths(raw.get("users"), limits.max_profile_tokens, "users", "user", "profile_too_long")
+
+    def items(raw: Any) -> None:
+        if isinstance(raw, dict):
+            _lengths(raw.get("items"), limits.max_item_tokens, "items", "item", "item_too_long")
+
+    return {"/v1/rank": rank, "/v1/users": users, "/v1/items": items}
+
+
 def build_router(engine: RankingService, limits: RankingLimits, store: StateStore | None = None) -> APIRouter:
     """Routes around a ranking engine (``engine.registry``, ``engine.runner``); ``store``: ``--state-dir``'s."""
-    router = APIRouter()
+    containers = max(MAX_CONTAINERS, limits.max_candidates + 64)
+    router = APIRouter(route_class=body_route(prechecks(limits), containers))
     writes = asyncio.Lock()  # registrations one at a time: checked, stored and applied against the same registry
 
     @router.post("/v1/rank", response_model=RankResponse, responses=_ERRORS)
@@ -176,7 +218,7 @@ def build_router(engine: RankingService, limits: RankingLimits, store: StateStor
         ranked = [RankedItem(index=k, item_id=req.item_ids[k], score=s)  # type: ignore[index]
                   for k, s in zip(res.order, res.scores)]
         return RankResponse(
-            request_id=res.request_id, items=ranked, layout=res.layout, total_tokens=res.total_tokens,
+            request_id=body.request_id or res.request_id, items=ranked, layout=res.layout, total_tokens=res.total_tokens,
             computed_tokens=res.computed_tokens, cached_tokens=res.cached_tokens, user_cache_hit=res.user_cache_hit,
             batch_size=res.batch_size,
             timing=Timing(queue_ms=res.queue_ms, compute_ms=res.compute_ms, total_ms=(time.perf_counter() - t0) * 1e3))
