@@ -7,9 +7,11 @@ with ``--restart-instances`` (the respawn itself runs on Ray: ``test_cluster_ray
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -191,3 +193,62 @@ def test_the_text_is_the_instances_and_never_decoded_again():
     _poll(eng, moved, [TokenReport("r0", 1, 0, [12], "ll"), TokenReport("r0", 1, 1, [13], "o", True, "stop")])
     r = h.future.result(timeout=1)
     assert (r.output_ids, r.text, r.finish_reason, r.num_preemptions) == ([11, 12, 13], "hello", "stop", 1)
+
+
+def test_results_carry_the_engine_phases_the_instances_report():
+    """Cluster mode reported no phase times (the queue/prefill/decode histograms stayed empty): the report that ends
+    an attempt carries its engine's phases. A request that ran in one attempt has its engine's three; a moved one
+    the queue and prefill of the attempt that delivered its first token (gone with a dead instance) and the front
+    end's first token → last token as its decode."""
+    eng, actors = _engine(max_waiting=8, timeout_s=60)
+    h = eng.submit(_req("r0"))
+    inst = eng.records["r0"].instance
+    phases = {"queue_s": 0.25, "prefill_s": 0.5, "decode_s": 1.5}
+    _poll(eng, inst, [TokenReport("r0", 0, 0, [11], "a"), TokenReport("r0", 0, 1, [12], "b", True, "stop", phases)])
+    r = h.future.result(timeout=1)
+    assert (r.queue_s, r.prefill_s, r.decode_s) == (0.25, 0.5, 1.5)
+    h = eng.submit(_req("r1"))
+    first = eng.records["r1"].instance
+    _poll(eng, first, [TokenReport("r1", 0, 0, [11], "a")])
+    eng.instance_down(first, "test", fence=False)
+    moved = eng.records["r1"].instance
+    _poll(eng, moved, [TokenReport("r1", 1, 0, [12], "b", True, "stop", {"queue_s": 9.0, "decode_s": 9.0})])
+    r = h.future.result(timeout=1)
+    assert r.queue_s is None and r.prefill_s is None and 0.0 <= r.decode_s < 9.0
+
+
+def test_an_instance_sends_an_attempts_phases_with_its_end():
+    import asyncio
+
+    from grserve.cluster.llm.instance import EngineInstance, TokenInterval
+    from grserve.engine.llm import TokenEvent
+    from grserve.engine.protocol import RequestHandle
+    from grserve.engine.types import LLMResult
+
+    inst = EngineInstance.__new__(EngineInstance)  # no engine: _forward reads only the attempt's handle
+    inst._out, inst._snapshots, inst._wake, inst._live, inst.token_interval = [], [], None, {}, TokenInterval()
+    handle: RequestHandle = RequestHandle("r0#0")
+    handle.push(TokenEvent(0, [11], "a", False))
+    handle.push(TokenEvent(0, [12], "b", True, "stop"))
+    handle.future.set_result(LLMResult("r0#0", [11, 12], "ab", "stop", 4, queue_s=0.25, prefill_s=0.5, decode_s=1.0))
+    asyncio.run(inst._forward("r0", 0, handle))
+    assert [r.phases for r in inst._out] == [None, {"queue_s": 0.25, "prefill_s": 0.5, "decode_s": 1.0}]
+
+
+def test_the_front_end_loads_the_tokenizer_the_instances_use(monkeypatch, tmp_path):
+    """``--tokenizer`` and ``--tokenizer-cache`` were ignored by the front end (it loaded the model's own, or a
+    preset's under the default cache with another context length than the instances wrote there)."""
+    from grserve.cluster.llm import front_end
+    from grserve.config import LLMApiConfig, LLMServeConfig, ModelConfig
+    from grserve.engine.tokenizer import load_tokenizer
+
+    infos = [LLMInstanceInfo(0, "inc0", max_model_len=256, vocab_size=300, num_blocks=64)]
+    monkeypatch.setattr(front_end, "launch_actors", lambda spawn, cluster: ([FakeActor()], infos, False))
+    cfg = LLMServeConfig(model=ModelConfig(source="tiny"), api=LLMApiConfig(tokenizer_cache=str(tmp_path / "c")))
+    eng = ClusterLLMEngine.launch(cfg, ClusterConfig(instances=1))
+    assert eng.tokenizer.name_or_path.startswith(str((tmp_path / "c").resolve()))
+    written = json.loads((Path(eng.tokenizer.name_or_path) / "tokenizer_config.json").read_text())
+    assert written["model_max_length"] == 256  # as the instances' engines write it
+    own = load_tokenizer("preset", 300, 256, tmp_path / "own")
+    cfg = LLMServeConfig(model=ModelConfig(source="tiny"), api=LLMApiConfig(tokenizer=own.name_or_path))
+    assert ClusterLLMEngine.launch(cfg, ClusterConfig(instances=1)).tokenizer.name_or_path == own.name_or_path

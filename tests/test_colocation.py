@@ -302,8 +302,8 @@ def test_api_priority_field_strict_and_metrics(app_client):
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "priority": "offline"}
     assert c.post("/v1/chat/completions", json=chat).status_code == 200
     text = c.get("/metrics").text
-    for name in ("offline_preemptions", "offline_deferred", "running_online", "running_offline",
-                 "waiting_online", "waiting_offline"):
+    for name in ("offline_preemptions_total", "offline_deferred", "running_online", "running_offline",
+                 "waiting_online", "waiting_offline"):  # a running total is a counter (issue 25)
         assert f"grserve_llm_{name} " in text, name
 
 

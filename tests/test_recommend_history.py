@@ -180,6 +180,18 @@ def test_413_stays_for_who_asks(engine, catalog):
     assert strict.post("/v1/recommend", json={"history_items": items[:10]}).status_code == 200
 
 
+def test_a_truncated_history_is_bounded_by_max_history_entries(engine, catalog):
+    """Truncation reads at most --max-history-entries entries (checked on the raw body, before it is parsed): more
+    is a 413 naming the field; at the bound it is cut to the newest that fit."""
+    client = _client(engine, max_history_entries=40)
+    ids = [int(i) for i in catalog.item_ids[:41]]
+    r = client.post("/v1/recommend", json={"history_items": ids})
+    assert r.status_code == 413 and r.json()["error"]["type"] == "history_too_long", r.text
+    assert r.json()["error"]["field"] == "history_items"
+    r = client.post("/v1/recommend", json={"history_items": ids[1:]})
+    assert r.status_code == 200 and r.json()["history_dropped"] == 30
+
+
 def test_dropped_entries_are_still_validated(engine, catalog):
     """An unknown id or a bad SID among the dropped (oldest) entries is still the request's error."""
     client = _client(engine)

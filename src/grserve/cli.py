@@ -3,7 +3,7 @@
 ::
 
     grserve serve [retrieval] | ranking | llm        server/retrieval_main.py, ranking_main.py, llm_main.py
-    grserve bench retrieval | cache | ranking | serve | quality | cluster | pd     the lab package, grserve_bench
+    grserve bench retrieval | cache | ranking | serve | quality | cluster | pd | peers     the lab package, grserve_bench
     grserve catalog generate | validate | convert | build
 
 Each command module has ``add_command(sub)``: it adds its subcommand to a group with flags generated from config

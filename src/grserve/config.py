@@ -129,6 +129,9 @@ class ServerConfig(Checked):
                                   check=positive_int)
     max_include_items: int = flag(16384, "longest include_items allowlist a /v1/recommend request may give (413)",
                                   check=positive_int)
+    max_history_entries: int = flag(16384, "longest history_items / history_sids / history_tokens list a "
+                                           "/v1/recommend request may give when it is truncated (413); the newest "
+                                           "entries that fit in --max-prompt-tokens are used", check=positive_int)
     truncate: str = flag("left", "a /v1/recommend history longer than --max-prompt-tokens, unless the request says: "
                                  "left keeps its newest items that fit (the answer counts the dropped ones), none "
                                  "refuses it (413)", choices=TRUNCATE_MODES)
@@ -148,6 +151,7 @@ class ServeConfig:
     reload: "CatalogReloadConfig" = field(default_factory=lambda: CatalogReloadConfig())
     accel: "AccelConfig" = field(default_factory=lambda: AccelConfig())  # defined at the end (GPU fast path)
     cluster: "ClusterConfig" = field(default_factory=lambda: ClusterConfig())  # --instances N (end of file)
+    state: "StateConfig" = field(default_factory=lambda: StateConfig())  # --state-dir (after the edge)
     beams: "BeamApiConfig" = field(default_factory=lambda: BeamApiConfig())  # the OpenAI beam routes
 
 
@@ -159,6 +163,9 @@ class BeamApiConfig(Checked):
     served_model_name: str | None = flag(None, "model id of the OpenAI routes (default: --model)")
     max_think_tokens: int = flag(1024, "largest max_think_tokens a request may ask for (0: no thinking)",
                                  check=non_negative)
+    max_chat_messages: int = flag(2048, "most messages (and content parts) a chat may have (these routes and "
+                                        "/v1/recommend's messages); at most --max-prompt-tokens too (400 "
+                                        "too_many_messages, before the chat template)", check=positive_int, metavar="N")
 
 
 # ---- ranking (BAT) -------------------------------------------------------------------------------------------
@@ -224,6 +231,7 @@ class RankingServeConfig:
     server: ServerConfig = field(default_factory=lambda: ServerConfig(port=8001))
     edge: "EdgeConfig" = field(default_factory=lambda: EdgeConfig())
     cluster: "ClusterConfig" = field(default_factory=lambda: ClusterConfig())  # --instances N (end of file)
+    state: "StateConfig" = field(default_factory=lambda: StateConfig())  # --state-dir (after the edge)
 
 
 # ---- LLM (Apt-Serve) -----------------------------------------------------------------------------------------
@@ -250,6 +258,15 @@ class LLMConfig(Checked):
     prefix_cache_mode: str = flag("share", "share: requests attach cached full blocks of the pool (ref-counted); "
                                            "copy: cached K/V are copied from a separate store", choices=("share", "copy"))
     served_model_name: str | None = flag(None, "model id in the API (default: --model)")
+    threads: int = flag(0, "torch intra-op threads of the engine (0: one per CPU core minus one, which the HTTP "
+                           "front end and the tokenizer keep, at least 1 -- vLLM-cpu's rule; docs/llm.md, P7)",
+                        check=non_negative)
+    packed_linears: bool = flag(True, "run the decoder's projections on oneDNN-prepacked weights on a CPU "
+                                      "(1.4-2x faster GEMMs at serving batch sizes; same math up to the fp32 "
+                                      "summation order; doubles the projection weights' memory)")
+    decode_staging: bool = flag(True, "pure decode steps read K/V from a persistent head-major copy of the "
+                                      "batch's cache instead of gathering it from the pool every layer and step "
+                                      "(at most 1 GiB; attention/decode_staging.py)")
 
 
 @dataclass(frozen=True)
@@ -315,6 +332,20 @@ class CatalogReloadConfig(Checked):
                               check=non_negative, cli=False)
 
 
+def _not_empty(v: str | None) -> str | None:
+    return "must not be empty (leave it out for memory only)" if v is not None and not v.strip() else None
+
+
+@dataclass(frozen=True)
+class StateConfig(Checked):
+    """Where retrieval and ranking keep their admin writes across restarts (``state/store.py``, docs/security.md)."""
+
+    state_dir: str | None = flag(None, "directory of the SQLite store that keeps POST /v1/users, /v1/items and "
+                                       "/v1/catalog across restarts and kills, one server per directory (created "
+                                       "if missing; unset: memory only, a restart loses them)", check=_not_empty,
+                                 metavar="DIR")
+
+
 # ---- LLM OpenAI surface (issue 14) ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class LLMApiConfig(Checked):
@@ -322,10 +353,15 @@ class LLMApiConfig(Checked):
 
     tokenizer: str | None = flag(None, "HF tokenizer directory (default: the model directory's own; for a preset "
                                        "its byte-level tokenizer, written under --tokenizer-cache)", metavar="DIR")
-    tokenizer_cache: str = flag(".grserve-cache/tokenizers", "where a preset's tokenizer is written (an HF "
-                                                             "directory: aiperf --tokenizer DIR)", metavar="DIR")
+    tokenizer_cache: str | None = flag(None, "where a preset's tokenizer is written and, verified, reused (an HF "
+                                             "directory: aiperf --tokenizer DIR); default: $GRSERVE_CACHE_DIR/"
+                                             "tokenizers, else $XDG_CACHE_HOME/grserve/tokenizers, else "
+                                             "~/.cache/grserve/tokenizers", metavar="DIR")
     max_logprobs: int = flag(20, "largest logprobs / top_logprobs a request may ask for", check=non_negative)
     max_n: int = flag(16, "largest n (choices per request)", check=positive_int)
+    max_chat_messages: int = flag(2048, "most messages (and content parts) a chat request may have; at most the "
+                                        "context window too (400 too_many_messages, before the chat template)",
+                                  check=positive_int, metavar="N")
 
 
 # ---- accelerator fast path (issue 15) ------------------------------------------------------------------------

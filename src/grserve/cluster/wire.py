@@ -121,7 +121,9 @@ class Attempt:
 @dataclass(frozen=True)
 class TokenReport:
     """Tokens of one attempt: ``token_ids`` are its tokens ``index, index + 1, …`` (counted within the attempt) and
-    ``text`` the text they add, as the instance's engine decoded it (stop strings, held-back characters)."""
+    ``text`` the text they add, as the instance's engine decoded it (stop strings, held-back characters). The report
+    that ends an attempt ("stop", "length", "pause") carries its ``phases`` as the instance's engine measured them
+    (``LLMResult``'s ``queue_s``, ``prefill_s``, ``decode_s``; those it has)."""
 
     request_id: str
     attempt: int
@@ -130,6 +132,7 @@ class TokenReport:
     text: str = ""
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "pause" (PD: goes on) | "abort" (cancelled) | "error"
+    phases: dict[str, float] | None = None  # the ended attempt's engine phases, in seconds (its instance's clock)
 
 
 @dataclass(frozen=True)
@@ -194,7 +197,7 @@ class GRPoll:
 
 @dataclass(frozen=True)
 class CatalogReplace:
-    """Retrieval: serve ``catalog`` (a reload); ``version`` given only on a restarted instance's catch-up."""
+    """Retrieval: serve ``catalog`` (a reload) at the front end's ``version`` (None: the instance's next)."""
 
     catalog: Catalog
     version: int | None = None

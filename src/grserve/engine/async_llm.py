@@ -101,6 +101,7 @@ class AsyncLLMEngine:
         core = build_model_engine(model, pol, num_blocks=c.num_blocks, block_size=c.block_size,
                                   prefix_cache_tokens=c.prefix_cache_tokens,
                                   prefix_cache_policy=c.prefix_cache_policy, prefix_cache_mode=c.prefix_cache_mode,
+                                  packed_linears=c.packed_linears, decode_staging=c.decode_staging,
                                   eos_token_id=tok.eos_token_id, detokenize=tok.decode,
                                   decoder_factory=tok.decode_stream)
         return cls(core, tok, model, cfg.edge)
@@ -237,7 +238,8 @@ class AsyncLLMEngine:
                                           f"the queue"))
         elif ev.finish_reason in ("stop", "length", "pause"):
             handle.future.set_result(LLMResult(request_id, list(seq.output_ids), seq.text, ev.finish_reason,
-                                               len(seq.prompt_ids), seq.num_preemptions, seq.cached_tokens))
+                                               len(seq.prompt_ids), seq.num_preemptions, seq.cached_tokens,
+                                               **_phases(seq)))
         elif ev.finish_reason == "abort":
             _fail(handle, RequestCancelled(f"request {request_id} cancelled"))
         else:
@@ -327,6 +329,14 @@ def colocated(policy, cfg: LLMServeConfig):
     return ColocationScheduler(policy, tpot_slo_s=cfg.slo.tpot_slo_s,
                                max_offline_preemptions=co.max_offline_preemptions,
                                offline_admission=co.offline_admission)
+
+
+def _phases(seq: Sequence) -> dict[str, float]:
+    """A finished sequence's queue, prefill and decode times (engine clock)."""
+    if seq.first_scheduled is None or not seq.token_times:
+        return {}
+    return {"queue_s": seq.first_scheduled - seq.arrival, "prefill_s": seq.token_times[0] - seq.first_scheduled,
+            "decode_s": seq.token_times[-1] - seq.token_times[0]}
 
 
 def _fail(handle: RequestHandle, exc: BaseException) -> None:

@@ -31,6 +31,7 @@ from typing import Callable, Protocol
 import numpy as np
 import torch
 
+from grserve.attention.decode_staging import DecodeStaging
 from grserve.attention.hybrid import HybridPagedContext, SeqSlice
 from grserve.config import Priority
 from grserve.kvcache.blocks import BlockPool, BlockTable, CacheKind, HybridCacheStorage
@@ -93,6 +94,7 @@ class Sequence:
     prefix_saved: bool = False  # this (re)prefill's tokens were offered to the prefix cache
     cached_tokens: int = 0  # prompt tokens its last admission took from the prefix cache (usage.cached_tokens)
     last_scheduled: float | None = None  # start of the last iteration that computed tokens for it (pending time)
+    first_scheduled: float | None = None  # start of the first one (its queue time ends there)
     priority: Priority = Priority.ONLINE  # co-location class (scheduler/colocation.py)
     resumed: int = 0  # output tokens it started with (delivered by an earlier attempt elsewhere)
     pause_at: int | None = None  # end the attempt ("pause", text unfinished) at this many output tokens
@@ -130,11 +132,19 @@ class ModelExecutor:
     """Runs one packed forward over the hybrid cache; for the requests that sample it returns their logits, or,
     when every one of them is greedy, their token ids (list) chosen by the screened greedy head."""
 
-    def __init__(self, model, storage: HybridCacheStorage, screened_greedy: bool = True):
+    def __init__(self, model, storage: HybridCacheStorage, screened_greedy: bool = True, packed_linears: bool = True,
+                 decode_staging: bool = True):
         self.model = model
         self.storage = storage
         spec = model.spec
         self.hkv, self.d = spec.num_key_value_heads, spec.head_dim
+        from grserve.model.packed_linear import maybe_pack
+
+        # oneDNN-prepacked projections on a CPU (model/packed_linear.py; the model is not changed); else F.linear
+        self.packed = maybe_pack(model, packed_linears)
+        # pure decode steps read K/V from a persistent head-major copy (attention/decode_staging.py); None: gather
+        self.staging = DecodeStaging(spec.num_hidden_layers, self.hkv, self.d, dtype=storage.data.dtype,
+                                     device=storage.data.device) if decode_staging else None
         # exact greedy argmax through a bf16 screen of the LM head (engine/greedy_head.py), fp32 models only
         self.greedy_head = None
         if screened_greedy and model.lm_head.weight.dtype == torch.float32:
@@ -160,9 +170,16 @@ class ModelExecutor:
             if it.sample:
                 rows.append(len(ids) - 1)
         dev = self.storage.data.device
-        ctx = HybridPagedContext(self.storage, slices, self.model.kv_from_hidden, self.hkv, self.d)
+        keys = tuple((it.seq.seq_id, it.seq.num_preemptions) for it in items) if self.staging is not None else None
+        ctx = HybridPagedContext(self.storage, slices, self.model.kv_from_hidden, self.hkv, self.d, self.staging, keys)
         with torch.inference_mode():
-            h = self.model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), ctx)
+            try:
+                h = self.model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), ctx, packed=self.packed)
+            except BaseException:
+                if self.staging is not None:
+                    self.staging.invalidate()
+                raise
+            ctx.finish()
             if not rows:
                 return None, None
             last = h[torch.tensor(rows, device=dev)]
@@ -367,6 +384,8 @@ class LLMEngine:
         t0 = self.clock()
         for it in items:
             it.seq.last_scheduled = t0
+            if it.seq.first_scheduled is None:
+                it.seq.first_scheduled = t0
         logits, duration = self.executor.execute(items, self.pool)
         if duration is not None:  # simulated executor: advance the virtual clock
             self.clock_advance(duration)
@@ -562,11 +581,13 @@ class LLMEngine:
 
 def build_model_engine(model, scheduler: LLMScheduler, *, num_blocks: int, block_size: int = 16,
                        prefix_cache_tokens: int = 0, prefix_cache_policy: str = "leader",
-                       prefix_cache_mode: str = "share", **kw) -> LLMEngine:
+                       prefix_cache_mode: str = "share", packed_linears: bool = True, decode_staging: bool = True,
+                       **kw) -> LLMEngine:
     """Engine over a real model: pool + storage sized from the model spec (planes of K/V width); with
     ``prefix_cache_tokens`` > 0 a prompt-prefix cache of that many tokens, evicting by ``prefix_cache_policy``:
     ``prefix_cache_mode="share"`` shares full cached blocks of the pool (``SharedPrefixCache``, at most
-    ⌊tokens / block_size⌋ groups), ``"copy"`` copies from a separate store (``PrefixKVStore``)."""
+    ⌊tokens / block_size⌋ groups), ``"copy"`` copies from a separate store (``PrefixKVStore``). ``packed_linears``:
+    the decoder's projections run on oneDNN-prepacked weights where the CPU build has them (``model/packed_linear``)."""
     spec = model.spec
     pool = BlockPool.for_model(num_blocks, block_size, spec.hidden_size, spec.kv_size)
     storage = HybridCacheStorage(pool, spec.num_hidden_layers, spec.kv_size, spec.hidden_size, dtype=model.dtype,
@@ -580,4 +601,5 @@ def build_model_engine(model, scheduler: LLMScheduler, *, num_blocks: int, block
         from grserve.kvcache.prefix_kv import PrefixKVStore
 
         kw["prefix_cache"] = PrefixKVStore.for_storage(storage, prefix_cache_tokens, prefix_cache_policy)
-    return LLMEngine(scheduler, pool, ModelExecutor(model, storage), **kw)
+    return LLMEngine(scheduler, pool, ModelExecutor(model, storage, packed_linears=packed_linears,
+                                                   decode_staging=decode_staging), **kw)

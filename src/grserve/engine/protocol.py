@@ -14,8 +14,6 @@ The servers (``server/``) and the cluster router talk to engines through this co
 - ``drain(timeout_s) -> bool``: take no new work, finish what is queued and running; True when all finished.
 - ``start()`` / ``stop()``: threads up / down; ``stop()`` fails whatever is still queued with ``EngineStopped``.
 
-- ``max_waiting``: the queue bound ``submit`` enforces (None: unbounded, an engine driven in code).
-
 Every engine is also a context manager (start on enter, stop on exit). ``RetrievalService`` and ``RankingService``
 add what the retrieval and ranking apps read of their engine beyond the contract (a single engine or a cluster
 front end offers both the same way).
@@ -156,9 +154,6 @@ class Engine(Protocol[Req, Res]):
 
     @property
     def queue_depth(self) -> int: ...
-
-    @property
-    def max_waiting(self) -> int | None: ...
 
 
 class RetrievalService(Engine[RetrievalRequest, RetrievalResult], Protocol):

@@ -24,6 +24,9 @@ Every tokenizer offers ``encode``, ``decode``, ``decode_stream(prompt_ids)`` (an
 from __future__ import annotations
 
 import json
+import os
+import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Callable
 
@@ -124,17 +127,42 @@ def preset_tokenizer_json(vocab_size: int) -> str:
     return tok.to_str()
 
 
-def write_preset_tokenizer(directory: str | Path, vocab_size: int, model_max_length: int) -> Path:
-    """Write the presets' tokenizer as an HF directory loadable by ``AutoTokenizer.from_pretrained``."""
-    d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
-    (d / "tokenizer.json").write_text(preset_tokenizer_json(vocab_size))
+def preset_tokenizer_files(vocab_size: int, model_max_length: int) -> dict[str, str]:
+    """The files of the presets' tokenizer directory, by name, as this version writes them."""
     cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>",
            "pad_token": "<pad>", "model_max_length": model_max_length, "clean_up_tokenization_spaces": False}
-    (d / "tokenizer_config.json").write_text(json.dumps(cfg, indent=1))
-    (d / "special_tokens_map.json").write_text(json.dumps({"bos_token": "<bos>", "eos_token": "<eos>",
-                                                           "pad_token": "<pad>"}))
-    (d / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    return {"tokenizer.json": preset_tokenizer_json(vocab_size),
+            "tokenizer_config.json": json.dumps(cfg, indent=1),
+            "special_tokens_map.json": json.dumps({"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"}),
+            "chat_template.jinja": CHAT_TEMPLATE}
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """``path`` holds ``text`` whole or keeps what it held (a temporary file renamed over it)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def write_preset_tokenizer(directory: str | Path, vocab_size: int, model_max_length: int) -> Path:
+    """Write the presets' tokenizer as an HF directory loadable by ``AutoTokenizer.from_pretrained`` (each file
+    atomically: a crash mid-write never leaves a torn file)."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    for name, text in preset_tokenizer_files(vocab_size, model_max_length).items():
+        _write_atomic(d / name, text)
     return d
 
 
@@ -190,6 +218,16 @@ class HFTokenizer:
         self.vocab_size = len(self.tok)
         self.extra_eos_ids = _generation_eos(Path(model_dir), self.eos_token_id)
         self._byte_level = type(backend.decoder).__name__ == "ByteLevel"
+        self._max_token_chars: int | None = None
+
+    @property
+    def max_token_chars(self) -> int:
+        """The longest vocabulary entry, in characters (a byte-level BPE's entries have one character a byte): no
+        token covers more characters of text, so a text of more than ``n * max_token_chars`` characters is more
+        than n tokens."""
+        if self._max_token_chars is None:
+            self._max_token_chars = max((len(t) for t in self.tok.get_vocab()), default=1)
+        return self._max_token_chars
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.tok.encode(text, add_special_tokens=add_special_tokens))
@@ -228,10 +266,22 @@ class HFTokenizer:
             raise ChatTemplateError(f"the chat template failed: {exc}") from exc
 
 
+def user_cache_dir(environ: Mapping[str, str] = os.environ) -> Path:
+    """Where the presets' tokenizers are cached by default: ``$GRSERVE_CACHE_DIR/tokenizers``, else
+    ``$XDG_CACHE_HOME/grserve/tokenizers``, else ``~/.cache/grserve/tokenizers`` (never the working directory)."""
+    if environ.get("GRSERVE_CACHE_DIR"):
+        return Path(environ["GRSERVE_CACHE_DIR"]).expanduser() / "tokenizers"
+    base = environ.get("XDG_CACHE_HOME") or str(Path("~").expanduser() / ".cache")
+    return Path(base).expanduser() / "grserve" / "tokenizers"
+
+
 def preset_tokenizer_dir(cache_dir: str | Path, vocab_size: int, model_max_length: int) -> Path:
-    """The presets' tokenizer directory under ``cache_dir`` (written once per vocabulary size)."""
+    """The presets' tokenizer directory under ``cache_dir``: reused only when every file in it is exactly what this
+    version writes (verified byte for byte), else (re)written — a stale, torn or foreign file is never loaded."""
     d = (Path(cache_dir) / f"grserve-bytes-v2-{vocab_size}").resolve()
-    if not (d / "tokenizer.json").is_file() or not (d / "chat_template.jinja").is_file():
+    files = preset_tokenizer_files(vocab_size, model_max_length)
+    if any(_read(d / name) != text for name, text in files.items()):
+        Path(cache_dir).mkdir(parents=True, exist_ok=True, mode=0o700)
         write_preset_tokenizer(d, vocab_size, model_max_length)
     return d
 
@@ -287,11 +337,13 @@ def model_tokenizer(source: str) -> HFTokenizer | None:
 
 
 def load_tokenizer(source: str, vocab_size: int, model_max_length: int = 4096,
-                   cache_dir: str | Path = ".grserve-cache/tokenizers") -> HFTokenizer | NoTokenizer:
+                   cache_dir: str | Path | None = None) -> HFTokenizer | NoTokenizer:
     """``source``'s own tokenizer if it is a directory with one; ``NoTokenizer`` for a directory without one (text
     and chat input refused, never a made-up tokenizer); else (a preset) the byte-level preset tokenizer, written to
-    ``cache_dir`` and loaded from there the same way (``tokenizer.name_or_path`` is that directory)."""
+    (or verified in) ``cache_dir`` (default ``user_cache_dir()``) and loaded from there the same way
+    (``tokenizer.name_or_path`` is that directory)."""
     p = Path(source).expanduser()
     if p.is_dir():
         return HFTokenizer(p) if has_tokenizer_files(p) else NoTokenizer(p, vocab_size)
-    return HFTokenizer(preset_tokenizer_dir(cache_dir, vocab_size, model_max_length))
+    cache = user_cache_dir() if cache_dir is None else cache_dir
+    return HFTokenizer(preset_tokenizer_dir(cache, vocab_size, model_max_length))

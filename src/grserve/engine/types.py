@@ -124,6 +124,10 @@ class LLMResult:
     prompt_tokens: int
     num_preemptions: int = 0
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache (its last admission)
+    # its phases in the engine, in seconds (None where the engine does not report them, e.g. a cluster):
+    queue_s: float | None = None  # arrival → first scheduled
+    prefill_s: float | None = None  # first scheduled → first token
+    decode_s: float | None = None  # first token → last token
 
 
 @dataclass

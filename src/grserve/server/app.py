@@ -7,13 +7,15 @@ disconnect included), ``GET /health`` (``engine.health()`` plus the app's detail
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
 from grserve.config import EdgeConfig
 from grserve.engine.protocol import Engine
+from grserve.server.admission import Admission
+from grserve.server.bodies import MAX_BRACKETS, Precheck, body_route
 from grserve.server.edge import EdgeMiddleware
 from grserve.server.errors import house_error, house_validation_error, install_error_handlers, openai_error, \
     openai_validation_error
@@ -24,22 +26,29 @@ def new_app(engine: Engine, metrics: Metrics | None, *, title: str, description:
             groups: Sequence[str] = (), detail: Callable[[], dict] | None = None, edge: EdgeConfig | None = None,
             admin_routes: frozenset[tuple[str, str]] = frozenset(),
             queued_routes: frozenset[tuple[str, str]] = frozenset(),
+            prechecks: Mapping[str, Precheck] | None = None, max_brackets: int = MAX_BRACKETS,
             openai_paths: frozenset[str] = frozenset()) -> FastAPI:
     """A FastAPI app around ``engine`` with the shared parts installed: the error handlers of one API family
     (``openai``: OpenAI's shape; else the house shape, ``groups`` its one-of field groups), the edge middleware
     (``edge``; ``admin_routes``: the (method, path) pairs that change state; ``queued_routes``: those that queue
-    work in the engine, refused at the edge while its queue is full), the metrics middleware (outermost:
-    it counts the edge's refusals too), ``GET /health`` (``engine.health()`` plus ``detail()``) and
-    ``GET /metrics``. ``openai_paths``: paths of a house app answered in OpenAI's error shape (the retrieval
-    server's OpenAI beam routes)."""
+    work, counted by admission from the edge on and refused there past ``max_waiting``), the metrics middleware
+    (outermost: it counts the edge's refusals too), ``GET /health`` (``engine.health()`` plus ``detail()``),
+    ``GET /metrics``, and the route class of the routes added to the app itself (``bodies.py``: bodies parsed
+    and validated off the event loop, ``prechecks`` first, by path; at most ``max_brackets`` containers).
+    ``openai_paths``: paths of a house app answered in OpenAI's error shape (the retrieval server's OpenAI beam
+    routes)."""
     metrics = metrics if metrics is not None else Metrics()
     metrics.bind_queue_depth(lambda: engine.queue_depth)
+    admission = Admission(engine)
+    metrics.bind_pending(lambda: admission.pending)
     app = FastAPI(title=title, version="0.1.0", description=description)
+    app.router.route_class = body_route(prechecks, max_brackets)
     app.state.engine = engine
     app.state.metrics = metrics
+    app.state.admission = admission
     app.state.edge = edge = edge or EdgeConfig()
     render = openai_error if openai else house_error
-    app.add_middleware(EdgeMiddleware, edge=edge, render=render, admin_routes=admin_routes, engine=engine,
+    app.add_middleware(EdgeMiddleware, edge=edge, render=render, admin_routes=admin_routes, admission=admission,
                        queued_routes=queued_routes, router=app.router, openai_paths=openai_paths)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     if openai:

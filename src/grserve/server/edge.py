@@ -1,8 +1,8 @@
 """The edge: a pure-ASGI gate in front of every route of the three apps, before routing and before the body is
 read or parsed (``EdgeConfig``, docs/security.md): the API key (every path but ``OPEN_PATHS``), the admin routes
-(the admin key; off while it is unset), the request-body size limit, and a full engine queue on the routes that
-queue work. A refusal costs no parsing; it is answered in the app's error shape and labelled in the metrics by the
-route it targeted."""
+(the admin key; off while it is unset), the request-body size limit, and admission on the routes that queue work
+(``admission.py``). A refusal costs no parsing; it is answered in the app's error shape and labelled in the metrics
+by the route it targeted."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from grserve.config import EdgeConfig
-from grserve.server.errors import ApiError, body_too_large, openai_error, overloaded, unauthorized
+from grserve.server.admission import Admission, hand_over
+from grserve.server.errors import ApiError, body_too_large, openai_error, unauthorized
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # answered without the API key (load balancers, Prometheus)
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
@@ -47,32 +48,26 @@ class EdgeMiddleware:
     """Pure-ASGI gate in front of the routes: the API key (every path but ``OPEN_PATHS``), the admin routes (the
     admin key, off while it is unset), the request-body size limit, checked on the declared ``Content-Length``
     and again while the body streams in (never more than the limit is buffered), and — on the routes that queue
-    work in the engine (``queued_routes``) — a full queue (``overloaded``), checked before the body is read, parsed
-    or tokenized, so that a refusal under a burst costs almost nothing (the engine's own check at submit stays the
-    authority). A refusal is answered here, in the app's error shape, labelled in the metrics by the route it
-    targeted (``router``); an accepted body is replayed to the app, then ``receive`` passes through (so the app
-    still sees a client disconnect)."""
+    work (``queued_routes``: in the engine, or in the heavy-work pool) — admission (``admission.py``): the engine's
+    queue and the requests admitted before it, checked before the body is read, parsed or tokenized, so that a
+    refusal under a burst costs almost nothing. A refusal is answered here, in the app's error shape, labelled in the
+    metrics by the route it targeted (``router``); an accepted body is replayed to the app, then ``receive`` passes
+    through (so the app still sees a client disconnect)."""
 
     def __init__(self, app: Any, edge: EdgeConfig, render: Callable[[ApiError], JSONResponse],
-                 admin_routes: frozenset[tuple[str, str]] = frozenset(), engine: Any = None,
+                 admin_routes: frozenset[tuple[str, str]] = frozenset(), admission: Admission | None = None,
                  queued_routes: frozenset[tuple[str, str]] = frozenset(), router: Any = None,
                  openai_paths: frozenset[str] = frozenset()) -> None:
         self.app, self.edge, self._render, self.admin_routes = app, edge, render, admin_routes
-        self.engine, self.queued_routes, self.router = engine, queued_routes, router
+        self.admission, self.queued_routes, self.router = admission, queued_routes, router
         self.openai_paths = openai_paths  # answered in OpenAI's shape (errors.py)
         self._routes: list[Any] | None = None
 
     def render(self, exc: ApiError, scope: dict) -> JSONResponse:
         return (openai_error if scope["path"] in self.openai_paths else self._render)(exc)
 
-    def overloaded(self, scope: dict) -> ApiError | None:
-        """429 when ``scope`` targets a queued route while the engine's queue is at its bound, else None."""
-        if (scope["method"], scope["path"]) not in self.queued_routes:
-            return None
-        bound = getattr(self.engine, "max_waiting", None)
-        depth = int(getattr(self.engine, "queue_depth", 0))
-        return overloaded(f"{depth} requests waiting (max_waiting={bound})") \
-            if bound is not None and depth >= bound else None
+    def queued(self, scope: dict) -> bool:
+        return self.admission is not None and (scope["method"], scope["path"]) in self.queued_routes
 
     def label(self, scope: dict) -> None:
         """Put the route whose path template ``scope``'s path matches into it (as routing would), for the metrics
@@ -103,24 +98,42 @@ class EdgeMiddleware:
             return None
         return unauthorized()
 
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    def gate(self, scope: dict) -> ApiError | None:
+        """The refusals answered before a byte of the body is read: key, declared size, admission."""
         refusal = self.refusal(scope)
         limit = int(self.edge.max_body_bytes)
         declared = _content_length(scope)
         if refusal is None and declared is not None and declared > limit:
             refusal = body_too_large(limit)
-        if refusal is None:
-            refusal = self.overloaded(scope)
-        if refusal is not None:
-            self.label(scope)
-            await self.render(refusal, scope)(scope, receive, send)
-            return
-        if scope["method"] not in _BODY_METHODS:
+        if refusal is None and self.queued(scope):
+            refusal = self.admission.refusal()  # type: ignore[union-attr]
+        return refusal
+
+    async def refuse(self, refusal: ApiError, scope: dict, receive: Any, send: Any) -> None:
+        self.label(scope)
+        await self.render(refusal, scope)(scope, receive, send)
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        refusal = self.gate(scope)
+        if refusal is not None:
+            await self.refuse(refusal, scope, receive, send)
+            return
+        if self.queued(scope):
+            self.admission.admit(scope)  # type: ignore[union-attr]
+        try:
+            if scope["method"] in _BODY_METHODS:
+                await self.with_body(scope, receive, send)
+            else:
+                await self.app(scope, receive, send)
+        finally:
+            hand_over(scope)
+
+    async def with_body(self, scope: dict, receive: Any, send: Any) -> None:
+        """Read the whole body (at most the limit), check admission again, then replay it to the app."""
+        limit = int(self.edge.max_body_bytes)
         chunks, total = [], 0
         while True:
             message = await receive()
@@ -129,16 +142,14 @@ class EdgeMiddleware:
             chunk = message.get("body", b"")
             total += len(chunk)
             if total > limit:
-                self.label(scope)
-                await self.render(body_too_large(limit), scope)(scope, receive, send)
+                await self.refuse(body_too_large(limit), scope, receive, send)
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
-        full = self.overloaded(scope)  # again, now the body is in: the queue may have filled meanwhile
+        full = self.admission.refusal(holding=True) if self.queued(scope) else None  # the queue may have filled
         if full is not None:
-            self.label(scope)
-            await self.render(full, scope)(scope, receive, send)
+            await self.refuse(full, scope, receive, send)
             return
         body: list[dict] = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
 

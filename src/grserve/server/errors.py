@@ -228,7 +228,8 @@ def install_error_handlers(app: FastAPI, render: Callable[[ApiError], JSONRespon
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:  # last resort; routes catch their own
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        # repr: a percent-decoded path may hold control characters (ESC: terminal escapes in a log viewer)
+        log.exception("unhandled error on %s %r", request.method, request.url.path)
         return shape(request)[0](ApiError(500, f"internal error: {type(exc).__name__}", None, "internal"))
 
 

@@ -19,6 +19,7 @@ from grserve.engine.protocol import (
     RequestHandle,
     RequestTimedOut,
 )
+from grserve.server.admission import hand_over
 from grserve.server.errors import ApiError, ClientDisconnected, overloaded, queue_timeout, stopped
 
 log = logging.getLogger("grserve.server")
@@ -77,18 +78,26 @@ async def finish(request: Request, engine: Cancels, handle: RequestHandle,
     """Await a submitted request's result (or ``work``, e.g. collecting its events): 503 when the engine stops
     before it is done, 500 (logged) when it fails, ``ClientDisconnected`` (request cancelled, resources freed)
     when the client leaves first."""
+    hand_over(request.scope)  # in the engine's queue now: admission no longer counts it as pending
     try:
         return await _first(request, engine, handle, work if work is not None else handle.result())
     except (ApiError, ClientDisconnected):
         raise
-    except RequestTimedOut as exc:
-        raise queue_timeout(exc) from None
-    except (EngineStopped, RequestCancelled) as exc:
-        raise stopped(exc) from None
     except Exception as exc:  # noqa: BLE001 - every engine failure becomes a JSON answer
-        status = getattr(exc, "http_status", None)  # an engine error that names its status (cluster: RequestLost)
-        if status is not None:
-            raise ApiError(status, str(exc), None, getattr(exc, "error_type", "unavailable")) from None
-        log.exception("engine failed on request %s", handle.request_id)
-        raise ApiError(500, f"internal error while serving the request: {type(exc).__name__}", None,
-                       "internal") from exc
+        error = engine_failure(exc, handle.request_id)
+        raise error from (exc if error.type == "internal" else None)
+
+
+def engine_failure(exc: BaseException, request_id: str) -> ApiError:
+    """The answer to a request the engine failed (call it in the ``except`` block: a 500 is logged with its
+    traceback): 503 ``queue_timeout`` past its queue deadline, 503 ``stopped`` when the engine stopped (a planned
+    drain) or cancelled it, the status an engine error names (cluster: ``RequestLost``), else 500 ``internal``."""
+    if isinstance(exc, RequestTimedOut):
+        return queue_timeout(exc)
+    if isinstance(exc, (EngineStopped, RequestCancelled)):
+        return stopped(exc)
+    status = getattr(exc, "http_status", None)
+    if status is not None:
+        return ApiError(status, str(exc), None, getattr(exc, "error_type", "unavailable"))
+    log.exception("engine failed on request %s", request_id)
+    return ApiError(500, f"internal error while serving the request: {type(exc).__name__}", None, "internal")

@@ -16,11 +16,13 @@ from grserve.server.metrics import Metrics
 from grserve.server.openai_routes import create_openai_router
 
 HEALTH_STATS = ("waiting", "free_blocks", "total_blocks")  # engine.stats() keys /health shows
+# the routes counted by admission (``admission.py``): they queue work in the engine, /tokenize in the heavy pool
+QUEUED_ROUTES = frozenset({("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/tokenize")})
 
 
 def create_llm_app(engine: Engine, tokenizer: Any, model_name: str, max_model_len: int, vocab_size: int,
                    metrics: Metrics | None = None, edge: EdgeConfig | None = None, *, max_n: int = 16,
-                   max_logprobs: int = 20) -> FastAPI:
+                   max_logprobs: int = 20, max_messages: int = 2048) -> FastAPI:
     """The LLM app around a started (or to-be-started) LLM engine; the caller owns start/stop."""
 
     def detail() -> dict:
@@ -28,12 +30,12 @@ def create_llm_app(engine: Engine, tokenizer: Any, model_name: str, max_model_le
         return {"model": model_name, **{k: stats[k] for k in HEALTH_STATS if k in stats}}
 
     app = new_app(engine, metrics, title="grserve LLM", openai=True, detail=detail, edge=edge,
-                  queued_routes=frozenset({("POST", "/v1/completions"), ("POST", "/v1/chat/completions")}),
+                  queued_routes=QUEUED_ROUTES,
                   description="An LLM behind an OpenAI-compatible API, on the hybrid-cache continuous-batching engine.")
     app.state.metrics.bind_llm_stats(engine.stats)
     llm_metrics = LLMMetrics(app.state.metrics.registry, model_name)
     app.state.llm_metrics = llm_metrics
     app.add_middleware(StatusCounter, metrics=llm_metrics)
     app.include_router(create_openai_router(engine, tokenizer, model_name, max_model_len, vocab_size, llm_metrics,
-                                            max_n=max_n, max_logprobs=max_logprobs))
+                                            max_n=max_n, max_logprobs=max_logprobs, max_messages=max_messages))
     return app

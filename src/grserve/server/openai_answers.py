@@ -55,10 +55,12 @@ def sse(chunk: BaseModel) -> str:
     return f"data: {chunk.model_dump_json()}\n\n"
 
 
-def sse_error(message: str, status: int) -> str:
-    """The streamed error event (OpenAI's error shape under ``error``; the ``openai`` client raises on it)."""
+def sse_error(message: str, status: int, code: str | None = None) -> str:
+    """The streamed error event (OpenAI's error shape under ``error``; the ``openai`` client raises on it);
+    ``code`` the house type (default ``internal`` for a 5xx, ``invalid_value`` for a 4xx)."""
+    code = code or ("internal" if status >= 500 else "invalid_value")
     err = {"message": message, "type": "server_error" if status >= 500 else "invalid_request_error",
-           "param": None, "code": "internal" if status >= 500 else "invalid_value"}
+           "param": None, "code": code}
     return f"data: {json.dumps({'error': err})}\n\n"
 
 

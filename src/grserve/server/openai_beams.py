@@ -9,6 +9,12 @@
 
 Errors answer in OpenAI's shape on these paths (``errors.py``). Streaming sends the finished beam set as one chunk
 (then usage, then ``[DONE]``): beams finish together, so per-token deltas per beam would carry nothing more.
+
+Hardened as the other routes (issue 25; docs/security.md): bodies are parsed, prechecked and validated by the app's
+route class (``bodies.py``: the prompt's characters, token ids, messages and ``exclude_items`` against the limits
+first, ``retrieval_app.beam_prechecks``); the SID text check, the chat template and the tokenizer run on a
+heavy-work thread (``offload.py``: ``chat_ids`` / ``text_ids``), as does the decoding of a thought; admission counts
+a request from the edge on (both paths are queued routes); the engine's key is the server's own (no client id).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from typing import Any
 import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
+from fastapi.routing import APIRoute
 
 from grserve.config import BeamApiConfig, ServerConfig
 from grserve.engine.protocol import RetrievalService
@@ -30,6 +37,7 @@ from grserve.engine.types import RetrievalRequest, RetrievalResult
 from grserve.server.errors import ApiError
 from grserve.server.lifecycle import finish, submit
 from grserve.server.metrics import Metrics
+from grserve.server.offload import off_loop
 from grserve.server.openai_answers import sse, usage
 from grserve.server.openai_beam_schemas import (
     BeamChatChoice,
@@ -110,9 +118,18 @@ def think_spec(ctx: BeamContext, max_think_tokens: int, layout: Any, temperature
     return ThinkSpec(max_think_tokens, int(layout.sid_begin), temperature, top_p, top_k, seed)
 
 
-def retrieval_request(ctx: BeamContext, body: BeamRequest, ids: list[int], catalog: Any,
-                      field_name: str) -> RetrievalRequest:
-    """The engine request of a prompt's token ids: beam start placed, limits checked (413 a prompt too long)."""
+@dataclass(frozen=True)
+class BeamKnobs:
+    """A request's search settings, checked before its prompt is rendered or tokenized."""
+
+    beam_width: int
+    think: ThinkSpec | None
+    exclude_items: np.ndarray | None
+
+
+def beam_knobs(ctx: BeamContext, body: BeamRequest, catalog: Any) -> BeamKnobs:
+    """The cheap checks of a request (400 naming the field): beam width and n, max_tokens vs one item, thinking,
+    ``exclude_items`` (413 past ``--max-exclude-items``)."""
     bw = _beam_width(ctx, body)
     max_tokens = body.requested_max_tokens()
     if max_tokens is not None and max_tokens < catalog.depth:
@@ -121,12 +138,19 @@ def retrieval_request(ctx: BeamContext, body: BeamRequest, ids: list[int], catal
                        "out_of_range")
     spec = think_spec(ctx, body.max_think_tokens, catalog.layout, body.temperature, body.top_p, body.top_k,
                       body.seed)
-    prompt = beam_start(ids, catalog.layout, spec is not None)
-    check_length(int(prompt.size), int(ctx.server.max_prompt_tokens), field_name, "the prompt", "prompt_too_long")
     from grserve.server.retrieval_app import excluded_items
 
-    return RetrievalRequest(prompt_tokens=prompt, beam_width=bw, top_n=body.n, think=spec,
-                            exclude_items=excluded_items(body, ctx.server))
+    return BeamKnobs(bw, spec, excluded_items(body, ctx.server))
+
+
+def retrieval_request(ctx: BeamContext, body: BeamRequest, ids: list[int], catalog: Any, knobs: BeamKnobs,
+                      field_name: str) -> RetrievalRequest:
+    """The engine request of a prompt's token ids: beam start placed, its length checked (413 a prompt too long).
+    Its ``request_id`` is the server's own (the engine's cancel key)."""
+    prompt = beam_start(ids, catalog.layout, knobs.think is not None)
+    check_length(int(prompt.size), int(ctx.server.max_prompt_tokens), field_name, "the prompt", "prompt_too_long")
+    return RetrievalRequest(prompt_tokens=prompt, beam_width=knobs.beam_width, top_n=body.n, think=knobs.think,
+                            exclude_items=knobs.exclude_items)
 
 
 def _items(result: RetrievalResult, catalog: Any) -> list[dict]:
@@ -135,10 +159,19 @@ def _items(result: RetrievalResult, catalog: Any) -> list[dict]:
              "text": item_text(catalog, it.sid)} for i, it in enumerate(result.items)]
 
 
-def _thinking(ctx: BeamContext, result: RetrievalResult) -> Thinking | None:
+async def thought_text(ctx: BeamContext, result: RetrievalResult) -> str | None:
+    """The text of the result's thought (its closing ``sid_begin`` left out), decoded on a heavy-work thread; None
+    without one."""
     if result.thought is None:
         return None
-    text = ctx.tokenizer.decode(result.thought[:-1], skip_special_tokens=False)
+    tok, ids = ctx.tokenizer, result.thought[:-1]
+    return await off_loop(lambda: tok.decode(ids, skip_special_tokens=False))
+
+
+async def _thinking(ctx: BeamContext, result: RetrievalResult) -> Thinking | None:
+    text = await thought_text(ctx, result)
+    if text is None:
+        return None
     return Thinking(text=text, tokens=len(result.thought), sid_begin_forced=bool(result.thought_forced))
 
 
@@ -162,23 +195,21 @@ def _stream(chunks: list[Any], include_usage: bool, use: Any) -> StreamingRespon
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-def create_beam_router(ctx: BeamContext) -> APIRouter:
-    """The OpenAI beam routes around a retrieval engine (``BeamContext``)."""
-    router = APIRouter()
+def create_beam_router(ctx: BeamContext, route_class: type[APIRoute] = APIRoute) -> APIRouter:
+    """The OpenAI beam routes around a retrieval engine (``BeamContext``); ``route_class``: the app's
+    (``bodies.body_route``: bodies prechecked, parsed and validated off the event loop)."""
+    router = APIRouter(route_class=route_class)
 
     @router.post("/v1/chat/completions", response_model=BeamChatResponse, responses=_ERRORS)
     async def chat_completions(body: BeamChatRequest, request: Request) -> Any:
         ctx.check_model(body.model)
         catalog = ctx.engine.catalogs.current()
-        messages = [m.for_template() for m in body.messages]
-        for i, m in enumerate(messages):
-            check_sid_text(m["content"] or "", f"messages[{i}].content", catalog)
-        tok = ctx.tokenizer
-        ids = tok.encode(chat_text(tok, messages, body.chat_template_kwargs), add_special_tokens=False)
-        req = retrieval_request(ctx, body, ids, catalog, "messages")
+        knobs = beam_knobs(ctx, body, catalog)  # cheap checks first, then the heavy work off the event loop
+        ids = await off_loop(chat_ids, ctx.tokenizer, catalog, body.messages, body.chat_template_kwargs)
+        req = retrieval_request(ctx, body, ids, catalog, knobs, "messages")
         result, items, use = await _run(ctx, request, req, catalog)
         head = dict(id=f"chatcmpl-{uuid.uuid4().hex[:24]}", created=ctx.created, model=ctx.model_name,
-                    thinking=_thinking(ctx, result), beam_width=req.beam_width,
+                    thinking=await _thinking(ctx, result), beam_width=req.beam_width,
                     catalog_version=int(result.catalog_version))
         if body.stream:
             choices = [BeamChatChunkChoice(delta=BeamChatDelta(content=it.pop("text")), **it) for it in items]
@@ -191,15 +222,15 @@ def create_beam_router(ctx: BeamContext) -> APIRouter:
     async def completions(body: BeamCompletionRequest, request: Request) -> Any:
         ctx.check_model(body.model)
         catalog = ctx.engine.catalogs.current()
+        knobs = beam_knobs(ctx, body, catalog)
         if isinstance(body.prompt, str):
-            check_sid_text(body.prompt, "prompt", catalog, ends_at_beam=True)
-            ids = ctx.tokenizer.encode(body.prompt)
+            ids = await off_loop(text_ids, ctx.tokenizer, catalog, body.prompt)
         else:
             ids = token_ids(body.prompt, int(ctx.engine.vocab_size), "prompt").tolist()
-        req = retrieval_request(ctx, body, ids, catalog, "prompt")
+        req = retrieval_request(ctx, body, ids, catalog, knobs, "prompt")
         result, items, use = await _run(ctx, request, req, catalog)
         head = dict(id=f"cmpl-{uuid.uuid4().hex[:24]}", created=ctx.created, model=ctx.model_name,
-                    thinking=_thinking(ctx, result), beam_width=req.beam_width,
+                    thinking=await _thinking(ctx, result), beam_width=req.beam_width,
                     catalog_version=int(result.catalog_version))
         choices = [BeamCompletionChoice(**it) for it in items]
         if body.stream:
@@ -214,13 +245,25 @@ def create_beam_router(ctx: BeamContext) -> APIRouter:
     return router
 
 
+def chat_ids(tok: Any, catalog: Any, messages: list, template_kwargs: dict | None) -> list[int]:
+    """A chat's prompt token ids: each message's SID text checked, the chat rendered with the model's chat template,
+    encoded (a heavy-work thread's job: ``off_loop``)."""
+    rendered = [m.for_template() for m in messages]
+    for i, m in enumerate(rendered):
+        check_sid_text(m["content"] or "", f"messages[{i}].content", catalog)
+    return tok.encode(chat_text(tok, rendered, template_kwargs), add_special_tokens=False)
+
+
+def text_ids(tok: Any, catalog: Any, prompt: str) -> list[int]:
+    """A text prompt's token ids: its SID text checked (a trailing ``sid_begin`` is where the beams start), encoded
+    (a heavy-work thread's job)."""
+    check_sid_text(prompt, "prompt", catalog, ends_at_beam=True)
+    return tok.encode(prompt)
+
+
 def prompt_tokens(ctx: BeamContext, catalog: Any, prompt: str | None, messages: list | None) -> np.ndarray:
-    """``/v1/recommend``'s ``prompt`` / ``messages`` history as token ids (chat template, checks, beam start)."""
-    tok = ctx.tokenizer
-    if messages is not None:
-        rendered = [m.for_template() for m in messages]
-        for i, m in enumerate(rendered):
-            check_sid_text(m["content"] or "", f"messages[{i}].content", catalog)
-        return np.asarray(tok.encode(chat_text(tok, rendered, None), add_special_tokens=False), dtype=np.int64)
-    check_sid_text(prompt or "", "prompt", catalog, ends_at_beam=True)
-    return np.asarray(tok.encode(prompt), dtype=np.int64)
+    """``/v1/recommend``'s ``prompt`` / ``messages`` history as token ids (chat template, checks; the caller runs it
+    on a heavy-work thread)."""
+    ids = chat_ids(ctx.tokenizer, catalog, messages, None) if messages is not None else \
+        text_ids(ctx.tokenizer, catalog, prompt or "")
+    return np.asarray(ids, dtype=np.int64)

@@ -9,18 +9,32 @@ does (``ge=1``, ``min_length=1``) answer 400, like every other bad value (``serv
 
 from __future__ import annotations
 
+import unicodedata
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
 from pydantic_core import PydanticCustomError
 
 from grserve.server.openai_schemas import ChatMessage
 
 HISTORY_FIELDS = ("history_items", "history_sids", "history_tokens", "prompt", "messages")
+UNPRINTABLE = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})  # control, format, surrogate, line/paragraph separators
 
 NonEmptyInts = Annotated[list[StrictInt], Field(min_length=1)]
 Truncate = Literal["left", "none"]
 Source = Literal["model", "popularity"]
+
+
+def _printable(value: str) -> str:
+    """A client's id is echoed in answers and may be logged: no character that could break or forge a line."""
+    for i, c in enumerate(value):
+        if unicodedata.category(c) in UNPRINTABLE:
+            raise ValueError(f"must not contain control characters (U+{ord(c):04X} at position {i})")
+    return value
+
+
+# the client's own id of a request: echoed in the answer, never the engine's key (the server makes that one)
+RequestId = Annotated[StrictStr, Field(min_length=1, max_length=128), AfterValidator(_printable)]
 
 
 class RecommendRequest(BaseModel):
@@ -58,7 +72,7 @@ class RecommendRequest(BaseModel):
     include_items: list[StrictInt] | None = None  # an allowlist: only these catalog items (masked alike)
     include_sid_prefix: Annotated[list[StrictInt], Field(min_length=1)] | None = None  # only items under this prefix
     truncate: Truncate | None = None  # None → the server's ServerConfig.truncate
-    request_id: Annotated[StrictStr, Field(min_length=1, max_length=128)] | None = None
+    request_id: RequestId | None = None
 
     @model_validator(mode="after")
     def _exactly_one_history(self) -> "RecommendRequest":
@@ -92,7 +106,7 @@ class Timing(BaseModel):
 
 
 class RecommendResponse(BaseModel):
-    request_id: str
+    request_id: str  # the client's request_id, else the server's id of the request
     items: list[ItemOut]  # best first
     source: Source = "model"  # "popularity": the history laid out to no prompt token (cold start)
     history_dropped: int = 0  # oldest history entries (items, SIDs or tokens, as given) cut by truncate "left"
@@ -141,7 +155,7 @@ class RankRequest(BaseModel):
     candidates: list[StrictInt] | None = None
     candidate_tokens: list[list[StrictInt]] | None = None
     top_k: Annotated[StrictInt, Field(ge=1)] = 10
-    request_id: Annotated[StrictStr, Field(min_length=1, max_length=128)] | None = None
+    request_id: RequestId | None = None
 
     @model_validator(mode="after")
     def _exactly_one(self) -> "RankRequest":
@@ -163,7 +177,7 @@ class RankedItem(BaseModel):
 
 
 class RankResponse(BaseModel):
-    request_id: str
+    request_id: str  # the client's request_id, else the server's id of the request
     items: list[RankedItem]  # best first
     layout: str  # "user_prefix" | "item_prefix"
     total_tokens: int

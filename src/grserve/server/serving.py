@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -46,8 +47,19 @@ def run_uvicorn(app: FastAPI, host: str, port: int, log_level: str, stop: Callab
     """Serve ``app`` with uvicorn until SIGTERM/Ctrl-C, shutting down as ``draining_server`` says."""
     import uvicorn
 
-    draining_server(app, uvicorn.Config(app, host=host, port=port, log_level=log_level), stop,
-                    shutdown_timeout_s).run()
+    server = draining_server(app, uvicorn.Config(app, host=host, port=port, log_level=log_level), stop,
+                             shutdown_timeout_s)
+    settle_heap()
+    server.run()
+
+
+def settle_heap() -> None:
+    """Move everything built at start-up (model, catalog, tokenizer, libraries) out of the cyclic garbage
+    collector's sight (``gc.freeze``): a full collection, which holds every thread, then walks only what requests
+    allocated — a request that builds many objects cannot stall the others for the time it takes to walk the
+    whole heap."""
+    gc.collect()
+    gc.freeze()
 
 
 def serve_until_exit(app: FastAPI, host: str, port: int, log_level: str, stop: Callable[[], None]) -> int:

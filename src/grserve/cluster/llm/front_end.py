@@ -92,7 +92,10 @@ class ClusterLLMEngine(FrontEndLifecycle):
 
             check_pd(pd, cluster, cfg.llm.prefix_cache_tokens)
         actors, infos, owns = launch_actors(lambda i, inc: spawn_instance(i, cfg, cluster, inc), cluster)
-        tok = load_tokenizer(cfg.model.source, infos[0].vocab_size)
+        # the instances' tokenizer (AsyncLLMEngine.build): --tokenizer, else the model's; a preset's under
+        # --tokenizer-cache, written for the same context length (so both write byte-identical files)
+        tok = load_tokenizer(cfg.api.tokenizer or cfg.model.source, infos[0].vocab_size, infos[0].max_model_len,
+                             cfg.api.tokenizer_cache)
         eng = cls(actors, infos, cluster, tok, owns, tok.eos_token_id, cfg.edge)
         eng.serve_cfg = cfg
         if pd is not None and pd.pd:
@@ -262,11 +265,12 @@ class ClusterLLMEngine(FrontEndLifecycle):
         self.counters["duplicate_tokens"] += st.duplicates - before
         if new:
             if rec.first_token_at is None:
-                rec.first_token_at = time.perf_counter()
+                rec.first_token_at, rec.first_token_attempt = time.perf_counter(), attempt
                 self.admission.started(rid)
                 if self.pd is not None:
                     self.pd.on_first_token(rec)
             self.router.on_tokens(rid, len(new))
+        rec.take_phases(attempt, report.phases)
         paused = finished and reason == "pause"  # PD: the prefill attempt ended, the request goes on elsewhere
         if finished and not paused and reason not in ("stop", "length"):
             if reason == "error":
@@ -280,7 +284,7 @@ class ClusterLLMEngine(FrontEndLifecycle):
             rec.handle.push(TokenEvent(0, new, text, done, reason if done else None))
         if done:
             self._end(rec, LLMResult(rid, list(st.output_ids), st.text, reason or "stop", len(rec.prompt_ids),
-                                     rec.migrations), None)
+                                     rec.migrations, **rec.result_phases(attempt, time.perf_counter())), None)
         elif paused:
             self.pd.try_handoff(rec)
 

@@ -112,8 +112,9 @@ class EngineInstance:
     async def _forward(self, request_id: str, attempt: int, handle: RequestHandle[LLMResult]) -> None:
         n, ended = 0, False
         async for ev in handle.events():
+            phases = await _phases(handle) if ev.finished else None  # set with its last event (AsyncLLMEngine)
             self._report(TokenReport(request_id, attempt, n, list(ev.token_ids), ev.text, ev.finished,
-                                     ev.finish_reason))
+                                     ev.finish_reason, phases))
             if ev.prompt_kv is not None:  # the end of its prefill: returned, so the front end owns it
                 self._snapshots.append(PromptKV(request_id, attempt, ev.prompt_kv))
             self.token_interval.tokens(request_id, len(ev.token_ids))
@@ -176,6 +177,19 @@ class EngineInstance:
 
     def stop(self) -> None:
         self.engine.stop()
+
+
+PHASES = ("queue_s", "prefill_s", "decode_s")
+
+
+async def _phases(handle: RequestHandle[LLMResult]) -> dict[str, float] | None:
+    """An ended attempt's engine phases (``LLMResult``: queue, prefill, decode; those its engine measured), None if
+    it failed."""
+    try:
+        result = await handle.result()
+    except Exception:  # noqa: BLE001 - a failed attempt: reported by _forward, no phases
+        return None
+    return {k: float(v) for k in PHASES if (v := getattr(result, k, None)) is not None} or None
 
 
 class TokenInterval:
