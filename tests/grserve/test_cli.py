@@ -257,7 +257,7 @@ def test_ctrl_c_exits_130(monkeypatch):
 
 
 # ---- the product and the lab --------------------------------------------------------------------------------------
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _pyproject() -> dict:
