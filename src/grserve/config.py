@@ -344,7 +344,10 @@ class ClusterConfig(Checked):
     instances: int = flag(1, "engine instances; above 1 each runs in its own Ray actor behind this front end",
                           check=positive_int)
     ray_address: str | None = flag(None, "an existing Ray cluster to join (default: grserve starts a local Ray "
-                                         "with no dashboard)", metavar="ADDR")
+                                         "on 127.0.0.1 that requires a token)", metavar="ADDR")
+    allow_open_ray: bool = flag(False, "join a --ray-address cluster off this machine that accepts clients "
+                                       "without a token (refused by default: anyone reaching it runs code in it)")
+    ray_dashboard: bool = flag(False, "start Ray's dashboard with the local Ray (on 127.0.0.1; needs ray[default])")
     routing: str = flag("kv", "routing policy: kv (cached prefix blocks + booked load), least_loaded, "
                               "round_robin", choices=ROUTING_POLICIES)
     kv_block_size: int = flag(16, "tokens per block of the global KV index's chained block hashes",

@@ -130,6 +130,7 @@ class TokenReport:
     text: str = ""
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "pause" (PD: goes on) | "abort" (cancelled) | "error"
+    cached_tokens: int = 0  # prompt tokens the attempt's admission took from the instance's prefix cache
 
 
 @dataclass(frozen=True)

@@ -262,7 +262,7 @@ class ClusterLLMEngine(FrontEndLifecycle):
         self.counters["duplicate_tokens"] += st.duplicates - before
         if new:
             if rec.first_token_at is None:
-                rec.first_token_at = time.perf_counter()
+                rec.first_token_at, rec.cached_tokens = time.perf_counter(), report.cached_tokens
                 self.admission.started(rid)
                 if self.pd is not None:
                     self.pd.on_first_token(rec)
@@ -280,7 +280,7 @@ class ClusterLLMEngine(FrontEndLifecycle):
             rec.handle.push(TokenEvent(0, new, text, done, reason if done else None))
         if done:
             self._end(rec, LLMResult(rid, list(st.output_ids), st.text, reason or "stop", len(rec.prompt_ids),
-                                     rec.migrations), None)
+                                     rec.migrations, rec.cached_tokens), None)
         elif paused:
             self.pd.try_handoff(rec)
 
