@@ -190,6 +190,23 @@ class RankingLimits(Checked):
 
 
 @dataclass(frozen=True)
+class HRCSConfig(Checked):
+    """``serve ranking --instances N``: the item KV on KV-cache workers, placed by BAT's HRCS (docs/ranking.md)."""
+
+    kv_cache_workers: int | None = flag(None, "KV-cache workers holding the item KV (hot items replicated, the rest "
+                                              "sharded; default: one per instance); 0: every instance precomputes "
+                                              "the whole item pool", check=non_negative)
+    hrcs_alpha: float = flag(0.1, "HRCS: tolerable item-KV transfer time as a fraction of the prefill time",
+                             check=non_negative)
+    hrcs_link_gbps: float = flag(10.0, "HRCS: bandwidth between instances and KV-cache workers (Gbps)",
+                                 check=positive)
+    hrcs_prefill_s: float | None = flag(None, "HRCS: prefill seconds per request t (default: measured from the "
+                                              "instances' batches)", check=non_negative)
+    hrcs_interval_s: float = flag(300.0, "seconds between re-placements of the hot items from the items' hotness "
+                                         "(0: never)", check=non_negative)
+
+
+@dataclass(frozen=True)
 class RankingServeConfig:
     """``grserve serve ranking``."""
 
@@ -197,6 +214,7 @@ class RankingServeConfig:
     ranking: RankingConfig = field(default_factory=RankingConfig)
     data: RankingDataConfig = field(default_factory=RankingDataConfig)
     limits: RankingLimits = field(default_factory=RankingLimits)
+    hrcs: HRCSConfig = field(default_factory=HRCSConfig)
     server: ServerConfig = field(default_factory=lambda: ServerConfig(port=8001))
     edge: "EdgeConfig" = field(default_factory=lambda: EdgeConfig())
     cluster: "ClusterConfig" = field(default_factory=lambda: ClusterConfig())  # --instances N (end of file)

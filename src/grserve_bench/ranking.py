@@ -11,8 +11,11 @@ shrinks profile lengths only (changes the user/item token ratio: for quick runs,
 user-cache budget defaults to a fraction of the distinct users' KV (``--user-cache-frac``), so it binds.
 Timing: ``--threads`` intra-op threads (default 1) and each system's busy time is measured both as wall time
 and as this process's CPU time (``time.process_time``); the headline speedups use CPU time, which on a shared
-machine is not inflated by other jobs' load (the wall-time speedups are reported beside them). ``--kv-workers N`` (N ≥ 2) adds the cluster comparison: bytes of
-item KV moved under HRCS vs full replication vs hash sharding (``grserve.cluster``).
+machine is not inflated by other jobs' load (the wall-time speedups are reported beside them). ``--kv-workers N``
+(N ≥ 2) adds the placement comparison: bytes of item KV moved under HRCS vs full replication vs hash sharding,
+counted from the placements (``hrcs_compare.py``). ``--instances N`` (N ≥ 2) runs the trace on a served ranking
+cluster instead — N instances, N KV-cache workers, HRCS — and reports item-KV memory per instance against full
+replication and the fetch cost (``ranking_cluster.py``).
 
 The last output line is one JSON object: ``speedup_vs_up``, ``speedup_vs_recompute``, ``cached_token_fraction``
 (BAT), per-system summaries, the workload statistics.
@@ -63,7 +66,9 @@ class RankingBenchConfig(Checked):
                                                      "(default: this model's); e.g. 28672 for Qwen2-1.5B fp16 (bytes "
                                                      "moved are still this model's real tensors)",
                                                check=positive_int)
-    ray: bool = flag(False, "cluster mode with Ray actors (default: in-process workers)")
+    instances: int = flag(0, "N >= 2: serve the trace on a ranking cluster of N instances with the item KV on N "
+                             "KV-cache workers (HRCS) instead of the in-process systems: item-KV memory per instance "
+                             "vs full replication, fetch cost", check=non_negative)
     seed: int = flag(0, "seed of the weights and the trace", check=non_negative)
 
 
@@ -88,6 +93,13 @@ def run(a: RankingBenchConfig) -> int:
     scale = 1.0 if a.full_scale else a.scale
     systems = split_commas(a.systems)
     console = Console(stderr=False)
+    if a.instances >= 2:
+        from grserve_bench.ranking_cluster import print_cluster, run_cluster
+
+        served = run_cluster(a)
+        print_cluster(console, served)
+        print(json.dumps({"cluster_served": served}))
+        return 0
     torch.manual_seed(a.seed)
     torch.set_num_threads(a.threads)
     model = load_model(a.model, dtype=a.dtype, seed=a.seed)
@@ -172,7 +184,7 @@ def run(a: RankingBenchConfig) -> int:
                 summ["bat"]["computed_tokens"], 1)
     out["systems"] = {s: {k: v for k, v in summ[s].items()} for s in systems}
     if a.kv_workers >= 2:
-        from grserve.cluster.gr.hrcs import compare_placements
+        from grserve_bench.hrcs_compare import compare_placements
 
         measured = wall.get("item_prefix", 0) / max(len(reqs), 1)
         if a.hrcs_prefill_s is None and not measured:
@@ -180,8 +192,7 @@ def run(a: RankingBenchConfig) -> int:
                   "(everything replicated); pass --hrcs-prefill-s", file=sys.stderr)
         cl = compare_placements(trace, reg, pool, workers=a.kv_workers, alpha=a.alpha, link_gbps=a.link_gbps,
                                 kv_bytes_per_token=a.hrcs_kv_bytes_per_token or bpt,
-                                prefill_s=a.hrcs_prefill_s if a.hrcs_prefill_s is not None else measured,
-                                use_ray=a.ray)
+                                prefill_s=a.hrcs_prefill_s if a.hrcs_prefill_s is not None else measured)
         out["cluster"] = cl
         ct = Table(title=f"item KV placement over {a.kv_workers} KV-cache workers (IP requests of the trace)")
         for col in ("placement", "replication ratio", "item KV bytes / worker", "remote items", "bytes moved",

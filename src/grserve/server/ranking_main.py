@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from grserve.config import (
     ClusterConfig,
+    HRCSConfig,
     ModelConfig,
     RankingConfig,
     RankingDataConfig,
@@ -47,6 +48,7 @@ def add_command(sub) -> None:
     add_flags(p, d.server, title="HTTP", skip=("max_prompt_tokens", "max_top_n", "max_exclude_items"))
     add_edge_flags(p)
     add_flags(p, ClusterConfig, title="cluster (several instances on Ray; docs/cluster.md)", skip=GR_CLUSTER_SKIP)
+    add_flags(p, d.hrcs, title="item KV over KV-cache workers, BAT's HRCS (--instances N; docs/ranking.md)")
     p.set_defaults(handler=lambda ns: run(config_from_args(ns)))
 
 
@@ -55,6 +57,7 @@ def config_from_args(ns: argparse.Namespace) -> RankingServeConfig:
     return RankingServeConfig(model=from_args(ModelConfig, ns),
                               ranking=from_args(RankingConfig, ns, user_cache_bytes=cache_bytes),
                               data=from_args(RankingDataConfig, ns), limits=from_args(RankingLimits, ns),
+                              hrcs=from_args(HRCSConfig, ns),
                               server=from_args(ServerConfig, ns), edge=edge_from_args(ns),
                               cluster=from_args(ClusterConfig, ns))
 
@@ -98,8 +101,11 @@ def run_cluster(cfg: RankingServeConfig) -> int:
     from grserve.server.ranking_app import create_ranking_app
     from grserve.server.retrieval_main import cluster_app
 
-    print(f"grserve ranking: starting {cfg.cluster.instances} instances (each precomputes the item KV)",
-          file=sys.stderr, flush=True)
+    from grserve.cluster.gr.kv_workers import kv_cache_workers
+
+    n = kv_cache_workers(cfg, cfg.cluster.instances)
+    where = f"the item KV on {n} KV-cache workers (HRCS)" if n else "each precomputes the item KV"
+    print(f"grserve ranking: starting {cfg.cluster.instances} instances ({where})", file=sys.stderr, flush=True)
     try:
         engine = ClusterRankingEngine.launch(cfg, cfg.cluster)
     except (ValueError, RegistryError, OSError) as e:

@@ -9,7 +9,10 @@ app reads from an engine:
   ranking stats, ``add_items`` → every instance). Routing: the user's cached KV (the global index's
   ``user_key(user_id)`` entries, as the router reads a ``RankingRequest``) plus load. A replaced user or item (the
   registry's change listener) and new items reach every instance before the admin route answers; a new user needs
-  nothing there (a request carries the user's tokens; the user's KV is admitted where the request runs).
+  nothing there (a request carries the user's tokens; the user's KV is admitted where the request runs). The item
+  KV lives on KV-cache workers placed by HRCS (``item_kv``, ``meta_service.py``) unless ``--kv-cache-workers 0``
+  (then every instance precomputes the whole item pool). Replaying stored registrations (``registry.add_item`` /
+  ``add_user``, then ``runner.add_items`` for new items) takes the same path as the admin routes.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from grserve.catalog import Catalog, CatalogStore
 from grserve.cluster.core.front_end import abandon_actors
 from grserve.cluster.gr.front_end import ClusterGREngine, launch_instances
 from grserve.cluster.gr.instance import catalog_digest, registry_digest
+from grserve.cluster.gr.kv_workers import kv_cache_workers
+from grserve.cluster.gr.meta_service import ItemKVMetaService
 from grserve.cluster.wire import CatalogReplace, GRInstanceInfo, RegistryUpdate
 
 if TYPE_CHECKING:
@@ -34,7 +39,9 @@ if TYPE_CHECKING:
     from ray.actor import ActorHandle
 
     from grserve.config import ClusterConfig, RankingConfig, RankingServeConfig, ServeConfig
+    from grserve.engine.protocol import RequestHandle
     from grserve.engine.ranking_runner import RankingStats
+    from grserve.engine.types import RankingRequest, RankingResult
     from grserve.ranking.registry import RankingRegistry
 
 log = logging.getLogger("grserve.cluster")
@@ -110,6 +117,8 @@ class FrontRunner:
 
     def add_items(self, item_ids: list[int]) -> int:
         self.engine.broadcast(RegistryUpdate("item", tuple((int(i), self.registry.item_tokens(i)) for i in item_ids)))
+        if self.engine.item_kv is not None:
+            self.engine.item_kv.update(item_ids)
         return len(item_ids)
 
     @property
@@ -138,7 +147,30 @@ class ClusterRankingEngine(_Launch, ClusterGREngine):
                                  "users/items flags (and files) must be the same on every node")
         self.runner = FrontRunner(self, reg, infos[0].policy, cfg.ranking)
         self.cfg = cfg.ranking
+        n = kv_cache_workers(cfg, len(actors))
+        self.item_kv = ItemKVMetaService(self, cfg.hrcs, n, cfg.ranking.page_size, cfg.ranking.item_window_s) \
+            if n else None
         reg.on_change(self._changed)
+
+    def start(self) -> ClusterRankingEngine:
+        """Polling, then (once) the KV-cache workers filled and placed before the first request."""
+        super().start()
+        if self.item_kv is not None and self.item_kv.placed is None:
+            self.item_kv.start()
+        return self
+
+    def stop(self) -> None:
+        if self.item_kv is not None:
+            self.item_kv.stop()
+        super().stop()
+
+    def submit(self, request: RankingRequest) -> RequestHandle[RankingResult]:
+        if self.item_kv is not None:
+            self.item_kv.record(request)
+        return super().submit(request)
+
+    def describe(self) -> list[str]:
+        return super().describe() + ([self.item_kv.describe()] if self.item_kv is not None else [])
 
     @property
     def registry(self) -> RankingRegistry:
@@ -149,6 +181,8 @@ class ClusterRankingEngine(_Launch, ClusterGREngine):
         reg = self.registry
         tokens = reg.user_tokens(key) if kind == "user" else reg.item_tokens(key)
         self.broadcast(RegistryUpdate(kind, ((int(key), tokens),)))  # type: ignore[arg-type]
+        if kind == "item" and self.item_kv is not None:
+            self.item_kv.update([key])
 
     def health_detail(self) -> dict[str, int | str]:
         reg = self.registry
@@ -156,7 +190,7 @@ class ClusterRankingEngine(_Launch, ClusterGREngine):
 
     def _instance_facts(self, info: GRInstanceInfo) -> str:
         return (f"ranking policy {info.policy}, {info.users:,} users, {info.items:,} items, user cache "
-                f"{info.user_cache_bytes / 2**20:.0f} MiB")
+                f"{info.user_cache_bytes / 2**20:.0f} MiB, item pool {info.item_pool_bytes / 2**20:.0f} MiB")
 
 
 # ---- metrics ----------------------------------------------------------------------------------------------------
@@ -166,7 +200,10 @@ class GRClusterCollector:
 
     _PER_INSTANCE = (("batches_run", "Batches the instance ran."), ("requests_done", "Requests the instance ran."),
                      ("users_cached", "Users whose KV the instance's user cache holds (ranking)."),
-                     ("user_hits", "Ranking requests that read the user's KV from the instance's cache."))
+                     ("user_hits", "Ranking requests that read the user's KV from the instance's cache."),
+                     ("items_fetched_remote", "Item KV entries the instance read from a KV-cache worker not its own."),
+                     ("item_bytes_fetched_remote", "Item KV bytes the instance read from a KV-cache worker not its "
+                                                   "own."))
 
     def __init__(self, engine: ClusterGREngine) -> None:
         self.engine = engine
@@ -184,3 +221,12 @@ class GRClusterCollector:
         for key in ("finished", "failed"):
             yield CounterMetricFamily(f"grserve_cluster_requests_{key}", f"Requests the front end answered: {key}.",
                                       value=e.counters[key])
+        kv = getattr(e, "item_kv", None)
+        if kv is not None:
+            fam = GaugeMetricFamily("grserve_cluster_kv_worker_stored_bytes", "Item KV bytes a KV-cache worker "
+                                    "holds (HRCS: its shard and the replicated hot items).", labels=["worker"])
+            for w, worker in enumerate(kv.workers):
+                fam.add_metric([str(w)], worker.stats.get("stored_bytes", 0.0))
+            yield fam
+            yield CounterMetricFamily("grserve_cluster_kv_worker_rebuilds", "KV-cache workers rebuilt after a death.",
+                                      value=kv.counters["rebuilds"])
