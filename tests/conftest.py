@@ -9,7 +9,10 @@ change their weights, dtype or device (build its own model for that).
   after ``torch.manual_seed(seed)`` (weights far from a preset's, so paths that must agree are tested away
   from ties);
 - ``hf_qwen3(kv_heads, seed, perturb_norms)``: a small HF transformers ``Qwen3ForCausalLM`` and the same weights
-  loaded by grserve, the pair every "grserve = HF" LLM test compares.
+  loaded by grserve, the pair every "grserve = HF" LLM test compares;
+- ``onerec_dir`` / ``minionerec_dir`` / ``thinking_onerec_dir``: GR model directories shaped like the published
+  checkpoints (SIDs as added tokens of their tokenizer, a catalog file beside them; ``tests/gr_fixtures.py``). Not
+  factories: one each.
 """
 
 from __future__ import annotations
@@ -144,3 +147,31 @@ def live_server(app, log_level: str = "error"):
     finally:
         srv.should_exit = True
         th.join(timeout=5)
+
+
+@pytest.fixture(scope="session")
+def onerec_dir(tmp_path_factory):
+    """A OneRec-like model directory (``tests/gr_fixtures.py``): Qwen3, ``<s_a_N>`` SID tokens, a chat template."""
+    pytest.importorskip("transformers")
+    from gr_fixtures import build_onerec_like
+
+    return build_onerec_like(tmp_path_factory.mktemp("onerec-like"))
+
+
+@pytest.fixture(scope="session")
+def minionerec_dir(tmp_path_factory):
+    """A MiniOneRec-like model directory (``tests/gr_fixtures.py``): Qwen2, ``<a_N>`` SID tokens, an index JSON."""
+    pytest.importorskip("transformers")
+    from gr_fixtures import build_minionerec_like
+
+    return build_minionerec_like(tmp_path_factory.mktemp("minionerec-like"))
+
+
+@pytest.fixture(scope="session")
+def thinking_onerec_dir(tmp_path_factory):
+    """A OneRec-like model directory that thinks: untied, ``<|sid_begin|>``'s head row doubled, so its greedy text
+    ends in sid_begin by itself after some prompts and runs to the limit after others."""
+    pytest.importorskip("transformers")
+    from gr_fixtures import build_onerec_like
+
+    return build_onerec_like(tmp_path_factory.mktemp("onerec-thinking"), tied=False, sid_begin_boost=2.0)

@@ -318,6 +318,35 @@ def test_client_disconnect_cancels_the_request(engine, metrics):
     assert 'grserve_requests_total{route="/v1/recommend",status="499"} 1.0' in metrics.render()[0].decode()
 
 
+def test_client_disconnect_cancels_an_openai_beam_request(engine, metrics):
+    """The OpenAI beam routes (``server/openai_beams.py``) cancel like /v1/recommend: a client that leaves has its
+    request cancelled in the engine; the metrics record 499 on the route."""
+    app = create_app(engine, ServerConfig(), metrics)
+    engine.mode = "hang"
+    body = json.dumps({"model": "grserve", "prompt": [1, 2], "n": 1}).encode()
+    inbox = [{"type": "http.request", "body": body, "more_body": False}]
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        if inbox:
+            return inbox.pop(0)
+        await asyncio.sleep(0.05)
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+             "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
+    before = list(engine.cancelled)
+    asyncio.run(asyncio.wait_for(app(scope, receive, send), 10))
+    assert len(engine.cancelled) == len(before) + 1 and engine.handles == {}
+    assert sent[0]["status"] == 499
+    assert 'grserve_requests_total{route="/v1/completions",status="499"} 1.0' in metrics.render()[0].decode()
+
+
 def test_unknown_paths_share_one_metrics_label(client, metrics):
     """The request counter is labelled by route template: random unknown paths add no label values."""
     rng = random.Random(0)

@@ -4,7 +4,7 @@
 
     grserve serve [retrieval] | ranking | llm        server/retrieval_main.py, ranking_main.py, llm_main.py
     grserve bench retrieval | cache | ranking | serve | quality | cluster | pd     the lab package, grserve_bench
-    grserve catalog generate | validate | build
+    grserve catalog generate | validate | convert | build
 
 Each command module has ``add_command(sub)``: it adds its subcommand to a group with flags generated from config
 dataclasses (:mod:`grserve.flags`: every flag, its default and its check are defined once, in a dataclass field) and
@@ -43,7 +43,7 @@ from grserve.flags import (
 from grserve.movielens import build as movielens_build
 from grserve.server import llm_main, ranking_main, retrieval_main
 
-CATALOG_EXTENSIONS = (".jsonl", ".csv", ".grcat")
+CATALOG_EXTENSIONS = (".jsonl", ".csv", ".grcat", ".json")
 DEFAULT_SERVE_MODE = "retrieval"
 COMMANDS_GROUP = "grserve.commands"
 BENCH_MISSING = ("the benchmarks are the grserve_bench package, which is not installed here; get it with "
@@ -61,7 +61,7 @@ def _catalog_extension(path: str) -> str | None:
 
 @dataclass(frozen=True)
 class CatalogOut(Checked):
-    out: str = flag(help="output file: .jsonl, .csv or .grcat (the extension picks the format)",
+    out: str = flag(help="output file: .jsonl, .csv, .json or .grcat (the extension picks the format)",
                     check=_catalog_extension, metavar="FILE")
 
 
@@ -80,18 +80,50 @@ def catalog_generate(cat: CatalogConfig, out: str) -> int:
     return 0
 
 
-def catalog_validate(path: str) -> int:
+def _load_bound(path: str, model: str | None):
+    """The catalog at ``path``, bound to ``model``'s tokenizer when given (SID token text resolved, or inferred)."""
     from grserve.catalog import load_catalog
+    from grserve.catalog.sid_text import bind_catalog
+    from grserve.engine.tokenizer import model_tokenizer
 
+    cat = load_catalog(path)
+    if model is None:
+        return cat, None
+    if not os.path.isdir(model):
+        raise ValueError(f"--model {model}: not a model directory")
+    return bind_catalog(cat, model_tokenizer(model))
+
+
+def catalog_validate(path: str, model: str | None = None) -> int:
     if not os.path.isfile(path):
         print(f"grserve: error: catalog file not found: {path}", file=sys.stderr)
         return 1
     try:
-        cat = load_catalog(path)
+        cat, note = _load_bound(path, model)
     except (ValueError, OSError) as exc:  # CatalogError is a ValueError
         print(f"invalid catalog: {exc}", file=sys.stderr)
         return 1
-    print(f"{path}: ok: {len(cat):,} items, depth {cat.depth}, codebook sizes {list(cat.codebook_sizes)}")
+    text = f", SID text {cat.text.describe()}" if cat.text is not None else ""
+    print(f"{path}: ok: {len(cat):,} items, depth {cat.depth}, codebook sizes {list(cat.codebook_sizes)}{text}")
+    if note:
+        print(note)
+    if model is not None:
+        print(f"on {model}: {cat.layout.describe()}")
+    return 0
+
+
+def catalog_convert(path: str, out: str) -> int:
+    """Any catalog format to any other (the layout and SID text carried over; .grcat for million-item catalogs)."""
+    from grserve.catalog import CatalogError, load_catalog, save_catalog
+
+    if not os.path.isfile(path):
+        raise UsageError(f"catalog file not found: {path}")
+    try:
+        cat = load_catalog(path)
+        save_catalog(cat, out)
+    except (CatalogError, ValueError, OSError) as exc:
+        raise UsageError(str(exc)) from None
+    print(f"wrote {out}: {len(cat):,} items, depth {cat.depth}, codebook sizes {list(cat.codebook_sizes)}")
     return 0
 
 
@@ -105,8 +137,18 @@ def _add_catalog_commands(sub: Any) -> None:
     p = command_parser(sub, "validate", help="check a catalog file",
                        description="Load a catalog file and print its item count, depth and codebook sizes, or the "
                                    "first problem found (exit code 1).")
-    p.add_argument("file", metavar="FILE", help="catalog file (.jsonl, .csv or .grcat)")
-    p.set_defaults(handler=lambda ns: catalog_validate(ns.file))
+    p.add_argument("file", metavar="FILE", help="catalog file (.jsonl, .csv, .json or .grcat)")
+    p.add_argument("--model", metavar="DIR", default=None,
+                   help="also resolve the catalog's SID tokens against this model directory's tokenizer (default: "
+                        "none)")
+    p.set_defaults(handler=lambda ns: catalog_validate(ns.file, ns.model))
+    p = command_parser(sub, "convert", help="rewrite a catalog in another format",
+                       description="Read a catalog (.jsonl, .csv, .json: an LC-Rec / MiniOneRec index, .grcat) and write "
+                                   "it in the format of --out's extension, its layout and SID token text carried "
+                                   "over (.csv cannot carry SID token text).")
+    p.add_argument("file", metavar="FILE", help="catalog file to read")
+    add_flags(p, CatalogOut)
+    p.set_defaults(handler=lambda ns: catalog_convert(ns.file, from_args(CatalogOut, ns).out))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -179,8 +221,9 @@ def build_parser(commands: Mapping[str, Register] | None = None) -> argparse.Arg
 
     catalog = command_group(sub, "catalog", "generate, validate or build catalog files",
                      "Catalog files map item ids to semantic IDs. Formats (by extension): .jsonl ({\"item_id\": 7, "
-                     "\"sid\": [3, 41, 9]} per line), .csv (item_id,sid with dash-joined codes, or item_id,c1,c2,...) "
-                     "and the compact binary .grcat.", "ACTION")
+                     "\"sid\": [3, 41, 9]} or {\"item_id\": 7, \"sid_tokens\": [\"<a_3>\", \"<b_41>\", "
+                     "\"<c_9>\"]} per line), .csv (item_id,sid with dash-joined codes, or item_id,c1,c2,...), .json (an "
+                     "LC-Rec / MiniOneRec index) and the compact binary .grcat (docs/serving-gr-models.md).", "ACTION")
     _add_catalog_commands(catalog)
     movielens_build.add_command(catalog)
     return parser

@@ -135,6 +135,17 @@ class ServeConfig:
     reload: "CatalogReloadConfig" = field(default_factory=lambda: CatalogReloadConfig())
     accel: "AccelConfig" = field(default_factory=lambda: AccelConfig())  # defined at the end (GPU fast path)
     cluster: "ClusterConfig" = field(default_factory=lambda: ClusterConfig())  # --instances N (end of file)
+    beams: "BeamApiConfig" = field(default_factory=lambda: BeamApiConfig())  # the OpenAI beam routes
+
+
+@dataclass(frozen=True)
+class BeamApiConfig(Checked):
+    """The OpenAI routes of ``serve retrieval`` (``/v1/chat/completions``, ``/v1/completions``: beams as choices;
+    docs/serving-gr-models.md)."""
+
+    served_model_name: str | None = flag(None, "model id of the OpenAI routes (default: --model)")
+    max_think_tokens: int = flag(1024, "largest max_think_tokens a request may ask for (0: no thinking)",
+                                 check=non_negative)
 
 
 # ---- ranking (BAT) -------------------------------------------------------------------------------------------

@@ -69,20 +69,21 @@ class HFConstrainedBeamSearch:
         self.device = model.device
 
     def allowed_fn(self, catalog: Catalog, prompt_len: int):
+        """HF's ``prefix_allowed_tokens_fn``: the catalog trie in token-id space (any SID layout)."""
         layout, trie = catalog.layout, catalog.trie
+        tables = [layout.code_tokens(level) for level in range(catalog.depth)]
 
         def allowed(batch_id: int, ids: torch.Tensor) -> list[int]:
             gen = ids[prompt_len:].tolist()
             level, node = len(gen), 0
             for lv, tok in enumerate(gen):
-                start, _ = layout.level_range(lv)
-                node = int(trie.step(lv, np.array([node]), np.array([tok - start]))[0])
+                code = layout.codes_of(lv, np.array([tok]))
+                node = int(trie.step(lv, np.array([node]), code)[0])
                 if node < 0:
                     return []
             if level >= catalog.depth:
                 return []
-            start, _ = layout.level_range(level)
-            return (trie.children(level, node) + start).tolist()
+            return tables[level][trie.children(level, node)].tolist()
 
         return allowed
 
@@ -113,7 +114,7 @@ class HFConstrainedBeamSearch:
         )
         seqs = out.sequences[:, ids.shape[1] :].cpu().numpy()
         scores = out.sequences_scores.float().cpu().numpy()
-        return [(tuple(int(t - catalog.layout.level_range(lv)[0]) for lv, t in enumerate(row)), float(sc))
+        return [(tuple(int(c) for c in catalog.layout.tokens_to_sids(row)[0]), float(sc))
                 for row, sc in zip(seqs, scores) if np.isfinite(sc)]
 
 
@@ -131,8 +132,7 @@ class NaiveCopyBeamSearch:
         ids = torch.from_numpy(prompt.astype(np.int64)).to(dev)
         h = model(ids, torch.arange(n, device=dev), seq)
         beams = BeamSearch(catalog, 1, beam_width, None, "vectorized", dev)
-        a, b = catalog.layout.level_range(0)
-        beams.logits[0].copy_(model.logits(h[-1:], (a, b)))
+        beams.logits[0].copy_(model.logits(h[-1:], beams.heads.rows[0]))
         beams.select_first()
         ctx = BatchedBeamsKVContext.from_sequence(seq, beam_width)  # BW private copies of the prompt KV
         peak = 0
@@ -140,8 +140,7 @@ class NaiveCopyBeamSearch:
             beams.prepare_mask(level)
             pos = torch.full((beam_width,), n + level - 1, device=dev)
             h = model(beams.next_tokens, pos, ctx)
-            a, b = catalog.layout.level_range(level)
-            beams.logits[level].copy_(model.logits(h, (a, b)))
+            beams.logits[level].copy_(model.logits(h, beams.heads.rows[level]))
             peak = max(peak, ctx.nbytes())
             parents = beams.select(level)
             ctx.reorder(parents)

@@ -3,6 +3,10 @@
 The same requests (same prompts, same weights, same catalog) go through each system, in one run on one machine.
 Throughput ratios are the result; absolute times on a shared CPU are only indicative. The last output line is one
 JSON object (``speedup_vs_hf``, ``kv_bytes_per_request``, ``kv_bytes_formula``, a per-beam-width ``sweep``, ...).
+``mask_share`` / ``select_share``: of a beam step's wall time (levels ≥ 1, forward start to selection end), the
+host thread's mask building (overlapping the forward) and the selection (masked softmax, top-k, top-BW, reorder).
+The RecIF shape: ``--num-items 1500000 --codebook-size 8192 --depth 4`` (a preset's vocabulary is grown to hold the
+catalog's SID tokens).
 """
 
 from __future__ import annotations
@@ -48,6 +52,10 @@ class RetrievalBenchConfig(Checked):
     num_items: int = flag(20_000, "generated catalog size", check=positive_int)
     codebook_size: int = flag(256, "codes per SID level", check=positive_int)
     depth: int = flag(3, "SID tokens per item", check=positive_int)
+    sid_layout: str = flag("arithmetic", "SID tokens: arithmetic; onerec (tokenizer-native: per-level contiguous ids at "
+                                         "the top of the vocabulary, prompts wrapped in sid_begin/sid_end like a "
+                                         "OneRec chat prompt); gathered (the same ids shuffled: the LM-head gather)",
+                           choices=("arithmetic", "onerec", "gathered"))
     requests: int = flag(16, "requests through grserve per beam width", check=positive_int)
     batch: int = flag(8, "requests per grserve batch (token capacity = batch × prompt)", check=positive_int)
     hf_requests: int = flag(2, "requests through HF per beam width (~6 s each at BW 128 on 2 cores)",
@@ -113,6 +121,19 @@ def run_grserve(engine: RetrievalEngine, prompts, bw: int, top_n: int) -> dict:
     }
 
 
+def step_shares(events: list[tuple[str, float, float]]) -> dict:
+    """Of the beam steps (levels ≥ 1) of one traced batch: the mean step wall time (forward start to selection end)
+    and the shares of the host mask build (which overlaps the forward) and of the selection."""
+    spans = {name: (start, end) for name, start, end in events}
+    levels = [int(name[len("select"):]) for name in spans if name.startswith("select")]
+    step = sum(spans[f"select{lv}"][1] - spans[f"forward{lv}"][0] for lv in levels)
+    mask = sum(spans[f"mask{lv}"][1] - spans[f"mask{lv}"][0] for lv in levels if f"mask{lv}" in spans)
+    select = sum(spans[f"select{lv}"][1] - spans[f"select{lv}"][0] for lv in levels)
+    if not levels or step <= 0:
+        return {"step_ms": 0.0, "mask_share": 0.0, "select_share": 0.0}
+    return {"step_ms": step * 1e3 / len(levels), "mask_share": mask / step, "select_share": select / step}
+
+
 def run_sequential(fn, prompts) -> dict:
     lat, outs = [], []
     t0 = time.perf_counter()
@@ -130,7 +151,7 @@ def run(cfg: RetrievalBenchConfig) -> int:
     from rich.table import Table
     from tqdm import tqdm
 
-    from grserve_bench.workload import history_prompts
+    from grserve_bench.workload import bench_layout, history_prompts
     from grserve.catalog import CatalogStore, generate_catalog
     from grserve.config import SchedulerConfig, SearchConfig
     from grserve.engine.retrieval_engine import RetrievalEngine
@@ -150,15 +171,20 @@ def run(cfg: RetrievalBenchConfig) -> int:
     headline = cfg.headline_bw or max(bws)
     if headline not in bws:
         bws.append(headline)
-    model = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, seed=cfg.seed)
-    spec = model.spec
+    t_cat = time.perf_counter()
     catalog = generate_catalog(cfg.num_items, cfg.depth, cfg.codebook_size, cfg.seed)
+    t_cat = time.perf_counter() - t_cat
+    model = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, seed=cfg.seed,
+                       min_vocab=catalog.layout.num_tokens)
+    spec = model.spec
+    catalog = bench_layout(catalog, cfg.sid_layout, spec.vocab_size, cfg.seed)
     catalog.layout.check_vocab(spec.vocab_size)
     b_tok = spec.kv_bytes_per_token(torch.empty((), dtype=model.dtype).element_size())
     prompts = history_prompts(catalog, max(cfg.requests, cfg.hf_requests, cfg.naive_requests), cfg.prompt_len, cfg.seed)
     console.print(
         f"[bold]grserve bench retrieval[/]: model={cfg.model} ({spec.num_parameters() / 1e6:.1f}M params, {cfg.dtype}, "
-        f"{cfg.device}), catalog={len(catalog)} items × {cfg.depth} SID tokens, prompt={cfg.prompt_len}, "
+        f"{cfg.device}), catalog={len(catalog)} items × {cfg.depth} SID tokens ({cfg.codebook_size} codes per level, "
+        f"generated in {t_cat:.1f} s), prompt={cfg.prompt_len}, "
         f"beam widths={bws}, torch threads={torch.get_num_threads()}"
     )
     sched = SchedulerConfig(token_capacity=cfg.batch * cfg.prompt_len, max_batch_requests=cfg.batch, max_inflight_batches=1)
@@ -186,8 +212,9 @@ def run(cfg: RetrievalBenchConfig) -> int:
             g = run_grserve(engine, prompts[: cfg.requests], bw, top_n)
             bar.update()
             t = time.perf_counter()
-            runner.run(prompts[: cfg.batch], bw, [top_n] * cfg.batch, catalog)
+            traced = runner.run(prompts[: cfg.batch], bw, [top_n] * cfg.batch, catalog, trace=True)
             row["ms_per_batch"] = (time.perf_counter() - t) * 1e3
+            row.update(step_shares(traced.trace))
             row["grserve"] = {k: v for k, v in g.items() if k != "items"}
             row["kv_bytes_formula"] = (cfg.prompt_len + bw * cfg.depth) * b_tok
             if naive is not None:
@@ -231,7 +258,9 @@ def run(cfg: RetrievalBenchConfig) -> int:
         console.print(
             f"BW {row['beam_width']}: {row['ms_per_batch']:.1f} ms per batch of {cfg.batch}; KV/request "
             f"{row['grserve']['kv_bytes_per_request']:,} B = (L + BW·ND)·{b_tok} = {row['kv_bytes_formula']:,} B; "
-            f"top-BW candidates visited {row['grserve']['candidates_visited']:,}{extra}"
+            f"top-BW candidates visited {row['grserve']['candidates_visited']:,}{extra}; beam step "
+            f"{row['step_ms']:.1f} ms: mask {row['mask_share']:.0%} (overlapping the forward), select "
+            f"{row['select_share']:.0%}"
         )
     head = next(r for r in sweep if r["beam_width"] == headline)
     summary = {
@@ -252,8 +281,13 @@ def run(cfg: RetrievalBenchConfig) -> int:
         "kv_bytes_formula": head["kv_bytes_formula"],
         "bytes_per_token": b_tok,
         "hf_agreement": head.get("hf_agreement"),
+        "codebook_size": cfg.codebook_size,
+        "catalog_seconds": t_cat,
+        "step_ms": head["step_ms"],
+        "mask_share": head["mask_share"],
+        "select_share": head["select_share"],
         "sweep": [
-            {k: row.get(k) for k in ("beam_width", "speedup_vs_hf", "speedup_vs_naive", "ms_per_batch", "kv_bytes_formula", "hf_agreement")}
+            {k: row.get(k) for k in ("beam_width", "speedup_vs_hf", "speedup_vs_naive", "ms_per_batch", "kv_bytes_formula", "hf_agreement", "step_ms", "mask_share", "select_share")}
             | {"req_per_s": row["grserve"]["req_per_s"], "kv_bytes_per_request": row["grserve"]["kv_bytes_per_request"]}
             for row in sweep
         ],

@@ -81,7 +81,7 @@ def run_suite(cfg) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from grserve_bench.workload import history_prompts
+    from grserve_bench.workload import bench_layout, history_prompts
     from grserve.catalog import generate_catalog
     from grserve.config import AccelConfig, SearchConfig
     from grserve.engine.device_runner import DeviceRetrievalRunner
@@ -89,8 +89,10 @@ def run_suite(cfg) -> int:
 
     console = Console()
     torch.manual_seed(cfg.seed)
-    model = load_model(cfg.p2_model, dtype=cfg.p2_dtype, device=cfg.device, seed=cfg.seed)
     catalog = generate_catalog(cfg.num_items, cfg.depth, cfg.codebook_size, cfg.seed)
+    model = load_model(cfg.p2_model, dtype=cfg.p2_dtype, device=cfg.device, seed=cfg.seed,
+                       min_vocab=catalog.layout.num_tokens)
+    catalog = bench_layout(catalog, cfg.sid_layout, model.spec.vocab_size, cfg.seed)
     catalog.layout.check_vocab(model.spec.vocab_size)
     accel = AccelConfig(fast_path="on", attention_backend=cfg.attention_backend, cuda_graphs=cfg.cuda_graphs,
                         prompt_bucket=cfg.prompt_bucket)
@@ -102,7 +104,7 @@ def run_suite(cfg) -> int:
     cells = [p2] + [g for g in grid if g != p2]
     console.print(f"[bold]grserve bench retrieval --suite p2[/]: {cfg.p2_model} ({cfg.p2_dtype}) on "
                   f"{_device_name(cfg.device)}, backend {cfg.attention_backend}, graphs {runner.use_graphs}, "
-                  f"catalog {len(catalog)} × {cfg.depth} SID tokens, cells {len(cells)}")
+                  f"catalog {len(catalog)} × {cfg.depth} SID tokens ({cfg.sid_layout}), cells {len(cells)}")
     rows = []
     for ctx, batch, bw in cells:
         prompts = history_prompts(catalog, batch, ctx, cfg.seed + ctx)
@@ -170,6 +172,7 @@ def _summary(cfg, rows, use_graphs: bool) -> dict:
     return {
         "benchmark": "retrieval", "suite": "p2", "device": _device_name(cfg.device), "model": cfg.p2_model,
         "dtype": cfg.p2_dtype, "attention_backend": cfg.attention_backend, "cuda_graphs": use_graphs,
+        "sid_layout": cfg.sid_layout, "catalog_items": cfg.num_items, "codebook_size": cfg.codebook_size,
         "ms_per_batch_p2": p2["ms_per_batch"], "req_per_s_p2": p2["req_per_s"],
         "first_batch_ms_p2": p2["first_batch_ms"], "capture_ms_p2": p2["capture_ms"],
         "prefill_ms_p2": p2["prefill_ms"], "decode_ms_p2": p2["decode_ms"],

@@ -168,6 +168,7 @@ class RetrievalService(Engine[RetrievalRequest, RetrievalResult], Protocol):
     catalogs: "CatalogStore"
     vocab_size: int
     search: "SearchConfig"
+    tokenizer: Any  # the model directory's own tokenizer (chat and text prompts), None without one
 
 
 class PolicyName(Protocol):

@@ -47,6 +47,10 @@ class ChatTemplateError(ValueError):
     """The chat template could not render this conversation (it raised, or the tokenizer has none)."""
 
 
+class MissingTokenizerError(ChatTemplateError):
+    """Text or chat input for a model directory that has no tokenizer files."""
+
+
 class WindowDecoder:
     """Incremental detokenization from a plain ``decode(ids)`` (vLLM's offsets scheme): each step decodes only the
     few tokens since the last emitted text (a prefix window for context), never the whole output. Text that ends
@@ -196,6 +200,14 @@ class HFTokenizer:
     def decode_stream(self, prompt_ids: list[int] | None = None) -> _DecodeStream:
         return _DecodeStream(self.backend, self.vocab_size, prompt_ids)
 
+    def encode_each(self, texts) -> list[list[int]]:
+        """Each text's ids, no special tokens added (one batch call; SID token resolution, ``catalog/sid_text``)."""
+        return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=False)]
+
+    def added_tokens(self) -> dict[str, int]:
+        """The tokenizer's added tokens, string → id."""
+        return dict(self.tok.get_added_vocab())
+
     def token_bytes(self, token_id: int) -> bytes:
         if not 0 <= token_id < self.vocab_size:
             return b""
@@ -205,12 +217,13 @@ class HFTokenizer:
         return self.tok.decode([token_id]).encode("utf-8")
 
     def apply_chat_template(self, messages: list[dict], tools: list | None = None,
-                            add_generation_prompt: bool = True) -> str:
+                            add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        """``kwargs``: extra template variables (vLLM's ``chat_template_kwargs``, e.g. ``enable_thinking``)."""
         if not self.tok.chat_template:
             raise ChatTemplateError(f"the tokenizer of {self.name_or_path} has no chat template")
         try:
             return self.tok.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                                tokenize=False)
+                                                tokenize=False, **kwargs)
         except Exception as exc:  # jinja's TemplateError, raise_exception(...), a template's own TypeError
             raise ChatTemplateError(f"the chat template failed: {exc}") from exc
 
@@ -223,11 +236,62 @@ def preset_tokenizer_dir(cache_dir: str | Path, vocab_size: int, model_max_lengt
     return d
 
 
+class NoTokenizer:
+    """The tokenizer of a model directory that has none. Token ids in and out still work (output text is empty);
+    text and chat input raise ``MissingTokenizerError`` naming the directory: the model's own tokenizer is the only
+    one whose text means anything to it."""
+
+    eos_token_id = bos_token_id = None
+    extra_eos_ids: tuple[int, ...] = ()
+    chat_template = None
+
+    def __init__(self, model_dir: str | Path, vocab_size: int):
+        self.name_or_path = str(model_dir)
+        self.vocab_size = int(vocab_size)
+        self.message = (f"the model directory {model_dir} has no tokenizer files (tokenizer.json or "
+                        "tokenizer_config.json): text and chat input need the model's own tokenizer; send token ids, "
+                        "or add the tokenizer files (or start with --tokenizer DIR)")
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        raise MissingTokenizerError(self.message)
+
+    def encode_each(self, texts) -> list[list[int]]:
+        raise MissingTokenizerError(self.message)
+
+    def apply_chat_template(self, messages: list[dict], tools: list | None = None,
+                            add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        raise MissingTokenizerError(self.message)
+
+    def added_tokens(self) -> dict[str, int]:
+        return {}
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return ""
+
+    def decode_stream(self, prompt_ids: list[int] | None = None) -> WindowDecoder:
+        return WindowDecoder(lambda ids: "")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return b""
+
+
+def has_tokenizer_files(directory: str | Path) -> bool:
+    p = Path(directory)
+    return (p / "tokenizer.json").is_file() or (p / "tokenizer_config.json").is_file()
+
+
+def model_tokenizer(source: str) -> HFTokenizer | None:
+    """The tokenizer of a model directory that has one, else None (a preset, or a directory without one)."""
+    p = Path(source).expanduser()
+    return HFTokenizer(p) if p.is_dir() and has_tokenizer_files(p) else None
+
+
 def load_tokenizer(source: str, vocab_size: int, model_max_length: int = 4096,
-                   cache_dir: str | Path = ".grserve-cache/tokenizers") -> HFTokenizer:
-    """``source``'s own tokenizer if it is a directory with one; else (a preset) the byte-level preset tokenizer,
-    written to ``cache_dir`` and loaded from there the same way (``tokenizer.name_or_path`` is that directory)."""
-    p = Path(source)
-    if p.is_dir() and ((p / "tokenizer.json").is_file() or (p / "tokenizer_config.json").is_file()):
-        return HFTokenizer(p)
+                   cache_dir: str | Path = ".grserve-cache/tokenizers") -> HFTokenizer | NoTokenizer:
+    """``source``'s own tokenizer if it is a directory with one; ``NoTokenizer`` for a directory without one (text
+    and chat input refused, never a made-up tokenizer); else (a preset) the byte-level preset tokenizer, written to
+    ``cache_dir`` and loaded from there the same way (``tokenizer.name_or_path`` is that directory)."""
+    p = Path(source).expanduser()
+    if p.is_dir():
+        return HFTokenizer(p) if has_tokenizer_files(p) else NoTokenizer(p, vocab_size)
     return HFTokenizer(preset_tokenizer_dir(cache_dir, vocab_size, model_max_length))

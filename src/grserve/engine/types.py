@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     import torch
 
     from grserve.engine.sampling import SamplingParams
+    from grserve.engine.think import ThinkSpec
 
 
 @dataclass
@@ -29,6 +30,7 @@ class RetrievalRequest:
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
     arrival: float = field(default_factory=time.perf_counter)
     exclude_items: np.ndarray | None = None  # int64 item ids masked out inside the search (unknown ids: no-op)
+    think: "ThinkSpec | None" = None  # write free text until sid_begin first (think-then-recommend)
 
     @property
     def num_tokens(self) -> int:
@@ -52,6 +54,8 @@ class RetrievalResult:
     candidates_visited: int = 0  # top-BW candidates an early-terminated scan touched, summed over steps
     catalog_version: int = 0
     kv_bytes: int = 0  # KV cache bytes this request held: (L + BW·ND) · bytes_per_token
+    thought: list[int] | None = None  # think-then-recommend: the tokens written, ending in sid_begin
+    thought_forced: bool = False  # sid_begin was appended at max_think_tokens
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,12 @@ class BeamKV:
         self.shared_k[layer].copy_(k.transpose(0, 1))
         self.shared_v[layer].copy_(v.transpose(0, 1))
 
+    def write_shared_request(self, layer: int, r: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k/v [L_r, Hkv, D]: request ``r``'s prompt alone."""
+        a, b = self.offsets[r], self.offsets[r + 1]
+        self.shared_k[layer, :, a:b].copy_(k.transpose(0, 1))
+        self.shared_v[layer, :, a:b].copy_(v.transpose(0, 1))
+
     def shared(self, layer: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:
         a, b = self.offsets[r], self.offsets[r + 1]
         return self.shared_k[layer, :, a:b], self.shared_v[layer, :, a:b]

@@ -1,6 +1,7 @@
-"""Qwen2 / Qwen3 dense decoder over packed tokens (no batch dimension).
+"""Qwen2 / Qwen3 / LLaMA dense decoder over packed tokens (no batch dimension).
 
-Submodule names mirror HF ``Qwen{2,3}ForCausalLM`` so an HF state_dict loads directly. Attention itself is
+Submodule names mirror HF ``Qwen{2,3}ForCausalLM`` / ``LlamaForCausalLM`` (the same names) so an HF state_dict loads
+directly. The families differ only in the q/k norm (Qwen3) and the attention biases (``ModelSpec``). Attention itself is
 delegated to an ``AttentionContext``: the decoder produces q/k/v (after q/k-norm and RoPE) per layer and the
 context owns the KV memory and the visibility rules.
 
@@ -166,10 +167,13 @@ class Decoder(nn.Module):
         cos, sin = self.rope(positions)
         return _rotate(k, cos, sin), v
 
-    def logits(self, hidden: torch.Tensor, token_range: tuple[int, int] | None = None) -> torch.Tensor:
-        """hidden [N, H] → logits [N, V], or [N, b-a] for token_range=(a, b) (only those vocab rows are used)."""
+    def logits(self, hidden: torch.Tensor, token_range: tuple[int, int] | torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [N, H] → logits [N, V]; [N, b-a] for token_range=(a, b) (only those vocab rows are used); [N, K]
+        for an int64 tensor of K token ids (a gather of those rows: a SID level whose ids are not contiguous)."""
         w = self.lm_head.weight
-        if token_range is not None:
+        if isinstance(token_range, torch.Tensor):
+            w = w.index_select(0, token_range)
+        elif token_range is not None:
             a, b = token_range
             if not 0 <= a < b <= w.shape[0]:
                 raise ValueError(f"token_range {token_range} out of bounds for vocab size {w.shape[0]}")

@@ -24,6 +24,7 @@ import torch
 
 from grserve.catalog import Catalog
 from grserve.catalog.exclusion import ItemExclusion
+from grserve.search.level_heads import level_heads
 from grserve.search.scoring import masked_log_softmax_
 from grserve.search.topbw import TopBW, top_bw_heap
 
@@ -82,7 +83,7 @@ class BeamSearch:
         self._lse = torch.empty(rows, 1, dtype=f32, device=device)
         # per-level constants as 0-dim tensors (a Python scalar operand allocates a wrapper tensor per call)
         self._k_t = [torch.tensor(k, dtype=i64, device=device) for k in self.ks]
-        self._start_t = [torch.tensor(catalog.layout.level_range(l)[0], dtype=i64, device=device) for l in range(self.depth)]
+        self.heads = level_heads(catalog.layout, device)  # code → token of each level (a start or a table)
         self._mask_handle = None
         self.candidates_visited = 0
 
@@ -165,7 +166,7 @@ class BeamSearch:
         self.nodes = self.catalog.trie.step(level, parent_nodes, codes)
         torch.isneginf(self.scores.view(-1), out=self._dead)
         self.nodes[self._dead.cpu().numpy()] = -1
-        torch.add(self.codes[:, level], self._start_t[level], out=self.next_tokens)
+        self.heads.to_tokens(level, self.codes[:, level], self.next_tokens)
 
     # ---- results ------------------------------------------------------------------------------------------
     def results(self, top_n: list[int]) -> list[list[Hit]]:

@@ -23,13 +23,15 @@ from grserve.server.metrics import Metrics, MetricsMiddleware
 def new_app(engine: Engine, metrics: Metrics | None, *, title: str, description: str, openai: bool = False,
             groups: Sequence[str] = (), detail: Callable[[], dict] | None = None, edge: EdgeConfig | None = None,
             admin_routes: frozenset[tuple[str, str]] = frozenset(),
-            queued_routes: frozenset[tuple[str, str]] = frozenset()) -> FastAPI:
+            queued_routes: frozenset[tuple[str, str]] = frozenset(),
+            openai_paths: frozenset[str] = frozenset()) -> FastAPI:
     """A FastAPI app around ``engine`` with the shared parts installed: the error handlers of one API family
     (``openai``: OpenAI's shape; else the house shape, ``groups`` its one-of field groups), the edge middleware
     (``edge``; ``admin_routes``: the (method, path) pairs that change state; ``queued_routes``: those that queue
     work in the engine, refused at the edge while its queue is full), the metrics middleware (outermost:
     it counts the edge's refusals too), ``GET /health`` (``engine.health()`` plus ``detail()``) and
-    ``GET /metrics``."""
+    ``GET /metrics``. ``openai_paths``: paths of a house app answered in OpenAI's error shape (the retrieval
+    server's OpenAI beam routes)."""
     metrics = metrics if metrics is not None else Metrics()
     metrics.bind_queue_depth(lambda: engine.queue_depth)
     app = FastAPI(title=title, version="0.1.0", description=description)
@@ -38,12 +40,12 @@ def new_app(engine: Engine, metrics: Metrics | None, *, title: str, description:
     app.state.edge = edge = edge or EdgeConfig()
     render = openai_error if openai else house_error
     app.add_middleware(EdgeMiddleware, edge=edge, render=render, admin_routes=admin_routes, engine=engine,
-                       queued_routes=queued_routes, router=app.router)
+                       queued_routes=queued_routes, router=app.router, openai_paths=openai_paths)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     if openai:
         install_error_handlers(app, openai_error, openai_validation_error)
     else:
-        install_error_handlers(app, house_error, lambda exc: house_validation_error(exc, groups))
+        install_error_handlers(app, house_error, lambda exc: house_validation_error(exc, groups), openai_paths)
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -3,15 +3,15 @@
 A client names a file; it never gives a path. The reload is bounded at every step:
 
 1. **by name, from one directory** (``--catalog-dir``; unset: reload is off, 403): the name is a plain file name
-   (letters, digits, ``.``, ``_``, ``-``; no ``/``, no ``..``, no leading dot) ending in ``.jsonl``, ``.csv`` or
-   ``.grcat``, looked up relative to the directory (``dir_fd``), so no file outside it can be named, and an error
-   never says whether a file outside it exists;
+   (letters, digits, ``.``, ``_``, ``-``; no ``/``, no ``..``, no leading dot) ending in ``.jsonl``, ``.csv``,
+   ``.json`` (an LC-Rec index) or ``.grcat``, looked up relative to the directory (``dir_fd``), so no file outside
+   it can be named, and an error never says whether a file outside it exists;
 2. **regular files only**: ``lstat`` first (a FIFO, device, socket, directory or symlink is refused without being
    opened), then ``open(O_NONBLOCK | O_NOFOLLOW)`` and ``fstat`` again on the open descriptor (a file swapped in
    between is caught; opening a FIFO non-blocking never waits for a writer);
 3. **size** (``--max-catalog-bytes``, 413) on ``fstat`` and again while reading (a file that grows is cut off);
 4. **parsed while read** (``catalog.io.read_catalog``: line by line into compact arrays; ``.grcat`` straight into
-   its arrays) on a daemon thread, with errors that name the line and never quote the file's text;
+   its arrays; an index ``.json`` whole, within the size limit), then bound to the served tokenizer (SID token text) on a daemon thread, with errors that name the line and never quote the file's text;
 5. **deadline** (``--catalog-timeout``): past it the client gets a 504, the parse is told to stop (it checks
    every few thousand lines) and its result is **never applied** — a catalog is swapped in only by the request
    that started it, after the parse returned within its deadline;
@@ -37,7 +37,7 @@ from typing import Any
 from grserve.config import CatalogReloadConfig
 from grserve.server.errors import ApiError
 
-CATALOG_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}\.(jsonl|csv|grcat)")
+CATALOG_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}\.(jsonl|csv|json|grcat)")
 _POLL_S = 0.02
 
 
@@ -49,7 +49,7 @@ def check_name(name: str) -> str:
     """A catalog file name a client may give, or 400 ``invalid_catalog_name`` (the name is not echoed back)."""
     if not CATALOG_NAME.fullmatch(name) or ".." in name:
         raise ApiError(400, "name: a catalog is named by its file name in the catalog directory (letters, digits, "
-                            "'.', '_', '-'; ending in .jsonl, .csv or .grcat; no path)", "name",
+                            "'.', '_', '-'; ending in .jsonl, .csv, .json or .grcat; no path)", "name",
                        "invalid_catalog_name")
     return name
 
@@ -128,12 +128,13 @@ class CappedReader(io.RawIOBase):
 
 
 def load_for_serving(catalog_dir: str, name: str, served: Any, vocab_size: int, max_bytes: int,
-                     check: Any = None) -> Any:
+                     check: Any = None, bind: Any = None) -> Any:
     """Open and parse the catalog ``name`` exactly as start-up reads a file (its declared layout, else the
     inferred one; the served token offset) and check it fits the served model: the same depth and codebook
     sizes as the catalog being served (the model was trained on those token ids), SID tokens inside the vocab."""
     from grserve.catalog import CatalogError
     from grserve.catalog.io import read_catalog
+    from grserve.catalog.sid_text import SidTokenError
 
     fd, size = open_catalog(catalog_dir, name, max_bytes)
     raw = CappedReader(fd, max_bytes)
@@ -141,6 +142,11 @@ def load_for_serving(catalog_dir: str, name: str, served: Any, vocab_size: int, 
         with io.BufferedReader(raw, 1 << 16) as f:
             catalog = read_catalog(f, os.path.splitext(name)[1], name, size,
                                    token_offset=int(served.layout.token_offset), check=check)
+        if bind is not None:
+            catalog = bind(catalog)  # SID token text → the served tokenizer's ids (as at start-up)
+    except SidTokenError as exc:  # the message would quote the file: name the level only
+        raise ApiError(400, f"cannot load catalog: a {exc.what} is not exactly one token of the model's tokenizer",
+                       "name", "catalog_load_failed") from None
     except (CatalogError, KeyError) as exc:  # CatalogError is a ValueError
         message = exc.args[0] if exc.args else type(exc).__name__
         raise ApiError(400, f"cannot load catalog: {message}", "name", "catalog_load_failed") from None
@@ -210,7 +216,8 @@ class CatalogReloader:
 
         try:
             catalog = load_for_serving(self.cfg.catalog_dir, name, self.catalogs.current(),  # type: ignore[arg-type]
-                                       self.vocab_size, self.cfg.max_catalog_bytes, check)
+                                       self.vocab_size, self.cfg.max_catalog_bytes, check,
+                                       getattr(self.catalogs, "bind", None))
             check()
             _settle(done, result=catalog)
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting route (or dropped if it left)

@@ -13,7 +13,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from grserve.config import EdgeConfig
-from grserve.server.errors import ApiError, body_too_large, overloaded, unauthorized
+from grserve.server.errors import ApiError, body_too_large, openai_error, overloaded, unauthorized
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # answered without the API key (load balancers, Prometheus)
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
@@ -55,10 +55,15 @@ class EdgeMiddleware:
 
     def __init__(self, app: Any, edge: EdgeConfig, render: Callable[[ApiError], JSONResponse],
                  admin_routes: frozenset[tuple[str, str]] = frozenset(), engine: Any = None,
-                 queued_routes: frozenset[tuple[str, str]] = frozenset(), router: Any = None) -> None:
-        self.app, self.edge, self.render, self.admin_routes = app, edge, render, admin_routes
+                 queued_routes: frozenset[tuple[str, str]] = frozenset(), router: Any = None,
+                 openai_paths: frozenset[str] = frozenset()) -> None:
+        self.app, self.edge, self._render, self.admin_routes = app, edge, render, admin_routes
         self.engine, self.queued_routes, self.router = engine, queued_routes, router
+        self.openai_paths = openai_paths  # answered in OpenAI's shape (errors.py)
         self._routes: list[Any] | None = None
+
+    def render(self, exc: ApiError, scope: dict) -> JSONResponse:
+        return (openai_error if scope["path"] in self.openai_paths else self._render)(exc)
 
     def overloaded(self, scope: dict) -> ApiError | None:
         """429 when ``scope`` targets a queued route while the engine's queue is at its bound, else None."""
@@ -111,7 +116,7 @@ class EdgeMiddleware:
             refusal = self.overloaded(scope)
         if refusal is not None:
             self.label(scope)
-            await self.render(refusal)(scope, receive, send)
+            await self.render(refusal, scope)(scope, receive, send)
             return
         if scope["method"] not in _BODY_METHODS:
             await self.app(scope, receive, send)
@@ -125,7 +130,7 @@ class EdgeMiddleware:
             total += len(chunk)
             if total > limit:
                 self.label(scope)
-                await self.render(body_too_large(limit))(scope, receive, send)
+                await self.render(body_too_large(limit), scope)(scope, receive, send)
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):
@@ -133,7 +138,7 @@ class EdgeMiddleware:
         full = self.overloaded(scope)  # again, now the body is in: the queue may have filled meanwhile
         if full is not None:
             self.label(scope)
-            await self.render(full)(scope, receive, send)
+            await self.render(full, scope)(scope, receive, send)
             return
         body: list[dict] = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
 

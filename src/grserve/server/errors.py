@@ -41,8 +41,9 @@ status when (``type`` values)
 504    a catalog reload took longer than ``--catalog-timeout`` (``reload_timeout``; it is never applied)
 ====== =================================================================================================
 
-**OpenAI API** (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models`` and the LLM server's unknown
-routes) keeps OpenAI's shape, which OpenAI clients parse::
+**OpenAI API** (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models`` — on the LLM server and, answered
+with SID beams, on the retrieval server — and the LLM server's unknown routes) keeps OpenAI's shape, which OpenAI
+clients parse::
 
     {"error": {"message": "...", "type": "invalid_request_error" | "server_error", "param": "top_p" | null,
                "code": "model_not_found" | ... | null}}
@@ -192,19 +193,28 @@ def openai_validation_error(exc: RequestValidationError) -> ApiError:
 # the handlers
 # ----------------------------------------------------------------------------------------------------------
 def install_error_handlers(app: FastAPI, render: Callable[[ApiError], JSONResponse],
-                           translate: Callable[[RequestValidationError], ApiError]) -> None:
-    """Answer every error of ``app`` through ``render`` (one API family's shape)."""
+                           translate: Callable[[RequestValidationError], ApiError],
+                           openai_paths: frozenset[str] = frozenset()) -> None:
+    """Answer every error of ``app`` through ``render`` (one API family's shape); on ``openai_paths`` (the
+    retrieval server's OpenAI beam routes) in OpenAI's shape."""
+
+    def shape(request: Request) -> tuple[Callable[[ApiError], JSONResponse], Callable]:
+        if request.url.path in openai_paths:
+            return openai_error, openai_validation_error
+        return render, translate
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return render(exc)
+        return shape(request)[0](exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return render(translate(exc))
+        out, tr = shape(request)
+        return out(tr(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        render = shape(request)[0]
         if exc.status_code == 404:
             return render(ApiError(404, f"no route {request.url.path}", None, "not_found"))
         if exc.status_code == 405:
@@ -219,7 +229,7 @@ def install_error_handlers(app: FastAPI, render: Callable[[ApiError], JSONRespon
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:  # last resort; routes catch their own
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return render(ApiError(500, f"internal error: {type(exc).__name__}", None, "internal"))
+        return shape(request)[0](ApiError(500, f"internal error: {type(exc).__name__}", None, "internal"))
 
 
 

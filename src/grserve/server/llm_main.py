@@ -75,8 +75,11 @@ def run(cfg: LLMServeConfig) -> int:
               if pc is not None else "")
     print(f"grserve: LLM {name} ({cfg.model.dtype}), scheduler {c.scheduler}, {c.num_blocks} blocks x "
           f"{c.block_size} tokens{prefix} -> http://{s.host}:{s.port}/v1", flush=True)
-    print(f"grserve: tokenizer {tok.name_or_path} (an HF directory: aiperf --tokenizer {tok.name_or_path})",
-          flush=True)
+    if getattr(tok, "message", None):  # NoTokenizer: a model directory without tokenizer files
+        print(f"grserve: {tok.message}", flush=True)
+    else:
+        print(f"grserve: tokenizer {tok.name_or_path} (an HF directory: aiperf --tokenizer {tok.name_or_path})",
+              flush=True)
     return serve_until_exit(app, s.host, s.port, s.log_level, engine.stop)
 
 

@@ -30,7 +30,7 @@ from fastapi.responses import StreamingResponse
 
 from grserve.engine.protocol import Engine, EngineStepFailed, RequestHandle
 from grserve.engine.sampling import SamplingParams, mix64
-from grserve.engine.tokenizer import ChatTemplateError
+from grserve.engine.tokenizer import ChatTemplateError, MissingTokenizerError
 from grserve.engine.types import LLMRequest
 from grserve.server.errors import ApiError
 from grserve.server.lifecycle import finish, submit
@@ -56,6 +56,15 @@ log = logging.getLogger("grserve.server")
 _ERRORS: dict[int | str, dict[str, Any]] = {k: {} for k in (400, 404, 500, 503)}
 DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI
 DEFAULT_CHAT_MAX_TOKENS = 256  # /v1/chat/completions without max_tokens: at most this, at most what fits
+
+
+def encode(tokenizer: Any, text: str, field: str, **kwargs: Any) -> list[int]:
+    """Text → token ids; a model directory without tokenizer files is a 400 naming the field (never a made-up
+    tokenizer)."""
+    try:
+        return tokenizer.encode(text, **kwargs)
+    except MissingTokenizerError as exc:
+        raise ApiError(400, str(exc), field, "no_tokenizer") from None
 
 
 def choice_seed(seed: int | None, i: int) -> int | None:
@@ -316,7 +325,7 @@ def create_openai_router(engine: Engine, tokenizer: Any, model_name: str, max_mo
             text = tokenizer.decode(ids) if body.echo else ""
         else:
             text = p[0] if isinstance(p, list) else p
-            ids = tokenizer.encode(text)
+            ids = encode(tokenizer, text, "prompt")
         shape = CompletionShape(f"cmpl-{uuid.uuid4().hex[:24]}", ctx.created, model_name, tokenizer,
                                 text if body.echo else "")
         return await generate(ctx, request, body, ids, body.requested_max_tokens() or DEFAULT_MAX_TOKENS, shape)
@@ -351,9 +360,9 @@ def add_utility_routes(router: APIRouter, ctx: OpenAIContext) -> None:
         ctx.check_model(body.model)
         if body.messages is not None:
             text = ctx.chat_prompt([m.for_template() for m in body.messages], None, body.add_generation_prompt)
-            ids = ctx.tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
+            ids = encode(ctx.tokenizer, text, "messages", add_special_tokens=bool(body.add_special_tokens))
         else:
-            ids = ctx.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
+            ids = encode(ctx.tokenizer, body.prompt, "prompt", add_special_tokens=body.add_special_tokens is not False)
         return TokenizeResponse(count=len(ids), max_model_len=ctx.max_model_len, tokens=ids)
 
     @router.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)

@@ -1,9 +1,11 @@
-"""The GR retrieval app: ``POST /v1/recommend`` (a history in, the top items by SID beam search out) and the
-admin route ``POST /v1/catalog`` (hot catalog reload); ``/health`` and ``/metrics`` come from the shared app
-(``app.py``).
+"""The GR retrieval app: ``POST /v1/recommend`` (a history in, the top items by SID beam search out), the OpenAI
+routes ``POST /v1/chat/completions`` / ``POST /v1/completions`` (a chat or text prompt in, the ranked beams out as
+``choices[]``: ``openai_beams.py``) and the admin route ``POST /v1/catalog`` (hot catalog reload); ``/health`` and
+``/metrics`` come from the shared app (``app.py``).
 
-A history is given in one of three forms and laid out as prompt tokens here, against one catalog snapshot, so
-the engine receives valid ``RetrievalRequest``\\ s only. Errors: the house convention (``server/errors.py``).
+A history is given in one of five forms and laid out as prompt tokens here, against one catalog snapshot, so
+the engine receives valid ``RetrievalRequest``\\ s only. Errors: the house convention (``server/errors.py``), and
+OpenAI's shape on the OpenAI routes.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 import numpy as np
 from fastapi import FastAPI, Request
 
-from grserve.config import CatalogReloadConfig, EdgeConfig, ServerConfig
+from grserve.config import BeamApiConfig, CatalogReloadConfig, EdgeConfig, ServerConfig
 from grserve.engine.protocol import RetrievalService
 from grserve.engine.types import RetrievalRequest, RetrievalResult
 from grserve.server.app import new_app
@@ -50,7 +52,7 @@ def _too_long(n_tokens: int, max_tokens: int, field: str) -> None:
 
 def items_to_tokens(catalog: Any, items: list[int], max_tokens: int) -> np.ndarray:
     """Catalog item ids → their SIDs' tokens; 404 listing the ids the catalog does not know."""
-    _too_long(len(items) * catalog.depth, max_tokens, "history_items")
+    _too_long(len(items) * _item_tokens(catalog), max_tokens, "history_items")
     beyond = [k for k, v in enumerate(items) if not INT64_MIN <= v <= INT64_MAX]
     if beyond:  # ids beyond int64 cannot be in the catalog
         raise unknown_ids("history_items", items, beyond, "item id", "unknown_items")
@@ -60,7 +62,7 @@ def items_to_tokens(catalog: Any, items: list[int], max_tokens: int) -> np.ndarr
     except KeyError:
         raise unknown_ids("history_items", items, _unknown_positions(catalog, ids), "item id",
                           "unknown_items") from None
-    return catalog.layout.sids_to_tokens(np.asarray(sids, dtype=np.int64))
+    return catalog.layout.items_to_tokens(np.asarray(sids, dtype=np.int64))
 
 
 def _unknown_positions(catalog: Any, ids: np.ndarray) -> list[int]:
@@ -82,19 +84,28 @@ def sids_to_tokens(catalog: Any, sids: list[list[int]], max_tokens: int) -> np.n
         if len(sid) != depth:
             raise ApiError(400, f"history_sids[{i}]: a SID has {depth} codes (catalog depth), got {len(sid)}",
                            f"history_sids[{i}]", "wrong_depth")
-    _too_long(len(sids) * depth, max_tokens, "history_sids")
+    _too_long(len(sids) * _item_tokens(catalog), max_tokens, "history_sids")
     arr, bad = int64_in_range(sids, 0, np.asarray(sizes, dtype=np.int64))
     if bad is not None:
         i, j = bad
         raise ApiError(400, f"history_sids[{i}][{j}]: code {sids[i][j]} is out of range for level {j} "
                             f"[0, {sizes[j]})", f"history_sids[{i}][{j}]", "out_of_range")
-    return catalog.layout.sids_to_tokens(arr)
+    return catalog.layout.items_to_tokens(arr)
 
 
-def history_tokens(body: RecommendRequest, catalog: Any, vocab_size: int, max_tokens: int) -> np.ndarray:
-    """The request's history, whichever form it takes, as int64 prompt tokens inside the model vocabulary."""
+def history_tokens(body: RecommendRequest, catalog: Any, vocab_size: int, max_tokens: int,
+                   beams: Any = None) -> np.ndarray:
+    """The request's history, whichever form it takes, as int64 prompt tokens inside the model vocabulary, ending
+    where the beams (or the thought) start: after ``sid_begin`` where the layout has one. ``beams``: the OpenAI
+    routes' context (the tokenizer) for ``prompt`` / ``messages``."""
+    from grserve.server.openai_beams import prompt_tokens
+    from grserve.server.sid_prompts import beam_start
+
     kind = body.history_kind
-    if kind == "history_items":
+    if kind in ("prompt", "messages"):
+        prompt = prompt_tokens(beams, catalog, body.prompt, body.messages)
+        _too_long(int(prompt.size), max_tokens, kind)
+    elif kind == "history_items":
         prompt = items_to_tokens(catalog, body.history_items, max_tokens)  # type: ignore[arg-type]
     elif kind == "history_sids":
         prompt = sids_to_tokens(catalog, body.history_sids, max_tokens)  # type: ignore[arg-type]
@@ -102,6 +113,8 @@ def history_tokens(body: RecommendRequest, catalog: Any, vocab_size: int, max_to
         _too_long(len(body.history_tokens), max_tokens, "history_tokens")  # type: ignore[arg-type]
         prompt = token_ids(body.history_tokens, vocab_size, "history_tokens")  # type: ignore[arg-type]
     prompt = np.ascontiguousarray(prompt, dtype=np.int64).reshape(-1)
+    if kind != "history_tokens":
+        prompt = beam_start(prompt.tolist(), catalog.layout, body.max_think_tokens > 0)
     if prompt.size > 0 and int(prompt.max()) >= vocab_size:  # catalog layout vs model vocab
         raise ApiError(400, f"{kind}: the history maps to token {int(prompt.max())}, outside the model "
                             f"vocabulary of {vocab_size}", kind, "out_of_range")
@@ -119,6 +132,20 @@ def _search_knobs(body: RecommendRequest, search: Any, server_cfg: ServerConfig)
         raise ApiError(400, f"top_n: {body.top_n} is out of range [1, {max_top_n}] (at most beam_width "
                             f"{beam_width} and the server limit {server_cfg.max_top_n})", "top_n", "out_of_range")
     return beam_width
+
+
+def recommend_think(body: RecommendRequest, catalog: Any, beams: Any) -> Any:
+    """A /v1/recommend request's ``ThinkSpec`` (greedy) when ``max_think_tokens`` > 0, checked like the OpenAI
+    routes' (the server limit, a layout with ``sid_begin``)."""
+    from grserve.server.openai_beams import think_spec
+
+    return think_spec(beams, body.max_think_tokens, catalog.layout)
+
+
+def _item_tokens(catalog: Any) -> int:
+    """Prompt tokens of one history item: its SID, wrapped where the layout wraps items."""
+    layout = catalog.layout
+    return int(catalog.depth) + (layout.sid_begin is not None) + (layout.sid_end is not None)
 
 
 def catalog_info(catalog: Any) -> CatalogInfo:
@@ -142,28 +169,35 @@ def excluded_items(body: RecommendRequest, server_cfg: ServerConfig) -> np.ndarr
 # the app
 # ----------------------------------------------------------------------------------------------------------
 def create_app(engine: RetrievalService, server_cfg: ServerConfig, metrics: Metrics | None = None,
-               edge: EdgeConfig | None = None, reload: CatalogReloadConfig | None = None) -> FastAPI:
+               edge: EdgeConfig | None = None, reload: CatalogReloadConfig | None = None,
+               beams: BeamApiConfig | None = None, model_name: str = "grserve") -> FastAPI:
     """The retrieval app around a started (or to-be-started) retrieval engine or cluster front end (the
-    ``RetrievalService`` protocol); the caller owns start/stop."""
+    ``RetrievalService`` protocol); the caller owns start/stop. ``model_name``: the id the OpenAI routes serve."""
+    from grserve.server.openai_beams import OPENAI_BEAM_PATHS, BeamContext, create_beam_router
+
+    queued = frozenset({("POST", "/v1/recommend"), ("POST", "/v1/chat/completions"), ("POST", "/v1/completions")})
     app = new_app(engine, metrics, title="grserve",
                   description="Generative-recommender retrieval: history in, top items by SID beam search out.",
                   groups=("history",), detail=lambda: {"catalog": catalog_info(engine.catalogs.current()).model_dump(),
                                                        "vocab_size": int(engine.vocab_size)},
-                  edge=edge, admin_routes=ADMIN_ROUTES, queued_routes=frozenset({("POST", "/v1/recommend")}))
+                  edge=edge, admin_routes=ADMIN_ROUTES, queued_routes=queued, openai_paths=OPENAI_BEAM_PATHS)
     metrics = app.state.metrics
     app.state.server_cfg = server_cfg
     reloader = CatalogReloader(reload or CatalogReloadConfig(), engine.catalogs, int(engine.vocab_size))
     app.state.reloader = reloader
+    beam_ctx = BeamContext(engine, server_cfg, beams or BeamApiConfig(), model_name, metrics)
+    app.include_router(create_beam_router(beam_ctx))
 
     @app.post("/v1/recommend", response_model=RecommendResponse, responses=_ERRORS)
     async def recommend(body: RecommendRequest, request: Request) -> Any:
         t0 = time.perf_counter()
         catalog = engine.catalogs.current()  # one snapshot for the whole conversion
         beam_width = _search_knobs(body, engine.search, server_cfg)
-        prompt = history_tokens(body, catalog, int(engine.vocab_size), int(server_cfg.max_prompt_tokens))
+        prompt = history_tokens(body, catalog, int(engine.vocab_size), int(server_cfg.max_prompt_tokens), beam_ctx)
         kwargs = {"request_id": body.request_id} if body.request_id is not None else {}
         req = RetrievalRequest(prompt_tokens=prompt, beam_width=beam_width, top_n=body.top_n,
-                               exclude_items=excluded_items(body, server_cfg), **kwargs)
+                               exclude_items=excluded_items(body, server_cfg),
+                               think=recommend_think(body, catalog, beam_ctx), **kwargs)
         result: RetrievalResult = await finish(request, engine, submit(engine, req))
         items = [ItemOut(item_id=int(it.item_id), sid=[int(c) for c in it.sid],
                          score=float(it.score) if math.isfinite(float(it.score)) else -1e30)
@@ -171,6 +205,8 @@ def create_app(engine: RetrievalService, server_cfg: ServerConfig, metrics: Metr
         metrics.observe_items(len(items))
         return RecommendResponse(
             request_id=result.request_id or req.request_id, items=items, beam_width=beam_width,
+            thinking=beam_ctx.tokenizer.decode(result.thought[:-1], skip_special_tokens=False)
+            if result.thought is not None else None,
             catalog_version=int(result.catalog_version),
             timing=Timing(queue_ms=float(result.queue_ms), compute_ms=float(result.compute_ms),
                           total_ms=(time.perf_counter() - t0) * 1000.0),

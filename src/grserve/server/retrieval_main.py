@@ -12,6 +12,7 @@ import os
 
 from grserve.config import (
     AccelConfig,
+    BeamApiConfig,
     CatalogConfig,
     CatalogReloadConfig,
     ClusterConfig,
@@ -39,6 +40,7 @@ def add_command(sub) -> None:
     add_flags(p, d.scheduler, title="batching")
     add_flags(p, d.server, title="HTTP")
     add_edge_flags(p, reload=True)
+    add_flags(p, d.beams, title="OpenAI beam routes (docs/serving-gr-models.md)")
     add_flags(p, d.accel, title="accelerator (docs/gpu.md)")
     add_flags(p, ClusterConfig, title="cluster (several instances on Ray; docs/cluster.md)", skip=GR_CLUSTER_SKIP)
     p.set_defaults(handler=lambda ns: run(config_from_args(ns)))
@@ -57,6 +59,7 @@ def config_from_args(ns: argparse.Namespace) -> ServeConfig:
         reload=from_args(CatalogReloadConfig, ns),
         accel=from_args(AccelConfig, ns),
         cluster=from_args(ClusterConfig, ns),
+        beams=from_args(BeamApiConfig, ns),
     )
 
 
@@ -71,15 +74,15 @@ def run(cfg: ServeConfig) -> int:
     from grserve.engine.retrieval_engine import RetrievalEngine
     from grserve.server.serving import serve_until_exit
     from grserve.server.metrics import Metrics
-    from grserve.server.retrieval_app import create_app
 
     metrics = Metrics()
     try:
         engine = RetrievalEngine.build(cfg, on_batch=metrics.on_batch)
     except (ValueError, KeyError, OSError) as exc:  # CatalogError is a ValueError: bad file, vocab mismatch...
         raise _usage_error(exc) from None
-    app = create_app(engine, cfg.server, metrics, cfg.edge, cfg.reload)
+    app = create_app_for(engine, cfg, metrics)
     cat = engine.catalogs.current()
+    print_layout(engine)
     print(f"grserve: model {cfg.model.source} ({cfg.model.dtype}, {cfg.model.device}), catalog {len(cat):,} items "
           f"(depth {cat.depth}, codebooks {list(cat.codebook_sizes)}), default beam width {cfg.search.beam_width} "
           f"-> {_url(cfg.server)}", flush=True)
@@ -108,6 +111,7 @@ def run_cluster(cfg: ServeConfig) -> int:
         raise _usage_error(exc) from None
     app = cluster_app(engine, lambda m: create_app_for(engine, cfg, m))
     cat = engine.catalogs.current()
+    print_layout(engine)
     for line in engine.describe():
         print(f"grserve: {line}", flush=True)
     print(f"grserve: model {cfg.model.source} ({cfg.model.dtype}, {cfg.model.device}) on {cfg.cluster.instances} "
@@ -117,10 +121,23 @@ def run_cluster(cfg: ServeConfig) -> int:
     return serve_until_exit(app, cfg.server.host, cfg.server.port, cfg.server.log_level, engine.stop)
 
 
+def served_model_name(cfg: ServeConfig) -> str:
+    """The OpenAI routes' model id: ``--served-model-name``, else ``--model`` as given."""
+    return cfg.beams.served_model_name or cfg.model.source
+
+
+def print_layout(engine) -> None:
+    """The SID layout the catalog serves with, and what was inferred from the tokenizer (if anything)."""
+    note = getattr(engine, "layout_note", None)
+    if note:
+        print(f"grserve: {note}", flush=True)
+    print(f"grserve: SID layout: {engine.catalogs.current().layout.describe()}", flush=True)
+
+
 def create_app_for(engine, cfg: ServeConfig, metrics):
     from grserve.server.retrieval_app import create_app
 
-    return create_app(engine, cfg.server, metrics, cfg.edge, cfg.reload)
+    return create_app(engine, cfg.server, metrics, cfg.edge, cfg.reload, cfg.beams, served_model_name(cfg))
 
 
 def cluster_app(engine, make_app):

@@ -14,17 +14,25 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
 from pydantic_core import PydanticCustomError
 
-HISTORY_FIELDS = ("history_items", "history_sids", "history_tokens")
+from grserve.server.openai_schemas import ChatMessage
+
+HISTORY_FIELDS = ("history_items", "history_sids", "history_tokens", "prompt", "messages")
 
 NonEmptyInts = Annotated[list[StrictInt], Field(min_length=1)]
 
 
 class RecommendRequest(BaseModel):
-    """A user's history, in exactly one of three forms, and the search knobs.
+    """A user's history, in exactly one of five forms, and the search knobs.
 
-    - ``history_items``: catalog item ids, oldest first; each is mapped to its SID.
+    - ``history_items``: catalog item ids, oldest first; each is mapped to its SID (wrapped in ``sid_begin`` /
+      ``sid_end`` where the layout has them).
     - ``history_sids``: SIDs, one ``[c_0, ..., c_{depth-1}]`` list per item (code ``c_l`` in ``[0, codebook_size_l)``).
     - ``history_tokens``: raw prompt token ids, each in ``[0, vocab_size)``.
+    - ``prompt``: text with the items written as SID token text, encoded with the model's tokenizer.
+    - ``messages``: a chat (OpenAI's messages), rendered with the model's chat template.
+
+    ``max_think_tokens`` > 0: the model first writes free text (greedy) until ``sid_begin``
+    (think-then-recommend, ``engine/think.py``); the text comes back in ``thinking``.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -32,6 +40,9 @@ class RecommendRequest(BaseModel):
     history_items: NonEmptyInts | None = None
     history_sids: Annotated[list[list[StrictInt]], Field(min_length=1)] | None = None
     history_tokens: NonEmptyInts | None = None
+    prompt: Annotated[StrictStr, Field(min_length=1)] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    max_think_tokens: Annotated[StrictInt, Field(ge=0)] = 0
     beam_width: Annotated[StrictInt, Field(ge=1)] | None = None  # None → the server's SearchConfig.beam_width
     top_n: Annotated[StrictInt, Field(ge=1)] = 10
     exclude_items: list[StrictInt] | None = None  # catalog item ids never returned (masked inside the search)
@@ -42,12 +53,13 @@ class RecommendRequest(BaseModel):
         given = [name for name in HISTORY_FIELDS if getattr(self, name) is not None]
         if not given:
             raise PydanticCustomError(
-                "history_missing", "exactly one of history_items, history_sids, history_tokens is required")
+                "history_missing", "exactly one of history_items, history_sids, history_tokens, prompt, messages "
+                                   "is required")
         if len(given) > 1:
             raise PydanticCustomError(
                 "history_ambiguous",
-                "exactly one of history_items, history_sids, history_tokens may be given, got {given}",
-                {"given": ", ".join(given)})
+                "exactly one of history_items, history_sids, history_tokens, prompt, messages may be given, got "
+                "{given}", {"given": ", ".join(given)})
         return self
 
     @property
@@ -70,6 +82,7 @@ class Timing(BaseModel):
 class RecommendResponse(BaseModel):
     request_id: str
     items: list[ItemOut]  # best first
+    thinking: str | None = None  # max_think_tokens > 0: the text the model wrote before its first SID token
     beam_width: int
     catalog_version: int
     timing: Timing

@@ -85,13 +85,18 @@ class ClusterRetrievalEngine(_Launch, ClusterGREngine):
 
     def __init__(self, actors: list[ActorHandle], infos: list[GRInstanceInfo], cluster: ClusterConfig,
                  cfg: ServeConfig, owns_ray: bool = False):
+        from grserve.catalog.sid_text import bind_catalog
         from grserve.engine.retrieval_engine import build_catalog
+        from grserve.engine.tokenizer import model_tokenizer
 
         super().__init__(actors, infos, cluster, owns_ray, max_waiting=cfg.edge.max_waiting)
         self.serve_cfg = cfg
         self.vocab_size = int(infos[0].vocab_size)
         self.search = cfg.search
-        self.catalogs = BroadcastCatalogStore(build_catalog(cfg), self.vocab_size, self)
+        self.tokenizer = model_tokenizer(cfg.model.source)  # the OpenAI routes encode prompts here, as one engine
+        catalog, self.layout_note = bind_catalog(build_catalog(cfg), self.tokenizer)
+        self.catalogs = BroadcastCatalogStore(catalog, self.vocab_size, self)
+        self.catalogs.bind = lambda c: bind_catalog(c, self.tokenizer)[0]  # reloads: bound here, then broadcast
         cat = self.catalogs.current()
         for info in infos:
             if (info.catalog, info.catalog_version) != (catalog_digest(cat), cat.version):
