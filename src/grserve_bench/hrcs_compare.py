@@ -71,3 +71,17 @@ def compare_placements(trace, registry, pool, *, workers: int, alpha: float, lin
         res["transfer_s_at_link"] = res["bytes_moved"] / (link_gbps * 1e9 / 8)
         out["placements"][p.name] = res
     return out
+
+
+def print_placements(console, cl: dict) -> None:
+    from rich.table import Table
+
+    ct = Table(title=f"item KV placement over {cl['workers']} KV-cache workers (IP requests of the trace)")
+    for col in ("placement", "replication ratio", "item KV bytes / worker", "remote items", "bytes moved",
+                "moved / request"):
+        ct.add_column(col, justify="right")
+    for name, r in cl["placements"].items():
+        ct.add_row(name, f"{r['replication_ratio']:.3f}", f"{r['bytes_per_worker'] / 2**20:.1f} MiB",
+                   f"{r['remote_item_fraction']:.3f}", f"{r['bytes_moved'] / 2**20:.1f} MiB",
+                   f"{r['bytes_moved_per_request'] / 2**10:.1f} KiB")
+    console.print(ct)

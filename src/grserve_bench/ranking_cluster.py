@@ -59,7 +59,8 @@ def _phase(eng, reg, trace, window: int, link_gbps: float, tag: str) -> dict:
     d = {k: v - before[k] for k, v in _totals(eng).items()}
     ip = max(d["ip_requests"], 1)
     return {"requests": int(d["requests"]), "ip_requests": int(d["ip_requests"]), "wall_s": wall,
-            "throughput_rps": d["requests"] / wall, "cached_token_fraction": d["cached_item_tokens"] / d["total_tokens"],
+            "throughput_rps": d["requests"] / wall,
+            "cached_item_token_fraction": d["cached_item_tokens"] / max(d["total_tokens"], 1),
             "items_fetched_per_ip_request": d["items_fetched"] / ip,
             "remote_item_fraction": d["items_fetched_remote"] / max(d["items_fetched"], 1),
             "remote_bytes_per_ip_request": d["item_bytes_fetched_remote"] / ip,
@@ -86,8 +87,9 @@ def run_cluster(a) -> dict:
 
     spec = resolve_spec(a.model)
     bpt = spec.kv_bytes_per_token(torch.empty(0, dtype=resolve_dtype(a.dtype)).element_size())
-    reg, trace, _ = generate_workload(WorkloadSpec(num_items=a.items, num_users=a.users, scale=1.0 if a.full_scale else a.scale,
-                                                   seed=a.seed), spec.vocab_size)
+    scale = 1.0 if a.full_scale else a.scale
+    reg, trace, _ = generate_workload(WorkloadSpec(num_items=a.items, num_users=a.users, scale=scale, seed=a.seed),
+                                      spec.vocab_size)
     link = a.link_gbps * bpt / (a.hrcs_kv_bytes_per_token or bpt)  # the same B in tokens/s for this model's KV
     distinct_user_bytes = sum(len(reg.user_tokens(u)) for u in {r.user_id for r in trace}) * bpt
     budget = int(a.user_cache_mb * 2**20) if a.user_cache_mb is not None else int(a.user_cache_frac *
