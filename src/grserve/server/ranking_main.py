@@ -95,13 +95,12 @@ def run(cfg: RankingServeConfig) -> int:
 
 def run_cluster(cfg: RankingServeConfig) -> int:
     """``--instances N`` (or ``--ray-address``): N ranking engine actors on Ray behind this front end."""
+    from grserve.cluster.gr.kv_workers import kv_cache_workers
     from grserve.cluster.gr.modes import ClusterRankingEngine
     from grserve.ranking.registry import RegistryError
     from grserve.server.serving import serve_until_exit
     from grserve.server.ranking_app import create_ranking_app
     from grserve.server.retrieval_main import cluster_app
-
-    from grserve.cluster.gr.kv_workers import kv_cache_workers
 
     n = kv_cache_workers(cfg, cfg.cluster.instances)
     where = f"the item KV on {n} KV-cache workers (HRCS)" if n else "each precomputes the item KV"
@@ -111,11 +110,11 @@ def run_cluster(cfg: RankingServeConfig) -> int:
     except (ValueError, RegistryError, OSError) as e:
         raise UsageError(str(e)) from None
     app = cluster_app(engine, lambda m: create_ranking_app(engine, cfg.limits, m, edge=cfg.edge))
+    engine.start()  # with KV-cache workers: filled before the first request
     for line in engine.describe():
         print(f"grserve: {line}", flush=True)
     s = cfg.server
     reg = engine.registry
     print(f"grserve ranking: {reg.num_items} items, {reg.num_users} users, policy {engine.runner.policy.name}, "
           f"{cfg.cluster.instances} instances -> http://{s.host}:{s.port}  (POST /v1/rank)", flush=True)
-    engine.start()
     return serve_until_exit(app, s.host, s.port, s.log_level, engine.stop)

@@ -1,23 +1,14 @@
-"""How the cluster's Ray is secured (issue 25): the Ray grserve starts is reachable from this machine only and
-asks every client for a token; a Ray cluster grserve joins is checked for a token before anything runs on it.
+"""How the cluster's Ray is secured (issue 25; docs/cluster.md, "How Ray is secured").
 
-**Started here** (``local_ray_env``, around ``ray.init``; Ray 2.60's own switches, read from its source):
+Started here (``local_ray_env`` around ``ray.init``): loopback only — Ray binds its gRPC servers to 127.0.0.1 when
+that is the node address, but its Python layer maps 127.0.0.1 to the machine's address
+(``services.resolve_ip_for_localhost``) unless its local-only mode is on (``ray_constants.ENABLE_RAY_CLUSTER``
+False), so it is, for the ``ray.init`` only — and a token: ``RAY_AUTH_MODE=token`` with a fresh random
+``RAY_AUTH_TOKEN`` in the environment Ray's processes inherit, never written to a file.
 
-- loopback: ``ray.init(_node_ip_address="127.0.0.1")`` alone does not bind loopback — Ray's Python layer maps
-  127.0.0.1 to the machine's address (``services.resolve_ip_for_localhost``) unless its local-only mode is on
-  (``ray_constants.ENABLE_RAY_CLUSTER`` False, the default on macOS/Windows; env
-  ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER``). With it, the node address is 127.0.0.1, and the GCS, the raylet, the
-  agents and every worker bind 127.0.0.1 (their gRPC servers listen on loopback when the node address is
-  127.0.0.1); the autoscaler's metrics port too;
-- a token: ``RAY_AUTH_MODE=token`` with a fresh random ``RAY_AUTH_TOKEN`` (32 bytes) in this process's environment,
-  which Ray's processes inherit; it is never written to a file (Ray's own default would create ~/.ray/auth_token);
-  an operator's ``RAY_AUTH_MODE=disabled`` does not apply to it.
-
-**Joined** (``--ray-address``): ``check_joined`` connects a throw-away GCS client *without* a token (a subprocess:
-Ray's auth mode is per process). The GCS refusing it (``AuthenticationError``) means the cluster requires tokens;
-grserve then needs the cluster's token the way Ray reads it (``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH`` or
-~/.ray/auth_token, with ``RAY_AUTH_MODE=token``). A cluster that accepts it is open: refused (``OpenRay``) unless
-``--allow-open-ray``, a warning when its GCS is on loopback (only this machine's users can reach it).
+Joined (``--ray-address``): ``check_joined`` connects a GCS client *without* a token (a subprocess: Ray's auth mode
+is per process); ``AuthenticationError`` means the cluster requires tokens. An open cluster is refused
+(``OpenRay``) unless ``--allow-open-ray``, or warned about when its GCS is on loopback.
 """
 
 from __future__ import annotations

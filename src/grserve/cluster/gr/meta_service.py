@@ -1,28 +1,13 @@
 """BAT's cache meta service for a ranking cluster's item KV (§5.1), placing it by HRCS (§5.2, Algorithm 1).
 
-It lives in the front end of ``serve ranking --instances N`` (``ClusterRankingEngine.item_kv``) and holds no KV:
-where each item's KV is (``wire.ItemPlacement``: a home worker per item, the hot items on every worker), the items'
-hotness (the candidates of every routed request, a decayed sliding window: ``kvcache/meta.py``) and the KV-cache
-worker actors (``kv_workers.py``, one per instance by default: BAT runs one inference and one KV-cache worker per
-node). What it does:
-
-- **start-up**: spawns the workers and places every registered item. With no history nothing is known to be hot,
-  so r = 0: each item on one home worker, round-robin. The instances compute the items' KV into the workers, the
-  work split over the live instances in chunks (each item computed once: the one engine's precompute); then the
-  placement goes to every instance (a broadcast, recorded: a restarted instance is sent it too);
-- **re-placement** every ``--hrcs-interval-s`` (``replace``): Algorithm 1 on what was served — F the items'
-  hotness, τ_u, τ_i and c the means of the routed requests, t ``--hrcs-prefill-s`` or the instances' forward seconds
-  per request, B ``--hrcs-link-gbps`` over the model's KV bytes per token. The hottest ⌈r·|F|⌉ items become the
-  replicated set: new replicas are copied worker to worker (the home's ``get`` result handed to the others'
-  ``put`` as a Ray object), the placement is sent, then the cooled replicas are dropped (homes never move);
-- **new and replaced items** (``POST /v1/items``, after their registry broadcast, ``update``): homes for the new
-  ones, the KV computed into every owner, the placement sent again (until then an instance computes a replaced
-  item inline: ``ClusterItemSource.forget``);
-- **a dead KV-cache worker** (its heartbeat, ``heartbeat.watch``; Ray reports a killed actor at once): a new actor
-  in its place, its items (shard and replicas) computed again by the instances, the placement sent with the new
-  actor. Meanwhile the instances compute those items inline (a miss), so no request fails.
-
-Every change holds the front end's state lock, so broadcasts and a restarted instance's catch-up never interleave.
+It lives in the front end of ``serve ranking --instances N`` (``ClusterRankingEngine.item_kv``) and holds no KV: the
+placement (``wire.ItemPlacement``), the items' hotness (the candidates of every routed request) and the KV-cache
+worker actors (``kv_workers.py``). It fills the workers at start-up (r = 0: no history, every item on one home
+worker; the instances compute the KV, split in chunks), re-places the hot items every ``--hrcs-interval-s``
+(``replace``: Algorithm 1 on what was served; replicas copied worker to worker; homes never move), places new and
+replaced items (``update``) and rebuilds a dead worker from the instances (``worker_down``); each new placement
+goes to every instance as a broadcast. Every change holds the front end's state lock, so broadcasts and a
+restarted instance's catch-up never interleave. docs/ranking.md, "HRCS", has the whole story.
 """
 
 from __future__ import annotations
@@ -125,8 +110,11 @@ class ItemKVMetaService:
             raise RuntimeError(f"no live instance computed the KV of {sum(map(len, chunks))} items")
 
     def update(self, item_ids: Sequence[int]) -> None:
-        """New or replaced items (already in every instance's registry): KV into their owners, placement sent."""
+        """New or replaced items (already in every instance's registry): KV into their owners, placement sent.
+        Before ``start`` (e.g. registrations replayed from a store) nothing: the start-up fill places them all."""
         with self.engine._state_lock:
+            if self.placed is None:
+                return
             self._place(place_new(self.placed.placement, item_ids), item_ids)
 
     def replace(self) -> float | None:
