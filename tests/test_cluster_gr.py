@@ -246,6 +246,43 @@ def test_killed_instances_restart_with_the_live_state(clusters, references):
     assert all(n > m for n, m in zip(rank.router.routed, before)), (before, rank.router.routed)
 
 
+def test_the_front_ends_store_reaches_every_instance_and_restarted_ones(clusters, references):
+    """Issue 25 item 5: the front end owns the state store (``--state-dir``). What it holds when the front end
+    restarts (``restore``; here on the running front ends) reaches every instance — a new and a replaced item as one
+    change, a catalog at its stored version — and, recorded in the broadcast log, instances restarted later too."""
+    from grserve.catalog import generate_catalog
+    from grserve.cluster.gr.instance import registry_digest
+    from grserve.state.store import StoredState
+
+    ret, rank = clusters
+    reg = rank.registry
+    free = min(reg.identifier(i) for i in reg.item_ids()) - 1
+    items = [(900, np.array([30, 31, free])), (1, np.array([40, 41, reg.identifier(1)]))]
+    catalog = generate_catalog(200, 3, 256, 3, 16)
+    catalog.version = 5
+    rank.restore(StoredState(items=items))
+    ret.restore(StoredState(catalog=catalog))
+
+    def instances_agree():
+        assert all(ray.get(inst.actor.info.remote()).registry == registry_digest(reg) for inst in rank.instances)
+        info = ray.get(ret.instances[0].actor.info.remote())
+        assert (info.catalog, info.catalog_version) == (catalog_digest(catalog), 5)
+
+    instances_agree()
+    assert ret.catalogs.current().version == 5 and reg.item_tokens(900).tolist() == [30, 31, free]
+    _kill(rank, 0)
+    _kill(ret, 0)
+    _wait(lambda: ret.counters["restarts"] == 2 and rank.counters["restarts"] == 2, timeout=300)
+    instances_agree()
+    ref, uid = references[1], reg.user_ids()[4]
+    ref.registry.update("item", items)
+    ref.runner.add_items([900])
+    req = RankingRequest(reg.user_tokens(uid), [reg.item_tokens(i) for i in (1, 900, 2)], user_id=uid,
+                         item_ids=[1, 900, 2], top_k=3)
+    _same_ranking(rank.submit(req).future.result(60),
+                  ref.submit(dataclasses.replace(req, request_id=req.request_id + "r")).future.result(60))
+
+
 def test_instances_flag_on_serve_and_serve_ranking():
     """``grserve serve --instances N`` (the default mode) and ``serve ranking --instances N`` carry the cluster flags
     that apply; the LLM-only ones are not offered."""

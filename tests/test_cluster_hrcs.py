@@ -136,6 +136,26 @@ def test_new_and_replaced_items_reach_the_workers(cluster, reference):
                           for k, u in enumerate(reg.user_ids()[:3])])
 
 
+def test_a_restored_store_reaches_the_workers(cluster, reference):
+    """A restarted front end's ``--state-dir`` replay (``restore``, after start-up): stored new and replaced items
+    reach the instances and their KV the workers (every candidate read from a worker), answers equal one engine's."""
+    from grserve.state.store import StoredState
+
+    eng, reg = cluster, cluster.registry
+    used = {int(reg.item_tokens(i)[-1]) for i in reg.item_ids()}
+    free = next(t for t in range(reg.vocab_size - 2, 0, -1) if t not in used)
+    new_id, old = max(reg.item_ids()) + 1, reg.item_ids()[40]
+    stored = [(new_id, np.asarray([21, 22, free], dtype=np.int64)),
+              (old, np.asarray([23, 24, 25, int(reg.item_tokens(old)[-1])], dtype=np.int64))]
+    eng.restore(StoredState(items=stored))
+    for key, tokens in stored:
+        reference.registry.add_item(key, tokens)
+    reference.runner.add_items([new_id])
+    assert any(new_id in s for s in _stored(eng))
+    _run(eng, reference, [_request(reg, u, [new_id, old] + reg.item_ids()[50:60], f"s{k}")
+                          for k, u in enumerate(reg.user_ids()[:3])])
+
+
 def test_a_killed_kv_cache_worker_is_rebuilt_and_no_request_fails(cluster, reference):
     eng, reg = cluster, cluster.registry
     victim = eng.item_kv.workers[0]

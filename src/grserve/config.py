@@ -135,6 +135,7 @@ class ServeConfig:
     reload: "CatalogReloadConfig" = field(default_factory=lambda: CatalogReloadConfig())
     accel: "AccelConfig" = field(default_factory=lambda: AccelConfig())  # defined at the end (GPU fast path)
     cluster: "ClusterConfig" = field(default_factory=lambda: ClusterConfig())  # --instances N (end of file)
+    state: "StateConfig" = field(default_factory=lambda: StateConfig())  # --state-dir (after the edge)
     beams: "BeamApiConfig" = field(default_factory=lambda: BeamApiConfig())  # the OpenAI beam routes
 
 
@@ -229,6 +230,7 @@ class RankingServeConfig:
     server: ServerConfig = field(default_factory=lambda: ServerConfig(port=8001))
     edge: "EdgeConfig" = field(default_factory=lambda: EdgeConfig())
     cluster: "ClusterConfig" = field(default_factory=lambda: ClusterConfig())  # --instances N (end of file)
+    state: "StateConfig" = field(default_factory=lambda: StateConfig())  # --state-dir (after the edge)
 
 
 # ---- LLM (Apt-Serve) -----------------------------------------------------------------------------------------
@@ -318,6 +320,20 @@ class CatalogReloadConfig(Checked):
                                         "applied) and answered 504", check=positive, metavar="S")
     reload_wait: float = flag(2.0, "seconds a reload waits for the one before it to end (then 429)",
                               check=non_negative, cli=False)
+
+
+def _not_empty(v: str | None) -> str | None:
+    return "must not be empty (leave it out for memory only)" if v is not None and not v.strip() else None
+
+
+@dataclass(frozen=True)
+class StateConfig(Checked):
+    """Where retrieval and ranking keep their admin writes across restarts (``state/store.py``, docs/security.md)."""
+
+    state_dir: str | None = flag(None, "directory of the SQLite store that keeps POST /v1/users, /v1/items and "
+                                       "/v1/catalog across restarts and kills, one server per directory (created "
+                                       "if missing; unset: memory only, a restart loses them)", check=_not_empty,
+                                 metavar="DIR")
 
 
 # ---- LLM OpenAI surface (issue 14) ------------------------------------------------------------------------------

@@ -382,6 +382,14 @@ def _header(catalog: Catalog) -> dict:
     return out
 
 
+def write_grcat(catalog: Catalog, f: BinaryIO) -> None:
+    """A catalog as ``.grcat`` bytes (its layout and SID text declared; rows in SID order) into ``f``."""
+    head = json.dumps({"depth": catalog.depth, "count": len(catalog), "sorted": True, **_header(catalog)}).encode()
+    f.write(MAGIC + _HLEN.pack(len(head)) + head)
+    f.write(catalog.item_ids.astype("<i8").tobytes())
+    f.write(catalog.sids.astype("<i4").tobytes())
+
+
 def save_catalog(catalog: Catalog, path) -> None:
     """Write a catalog as .jsonl, .csv, .json (an LC-Rec index; SID text needed) or .grcat (chosen by extension),
     its layout declared (its SID text too, which .csv cannot carry); rows in SID order."""
@@ -395,11 +403,8 @@ def save_catalog(catalog: Catalog, path) -> None:
     tmp = path.with_name(path.name + ".tmp")
     header = _header(catalog)
     if ext == ".grcat":
-        head = json.dumps({"depth": catalog.depth, "count": len(catalog), "sorted": True, **header}).encode()
         with open(tmp, "wb") as f:
-            f.write(MAGIC + _HLEN.pack(len(head)) + head)
-            f.write(catalog.item_ids.astype("<i8").tobytes())
-            f.write(catalog.sids.astype("<i4").tobytes())
+            write_grcat(catalog, f)
     elif ext == ".json":
         strings = [catalog.text.strings(level, catalog.sids[:, level]) for level in range(catalog.depth)]
         index = {str(i): [col[r] for col in strings] for r, i in enumerate(catalog.item_ids.tolist())}

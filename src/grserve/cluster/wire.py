@@ -205,7 +205,7 @@ class GRPoll:
 
 @dataclass(frozen=True)
 class CatalogReplace:
-    """Retrieval: serve ``catalog`` (a reload); ``version`` given only on a restarted instance's catch-up."""
+    """Retrieval: serve ``catalog`` (a reload) at the front end's ``version`` (None: the instance's next)."""
 
     catalog: Catalog
     version: int | None = None

@@ -20,13 +20,16 @@ A client names a file; it never gives a path. The reload is bounded at every ste
    cannot pile up more threads.
 
 The parse thread is a daemon and the route never outlives the deadline, so a stuck reload never keeps SIGTERM
-from stopping the server.
+from stopping the server. With a state store (``--state-dir``) the parsed catalog is committed there, at the
+version it will be served at, before it is swapped in and answered (500 ``state_write_failed``: the old catalog
+stays); swaps run one at a time.
 """
 
 from __future__ import annotations
 
 import asyncio
 import io
+import logging
 import os
 import re
 import stat
@@ -36,6 +39,7 @@ from typing import Any
 
 from grserve.config import CatalogReloadConfig
 from grserve.server.errors import ApiError
+from grserve.state.store import StateError, StateStore
 
 CATALOG_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}\.(jsonl|csv|json|grcat)")
 _POLL_S = 0.02
@@ -167,9 +171,11 @@ def load_for_serving(catalog_dir: str, name: str, served: Any, vocab_size: int, 
 class CatalogReloader:
     """Serialized, deadline-bounded reloads into an engine's ``CatalogStore`` (the module docstring)."""
 
-    def __init__(self, cfg: CatalogReloadConfig, catalogs: Any, vocab_size: int) -> None:
-        self.cfg, self.catalogs, self.vocab_size = cfg, catalogs, int(vocab_size)
+    def __init__(self, cfg: CatalogReloadConfig, catalogs: Any, vocab_size: int,
+                 store: StateStore | None = None) -> None:
+        self.cfg, self.catalogs, self.vocab_size, self.store = cfg, catalogs, int(vocab_size), store
         self._slot = threading.Lock()  # taken by the route, released by the parse thread when it really ends
+        self._swap = asyncio.Lock()  # stored and swapped in one at a time: the stored version is the served one
         self.abandoned = 0
 
     async def reload(self, name: str) -> Any:
@@ -194,11 +200,27 @@ class CatalogReloader:
             raise ApiError(504, f"the catalog reload took longer than {cfg.catalog_timeout:g} s "
                                 f"(--catalog-timeout); it was abandoned and the served catalog is unchanged", None,
                            "reload_timeout") from None
+        async with self._swap:  # only here: by the request that started it, within its deadline
+            version = self.catalogs.version + 1
+            if self.store is not None:
+                await self._store(catalog, version)
+            try:
+                self.catalogs.replace(catalog, version)
+            except ValueError as exc:
+                raise ApiError(400, f"catalog rejected: {exc}", "name", "catalog_incompatible") from None
+        return self.catalogs.current()
+
+    async def _store(self, catalog: Any, version: int) -> None:
         try:
-            self.catalogs.replace(catalog)  # only here: by the request that started it, within its deadline
+            catalog.layout.check_vocab(self.vocab_size)  # what replace() checks: never store what it would refuse
         except ValueError as exc:
             raise ApiError(400, f"catalog rejected: {exc}", "name", "catalog_incompatible") from None
-        return self.catalogs.current()
+        try:
+            await asyncio.to_thread(self.store.put_catalog, catalog, version)  # type: ignore[union-attr]
+        except StateError as exc:
+            logging.getLogger("grserve.server").error("%s", exc)
+            raise ApiError(500, "the catalog could not be stored; the served catalog is unchanged", None,
+                           "state_write_failed") from None
 
     async def _take_slot(self) -> None:
         loop = asyncio.get_running_loop()

@@ -10,12 +10,14 @@ from grserve.engine.protocol import RankingService
 from grserve.server.app import new_app
 from grserve.server.metrics import Metrics
 from grserve.server.ranking_routes import ADMIN_ROUTES, build_router
+from grserve.state.store import StateStore
 
 
 def create_ranking_app(engine: RankingService, limits: RankingLimits | None = None, metrics: Metrics | None = None,
-                       edge: EdgeConfig | None = None) -> FastAPI:
+                       edge: EdgeConfig | None = None, store: StateStore | None = None) -> FastAPI:
     """The ranking app around a started (or to-be-started) ranking engine or cluster front end (the
-    ``RankingService`` protocol); the caller owns start/stop."""
+    ``RankingService`` protocol); the caller owns start/stop. ``store``: where registrations are kept (memory only
+    without one)."""
     runner = engine.runner
     app = new_app(engine, metrics, title="grserve ranking",
                   description="GR ranking with Bipartite Attention (BAT): user + candidates in, ranked candidates out.",
@@ -24,5 +26,5 @@ def create_ranking_app(engine: RankingService, limits: RankingLimits | None = No
                                   "items": runner.registry.num_items, "vocab_size": runner.registry.vocab_size},
                   edge=edge, admin_routes=ADMIN_ROUTES, queued_routes=frozenset({("POST", "/v1/rank")}))
     engine.on_batch = app.state.metrics.on_batch
-    app.include_router(build_router(engine, limits or RankingLimits()))
+    app.include_router(build_router(engine, limits or RankingLimits(), store))
     return app

@@ -9,11 +9,15 @@ cached. Errors: the house convention (``server/errors.py``) — 404 ``unknown_us
 violations; 429 ``overloaded``. ``POST /v1/users`` and ``/v1/items`` change state: they need the admin key
 (``EdgeConfig.admin_api_key``; off while it is unset) and refuse, all or nothing, with 409 a registration past
 ``--max-users`` / ``--max-items`` (``too_many_users`` / ``too_many_items``) or an item whose identifier token is
-another item's (``identifier_collision``: both would always score the same).
+another item's (``identifier_collision``: both would always score the same). They run one at a time; with a state
+store (``--state-dir``) each is committed there before it is applied and answered (500 ``state_write_failed``:
+nothing was registered).
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from typing import Any
 
@@ -26,6 +30,7 @@ from grserve.engine.protocol import RankingService
 from grserve.engine.types import RankingRequest
 from grserve.ranking.registry import RegistryError
 from grserve.server.errors import ApiError
+from grserve.state.store import StateError, StateStore
 from grserve.server.lifecycle import finish, submit
 from grserve.server.validators import check_length, token_ids, unknown_ids
 from grserve.server.schemas import (
@@ -146,9 +151,22 @@ def _check_identifiers(items: list, reg: Any) -> None:
         batch[ident] = (it.item_id, k)
 
 
-def build_router(engine: RankingService, limits: RankingLimits) -> APIRouter:
-    """Routes around a ranking engine (``engine.registry``, ``engine.runner``)."""
+async def _durable(store: StateStore | None, kind: str, entries: list) -> None:
+    """Commit a registration to the state store (off the event loop) before it is applied; without a store, nothing."""
+    if store is None:
+        return
+    try:
+        await run_in_threadpool(store.put_registry, kind, [(getattr(e, f"{kind}_id"), e.tokens) for e in entries])
+    except StateError as exc:
+        logging.getLogger("grserve.server").error("%s", exc)
+        raise ApiError(500, f"{kind}s: the registration could not be stored; nothing was registered", None,
+                       "state_write_failed") from None
+
+
+def build_router(engine: RankingService, limits: RankingLimits, store: StateStore | None = None) -> APIRouter:
+    """Routes around a ranking engine (``engine.registry``, ``engine.runner``); ``store``: ``--state-dir``'s."""
     router = APIRouter()
+    writes = asyncio.Lock()  # registrations one at a time: checked, stored and applied against the same registry
 
     @router.post("/v1/rank", response_model=RankResponse, responses=_ERRORS)
     async def rank(body: RankRequest, request: Request) -> Any:
@@ -167,30 +185,34 @@ def build_router(engine: RankingService, limits: RankingLimits) -> APIRouter:
     async def register_users(body: UsersRequest) -> Any:
         """Admin: register or replace users (all or nothing)."""
         reg = engine.registry
-        _check_tokens(body.users, limits.max_profile_tokens, reg.vocab_size, "users", "user", "profile_too_long")
-        _check_registration([u.user_id for u in body.users], reg, reg.has_user, limits.max_users, "users", "user")
-        replaced = sum(reg.add_user(u.user_id, u.tokens) for u in body.users)
-        return RegisterResponse(registered=len(body.users), replaced=replaced, total=reg.num_users)
+        async with writes:
+            _check_tokens(body.users, limits.max_profile_tokens, reg.vocab_size, "users", "user", "profile_too_long")
+            _check_registration([u.user_id for u in body.users], reg, reg.has_user, limits.max_users, "users", "user")
+            await _durable(store, "user", body.users)
+            replaced = sum(reg.add_user(u.user_id, u.tokens) for u in body.users)
+            return RegisterResponse(registered=len(body.users), replaced=replaced, total=reg.num_users)
 
     @router.post("/v1/items", response_model=RegisterResponse, responses=_ADMIN_ERRORS)
     async def register_items(body: ItemsRequest) -> Any:
         """Admin: register or replace items (all or nothing); their KV is precomputed."""
         reg = engine.registry
-        _check_tokens(body.items, limits.max_item_tokens, reg.vocab_size, "items", "item", "item_too_long")
-        _check_registration([i.item_id for i in body.items], reg, reg.has_item, limits.max_items, "items", "item")
-        _check_identifiers(body.items, reg)
-        new, replaced = [], 0
-        for it in body.items:
-            try:
-                known = reg.has_item(it.item_id)
-                replaced += reg.add_item(it.item_id, it.tokens)  # a change re-precomputes that item's KV
-            except RegistryError as e:  # pragma: no cover - validated above
-                raise ApiError(400, str(e), "items", "invalid_item") from None
-            if not known:
-                new.append(it.item_id)
-        if new:
-            await run_in_threadpool(engine.runner.add_items, new)  # precompute their KV (item-as-prefix)
-        return RegisterResponse(registered=len(body.items), replaced=replaced, total=reg.num_items)
+        async with writes:
+            _check_tokens(body.items, limits.max_item_tokens, reg.vocab_size, "items", "item", "item_too_long")
+            _check_registration([i.item_id for i in body.items], reg, reg.has_item, limits.max_items, "items", "item")
+            _check_identifiers(body.items, reg)
+            await _durable(store, "item", body.items)
+            new, replaced = [], 0
+            for it in body.items:
+                try:
+                    known = reg.has_item(it.item_id)
+                    replaced += reg.add_item(it.item_id, it.tokens)  # a change re-precomputes that item's KV
+                except RegistryError as e:  # pragma: no cover - validated above
+                    raise ApiError(400, str(e), "items", "invalid_item") from None
+                if not known:
+                    new.append(it.item_id)
+            if new:
+                await run_in_threadpool(engine.runner.add_items, new)  # precompute their KV (item-as-prefix)
+            return RegisterResponse(registered=len(body.items), replaced=replaced, total=reg.num_items)
 
     @router.get("/v1/ranking/stats")
     async def stats() -> Any:

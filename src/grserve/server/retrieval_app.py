@@ -36,6 +36,7 @@ from grserve.server.schemas import (
     Timing,
 )
 from grserve.server.validators import INT64_MAX, INT64_MIN, check_length, int64_in_range, token_ids, unknown_ids
+from grserve.state.store import StateStore
 
 log = logging.getLogger("grserve.server")
 _ERRORS: dict[int | str, dict[str, Any]] = {k: {} for k in (400, 401, 404, 413, 415, 422, 429, 500, 503)}
@@ -170,9 +171,11 @@ def excluded_items(body: RecommendRequest, server_cfg: ServerConfig) -> np.ndarr
 # ----------------------------------------------------------------------------------------------------------
 def create_app(engine: RetrievalService, server_cfg: ServerConfig, metrics: Metrics | None = None,
                edge: EdgeConfig | None = None, reload: CatalogReloadConfig | None = None,
-               beams: BeamApiConfig | None = None, model_name: str = "grserve") -> FastAPI:
+               beams: BeamApiConfig | None = None, model_name: str = "grserve",
+               store: StateStore | None = None) -> FastAPI:
     """The retrieval app around a started (or to-be-started) retrieval engine or cluster front end (the
-    ``RetrievalService`` protocol); the caller owns start/stop. ``model_name``: the id the OpenAI routes serve."""
+    ``RetrievalService`` protocol); the caller owns start/stop. ``model_name``: the id the OpenAI routes serve;
+    ``store``: where reloads are kept (memory only without one)."""
     from grserve.server.openai_beams import OPENAI_BEAM_PATHS, BeamContext, create_beam_router
 
     queued = frozenset({("POST", "/v1/recommend"), ("POST", "/v1/chat/completions"), ("POST", "/v1/completions")})
@@ -183,7 +186,7 @@ def create_app(engine: RetrievalService, server_cfg: ServerConfig, metrics: Metr
                   edge=edge, admin_routes=ADMIN_ROUTES, queued_routes=queued, openai_paths=OPENAI_BEAM_PATHS)
     metrics = app.state.metrics
     app.state.server_cfg = server_cfg
-    reloader = CatalogReloader(reload or CatalogReloadConfig(), engine.catalogs, int(engine.vocab_size))
+    reloader = CatalogReloader(reload or CatalogReloadConfig(), engine.catalogs, int(engine.vocab_size), store)
     app.state.reloader = reloader
     beam_ctx = BeamContext(engine, server_cfg, beams or BeamApiConfig(), model_name, metrics)
     app.include_router(create_beam_router(beam_ctx))

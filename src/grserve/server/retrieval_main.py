@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import TYPE_CHECKING
 
 from grserve.config import (
     AccelConfig,
@@ -21,9 +22,13 @@ from grserve.config import (
     SearchConfig,
     ServeConfig,
     ServerConfig,
+    StateConfig,
 )
 from grserve.flags import UsageError, add_flags, command_parser, from_args
 from grserve.server.startup import add_edge_flags, check_catalog_dir, check_model, edge_from_args
+
+if TYPE_CHECKING:
+    from grserve.state.store import StateStore, StoredState
 
 # ClusterConfig flags of the LLM cluster that retrieval/ranking instances have no use for (no prefix blocks, no
 # decode phase, no KV snapshots: a request is recomputed when its instance dies)
@@ -41,6 +46,7 @@ def add_command(sub) -> None:
     add_flags(p, d.server, title="HTTP")
     add_edge_flags(p, reload=True)
     add_flags(p, d.beams, title="OpenAI beam routes (docs/serving-gr-models.md)")
+    add_flags(p, d.state, title="state across restarts (docs/security.md)")
     add_flags(p, d.accel, title="accelerator (docs/gpu.md)")
     add_flags(p, ClusterConfig, title="cluster (several instances on Ray; docs/cluster.md)", skip=GR_CLUSTER_SKIP)
     p.set_defaults(handler=lambda ns: run(config_from_args(ns)))
@@ -59,6 +65,7 @@ def config_from_args(ns: argparse.Namespace) -> ServeConfig:
         reload=from_args(CatalogReloadConfig, ns),
         accel=from_args(AccelConfig, ns),
         cluster=from_args(ClusterConfig, ns),
+        state=from_args(StateConfig, ns),
         beams=from_args(BeamApiConfig, ns),
     )
 
@@ -68,8 +75,11 @@ def run(cfg: ServeConfig) -> int:
         raise UsageError(f"catalog file not found: {cfg.catalog.path}")
     check_model(cfg.model)
     check_catalog_dir(cfg.reload)
+    from grserve.state.store import open_state, restore_catalog, state_line
+
+    store, stored = open_state(cfg.state.state_dir, "retrieval")  # before anything heavy: a locked dir fails fast
     if cfg.cluster.instances > 1 or cfg.cluster.ray_address:
-        return run_cluster(cfg)
+        return run_cluster(cfg, store, stored)
 
     from grserve.engine.retrieval_engine import RetrievalEngine
     from grserve.server.serving import serve_until_exit
@@ -78,9 +88,11 @@ def run(cfg: ServeConfig) -> int:
     metrics = Metrics()
     try:
         engine = RetrievalEngine.build(cfg, on_batch=metrics.on_batch)
+        restore_catalog(engine.catalogs, stored.catalog)
     except (ValueError, KeyError, OSError) as exc:  # CatalogError is a ValueError: bad file, vocab mismatch...
         raise _usage_error(exc) from None
-    app = create_app_for(engine, cfg, metrics)
+    app = create_app_for(engine, cfg, metrics, store)
+    print(f"grserve: {state_line(store, stored)}", flush=True)
     cat = engine.catalogs.current()
     print_layout(engine)
     print(f"grserve: model {cfg.model.source} ({cfg.model.dtype}, {cfg.model.device}), catalog {len(cat):,} items "
@@ -100,16 +112,18 @@ def _url(server) -> str:
     return f"http://{host}:{server.port}"
 
 
-def run_cluster(cfg: ServeConfig) -> int:
-    """``--instances N`` (or ``--ray-address``): N retrieval engine actors on Ray behind this front end."""
+def run_cluster(cfg: ServeConfig, store: StateStore | None, stored: StoredState) -> int:
+    """``--instances N`` (or ``--ray-address``): N retrieval engine actors on Ray behind this front end, which owns
+    the state store: the instances are sent what it holds once started (and again when one is restarted)."""
     from grserve.cluster.gr.modes import ClusterRetrievalEngine
     from grserve.server.serving import serve_until_exit
+    from grserve.state.store import state_line
 
     try:
         engine = ClusterRetrievalEngine.launch(cfg, cfg.cluster)
     except (ValueError, KeyError, OSError) as exc:
         raise _usage_error(exc) from None
-    app = cluster_app(engine, lambda m: create_app_for(engine, cfg, m))
+    app = cluster_app(engine, lambda m: create_app_for(engine, cfg, m, store))
     cat = engine.catalogs.current()
     print_layout(engine)
     for line in engine.describe():
@@ -118,7 +132,21 @@ def run_cluster(cfg: ServeConfig) -> int:
           f"instances, catalog {len(cat):,} items, default beam width {cfg.search.beam_width} "
           f"-> {_url(cfg.server)}", flush=True)
     engine.start()
+    restore_started(engine, stored)
+    print(f"grserve: {state_line(store, stored)}", flush=True)
     return serve_until_exit(app, cfg.server.host, cfg.server.port, cfg.server.log_level, engine.stop)
+
+
+def restore_started(engine, stored: StoredState) -> None:
+    """The front end's store replayed on a started cluster (``engine.restore``): an instance that fails to apply it
+    is fenced and restarted with it. A store that does not fit the served model stops the engine (usage error)."""
+    try:
+        engine.restore(stored)
+    except BaseException as exc:
+        engine.stop()
+        if isinstance(exc, ValueError):
+            raise _usage_error(exc) from None
+        raise
 
 
 def served_model_name(cfg: ServeConfig) -> str:
@@ -134,10 +162,10 @@ def print_layout(engine) -> None:
     print(f"grserve: SID layout: {engine.catalogs.current().layout.describe()}", flush=True)
 
 
-def create_app_for(engine, cfg: ServeConfig, metrics):
+def create_app_for(engine, cfg: ServeConfig, metrics, store: StateStore | None = None):
     from grserve.server.retrieval_app import create_app
 
-    return create_app(engine, cfg.server, metrics, cfg.edge, cfg.reload, cfg.beams, served_model_name(cfg))
+    return create_app(engine, cfg.server, metrics, cfg.edge, cfg.reload, cfg.beams, served_model_name(cfg), store)
 
 
 def cluster_app(engine, make_app):

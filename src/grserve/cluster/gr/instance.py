@@ -215,18 +215,14 @@ class GRInstance:
         return n
 
     def _update(self, change: RegistryUpdate) -> int:
+        """One change (items may hand identifiers over among themselves: a restored front end's replay); a replaced
+        item's KV is re-precomputed (the runner's registry listener), a new item's computed here."""
         runner = self.engine.runner
-        reg = runner.registry
+        new = runner.registry.update(change.kind, change.entries)
         if change.kind == "user":
-            for uid, tokens in change.entries:
-                reg.add_user(uid, tokens)
+            for uid, _ in change.entries:
                 runner._invalidate("user", int(uid))  # also when this registry did not know the user yet
             return len(change.entries)
-        new = []
-        for iid, tokens in change.entries:
-            if not reg.has_item(iid):
-                new.append(int(iid))
-            reg.add_item(iid, tokens)  # a replaced item: the runner re-precomputes its KV (registry listener)
         return runner.add_items(new) if new else len(change.entries)
 
     async def compute_items(self, item_ids: list[int], placed: ItemPlacement) -> int:

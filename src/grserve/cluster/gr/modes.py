@@ -11,8 +11,12 @@ app reads from an engine:
   registry's change listener) and new items reach every instance before the admin route answers; a new user needs
   nothing there (a request carries the user's tokens; the user's KV is admitted where the request runs). The item
   KV lives on KV-cache workers placed by HRCS (``item_kv``, ``meta_service.py``) unless ``--kv-cache-workers 0``
-  (then every instance precomputes the whole item pool). Replaying stored registrations (``registry.add_item`` /
-  ``add_user``, then ``runner.add_items`` for new items) takes the same path as the admin routes.
+  (then every instance precomputes the whole item pool).
+
+The front end owns the state store (``--state-dir``, ``state/store.py``: the routes commit every admin write there
+before applying it); a restarted front end's ``restore`` replays it on its own state and broadcasts it to the
+instances, which records it in the broadcast log, so an instance restarted later is caught up with it too; the
+restored items' KV is then computed into the KV-cache workers like a registration's.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from grserve.cluster.gr.instance import catalog_digest, registry_digest
 from grserve.cluster.gr.kv_workers import kv_cache_workers
 from grserve.cluster.gr.meta_service import ItemKVMetaService
 from grserve.cluster.wire import CatalogReplace, GRInstanceInfo, RegistryUpdate
+from grserve.state.store import StoredState, restore_catalog, restore_registry
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -71,10 +76,10 @@ class BroadcastCatalogStore(CatalogStore):
         super().__init__(catalog, vocab_size=vocab_size)
         self._engine = engine
 
-    def replace(self, new: Catalog) -> int:
-        version = super().replace(new)
+    def replace(self, new: Catalog, version: int | None = None) -> int:
+        version = super().replace(new, version)
         if self._engine is not None:
-            versions = self._engine.broadcast(CatalogReplace(new))
+            versions = self._engine.broadcast(CatalogReplace(new, version))
             if any(v != version for v in versions):
                 log.warning("catalog versions disagree after a reload: front end %d, instances %s", version, versions)
         return version
@@ -103,6 +108,11 @@ class ClusterRetrievalEngine(_Launch, ClusterGREngine):
                 raise ValueError(f"instance {info.index} serves another catalog than the front end (fingerprint "
                                  f"{info.catalog} version {info.catalog_version} vs {catalog_digest(cat)} version "
                                  f"{cat.version}): the catalog flags must name the same catalog on every node")
+
+    def restore(self, state: StoredState) -> None:
+        """The front end's store after a restart of the front end: the stored catalog at its version, here and on
+        every instance (recorded: an instance restarted later is sent it too)."""
+        restore_catalog(self.catalogs, state.catalog)
 
     def health_detail(self) -> dict[str, int | str]:
         return {"catalog_version": self.catalogs.current().version}
@@ -180,6 +190,19 @@ class ClusterRankingEngine(_Launch, ClusterGREngine):
     @property
     def registry(self) -> RankingRegistry:
         return self.runner.registry
+
+    def restore(self, state: StoredState) -> None:
+        """The front end's store after a restart of the front end: replayed on its registry, then broadcast as one
+        change per kind (recorded: an instance restarted later is sent it too). New users stay here, as when they
+        were registered (a request carries the user's tokens); replaced ones reach the instances."""
+        reg = self.registry
+        users = [(key, tokens) for key, tokens in state.users if reg.has_user(key)]
+        restore_registry(reg, state)
+        for kind, entries in (("user", users), ("item", state.items)):
+            if entries:
+                self.broadcast(RegistryUpdate(kind, tuple(entries)))  # type: ignore[arg-type]
+        if self.item_kv is not None and state.items:
+            self.item_kv.update([int(key) for key, _ in state.items])
 
     def _changed(self, kind: str, key: int) -> None:
         """The front end's registry replaced a user's or an item's tokens: every instance follows."""
