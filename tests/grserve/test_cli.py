@@ -191,7 +191,7 @@ OLD_FLAGS = {
     ("bench", "cache"): "--traces --noise --policies --no-learned --quick --out-dir --laru-decay --async-batch --seed",
     ("bench", "ranking"): "--model --dtype --scale --full-scale --users --items --threads --user-cache-frac "
                           "--user-cache-mb --window-s --batch --page-size --systems --kv-workers --alpha --link-gbps "
-                          "--hrcs-prefill-s --hrcs-kv-bytes-per-token --ray --seed",
+                          "--hrcs-prefill-s --hrcs-kv-bytes-per-token --instances --seed",
     ("bench", "serve"): "--quick --simulate --dataset --systems --model --num-requests --rates --refine --cv --scale "
                         "--mem-requests --ttft-mult --tbt-mult --block-size --no-decode-bench --decode-only "
                         "--prefix-only --decode-repeats --threads --seed --out-dir",

@@ -1,5 +1,5 @@
-"""HRCS (BAT §5.2, Algorithm 1), placements, re-replication, and KV-cache workers — in process and as Ray
-actors (skipped only when ray cannot be imported)."""
+"""HRCS (BAT §5.2, Algorithm 1), the placement and its re-placement, and a KV-cache worker's store — without Ray
+(the served placement on Ray: ``test_cluster_hrcs.py``)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from grserve.cluster.gr.hrcs import (ReReplicator, compute_replication_ratio, hash_placement, hrcs_placement,
-                                  max_comm_ratio, replicate_placement)
-from grserve.cluster.gr.kv_workers import ClusterItemSource, make_meta_service, start_workers, stop_workers
-from grserve.kvcache.item_pool import ItemKVPool
-from grserve.kvcache.paged import PagedKVStore
+import asyncio
+
+from grserve.cluster.gr.hrcs import compute_replication_ratio, hrcs_placement, max_comm_ratio, place_new, replicate
+from grserve.cluster.gr.kv_workers import KVCacheWorker, item_kv
+from grserve_bench.hrcs_compare import hash_placement, replicate_placement
 
 L, H, D, PS = 2, 2, 4, 4
 
@@ -54,78 +54,29 @@ def test_placements_cover_every_item():
     assert hash_placement(items, 3).owners(7) == frozenset({1})
 
 
-def _pool(n_items=30, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    pool = ItemKVPool(PagedKVStore(L, H, D, num_pages=200, page_size=PS))
-    lens = {}
-    for i in range(n_items):
-        lens[i] = 2 + i % 7
-        pool.put(i, torch.randn(L, 2, lens[i], H, D, generator=g))
-    return pool, lens
-
-
-def _check_source(use_ray: bool):
-    pool, lens = _pool()
-    bpt = pool.store.bytes_per_token
+def test_replacement_keeps_homes_and_moves_only_the_hot_set():
     items = list(range(30))
-    for placement in (hrcs_placement(items, {i: -i for i in items}, 0.2, 2), hash_placement(items, 2),
-                      replicate_placement(items, 2)):
-        handles = start_workers(placement, pool, use_ray=use_ray)
-        try:
-            src = ClusterItemSource(0, handles, placement)
-            req = [3, 17, 8, 25, 0, 11]
-            kv, hits = src.fetch(req)
-            assert all(hits)
-            # same multiset of token KV as the local pool (order within the concat is irrelevant to attention)
-            ref = pool.store.get_concat(req)
-            key = lambda t: t.permute(2, 0, 1, 3, 4).reshape(t.shape[2], -1)  # noqa: E731
-            assert torch.equal(torch.sort(key(kv), dim=0).values, torch.sort(key(ref), dim=0).values)
-            remote = [i for i in req if 0 not in placement.owners(i)]
-            assert src.bytes_moved == sum(lens[i] for i in remote) * bpt
-            if placement.name == "replicate":
-                assert src.bytes_moved == 0
-        finally:
-            stop_workers(handles)
+    p = hrcs_placement(items, {i: -i for i in items}, 0.1, 3)  # 0, 1, 2 replicated
+    q = replicate(p, {i: float(i) for i in items}, 0.1)  # hotness flips: 29, 28, 27 are now the hottest
+    assert q.replicated == {27, 28, 29} and q.home == p.home and p.replicated == {0, 1, 2}
+    assert replicate(p, {}, 0.0).replicated == set()
+    r = place_new(q, [30, 31, 5])  # new items go to the workers with the fewest homes; known ones keep theirs
+    counts = [sum(1 for w in p.home.values() if w == k) for k in range(3)]
+    assert r.home[5] == p.home[5] and {r.home[30], r.home[31]} <= {k for k in range(3) if counts[k] == min(counts)}
+    assert r.replicated == q.replicated and 30 not in q.home
 
 
-def test_cluster_item_source_in_process():
-    _check_source(use_ray=False)
-
-
-def test_rereplication_follows_hotness():
-    pool, lens = _pool()
-    items = list(range(30))
-    p = hrcs_placement(items, {i: -i for i in items}, 0.1, 3)  # replicate items 0, 1, 2
-    handles = start_workers(p, pool)
-    rr = ReReplicator(p, handles)
-    add, drop = rr.step({i: float(i) for i in items})  # hotness flips: 29, 28, 27 are now hottest
-    assert add == {27, 28, 29} and drop == {0, 1, 2} and p.replicated == {27, 28, 29}
-    for w, h in enumerate(handles):
-        assert all(h.call("has", [27, 28, 29]))
-        assert h.call("has", [0]) == [p.home[0] == w]
-    assert rr.bytes_moved == sum(lens[i] for i in (27, 28, 29)) * 2 * pool.store.bytes_per_token
-    src = ClusterItemSource(1, handles, p)
-    kv, _ = src.fetch([27])
-    assert torch.equal(kv, pool.get(27)) and src.bytes_moved == 0  # now local everywhere
-
-
-# ---------------------------------------------------------------------------------------------------------
-ray = pytest.importorskip("ray")
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
-    yield
-    ray.shutdown()
-
-
-def test_ray_workers_and_meta_service(ray_cluster):
-    _check_source(use_ray=True)
-    meta = make_meta_service(True, user_window_s=10.0)
-    assert meta.call("record_request", 1, [5, 6], 0.0) == 0.0
-    assert meta.call("record_request", 1, [5], 0.0) == 1.0
-    assert meta.call("item_frequencies", 0.0) == {5: 2.0, 6: 1.0}
-    meta.call("set_item_locations", {5: [0, 1]})
-    assert meta.call("item_locations", [5, 9]) == [frozenset({0, 1}), frozenset()]
-    ray.kill(meta.actor)
+def test_kv_cache_worker_stores_items_and_grows():
+    g = torch.Generator().manual_seed(0)
+    kvs = {i: torch.randn(L, 2, 2 + i % 7, H, D, generator=g) for i in range(40)}
+    w = KVCacheWorker(0, page_size=PS)
+    run = asyncio.run
+    assert run(w.put(item_kv(list(kvs.items())[:10]))) == 10
+    assert run(w.put(item_kv(list(kvs.items())[10:]))) == 30  # more than the first pool held: it grew
+    ans = run(w.get([3, 99, 17, 0]))  # only what it holds, in the order asked
+    assert ans.item_ids == (3, 17, 0) and ans.lengths == tuple(kvs[i].shape[2] for i in (3, 17, 0))
+    assert torch.equal(ans.kv, torch.cat([kvs[i] for i in (3, 17, 0)], dim=2))
+    assert run(w.drop([3, 99])) == 1 and run(w.get([3])).item_ids == ()
+    st = run(w.poll(0)).stats
+    pages = sum(-(-kvs[i].shape[2] // PS) for i in kvs if i != 3)
+    assert st["items"] == 39 and st["stored_bytes"] == pages * w.store.bytes_per_page
