@@ -143,7 +143,7 @@ def test_http_app_and_metrics(cluster, cfg):
                  "grserve_cluster_kv_index_blocks", "grserve_llm_running"):
         assert name in text
     for phase in ("queue", "prefill", "decode"):  # the instances' engine phases (before: empty in cluster mode)
-        assert f'grserve_llm_request_{phase}_time_seconds_count{{model_name="m"}} 1.0' in text, phase
+        assert f'grserve_llm_request_{phase}_time_seconds_count{{model_name="m"}} 3.0' in text, phase
 
 
 def _moved_enough(cluster, h) -> bool:
