@@ -46,7 +46,7 @@ def declared_commands() -> dict[str, EntryPoint]:
 def _use_declared_commands() -> None:
     """The tests run this source tree; an install made from an older tree (an editable install made before the lab
     package existed) lacks its entry points, so the command line the tests drive loads the declared ones. A fresh
-    ``make install`` registers them itself (tests/test_cli.py checks both)."""
+    ``make install`` registers them itself (tests/grserve/test_cli.py checks both)."""
     from grserve import cli
 
     declared = declared_commands()

@@ -221,6 +221,23 @@ class RankingLimits(Checked):
 
 
 @dataclass(frozen=True)
+class HRCSConfig(Checked):
+    """``serve ranking --instances N``: the item KV on KV-cache workers, placed by BAT's HRCS (docs/ranking.md)."""
+
+    kv_cache_workers: int | None = flag(None, "KV-cache workers holding the item KV (hot items replicated, the rest "
+                                              "sharded; default: one per instance); 0: every instance precomputes "
+                                              "the whole item pool", check=non_negative)
+    hrcs_alpha: float = flag(0.1, "HRCS: tolerable item-KV transfer time as a fraction of the prefill time",
+                             check=non_negative)
+    hrcs_link_gbps: float = flag(10.0, "HRCS: bandwidth between instances and KV-cache workers (Gbps)",
+                                 check=positive)
+    hrcs_prefill_s: float | None = flag(None, "HRCS: prefill seconds per request t (default: measured from the "
+                                              "instances' batches)", check=non_negative)
+    hrcs_interval_s: float = flag(300.0, "seconds between re-placements of the hot items from the items' hotness "
+                                         "(0: never)", check=non_negative)
+
+
+@dataclass(frozen=True)
 class RankingServeConfig:
     """``grserve serve ranking``."""
 
@@ -228,6 +245,7 @@ class RankingServeConfig:
     ranking: RankingConfig = field(default_factory=RankingConfig)
     data: RankingDataConfig = field(default_factory=RankingDataConfig)
     limits: RankingLimits = field(default_factory=RankingLimits)
+    hrcs: HRCSConfig = field(default_factory=HRCSConfig)
     server: ServerConfig = field(default_factory=lambda: ServerConfig(port=8001))
     edge: "EdgeConfig" = field(default_factory=lambda: EdgeConfig())
     cluster: "ClusterConfig" = field(default_factory=lambda: ClusterConfig())  # --instances N (end of file)
@@ -404,7 +422,10 @@ class ClusterConfig(Checked):
     instances: int = flag(1, "engine instances; above 1 each runs in its own Ray actor behind this front end",
                           check=positive_int)
     ray_address: str | None = flag(None, "an existing Ray cluster to join (default: grserve starts a local Ray "
-                                         "with no dashboard)", metavar="ADDR")
+                                         "on 127.0.0.1 that requires a token)", metavar="ADDR")
+    allow_open_ray: bool = flag(False, "join a --ray-address cluster off this machine that accepts clients "
+                                       "without a token (refused by default: anyone reaching it runs code in it)")
+    ray_dashboard: bool = flag(False, "start Ray's dashboard with the local Ray (on 127.0.0.1; needs ray[default])")
     routing: str = flag("kv", "routing policy: kv (cached prefix blocks + booked load), least_loaded, "
                               "round_robin", choices=ROUTING_POLICIES)
     kv_block_size: int = flag(16, "tokens per block of the global KV index's chained block hashes",

@@ -11,8 +11,11 @@ shrinks profile lengths only (changes the user/item token ratio: for quick runs,
 user-cache budget defaults to a fraction of the distinct users' KV (``--user-cache-frac``), so it binds.
 Timing: ``--threads`` intra-op threads (default 1) and each system's busy time is measured both as wall time
 and as this process's CPU time (``time.process_time``); the headline speedups use CPU time, which on a shared
-machine is not inflated by other jobs' load (the wall-time speedups are reported beside them). ``--kv-workers N`` (N ≥ 2) adds the cluster comparison: bytes of
-item KV moved under HRCS vs full replication vs hash sharding (``grserve.cluster``).
+machine is not inflated by other jobs' load (the wall-time speedups are reported beside them). ``--kv-workers N``
+(N ≥ 2) adds the placement comparison: bytes of item KV moved under HRCS vs full replication vs hash sharding,
+counted from the placements (``hrcs_compare.py``). ``--instances N`` (N ≥ 2) runs the trace on a served ranking
+cluster instead — N instances, N KV-cache workers, HRCS — and reports item-KV memory per instance against full
+replication and the fetch cost (``ranking_cluster.py``).
 
 The last output line is one JSON object: ``speedup_vs_up``, ``speedup_vs_recompute``, ``cached_token_fraction``
 (BAT), per-system summaries, the workload statistics.
@@ -63,7 +66,9 @@ class RankingBenchConfig(Checked):
                                                      "(default: this model's); e.g. 28672 for Qwen2-1.5B fp16 (bytes "
                                                      "moved are still this model's real tensors)",
                                                check=positive_int)
-    ray: bool = flag(False, "cluster mode with Ray actors (default: in-process workers)")
+    instances: int = flag(0, "N >= 2: serve the trace on a ranking cluster of N instances with the item KV on N "
+                             "KV-cache workers (HRCS) instead of the in-process systems: item-KV memory per instance "
+                             "vs full replication, fetch cost", check=non_negative)
     seed: int = flag(0, "seed of the weights and the trace", check=non_negative)
 
 
@@ -76,10 +81,8 @@ def add_command(sub) -> None:
 def run(a: RankingBenchConfig) -> int:
     import torch
     from rich.console import Console
-    from rich.table import Table
-    from tqdm import tqdm
 
-    from grserve.engine.ranking_runner import RankingRequest, RankingRunner, _kv_store, precompute_item_kv
+    from grserve.engine.ranking_runner import _kv_store, precompute_item_kv
     from grserve.kvcache.item_pool import ItemKVPool
     from grserve.model import load_model
     from grserve.ranking.workload import WorkloadSpec
@@ -88,6 +91,13 @@ def run(a: RankingBenchConfig) -> int:
     scale = 1.0 if a.full_scale else a.scale
     systems = split_commas(a.systems)
     console = Console(stderr=False)
+    if a.instances >= 2:
+        from grserve_bench.ranking_cluster import print_cluster, run_cluster
+
+        served = run_cluster(a)
+        print_cluster(console, served)
+        print(json.dumps({"cluster_served": served}))
+        return 0
     torch.manual_seed(a.seed)
     torch.set_num_threads(a.threads)
     model = load_model(a.model, dtype=a.dtype, seed=a.seed)
@@ -95,7 +105,8 @@ def run(a: RankingBenchConfig) -> int:
     reg, trace, wstats = generate_workload(spec, model.spec.vocab_size)
     bpt = model.spec.kv_bytes_per_token(torch.empty(0, dtype=model.dtype).element_size())
     distinct_user_bytes = sum(len(reg.user_tokens(u)) for u in {r.user_id for r in trace}) * bpt
-    budget = int(a.user_cache_mb * 2**20) if a.user_cache_mb is not None else int(a.user_cache_frac * distinct_user_bytes)
+    budget = int(a.user_cache_mb * 2**20) if a.user_cache_mb is not None else \
+        int(a.user_cache_frac * distinct_user_bytes)
 
     # the item-KV pool, precomputed once offline and shared (read-only) by every system
     t0 = time.perf_counter()
@@ -105,6 +116,83 @@ def run(a: RankingBenchConfig) -> int:
     print(f"precomputing the item KV pool: {reg.num_items} items, {item_tokens} tokens", file=sys.stderr)
     precompute_item_kv(model, [(i, reg.item_tokens(i)) for i in reg.item_ids()], pool.put, progress=True)
     precompute_s = time.perf_counter() - t0
+
+    summ, wall = _run_systems(model, reg, trace, pool, systems, a, budget)
+    reqs = trace  # one request per trace entry
+    _print_systems(console, summ, f"BAT ranking bench — {len(reqs)} requests, scale {scale}, {a.threads} thread(s), "
+                   f"user cache {budget / 2**20:.1f} MiB ({budget / max(distinct_user_bytes, 1):.0%} of distinct "
+                   "users' KV)")
+    console.print(f"cacheable ceiling of this trace (unbounded user cache, every request its larger prefix): "
+                  f"{wstats['cacheable_share_ceiling']:.3f} of user + item tokens")
+
+    out = {
+        "scale": scale, "requests": len(reqs), "batch": a.batch, "threads": a.threads, "timing": "process_cpu",
+        "user_cache_bytes": budget,
+        "user_cache_fraction_of_distinct_users": budget / max(distinct_user_bytes, 1),
+        "item_pool_bytes": pool.used_bytes, "precompute_s": precompute_s, "kv_bytes_per_token": bpt,
+        "workload": wstats,
+    }
+    out.update(_headline(summ))
+    out["systems"] = {s: {k: v for k, v in summ[s].items()} for s in systems}
+    if a.kv_workers >= 2:
+        from grserve_bench.hrcs_compare import compare_placements, print_placements
+
+        measured = wall.get("item_prefix", 0) / max(len(reqs), 1)
+        if a.hrcs_prefill_s is None and not measured:
+            print("grserve bench ranking: note: item_prefix was not run, so HRCS's prefill time t is 0 "
+                  "(everything replicated); pass --hrcs-prefill-s", file=sys.stderr)
+        cl = compare_placements(trace, reg, pool, workers=a.kv_workers, alpha=a.alpha, link_gbps=a.link_gbps,
+                                kv_bytes_per_token=a.hrcs_kv_bytes_per_token or bpt,
+                                prefill_s=a.hrcs_prefill_s if a.hrcs_prefill_s is not None else measured)
+        out["cluster"] = cl
+        print_placements(console, cl)
+    print(json.dumps(out))
+    return 0
+
+
+def _print_systems(console, summ: dict, title: str) -> None:
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in ("system", "req/CPU-s", "req/wall-s", "speedup vs UP", "computed frac", "cached frac", "user hit",
+                "item hit", "UP share", "evictions"):
+        table.add_column(col, justify="right")
+    base_up = summ.get("user_prefix", {}).get("throughput_rps")
+    for s, st in summ.items():
+        table.add_row(LABELS[s], f"{st['throughput_rps']:.3f}", f"{st['throughput_wall_rps']:.3f}",
+                      f"{st['throughput_rps'] / base_up:.2f}x" if base_up else "-",
+                      f"{st['computed_token_fraction']:.3f}", f"{st['cached_token_fraction']:.3f}",
+                      f"{st['user_hit_rate']:.3f}", f"{st['item_hit_rate']:.3f}", f"{st['up_share']:.2f}",
+                      str(st["user_evictions"]))
+    console.print(table)
+
+
+def _headline(summ: dict) -> dict:
+    """BAT against each other system: throughput (CPU and wall time) and computed-token ratios."""
+    out: dict = {}
+    if "bat" not in summ:
+        return out
+    bat = summ["bat"]
+    for s, key in (("user_prefix", "speedup_vs_up"), ("recompute", "speedup_vs_recompute"),
+                   ("item_prefix", "speedup_vs_ip"), ("greedy_size", "speedup_vs_greedy")):
+        if s in summ:
+            out[key] = bat["throughput_rps"] / summ[s]["throughput_rps"]
+            out[key + "_wall"] = bat["throughput_wall_rps"] / summ[s]["throughput_wall_rps"]
+            out[key.replace("speedup", "computed_token_ratio")] = summ[s]["computed_tokens"] / max(
+                bat["computed_tokens"], 1)
+    out["cached_token_fraction"] = bat["cached_token_fraction"]
+    if "user_prefix" in summ:
+        out["computed_token_ratio_up_over_bat"] = summ["user_prefix"]["computed_tokens"] / max(
+            bat["computed_tokens"], 1)
+    return out
+
+
+def _run_systems(model, reg, trace, pool, systems: list[str], a: RankingBenchConfig, budget: int
+                 ) -> tuple[dict, dict[str, float]]:
+    """Every system on the trace, interleaved batch by batch; per system its stats summary and busy times."""
+    from tqdm import tqdm
+
+    from grserve.engine.ranking_runner import RankingRequest, RankingRunner
 
     cfg = dict(user_cache_bytes=budget, page_size=a.page_size, user_window_s=a.window_s, write_back_items=False)
     runners = {s: RankingRunner(model, reg, RankingConfig(policy=s, **cfg), item_source=pool) for s in systems}
@@ -133,65 +221,4 @@ def run(a: RankingBenchConfig) -> int:
         uc = runners[s].user_cache
         st["user_cache_used_bytes"] = uc.store.used_bytes if uc is not None else 0
         summ[s] = st
-
-    table = Table(title=f"BAT ranking bench — {len(reqs)} requests, scale {scale}, {a.threads} thread(s), user cache "
-                        f"{budget / 2**20:.1f} MiB ({budget / max(distinct_user_bytes, 1):.0%} of distinct users' KV)")
-    for col in ("system", "req/CPU-s", "req/wall-s", "speedup vs UP", "computed frac", "cached frac", "user hit", "item hit",
-                "UP share", "evictions"):
-        table.add_column(col, justify="right")
-    base_up = summ.get("user_prefix", {}).get("throughput_rps")
-    for s in systems:
-        st = summ[s]
-        table.add_row(LABELS[s], f"{st['throughput_rps']:.3f}", f"{st['throughput_wall_rps']:.3f}",
-                      f"{st['throughput_rps'] / base_up:.2f}x" if base_up else "-",
-                      f"{st['computed_token_fraction']:.3f}", f"{st['cached_token_fraction']:.3f}",
-                      f"{st['user_hit_rate']:.3f}", f"{st['item_hit_rate']:.3f}", f"{st['up_share']:.2f}",
-                      str(st["user_evictions"]))
-    console.print(table)
-    console.print(f"cacheable ceiling of this trace (unbounded user cache, every request its larger prefix): "
-                  f"{wstats['cacheable_share_ceiling']:.3f} of user + item tokens")
-
-    out = {
-        "scale": scale, "requests": len(reqs), "batch": a.batch, "threads": a.threads, "timing": "process_cpu", "user_cache_bytes": budget,
-        "user_cache_fraction_of_distinct_users": budget / max(distinct_user_bytes, 1),
-        "item_pool_bytes": pool.used_bytes, "precompute_s": precompute_s, "kv_bytes_per_token": bpt,
-        "workload": wstats,
-    }
-    if "bat" in summ:
-        bat = summ["bat"]["throughput_rps"]
-        for s, key in (("user_prefix", "speedup_vs_up"), ("recompute", "speedup_vs_recompute"),
-                       ("item_prefix", "speedup_vs_ip"), ("greedy_size", "speedup_vs_greedy")):
-            if s in summ:
-                out[key] = bat / summ[s]["throughput_rps"]
-                out[key + "_wall"] = summ["bat"]["throughput_wall_rps"] / summ[s]["throughput_wall_rps"]
-                out[key.replace("speedup", "computed_token_ratio")] = summ[s]["computed_tokens"] / max(
-                    summ["bat"]["computed_tokens"], 1)
-        out["cached_token_fraction"] = summ["bat"]["cached_token_fraction"]
-        if "user_prefix" in summ:
-            out["computed_token_ratio_up_over_bat"] = summ["user_prefix"]["computed_tokens"] / max(
-                summ["bat"]["computed_tokens"], 1)
-    out["systems"] = {s: {k: v for k, v in summ[s].items()} for s in systems}
-    if a.kv_workers >= 2:
-        from grserve.cluster.gr.hrcs import compare_placements
-
-        measured = wall.get("item_prefix", 0) / max(len(reqs), 1)
-        if a.hrcs_prefill_s is None and not measured:
-            print("grserve bench ranking: note: item_prefix was not run, so HRCS's prefill time t is 0 "
-                  "(everything replicated); pass --hrcs-prefill-s", file=sys.stderr)
-        cl = compare_placements(trace, reg, pool, workers=a.kv_workers, alpha=a.alpha, link_gbps=a.link_gbps,
-                                kv_bytes_per_token=a.hrcs_kv_bytes_per_token or bpt,
-                                prefill_s=a.hrcs_prefill_s if a.hrcs_prefill_s is not None else measured,
-                                use_ray=a.ray)
-        out["cluster"] = cl
-        ct = Table(title=f"item KV placement over {a.kv_workers} KV-cache workers (IP requests of the trace)")
-        for col in ("placement", "replication ratio", "item KV bytes / worker", "remote items", "bytes moved",
-                    "moved / request"):
-            ct.add_column(col, justify="right")
-        for name, r in cl["placements"].items():
-            ct.add_row(name, f"{r['replication_ratio']:.3f}", f"{r['bytes_per_worker'] / 2**20:.1f} MiB",
-                       f"{r['remote_item_fraction']:.3f}", f"{r['bytes_moved'] / 2**20:.1f} MiB",
-                       f"{r['bytes_moved_per_request'] / 2**10:.1f} KiB")
-        console.print(ct)
-    print(json.dumps(out))
-    return 0
-
+    return summ, wall

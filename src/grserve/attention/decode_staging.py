@@ -16,7 +16,7 @@ keeps the batch's K/V between steps in a head-major buffer ``[L, S, Hkv, T_cap, 
 Attention on the buffer is one SDPA per layer with the g = Hq / Hkv query heads of a KV head laid out as g query
 rows of that head (no K/V expansion for GQA) and a [S, 1, 1, T] key mask. A request is identified by its id and how
 often it was preempted (a recomputed request is new). The buffer only mirrors the pool: the pool stays the truth
-(prefix cache, preemption, the reference contexts read it); ``tests/test_decode_staging.py`` checks staged logits
+(prefix cache, preemption, the reference contexts read it); ``tests/grserve/attention/test_decode_staging.py`` checks staged logits
 against the gather path over joins, finishes, preemptions and block boundaries.
 """
 

@@ -5,7 +5,7 @@ A trie node is *alive* for a request when some allowed item lies below it. The b
 when the child it leads to is not alive, on top of the catalog's item mask — the same contract as
 ``ItemExclusion.kills`` (``catalog/exclusion.py``), so ``BeamSearch`` applies either. The valid-token mask of every
 step is then exactly the mask of the catalog restricted to the allowed items: nothing else is returned, no beam is
-spent outside them, and the results equal a search over that smaller catalog (``tests/test_allowlist.py``).
+spent outside them, and the results equal a search over that smaller catalog (``tests/grserve/catalog/test_allowlist.py``).
 
 The allowed set is ``include_items`` (ids the catalog does not know allow nothing) ∩ the items whose SID starts with
 ``include_sid_prefix`` (a semantic category: RQ-KMeans codes are coarse to fine; the items of a prefix are one

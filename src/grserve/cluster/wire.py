@@ -17,7 +17,13 @@ call                      front end → instance                     instance �
                           ``RegistryUpdate``), to every instance
 ``reset(incarnation)``    an empty prefix cache under a new        (LLM benchmarks)
                           incarnation id
+``compute_items`` (rank)  item ids and the ``ItemPlacement``:      how many it computed (into the KV-cache
+                          compute their KV into their owners       workers, as ``ItemKV`` puts)
 ========================  =======================================  =============================================
+
+A ranking cluster's KV-cache workers (``gr/kv_workers.py``) take ``put(ItemKV)``, ``get(item ids)`` → ``ItemKV``
+(the ones they hold), ``drop(item ids)`` and ``poll(wait_s)`` → ``GRPoll`` (their stored bytes), from the front end
+and the instances.
 """
 
 from __future__ import annotations
@@ -31,8 +37,10 @@ from grserve.engine.types import LLMFit
 if TYPE_CHECKING:
     import numpy as np
     import torch
+    from ray.actor import ActorHandle
 
     from grserve.catalog import Catalog
+    from grserve.cluster.gr.hrcs import Placement
     from grserve.engine.sampling import SamplingParams
 
 Tier = Literal["hbm", "dram", "ssd"]
@@ -133,6 +141,7 @@ class TokenReport:
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "pause" (PD: goes on) | "abort" (cancelled) | "error"
     phases: dict[str, float] | None = None  # the ended attempt's engine phases, in seconds (its instance's clock)
+    cached_tokens: int = 0  # prompt tokens the attempt's admission took from the instance's prefix cache
 
 
 @dataclass(frozen=True)
@@ -169,6 +178,8 @@ class GRInstanceInfo(InstanceInfo):
     items: int = 0
     registry: str = ""
     user_cache_bytes: int = 0
+    item_pool_bytes: int = 0  # ranking: its own item pool (0 with KV-cache workers)
+    kv_bytes_per_token: int = 0
 
     @property
     def state(self) -> tuple[str, int]:
@@ -212,4 +223,25 @@ class RegistryUpdate:
     entries: tuple[tuple[int, np.ndarray], ...]
 
 
-StateChange = CatalogReplace | RegistryUpdate
+@dataclass(frozen=True)
+class ItemPlacement:
+    """Ranking under HRCS (BAT §5.2): the KV-cache workers and which of them hold each item's KV (``placement``: a
+    home worker per item, the hot items replicated on all). ``version`` grows with every change; an instance reads
+    item KV by the newest it was sent."""
+
+    version: int
+    workers: tuple[ActorHandle, ...]
+    placement: Placement
+
+
+@dataclass(frozen=True)
+class ItemKV:
+    """The KV of items, concatenated in ``item_ids`` order (``kv``: [L, 2, Σ lengths, Hkv, D]): what a KV-cache
+    worker stores and answers."""
+
+    item_ids: tuple[int, ...]
+    lengths: tuple[int, ...]
+    kv: torch.Tensor
+
+
+StateChange = CatalogReplace | RegistryUpdate | ItemPlacement

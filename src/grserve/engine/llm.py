@@ -64,6 +64,7 @@ class TokenEvent:
     logprobs: list[TokenLogprobs] | None = None  # one per token id, when the request asked for logprobs
     error: str | None = None  # why the request failed (finish_reason "error")
     prompt_kv: torch.Tensor | None = None  # on the first token's event of a request that asked (``export_kv``)
+    cached_tokens: int = 0  # prompt tokens its admission took from the prefix cache (a cluster's usage)
 
 
 class IncrementalDecoder(Protocol):
@@ -528,7 +529,7 @@ class LLMEngine:
             seq.parts.append(seq.pending)
             seq.pending = ""
         ev = TokenEvent(seq.seq_id, [tok], delta, reason is not None, reason, [lp] if lp is not None else None,
-                        prompt_kv=seq.kv_out)
+                        prompt_kv=seq.kv_out, cached_tokens=seq.cached_tokens)
         seq.kv_out = None
         if reason is not None:
             self._finish(seq, reason, emit=False)

@@ -62,6 +62,7 @@ class RankingStats:
     user_admission_failures: int = 0
     user_evictions: int = 0
     items_written_back: int = 0
+    item_fetch_s: float = 0.0  # reading cached item KV from the item source (a cluster's: the KV-cache workers)
     forward_s: float = 0.0
     busy_s: float = 0.0
 
@@ -191,6 +192,8 @@ class RankingRunner:
             elif kind == "item" and self.item_pool is not None:
                 self.item_pool.remove(key)
                 self.add_items([key])
+            elif kind == "item" and hasattr(self.item_source, "forget"):  # the cluster's: computed inline until
+                self.item_source.forget(key)  # the front end has its new KV computed into the KV-cache workers
 
     def add_items(self, item_ids: Sequence[int]) -> int:
         """Precompute and store the KV of newly registered (or changed) items in the local pool."""
@@ -275,7 +278,9 @@ class RankingRunner:
                 head_kv = self.notation_kv
                 if d.read_item_cache and self.item_source is not None and req.item_ids is not None:
                     pos = [k for k, i in enumerate(req.item_ids) if i is not None]
+                    tf = time.perf_counter()
                     kv, flags = self.item_source.fetch([req.item_ids[k] for k in pos])
+                    self.stats.item_fetch_s += time.perf_counter() - tf
                     if any(flags):
                         cached_items_kv = kv
                         for k, f in zip(pos, flags):

@@ -10,7 +10,7 @@ The text stage is exactly HF ``generate(prompt, max_new_tokens=max_think_tokens,
 greedy (``temperature`` 0: argmax, lowest id on ties) or sampled with HF's own order of warpers (temperature, top-k,
 top-p with ``min_tokens_to_keep`` 1) and one ``torch.multinomial`` draw per token from a generator seeded with
 ``seed`` — the stream ``torch.manual_seed(seed)`` gives HF. The second stage equals HF ``generate(num_beams=BW,
-prefix_allowed_tokens_fn=<catalog trie>)`` on prompt + thought + sid_begin (``tests/test_openai_beams.py``).
+prefix_allowed_tokens_fn=<catalog trie>)`` on prompt + thought + sid_begin (``tests/grserve/server/test_openai_beams.py``).
 """
 
 from __future__ import annotations

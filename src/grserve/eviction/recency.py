@@ -11,7 +11,7 @@ nodes keep the evictable count and (max value, leftmost position of the max). Th
 So "among the l LRU-oldest evictable items, the one with the largest predicted next-request time" (Algorithm 1,
 Line 25) is two descents. Stamps grow without bound, so when they reach the tree size the live keys are
 renumbered 0..n−1 in order (O(S), once per ≥ S/2 accesses: O(1) amortised). The tests compare it with a slow
-list-based twin (``ReferenceRecency``, tests/test_eviction_policies.py).
+list-based twin (``ReferenceRecency``, tests/grserve/eviction/test_eviction_policies.py).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ So a request holds exactly ``(L_r + BW·ND) · bytes_per_token`` of KV (``bytes_
 element size). After every beam-selection step the unshared rows are reordered by parent index. The default
 reorder gathers through one preallocated layer-sized workspace owned by the batch (not per request), so it is
 correct for *any* parent vector. The paper's two-pass direction-index scheme needs no workspace at all but is
-only correct when parents are non-decreasing; tests/test_beam_kv.py holds it and proves the precondition (see
+only correct when parents are non-decreasing; tests/grserve/kvcache/test_beam_kv.py holds it and proves the precondition (see
 docs/decisions.md).
 """
 

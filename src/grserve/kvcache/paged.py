@@ -80,6 +80,14 @@ class PagedKVStore:
     def length(self, key: Hashable) -> int:
         return self._entries[key][1]
 
+    def grow(self, num_pages: int) -> None:
+        """``num_pages`` more pages (a new pool holding the old one's pages; entries keep their page ids)."""
+        with self._lock:
+            old = self.pages
+            self.pages = old.new_empty(old.shape[0] + num_pages, *old.shape[1:])
+            self.pages[:old.shape[0]] = old
+            self._free[:0] = range(self.pages.shape[0] - 1, old.shape[0] - 1, -1)
+
     # ---- writes -------------------------------------------------------------------------------------------
     def put(self, key: Hashable, kv: torch.Tensor) -> bool:
         """Store kv [L, 2, n, Hkv, D] under key (replacing it). False (nothing stored) when pages run out."""

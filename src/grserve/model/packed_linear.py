@@ -8,7 +8,7 @@ packed copy of every projection of every layer (q/k/v/o, gate/up/down) beside th
 ``Decoder.forward(..., packed=...)`` runs on them and ``Decoder.forward(...)`` on ``F.linear``, the reference path.
 
 The packed product equals ``F.linear``'s up to the order of the fp32 accumulation (the same difference as between
-any two GEMM kernels, HF's included): ``tests/test_packed_linear.py`` checks ≤ 1e-5 relative per projection, the
+any two GEMM kernels, HF's included): ``tests/grserve/model/test_packed_linear.py`` checks ≤ 1e-5 relative per projection, the
 decoder's logits against the unpacked model and HF, and greedy tokens through the engine equal to HF ``generate``.
 Memory: the packed copy doubles the projection weights (the originals stay: ``save_pretrained``, the reference
 path); embeddings and the LM head are not packed.

@@ -15,7 +15,7 @@ Feasibility fix (digest §5.5): increments that cannot fit even alone are droppe
 never fit keeps a lone hidden increment when that has positive value), and V′ is the true value of the
 break request alone at the level its break increment leads to (hidden for a hidden step, KV for an upgrade or a
 KV step), which is ≥ θ·Δ — so ALG ≥ OPT/2 holds (tested against an exhaustive search over all 3^n
-assignments, tests/test_llm_schedulers.py).
+assignments, tests/grserve/scheduler/test_llm_schedulers.py).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Candidates ``cand[b, j]`` = cumulative score of beam b extended by its j-th best token; every row is
 non-increasing in j (per-beam top-K is sorted and adding the beam score is a monotone shift).
 
-**Tie rule** (both implementations, and the full-sort oracle of tests/test_topbw.py): order by score
+**Tie rule** (both implementations, and the full-sort oracle of tests/grserve/search/test_topbw.py): order by score
 descending, then by flat index ``b·K + j`` ascending, i.e. a lower beam index wins, then a better per-beam rank.
 −inf candidates (invalid tokens) sort last by the same rule; they only get selected when fewer than BW valid
 candidates exist, and callers drop them.

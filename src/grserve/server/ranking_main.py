@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from grserve.config import (
     ClusterConfig,
+    HRCSConfig,
     ModelConfig,
     RankingConfig,
     RankingDataConfig,
@@ -53,6 +54,7 @@ def add_command(sub) -> None:
     add_edge_flags(p)
     add_flags(p, d.state, title="state across restarts (docs/security.md)")
     add_flags(p, ClusterConfig, title="cluster (several instances on Ray; docs/cluster.md)", skip=GR_CLUSTER_SKIP)
+    add_flags(p, d.hrcs, title="item KV over KV-cache workers, BAT's HRCS (--instances N; docs/ranking.md)")
     p.set_defaults(handler=lambda ns: run(config_from_args(ns)))
 
 
@@ -61,6 +63,7 @@ def config_from_args(ns: argparse.Namespace) -> RankingServeConfig:
     return RankingServeConfig(model=from_args(ModelConfig, ns),
                               ranking=from_args(RankingConfig, ns, user_cache_bytes=cache_bytes),
                               data=from_args(RankingDataConfig, ns), limits=from_args(RankingLimits, ns),
+                              hrcs=from_args(HRCSConfig, ns),
                               server=from_args(ServerConfig, ns), edge=edge_from_args(ns),
                               cluster=from_args(ClusterConfig, ns), state=from_args(StateConfig, ns))
 
@@ -104,6 +107,7 @@ def run(cfg: RankingServeConfig) -> int:
 def run_cluster(cfg: RankingServeConfig, store: StateStore | None, stored: StoredState) -> int:
     """``--instances N`` (or ``--ray-address``): N ranking engine actors on Ray behind this front end, which owns the
     state store: the instances are sent what it holds once started (and again when one is restarted)."""
+    from grserve.cluster.gr.kv_workers import kv_cache_workers
     from grserve.cluster.gr.modes import ClusterRankingEngine
     from grserve.ranking.registry import RegistryError
     from grserve.server.serving import serve_until_exit
@@ -111,20 +115,21 @@ def run_cluster(cfg: RankingServeConfig, store: StateStore | None, stored: Store
     from grserve.server.retrieval_main import cluster_app
     from grserve.state.store import state_line
 
-    print(f"grserve ranking: starting {cfg.cluster.instances} instances (each precomputes the item KV)",
-          file=sys.stderr, flush=True)
+    n = kv_cache_workers(cfg, cfg.cluster.instances)
+    where = f"the item KV on {n} KV-cache workers (HRCS)" if n else "each precomputes the item KV"
+    print(f"grserve ranking: starting {cfg.cluster.instances} instances ({where})", file=sys.stderr, flush=True)
     try:
         engine = ClusterRankingEngine.launch(cfg, cfg.cluster)
     except (ValueError, RegistryError, OSError) as e:
         raise UsageError(str(e)) from None
     app = cluster_app(engine, lambda m: create_ranking_app(engine, cfg.limits, m, edge=cfg.edge, store=store))
+    engine.start()  # with KV-cache workers: filled before the first request
     for line in engine.describe():
         print(f"grserve: {line}", flush=True)
     s = cfg.server
     reg = engine.registry
     print(f"grserve ranking: {reg.num_items} items, {reg.num_users} users, policy {engine.runner.policy.name}, "
           f"{cfg.cluster.instances} instances -> http://{s.host}:{s.port}  (POST /v1/rank)", flush=True)
-    engine.start()
     restore_started(engine, stored)
     print(f"grserve: {state_line(store, stored)}", flush=True)
     return serve_until_exit(app, s.host, s.port, s.log_level, engine.stop)

@@ -155,7 +155,7 @@ def launch_actors(spawn: Callable[[int, str], ActorHandle], cluster: ClusterConf
     from grserve.cluster.core.ray_runtime import new_incarnation, start_ray
     from grserve.cluster.core.start_progress import wait_ready
 
-    owns = start_ray(cluster.ray_address)
+    owns = start_ray(cluster.ray_address, dashboard=cluster.ray_dashboard, allow_open=cluster.allow_open_ray)
     actors = [spawn(i, new_incarnation()) for i in range(cluster.instances)]
     try:
         infos = wait_ready(actors)  # a line per instance as it becomes ready (cluster/core/start_progress.py)

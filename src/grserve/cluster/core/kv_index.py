@@ -22,15 +22,12 @@ import hashlib
 import threading
 from dataclasses import dataclass, field
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import numpy as np
 
 from grserve.cluster.wire import TIERS, KVEvent, KVSnapshot, Tier
 from grserve.kvcache.block_hash import chained_block_hashes
-
-if TYPE_CHECKING:
-    from grserve.kvcache.prefix_kv import PrefixKVStore
 
 
 def user_key(user_id: int) -> int:
@@ -257,16 +254,3 @@ class GlobalKVIndex:
                 out[i] = tiers
         return out
 
-
-def tree_blocks(store: PrefixKVStore, block_size: int, tier: Tier = "dram") -> dict[int, Tier]:
-    """The true contents of a ``PrefixKVStore`` as block keys, by walking its radix tree (tests, snapshots)."""
-    out: dict[int, Tier] = {}
-    stack = [(store.tree.root, np.zeros(0, dtype=np.int64))]
-    while stack:
-        node, prefix = stack.pop()
-        for child in node.children.values():
-            path = np.concatenate([prefix, child.key])
-            for key in chained_block_hashes(path[:(len(path) // block_size) * block_size], block_size):
-                out[key] = tier
-            stack.append((child, path))
-    return out

@@ -1,9 +1,10 @@
 """Ray for the cluster: join an existing cluster or start a local one; the front end's SIGTERM; incarnation ids,
 torch threads per instance, the node's address (each wing spawns its own instance actors).
 
-A local Ray is started with no dashboard and ``num_cpus`` logical CPUs (instances ask for 0 CPUs: on a small
-machine the OS shares the cores; the actors' torch threads are set per instance). Ray's own processes listen on
-ports the OS picks (port 0), so they never collide with fixed ports.
+A local Ray is started with no dashboard (unless asked) and ``num_cpus`` logical CPUs (instances ask for 0 CPUs: on
+a small machine the OS shares the cores; the actors' torch threads are set per instance), on loopback with a token
+(``ray_security.py``). Ray's own processes listen on ports the OS picks (port 0), so they never collide with fixed
+ports.
 """
 
 from __future__ import annotations
@@ -17,17 +18,23 @@ from types import FrameType
 log = logging.getLogger("grserve.cluster")
 
 
-def start_ray(address: str | None, num_cpus: int = 2) -> bool:
-    """Connect to Ray; returns True when this call started a local Ray (the caller then shuts it down)."""
+def start_ray(address: str | None, num_cpus: int = 2, dashboard: bool = False, allow_open: bool = False) -> bool:
+    """Connect to Ray; returns True when this call started a local Ray (the caller then shuts it down). How each
+    case is secured: ``ray_security.py`` (``OpenRay`` for a cluster to join that it refuses)."""
     import ray
+
+    from grserve.cluster.core.ray_security import check_joined, local_ray_env
 
     if ray.is_initialized():
         return False
-    with front_end_sigterm():
-        if address:
+    if address:
+        check_joined(address, allow_open)
+        with front_end_sigterm():
             ray.init(address=address, log_to_driver=False)
-            return False
-        ray.init(include_dashboard=False, num_cpus=num_cpus, log_to_driver=False, configure_logging=False)
+        return False
+    with front_end_sigterm(), local_ray_env() as ip:
+        ray.init(address="local", include_dashboard=dashboard, num_cpus=num_cpus, log_to_driver=False,
+                 configure_logging=False, _node_ip_address=ip)
     return True
 
 

@@ -14,7 +14,10 @@ The front end (``cluster/gr/front_end.py``) calls, all as Ray actor calls:
   index follows within milliseconds;
 - ``cancel(request_id)``; ``apply(change)``: a ``wire.CatalogReplace`` (retrieval reload) or a
   ``wire.RegistryUpdate`` (ranking: a replaced user's KV is dropped; new or replaced items are registered and their
-  KV precomputed).
+  KV precomputed), or a ``wire.ItemPlacement``;
+- ranking with KV-cache workers (BAT's HRCS, ``kv_workers.py``): the instance holds no item pool; it reads item KV
+  from the workers by the newest ``ItemPlacement`` (``ClusterItemSource``) and ``compute_items(ids, placement)``
+  computes items' KV into their owner workers (the front end's meta service splits that work over the instances).
 """
 
 from __future__ import annotations
@@ -30,11 +33,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from grserve.cluster.core.kv_index import KVEventPublisher, user_key
+from grserve.cluster.gr.kv_workers import ClusterItemSource, item_kv, kv_cache_workers
 from grserve.cluster.wire import (
     BatchRun,
     CatalogReplace,
     GRInstanceInfo,
     GRPoll,
+    ItemPlacement,
     KVSnapshot,
     RegistryUpdate,
     StateChange,
@@ -75,8 +80,9 @@ def catalog_digest(catalog: Catalog) -> str:
     return h.hexdigest()
 
 
-def build_ranking_engine(cfg: RankingServeConfig) -> RankingEngine:
-    """The single-process ranking engine of ``serve ranking`` (model, registry, runner, engine)."""
+def build_ranking_engine(cfg: RankingServeConfig, item_source: ClusterItemSource | None = None) -> RankingEngine:
+    """The single-process ranking engine of ``serve ranking`` (model, registry, runner, engine); with an
+    ``item_source`` it reads item KV there instead of precomputing an item pool."""
     from grserve.engine.ranking_engine import RankingEngine
     from grserve.engine.ranking_runner import RankingRunner
     from grserve.model import load_model
@@ -84,7 +90,7 @@ def build_ranking_engine(cfg: RankingServeConfig) -> RankingEngine:
 
     m = cfg.model
     model = load_model(m.source, dtype=m.dtype, device=m.device, seed=m.seed)
-    runner = RankingRunner(model, build_registry(cfg.data, model.spec.vocab_size), cfg.ranking)
+    runner = RankingRunner(model, build_registry(cfg.data, model.spec.vocab_size), cfg.ranking, item_source)
     return RankingEngine(runner, edge=cfg.edge)
 
 
@@ -99,12 +105,15 @@ class GRInstance:
             torch.set_num_threads(torch_threads)
         self.index, self.mode, self.cfg = index, mode, cfg
         self.engine: RetrievalEngine | RankingEngine
+        self.items: ClusterItemSource | None = None  # ranking's item KV on KV-cache workers
         if mode == "retrieval":
             from grserve.engine.retrieval_engine import RetrievalEngine
 
             self.engine = RetrievalEngine.build(cfg)  # type: ignore[arg-type]
         else:
-            self.engine = build_ranking_engine(cfg)  # type: ignore[arg-type]
+            if kv_cache_workers(cfg, 1):  # type: ignore[arg-type]
+                self.items = ClusterItemSource(index, cfg.cluster.heartbeat_timeout_s)
+            self.engine = build_ranking_engine(cfg, self.items)  # type: ignore[arg-type]
         self.engine.on_batch = self._on_batch
         tier: Tier = "hbm" if str(cfg.model.device).startswith("cuda") else "dram"
         self.publisher = KVEventPublisher(index, incarnation, 1, tier)
@@ -130,7 +139,9 @@ class GRInstance:
         return GRInstanceInfo(**where, mode="ranking", vocab_size=int(r.model.spec.vocab_size), policy=r.policy.name,
                               users=r.registry.num_users, items=r.registry.num_items,
                               registry=registry_digest(r.registry),
-                              user_cache_bytes=int(uc.store.capacity_bytes) if uc is not None else 0)
+                              user_cache_bytes=int(uc.store.capacity_bytes) if uc is not None else 0,
+                              item_pool_bytes=r.item_pool.used_bytes if r.item_pool is not None else 0,
+                              kv_bytes_per_token=r.kv_bytes_per_token)
 
     # ---- requests --------------------------------------------------------------------------------------------
     async def run(self, request: RetrievalRequest | RankingRequest) -> RetrievalResult | RankingResult:
@@ -181,7 +192,7 @@ class GRInstance:
         self._publish_users()
         batches, self._batches = self._batches, []
         events, next_seq = self.publisher.take_events()
-        stats = self.engine.stats()
+        stats = {**self.engine.stats(), **(self.items.counters if self.items is not None else {})}
         stats["waiting"] = stats.get("queue_depth", 0)
         return GRPoll(stats, batches, events, next_seq, len(self._users))
 
@@ -195,6 +206,10 @@ class GRInstance:
         or replaced users / new or replaced items. Returns the catalog version or the entries applied."""
         if isinstance(change, CatalogReplace):
             return await asyncio.to_thread(self.engine.catalogs.replace, change.catalog, change.version)
+        if isinstance(change, ItemPlacement):
+            assert self.items is not None, "an item placement for an instance without KV-cache workers"
+            self.items.place(change)
+            return change.version
         n = await asyncio.to_thread(self._update, change)
         self._publish_users()
         return n
@@ -209,6 +224,28 @@ class GRInstance:
                 runner._invalidate("user", int(uid))  # also when this registry did not know the user yet
             return len(change.entries)
         return runner.add_items(new) if new else len(change.entries)
+
+    async def compute_items(self, item_ids: list[int], placed: ItemPlacement) -> int:
+        """Compute these items' KV (the one engine's precompute) and put it on every worker that is to hold it."""
+        return await asyncio.to_thread(self._compute_items, item_ids, placed)
+
+    def _compute_items(self, item_ids: list[int], placed: ItemPlacement) -> int:
+        import ray
+
+        from grserve.engine.ranking_runner import precompute_item_kv
+
+        r = self.engine.runner
+        out: dict[int, list] = {}  # worker → (item, KV) it is to hold
+
+        def put(item: int, kv) -> None:
+            for w in placed.placement.owners(item):
+                out.setdefault(w, []).append((item, kv))
+
+        with r._lock:  # between two batches, like a local pool's precompute
+            n = precompute_item_kv(r.model, [(i, r.registry.item_tokens(i)) for i in item_ids], put, r.notation,
+                                   r.notation_kv, r.cfg.precompute_batch_tokens)
+        ray.get([placed.workers[w].put.remote(item_kv(items)) for w, items in out.items()])
+        return n
 
     def pid(self) -> int:
         return os.getpid()

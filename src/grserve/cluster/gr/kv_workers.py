@@ -1,180 +1,140 @@
-"""KV-cache workers and the cache meta service as Ray actors (BAT §5.1), or plain objects in one process.
+"""KV-cache workers (BAT §5.1) and how a ranking instance reads item KV from them.
 
-- ``KVCacheWorker`` holds item KV in a paged store (its HRCS share: the replicated area + its shard).
-- ``MetaServiceActor`` wraps ``CacheMetaService`` (index + hotness).
-- ``ClusterItemSource`` is an inference worker's ``ItemKVSource``: items its colocated KV-cache worker holds are
-  read locally; the others are fetched from an owner (through Ray when the workers are actors), and every
-  remote byte is counted (``bytes_moved``). Candidate KV order does not matter to attention (keys are a set), so
-  local and remote parts are simply concatenated.
-
-``WorkerHandle.call(method, *args)`` is the one calling convention: a direct call in process, or
-``ray.get(actor.method.remote(*args))``; ``submit``/``wait`` overlap several remote reads.
+- ``KVCacheWorker``, a Ray actor: item KV in a paged store at item granularity (its HRCS share: the replicated hot
+  items and its shard), ``put`` / ``get`` / ``drop`` as ``wire.ItemKV``; its store grows with what it is given; its
+  ``poll`` is the heartbeat the front end's meta service watches (``meta_service.py``).
+- ``ClusterItemSource``: an instance's ``ItemKVSource`` when the item KV lives on the workers. Per request it asks
+  each worker for the candidates it is to read there — its colocated worker (index = instance index mod workers)
+  for replicated items, an item's home worker otherwise — all at once, and reassembles the answers in request
+  order. An item it cannot get (no placement yet, a replaced item not recomputed yet, a dead worker, a replica
+  just dropped) is a miss: the runner computes it inline, so a request never fails for lack of item KV. Remote
+  items and bytes (from a worker other than its own) and the time spent fetching are counted.
 """
 
 from __future__ import annotations
 
+import asyncio
+import os
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
-from grserve.kvcache.meta import CacheMetaService
+from grserve.cluster.wire import GRPoll, ItemKV, ItemPlacement
 from grserve.kvcache.paged import PagedKVStore
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
+    from grserve.config import RankingServeConfig
+
+
+def kv_cache_workers(cfg: RankingServeConfig, instances: int) -> int:
+    """How many KV-cache workers a ranking cluster of ``instances`` runs: ``--kv-cache-workers`` (default: one per
+    instance), none when the prefix policy reads no item KV."""
+    from grserve.scheduler.prefix_choice import PREFIX_POLICIES
+
+    n = cfg.hrcs.kv_cache_workers
+    if not PREFIX_POLICIES.get(cfg.ranking.policy).uses_item_cache:
+        return 0
+    return instances if n is None else n
+
+
+def item_kv(items: Sequence[tuple[int, torch.Tensor]]) -> ItemKV:
+    """(item id, KV [L, 2, n, Hkv, D]) pairs as one message."""
+    return ItemKV(tuple(i for i, _ in items), tuple(int(kv.shape[2]) for _, kv in items),
+                  torch.cat([kv for _, kv in items], dim=2))
 
 
 class KVCacheWorker:
-    def __init__(self, worker_id: int, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int,
-                 page_size: int = 16, dtype: torch.dtype = torch.float32):
-        self.worker_id = worker_id
-        self.store = PagedKVStore(num_layers, num_kv_heads, head_dim, num_pages=num_pages, page_size=page_size,
-                                  dtype=dtype)
+    def __init__(self, index: int, page_size: int = 16):
+        self.index, self.page_size = index, page_size
+        self.store: PagedKVStore | None = None  # shaped by the first KV it is given
 
-    def put_items(self, item_ids: Sequence[int], kv: torch.Tensor, lengths: Sequence[int]) -> int:
-        """Store items given as one concatenated [L, 2, Σn, Hkv, D] tensor and their lengths."""
-        off, n_ok = 0, 0
-        for i, n in zip(item_ids, lengths):
-            n_ok += self.store.put(int(i), kv[:, :, off:off + n])
+    async def put(self, items: ItemKV) -> int:
+        off = 0
+        for i, n in zip(items.item_ids, items.lengths):
+            kv = items.kv[:, :, off:off + n]
             off += n
-        return n_ok
+            if self.store is None:
+                L, _, _, h, d = kv.shape
+                self.store = PagedKVStore(L, h, d, num_pages=0, page_size=self.page_size, dtype=kv.dtype)
+            while not self.store.put(int(i), kv):
+                self.store.grow(max(self.store.pages_for(n), self.store.num_pages // 2, 64))
+        return len(items.item_ids)
 
-    def drop_items(self, item_ids: Sequence[int]) -> int:
-        return sum(self.store.remove(int(i)) for i in item_ids)
+    async def get(self, item_ids: Sequence[int]) -> ItemKV:
+        s = self.store
+        held = [int(i) for i in item_ids if s is not None and int(i) in s]
+        kv = s.get_concat(held) if held else torch.zeros(0)
+        return ItemKV(tuple(held), tuple(s.length(i) for i in held) if held else (), kv)
 
-    def has(self, item_ids: Sequence[int]) -> list[bool]:
-        return [int(i) in self.store for i in item_ids]
+    async def drop(self, item_ids: Sequence[int]) -> int:
+        return sum(self.store.remove(int(i)) for i in item_ids) if self.store is not None else 0
 
-    def get_items(self, item_ids: Sequence[int]) -> torch.Tensor:
-        return self.store.get_concat([int(i) for i in item_ids])
+    async def poll(self, wait_s: float = 0.25) -> GRPoll:
+        await asyncio.sleep(wait_s)
+        s = self.store
+        return GRPoll({"items": float(len(s)) if s else 0.0, "stored_bytes": float(s.used_bytes) if s else 0.0})
 
-    def stored_bytes(self) -> int:
-        return self.store.used_bytes
-
-    def num_items(self) -> int:
-        return len(self.store)
-
-
-class MetaServiceActor:
-    def __init__(self, user_window_s: float = 300.0, item_window_s: float = 3600.0):
-        self.meta = CacheMetaService(user_window_s, item_window_s)
-
-    def record_request(self, user_id, item_ids, now):
-        return self.meta.record_request(user_id, item_ids, now)
-
-    def item_frequencies(self, now):
-        return self.meta.item_frequencies(now)
-
-    def set_item_locations(self, locations):
-        self.meta.set_item_locations(locations)
-
-    def item_locations(self, item_ids):
-        return self.meta.item_locations(item_ids)
+    def pid(self) -> int:
+        return os.getpid()
 
 
-class WorkerHandle:
-    """A KV-cache worker (or meta service) reached in process or through Ray."""
-
-    def __init__(self, obj=None, actor=None):
-        self.obj, self.actor = obj, actor
-
-    @property
-    def is_remote(self) -> bool:
-        return self.actor is not None
-
-    def submit(self, method: str, *args):
-        if self.actor is None:
-            return getattr(self.obj, method)(*args)
-        return getattr(self.actor, method).remote(*args)
-
-    def wait(self, pending):
-        if self.actor is None:
-            return pending
-        import ray
-
-        return ray.get(pending)
-
-    def call(self, method: str, *args):
-        return self.wait(self.submit(method, *args))
-
-
-def make_worker(worker_id: int, use_ray: bool, **kw) -> WorkerHandle:
-    if not use_ray:
-        return WorkerHandle(obj=KVCacheWorker(worker_id, **kw))
+def spawn_kv_worker(index: int, page_size: int) -> ActorHandle:
     import ray
 
-    return WorkerHandle(actor=ray.remote(KVCacheWorker).options(num_cpus=0).remote(worker_id, **kw))
-
-
-def make_meta_service(use_ray: bool, **kw) -> WorkerHandle:
-    if not use_ray:
-        return WorkerHandle(obj=MetaServiceActor(**kw))
-    import ray
-
-    return WorkerHandle(actor=ray.remote(MetaServiceActor).options(num_cpus=0).remote(**kw))
-
-
-def start_workers(placement, pool, use_ray: bool = False, chunk: int = 512, headroom: float = 0.1
-                  ) -> list[WorkerHandle]:
-    """Create ``placement.workers`` KV-cache workers and load each with its items' KV from ``pool``; each gets
-    ``headroom`` spare pages (fraction) for re-replication."""
-    store = pool.store
-    handles = []
-    for w in range(placement.workers):
-        ids = [i for i in placement.items_on(w) if i in pool]
-        pages = sum(store.entry_pages(i) for i in ids)
-        h = make_worker(w, use_ray, num_layers=store.num_layers, num_kv_heads=store.num_kv_heads,
-                        head_dim=store.head_dim, num_pages=pages + max(8, int(headroom * pages)),
-                        page_size=store.page_size, dtype=store.pages.dtype)
-        for k in range(0, len(ids), chunk):
-            part = ids[k:k + chunk]
-            h.call("put_items", part, store.get_concat(part), [store.length(i) for i in part])
-        handles.append(h)
-    return handles
-
-
-def stop_workers(handles: list[WorkerHandle]) -> None:
-    for h in handles:
-        if h.actor is not None:
-            import ray
-
-            ray.kill(h.actor)
+    return ray.remote(KVCacheWorker).options(num_cpus=0, max_restarts=0, max_concurrency=64,
+                                             scheduling_strategy="SPREAD").remote(index, page_size)
 
 
 class ClusterItemSource:
-    """Inference worker ``local``'s view of the item KV: local reads, remote fetches, bytes counted."""
+    """Instance ``index``'s view of the item KV on the KV-cache workers (module docstring)."""
 
-    def __init__(self, local: int, workers: list[WorkerHandle], placement):
-        self.local = local
-        self.workers = workers
-        self.placement = placement
-        self.bytes_moved = 0
-        self.remote_items = 0
-        self.items = 0
+    def __init__(self, index: int, timeout_s: float = 10.0):
+        self.index, self.timeout_s = index, timeout_s
+        self.placed: ItemPlacement | None = None
+        self.forgotten: set[int] = set()  # replaced here, not yet recomputed into the workers
+        self.counters = {"items_fetched": 0, "items_fetched_remote": 0, "item_bytes_fetched_remote": 0,
+                         "item_fetch_failures": 0}
 
-    def _owner(self, item: int) -> int | None:
-        if item not in self.placement.home:
-            return None
-        owners = self.placement.owners(item)
-        return self.local if self.local in owners else min(owners)
+    def place(self, placed: ItemPlacement) -> None:
+        """The front end's newest placement (it is sent after every item it lists has its KV in the workers)."""
+        self.placed, self.forgotten = placed, set()
+
+    def forget(self, item_id: int) -> None:
+        self.forgotten.add(int(item_id))
 
     def has(self, item_ids: Sequence[int]) -> list[bool]:
-        return [int(i) in self.placement.home for i in item_ids]
+        p = self.placed
+        return [p is not None and int(i) in p.placement.home and int(i) not in self.forgotten for i in item_ids]
 
     def fetch(self, item_ids: Sequence[int]) -> tuple[torch.Tensor, list[bool]]:
-        by_worker: dict[int, list[int]] = {}
-        hits = []
-        for i in item_ids:
-            w = self._owner(int(i))
-            hits.append(w is not None)
-            if w is not None:
-                by_worker.setdefault(w, []).append(int(i))
-        pending = {w: self.workers[w].submit("get_items", ids) for w, ids in by_worker.items()}  # overlapped
-        parts = []
-        for w, p in pending.items():
-            kv = self.workers[w].wait(p)
-            parts.append(kv)
-            if w != self.local:
-                self.bytes_moved += kv.numel() * kv.element_size()
-                self.remote_items += len(by_worker[w])
-        self.items += sum(hits)
-        if not parts:
-            return torch.zeros(0), hits
-        return torch.cat(parts, dim=2), hits
+        import ray
+
+        p = self.placed
+        want: dict[int, list[int]] = {}
+        for i, ok in zip(item_ids, self.has(item_ids)):
+            if ok:
+                local = self.index % len(p.workers)
+                w = local if int(i) in p.placement.replicated else p.placement.home[int(i)]
+                want.setdefault(w, []).append(int(i))
+        refs = {w: p.workers[w].get.remote(ids) for w, ids in want.items()}  # every worker at once
+        got: dict[int, torch.Tensor] = {}
+        for w, ref in refs.items():
+            try:
+                ans: ItemKV = ray.get(ref, timeout=self.timeout_s)
+            except Exception:  # noqa: BLE001 - a dead or hung worker: its items are computed here until rebuilt
+                self.counters["item_fetch_failures"] += 1
+                continue
+            off = 0
+            for i, n in zip(ans.item_ids, ans.lengths):
+                got[i] = ans.kv[:, :, off:off + n]
+                off += n
+            if w != self.index % len(p.workers):
+                self.counters["items_fetched_remote"] += len(ans.item_ids)
+                self.counters["item_bytes_fetched_remote"] += ans.kv.numel() * ans.kv.element_size()
+        hits = [int(i) in got for i in item_ids]
+        self.counters["items_fetched"] += len(got)
+        parts = [got[int(i)] for i in item_ids if int(i) in got]
+        return (torch.cat(parts, dim=2) if parts else torch.zeros(0)), hits

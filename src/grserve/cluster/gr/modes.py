@@ -9,11 +9,14 @@ app reads from an engine:
   ranking stats, ``add_items`` → every instance). Routing: the user's cached KV (the global index's
   ``user_key(user_id)`` entries, as the router reads a ``RankingRequest``) plus load. A replaced user or item (the
   registry's change listener) and new items reach every instance before the admin route answers; a new user needs
-  nothing there (a request carries the user's tokens; the user's KV is admitted where the request runs).
+  nothing there (a request carries the user's tokens; the user's KV is admitted where the request runs). The item
+  KV lives on KV-cache workers placed by HRCS (``item_kv``, ``meta_service.py``) unless ``--kv-cache-workers 0``
+  (then every instance precomputes the whole item pool).
 
 The front end owns the state store (``--state-dir``, ``state/store.py``: the routes commit every admin write there
 before applying it); a restarted front end's ``restore`` replays it on its own state and broadcasts it to the
-instances, which records it in the broadcast log, so an instance restarted later is caught up with it too.
+instances, which records it in the broadcast log, so an instance restarted later is caught up with it too; the
+restored items' KV is then computed into the KV-cache workers like a registration's.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from grserve.catalog import Catalog, CatalogStore
 from grserve.cluster.core.front_end import abandon_actors
 from grserve.cluster.gr.front_end import ClusterGREngine, launch_instances
 from grserve.cluster.gr.instance import catalog_digest, registry_digest
+from grserve.cluster.gr.kv_workers import kv_cache_workers
+from grserve.cluster.gr.meta_service import ItemKVMetaService
 from grserve.cluster.wire import CatalogReplace, GRInstanceInfo, RegistryUpdate
 from grserve.state.store import StoredState, restore_catalog, restore_registry
 
@@ -39,7 +44,9 @@ if TYPE_CHECKING:
     from ray.actor import ActorHandle
 
     from grserve.config import ClusterConfig, RankingConfig, RankingServeConfig, ServeConfig
+    from grserve.engine.protocol import RequestHandle
     from grserve.engine.ranking_runner import RankingStats
+    from grserve.engine.types import RankingRequest, RankingResult
     from grserve.ranking.registry import RankingRegistry
 
 log = logging.getLogger("grserve.cluster")
@@ -125,6 +132,8 @@ class FrontRunner:
 
     def add_items(self, item_ids: list[int]) -> int:
         self.engine.broadcast(RegistryUpdate("item", tuple((int(i), self.registry.item_tokens(i)) for i in item_ids)))
+        if self.engine.item_kv is not None:
+            self.engine.item_kv.update(item_ids)
         return len(item_ids)
 
     @property
@@ -153,7 +162,30 @@ class ClusterRankingEngine(_Launch, ClusterGREngine):
                                  "users/items flags (and files) must be the same on every node")
         self.runner = FrontRunner(self, reg, infos[0].policy, cfg.ranking)
         self.cfg = cfg.ranking
+        n = kv_cache_workers(cfg, len(actors))
+        self.item_kv = ItemKVMetaService(self, cfg.hrcs, n, cfg.ranking.page_size, cfg.ranking.item_window_s) \
+            if n else None
         reg.on_change(self._changed)
+
+    def start(self) -> ClusterRankingEngine:
+        """Polling, then (once) the KV-cache workers filled and placed before the first request."""
+        super().start()
+        if self.item_kv is not None and self.item_kv.placed is None:
+            self.item_kv.start()
+        return self
+
+    def stop(self) -> None:
+        if self.item_kv is not None:
+            self.item_kv.stop()
+        super().stop()
+
+    def submit(self, request: RankingRequest) -> RequestHandle[RankingResult]:
+        if self.item_kv is not None:
+            self.item_kv.record(request)
+        return super().submit(request)
+
+    def describe(self) -> list[str]:
+        return super().describe() + ([self.item_kv.describe()] if self.item_kv is not None else [])
 
     @property
     def registry(self) -> RankingRegistry:
@@ -169,12 +201,16 @@ class ClusterRankingEngine(_Launch, ClusterGREngine):
         for kind, entries in (("user", users), ("item", state.items)):
             if entries:
                 self.broadcast(RegistryUpdate(kind, tuple(entries)))  # type: ignore[arg-type]
+        if self.item_kv is not None and state.items:
+            self.item_kv.update([int(key) for key, _ in state.items])
 
     def _changed(self, kind: str, key: int) -> None:
         """The front end's registry replaced a user's or an item's tokens: every instance follows."""
         reg = self.registry
         tokens = reg.user_tokens(key) if kind == "user" else reg.item_tokens(key)
         self.broadcast(RegistryUpdate(kind, ((int(key), tokens),)))  # type: ignore[arg-type]
+        if kind == "item" and self.item_kv is not None:
+            self.item_kv.update([key])
 
     def health_detail(self) -> dict[str, int | str]:
         reg = self.registry
@@ -182,7 +218,7 @@ class ClusterRankingEngine(_Launch, ClusterGREngine):
 
     def _instance_facts(self, info: GRInstanceInfo) -> str:
         return (f"ranking policy {info.policy}, {info.users:,} users, {info.items:,} items, user cache "
-                f"{info.user_cache_bytes / 2**20:.0f} MiB")
+                f"{info.user_cache_bytes / 2**20:.0f} MiB, item pool {info.item_pool_bytes / 2**20:.0f} MiB")
 
 
 # ---- metrics ----------------------------------------------------------------------------------------------------
@@ -192,7 +228,10 @@ class GRClusterCollector:
 
     _PER_INSTANCE = (("batches_run", "Batches the instance ran."), ("requests_done", "Requests the instance ran."),
                      ("users_cached", "Users whose KV the instance's user cache holds (ranking)."),
-                     ("user_hits", "Ranking requests that read the user's KV from the instance's cache."))
+                     ("user_hits", "Ranking requests that read the user's KV from the instance's cache."),
+                     ("items_fetched_remote", "Item KV entries the instance read from a KV-cache worker not its own."),
+                     ("item_bytes_fetched_remote", "Item KV bytes the instance read from a KV-cache worker not its "
+                                                   "own."))
 
     def __init__(self, engine: ClusterGREngine) -> None:
         self.engine = engine
@@ -210,3 +249,12 @@ class GRClusterCollector:
         for key in ("finished", "failed"):
             yield CounterMetricFamily(f"grserve_cluster_requests_{key}", f"Requests the front end answered: {key}.",
                                       value=e.counters[key])
+        kv = getattr(e, "item_kv", None)
+        if kv is not None:
+            fam = GaugeMetricFamily("grserve_cluster_kv_worker_stored_bytes", "Item KV bytes a KV-cache worker "
+                                    "holds (HRCS: its shard and the replicated hot items).", labels=["worker"])
+            for w, worker in enumerate(kv.workers):
+                fam.add_metric([str(w)], worker.stats.get("stored_bytes", 0.0))
+            yield fam
+            yield CounterMetricFamily("grserve_cluster_kv_worker_rebuilds", "KV-cache workers rebuilt after a death.",
+                                      value=kv.counters["rebuilds"])

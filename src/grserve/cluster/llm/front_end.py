@@ -266,6 +266,7 @@ class ClusterLLMEngine(FrontEndLifecycle):
         if new:
             if rec.first_token_at is None:
                 rec.first_token_at, rec.first_token_attempt = time.perf_counter(), attempt
+                rec.cached_tokens = report.cached_tokens
                 self.admission.started(rid)
                 if self.pd is not None:
                     self.pd.on_first_token(rec)
@@ -284,7 +285,8 @@ class ClusterLLMEngine(FrontEndLifecycle):
             rec.handle.push(TokenEvent(0, new, text, done, reason if done else None))
         if done:
             self._end(rec, LLMResult(rid, list(st.output_ids), st.text, reason or "stop", len(rec.prompt_ids),
-                                     rec.migrations, **rec.result_phases(attempt, time.perf_counter())), None)
+                                     rec.migrations, rec.cached_tokens, **rec.result_phases(attempt, time.perf_counter())),
+                      None)
         elif paused:
             self.pd.try_handoff(rec)
 

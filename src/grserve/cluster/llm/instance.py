@@ -114,7 +114,7 @@ class EngineInstance:
         async for ev in handle.events():
             phases = await _phases(handle) if ev.finished else None  # set with its last event (AsyncLLMEngine)
             self._report(TokenReport(request_id, attempt, n, list(ev.token_ids), ev.text, ev.finished,
-                                     ev.finish_reason, phases))
+                                     ev.finish_reason, phases, ev.cached_tokens))
             if ev.prompt_kv is not None:  # the end of its prefill: returned, so the front end owns it
                 self._snapshots.append(PromptKV(request_id, attempt, ev.prompt_kv))
             self.token_interval.tokens(request_id, len(ev.token_ids))

@@ -33,6 +33,7 @@ class RequestRecord:
     snapshot: torch.Tensor | None = None  # K/V [L, 2, m, width] of its first m tokens (the front end owns it)
     submitted_at: float = 0.0
     first_token_at: float | None = None
+    cached_tokens: int = 0  # prompt tokens the instance of its first token took from its prefix cache (usage)
     recovered: list[Literal["migrate", "recompute"]] = field(default_factory=list)  # per move
     priority: Priority = Priority.ONLINE  # co-location class, carried to every instance it runs on
     first_token_attempt: int | None = None  # the attempt that delivered its first token

@@ -20,7 +20,7 @@ from grserve.config import EdgeConfig, RankingLimits, SchedulerConfig, SearchCon
 from grserve.engine.batching import BatchedEngine, BatchingCore
 from grserve.engine.types import RetrievalResult, RetrievedItem
 from grserve.server.retrieval_app import create_app
-from tests.test_security_limits import HangingEngine, llm, ranking_engine  # noqa: F401 - shared fixtures
+from test_security_limits import HangingEngine, llm, ranking_engine  # noqa: F401 - shared fixtures
 
 JSON = {"content-type": "application/json"}
 

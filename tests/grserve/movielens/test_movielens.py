@@ -9,7 +9,7 @@ pd = pytest.importorskip("pandas")
 from grserve.movielens import data as mld  # noqa: E402
 from grserve.movielens.split import leave_one_out  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def ratings(rows):

@@ -14,9 +14,9 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from grserve.config import EdgeConfig, LLMApiConfig, RankingLimits, SchedulerConfig, SearchConfig, ServerConfig
-from tests.test_security_limits import llm, ranking_engine  # noqa: F401 - shared fixtures
+from test_security_limits import llm, ranking_engine  # noqa: F401 - shared fixtures
 
-DASHBOARD = Path(__file__).resolve().parents[1] / "docs" / "grafana" / "grserve.json"
+DASHBOARD = Path(__file__).resolve().parents[3] / "docs" / "grafana" / "grserve.json"
 
 
 def _families(text: str) -> dict:

@@ -16,13 +16,27 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from grserve.kvcache.block_hash import chained_block_hashes
-from grserve.cluster.core.kv_index import GlobalKVIndex, KVEventPublisher, tree_blocks
+from grserve.cluster.core.kv_index import GlobalKVIndex, KVEventPublisher
 from grserve.cluster.core.recovery import RecoveryCost, plan
 from grserve.cluster.core.router import Router
 from grserve.cluster.llm.journal import RequestRecord
 from grserve.cluster.llm.stream import TokenStream
 from grserve.cluster.wire import Attempt, TokenReport
 from grserve.engine.sampling import SamplingParams
+
+
+def tree_blocks(store, block_size: int, tier: str = "dram") -> dict[int, str]:
+    """The true contents of a ``PrefixKVStore`` as block keys, by walking its radix tree."""
+    out: dict[int, str] = {}
+    stack = [(store.tree.root, np.zeros(0, dtype=np.int64))]
+    while stack:
+        node, prefix = stack.pop()
+        for child in node.children.values():
+            path = np.concatenate([prefix, child.key])
+            for key in chained_block_hashes(path[:(len(path) // block_size) * block_size], block_size):
+                out[key] = tier
+            stack.append((child, path))
+    return out
 
 
 # ---- block keys ------------------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """The PD coordinator's pieces that need no Ray: the set-up checks, which sampling may be split, the queue-aware
-TTFT predictor and the flip rule's TTFT probe (the cluster itself: tests/test_cluster_pd.py)."""
+TTFT predictor and the flip rule's TTFT probe (the cluster itself: tests/grserve/cluster/test_cluster_pd.py)."""
 
 from __future__ import annotations
 

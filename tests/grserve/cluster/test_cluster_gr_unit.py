@@ -154,3 +154,20 @@ def test_broadcast_log_replays_the_newest_state_compactly():
     assert log.replay(sent.append) == 4 and len(log) == 4
     assert sent == [CatalogReplace(cat3, 3), RegistryUpdate("user", ((2, "x"),)), RegistryUpdate("item", ((5, "i"),)),
                     RegistryUpdate("user", ((1, "b"),))]
+
+
+def test_broadcast_log_replays_the_newest_item_placement_last():
+    """Ranking with KV-cache workers: a restarted instance is sent the newest ``ItemPlacement`` after the registry
+    updates (it lists items those updates register)."""
+    from grserve.cluster.gr.broadcast_log import BroadcastLog
+    from grserve.cluster.gr.hrcs import hrcs_placement
+    from grserve.cluster.wire import ItemPlacement
+
+    log = BroadcastLog()
+    v1 = ItemPlacement(1, ("w0", "w1"), hrcs_placement([1, 2], {}, 0.0, 2))
+    v2 = ItemPlacement(2, ("w0", "w1"), hrcs_placement([1, 2, 3], {}, 0.0, 2))
+    log.record(v1)
+    log.record(RegistryUpdate("item", ((3, "t"),)))
+    log.record(v2)
+    sent = []
+    assert log.replay(sent.append) == 2 and sent == [RegistryUpdate("item", ((3, "t"),)), v2]

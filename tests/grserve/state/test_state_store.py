@@ -24,7 +24,7 @@ from grserve.catalog import Catalog, generate_catalog, save_catalog
 from grserve.config import EdgeConfig, RankingConfig, RankingLimits
 from grserve.state.store import MEMORY_ONLY, StateStore, StoredState, restore_registry, state_line
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+SRC = str(Path(__file__).resolve().parents[3] / "src")
 ADMIN = {"Authorization": "Bearer adm"}
 
 

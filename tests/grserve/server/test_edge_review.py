@@ -6,7 +6,7 @@ import threading
 import time
 
 from grserve.config import EdgeConfig
-from tests.test_security_limits import llm, ranking_engine  # noqa: F401 - shared fixtures
+from test_security_limits import llm, ranking_engine  # noqa: F401 - shared fixtures
 
 
 def test_streamed_request_that_expires_in_the_queue_is_a_503_not_an_empty_200(llm):  # noqa: F811

@@ -191,7 +191,7 @@ OLD_FLAGS = {
     ("bench", "cache"): "--traces --noise --policies --no-learned --quick --out-dir --laru-decay --async-batch --seed",
     ("bench", "ranking"): "--model --dtype --scale --full-scale --users --items --threads --user-cache-frac "
                           "--user-cache-mb --window-s --batch --page-size --systems --kv-workers --alpha --link-gbps "
-                          "--hrcs-prefill-s --hrcs-kv-bytes-per-token --ray --seed",
+                          "--hrcs-prefill-s --hrcs-kv-bytes-per-token --instances --seed",
     ("bench", "serve"): "--quick --simulate --dataset --systems --model --num-requests --rates --refine --cv --scale "
                         "--mem-requests --ttft-mult --tbt-mult --block-size --no-decode-bench --decode-only "
                         "--prefix-only --decode-repeats --threads --seed --out-dir",
@@ -257,7 +257,7 @@ def test_ctrl_c_exits_130(monkeypatch):
 
 
 # ---- the product and the lab --------------------------------------------------------------------------------------
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _pyproject() -> dict:

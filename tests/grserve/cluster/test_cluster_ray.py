@@ -83,11 +83,39 @@ def test_startup_and_kv_routing_equal_one_engine(cluster, reference):
     for p in prompts[1:]:
         later.append(cluster.submit(LLMRequest(p, GREEDY)))
         time.sleep(0.05)
-    outs += [h.future.result(timeout=60).output_ids for h in later]
+    results = [first.future.result(timeout=60)] + [h.future.result(timeout=60) for h in later]
+    outs += [r.output_ids for r in results[1:]]
     assert outs == reference(prompts, GREEDY)
     assert cluster.router.decisions["prefix"] >= 1
     assert cluster.router.routed[holder] >= 2  # the shared 64-token prefix pulled a later request to its holder
     assert cluster.stats()["prefix_hit_tokens"] >= 64
+    # usage.cached_tokens: each request's own prefix hits, adding up to the instances' counters (it was always 0)
+    cached = [r.cached_tokens for r in results]
+    assert cached[0] == 0 and max(cached) >= 64
+    end = time.monotonic() + 5
+    while cluster.stats()["prefix_hit_tokens"] != sum(cached):
+        assert time.monotonic() < end, (cached, cluster.stats()["prefix_hit_tokens"])
+        time.sleep(0.05)
+
+
+def test_ray_listens_on_loopback_only_and_asks_for_a_token(cluster):
+    """The Ray that grserve starts (issue 25): no process of it — GCS, raylet, agents, workers, the instance
+    actors, this driver — listens outside loopback, and its GCS refuses a client without the token."""
+    import ipaddress
+
+    from cluster_fixtures import descendants, listening_sockets
+    from grserve.cluster.core.ray_security import check_joined
+
+    pids = descendants(os.getpid()) | {inst.info.pid for inst in cluster.instances}
+    socks = listening_sockets(pids)
+    names = {name for _, name, _, _ in socks}
+    assert {"gcs_server", "raylet"} <= names and len(socks) >= 6, socks
+    for pid, name, addr, port in socks:
+        ip = ipaddress.ip_address(addr)
+        ip = ip.ipv4_mapped or ip if isinstance(ip, ipaddress.IPv6Address) else ip
+        assert ip.is_loopback, f"{name} (pid {pid}) listens on {addr}:{port}"
+    gcs = ray.get_runtime_context().gcs_address
+    assert gcs.startswith("127.0.0.1:") and check_joined(gcs) == "token"
 
 
 def test_http_app_and_metrics(cluster, cfg):
@@ -104,13 +132,18 @@ def test_http_app_and_metrics(cluster, cfg):
                                                  "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
         assert client.get("/health").json()["status"] == "ok"
+        body = {"model": "m", "prompt": list(range(100, 140)), "max_tokens": 2, "temperature": 0}
+        assert client.post("/v1/completions", json=body).json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        time.sleep(0.3)  # its blocks reach the KV index: the repeat goes where they are
+        usage = client.post("/v1/completions", json=body).json()["usage"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] == 32  # 2 full blocks of 16; the last token computed
         text = client.get("/metrics").text
     for name in ("grserve_cluster_instance_up{instance=\"2\"} 1.0", "grserve_cluster_routing_decisions_total",
                  "grserve_cluster_migrations_total", "grserve_cluster_instance_booked_tokens",
                  "grserve_cluster_kv_index_blocks", "grserve_llm_running"):
         assert name in text
     for phase in ("queue", "prefill", "decode"):  # the instances' engine phases (before: empty in cluster mode)
-        assert f'grserve_llm_request_{phase}_time_seconds_count{{model_name="m"}} 1.0' in text, phase
+        assert f'grserve_llm_request_{phase}_time_seconds_count{{model_name="m"}} 3.0' in text, phase
 
 
 def _moved_enough(cluster, h) -> bool:

@@ -252,3 +252,19 @@ def test_the_front_end_loads_the_tokenizer_the_instances_use(monkeypatch, tmp_pa
     own = load_tokenizer("preset", 300, 256, tmp_path / "own")
     cfg = LLMServeConfig(model=ModelConfig(source="tiny"), api=LLMApiConfig(tokenizer=own.name_or_path))
     assert ClusterLLMEngine.launch(cfg, ClusterConfig(instances=1)).tokenizer.name_or_path == own.name_or_path
+
+
+def test_usage_cached_tokens_are_the_prefilling_instances():
+    """``usage.prompt_tokens_details.cached_tokens`` of a cluster request: the prompt tokens the instance that
+    produced its first token took from its prefix cache (it was always 0: issue 25). A request recomputed elsewhere
+    before its first token reports the new attempt's; tokens after a move never change it."""
+    eng, actors = _engine(max_waiting=8, timeout_s=60)
+    h = eng.submit(_req("a"))
+    first = eng.records["a"].instance
+    eng.instance_down(first, "actor died", fence=False)  # no token yet: attempt 1 runs on the other instance
+    _poll(eng, 1 - first, [TokenReport("a", 1, 0, [11], cached_tokens=32)])
+    _poll(eng, 1 - first, [TokenReport("a", 1, 1, [12, 13], finished=True, finish_reason="length", cached_tokens=0)])
+    assert h.future.result(timeout=1).cached_tokens == 32
+    g = eng.submit(_req("b"))
+    _poll(eng, eng.records["b"].instance, [TokenReport("b", 0, 0, [11, 12, 13], finished=True, finish_reason="length")])
+    assert g.future.result(timeout=1).cached_tokens == 0
