@@ -184,6 +184,8 @@ def openai_validation_error(exc: RequestValidationError) -> ApiError:
     param = field_path(err.get("loc", ()))
     if err.get("type") == "missing":
         msg = f"'{param}' is a required property"
+    elif param is None:  # a check of the whole request: its message alone, never "invalid 'None'"
+        msg = str(err.get("msg", "invalid value"))
     else:
         msg = f"invalid '{param}': {err.get('msg', 'invalid value')}"
     return ApiError(400, msg, param, str(err.get("type", "invalid_value")))

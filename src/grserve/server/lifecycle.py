@@ -91,13 +91,15 @@ async def finish(request: Request, engine: Cancels, handle: RequestHandle,
 def engine_failure(exc: BaseException, request_id: str) -> ApiError:
     """The answer to a request the engine failed (call it in the ``except`` block: a 500 is logged with its
     traceback): 503 ``queue_timeout`` past its queue deadline, 503 ``stopped`` when the engine stopped (a planned
-    drain) or cancelled it, the status an engine error names (cluster: ``RequestLost``), else 500 ``internal``."""
+    drain) or cancelled it, the status an engine error names (cluster: ``RequestLost``, ``InstanceOverloaded``;
+    a 429 or 503 with ``Retry-After``), else 500 ``internal``."""
     if isinstance(exc, RequestTimedOut):
         return queue_timeout(exc)
     if isinstance(exc, (EngineStopped, RequestCancelled)):
         return stopped(exc)
     status = getattr(exc, "http_status", None)
-    if status is not None:
-        return ApiError(status, str(exc), None, getattr(exc, "error_type", "unavailable"))
+    if status is not None:  # a 429 or 503 says when to retry, as the edge's and the engine's own do
+        retry = {"Retry-After": "1"} if status in (429, 503) else None
+        return ApiError(status, str(exc), None, getattr(exc, "error_type", "unavailable"), retry)
     log.exception("engine failed on request %s", request_id)
     return ApiError(500, f"internal error while serving the request: {type(exc).__name__}", None, "internal")

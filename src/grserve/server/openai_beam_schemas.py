@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, StrictInt, field_validator, model_validator
 
 from grserve.server.openai_schemas import Bool, ChatMessage, Float, Seed, StreamOptions, Text, TokenId, Usage
 
@@ -74,11 +74,12 @@ class BeamRequest(BaseModel):
 class BeamCompletionRequest(BeamRequest):
     prompt: Text | list[TokenId]  # text (rendered as is), or token ids
 
-    @model_validator(mode="after")
-    def _prompt(self) -> "BeamCompletionRequest":
-        if not self.prompt:
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v: str | list[int]) -> str | list[int]:
+        if not v:  # a field check, so the error names ``prompt``
             raise ValueError("prompt must not be empty")
-        return self
+        return v
 
 
 _TEMPLATE_CALL_ARGS = frozenset({"messages", "conversation", "tools", "documents", "chat_template", "tokenize",

@@ -342,3 +342,24 @@ def test_openai_beams_through_instances_equal_one_engine(onerec):
         cluster.stop()
         if owns:
             ray.shutdown()
+
+
+@pytest.mark.parametrize("prompt", ["", []])
+def test_an_empty_completion_prompt_is_a_400_naming_prompt(onerec, prompt):
+    """The hostile pass (issue 25): an empty prompt on the retrieval server's /v1/completions answered
+    ``invalid 'None': ...`` with ``param`` null (a model-level check); the LLM server names ``prompt``."""
+    _, _, client, _ = onerec
+    r = client.post("/v1/completions", json={"model": "gr", "prompt": prompt})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "prompt" and "None" not in err["message"], err
+
+
+def test_a_request_level_error_never_names_a_field_none(onerec):
+    """An error of the whole request (no field) reads as its message, not ``invalid 'None': ...``."""
+    _, _, client, _ = onerec
+    r = client.post("/v1/chat/completions", json={"model": "gr", "messages": [{"role": "user", "content": "hi"}],
+                                                  "best_of": 4, "beam_width": 8})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] is None and "None" not in err["message"] and err["message"], err
