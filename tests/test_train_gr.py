@@ -15,7 +15,7 @@ from grserve.config import SearchConfig
 from grserve.engine.retrieval import RetrievalRunner
 from grserve.model import Decoder, load_model
 from grserve.movielens.quality import unconstrained_beam_search
-from grserve.movielens.train import (
+from grserve.recipe.train import (
     CausalBatchContext, TrainConfig, history_tokens, init_weights, model_spec, next_item_nll, save_trained, train_gr,
     windows,
 )

@@ -5,6 +5,7 @@
     grserve serve [retrieval] | ranking | llm        server/retrieval_main.py, ranking_main.py, llm_main.py
     grserve bench retrieval | cache | ranking | serve | quality | cluster | pd
     grserve catalog generate | validate | build
+    grserve recommend                                recommend_main.py (offline, JSONL in and out)
 
 Each command module has ``add_command(sub)``: it adds its subcommand to a group with flags generated from config
 dataclasses (:mod:`grserve.flags`: every flag, its default and its check are defined once, in a dataclass field) and
@@ -44,6 +45,7 @@ from grserve.flags import (
 from grserve.movielens import build as movielens_build
 from grserve.movielens import quality as movielens_quality
 from grserve.server import llm_main, ranking_main, retrieval_main
+from grserve import recommend_main
 
 CATALOG_EXTENSIONS = (".jsonl", ".csv", ".grcat")
 DEFAULT_SERVE_MODE = "retrieval"
@@ -152,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "and the compact binary .grcat.", "ACTION")
     _add_catalog_commands(catalog)
     movielens_build.add_command(catalog)
+    recommend_main.add_command(sub)
     return parser
 
 

@@ -2,7 +2,7 @@
 
     ``<cache>/data/``          the MovieLens-100k files (``grserve.movielens.data``)
     ``<cache>/catalog.jsonl``  the SID catalog (``grserve catalog build``, ``grserve.movielens.build``)
-    ``<cache>/model/``         the HF-format GR decoder trained on the leave-one-out split (``grserve.movielens.train``)
+    ``<cache>/model/``         the HF-format GR decoder trained on the leave-one-out split (``grserve.recipe.train``)
 
 Each is rebuilt only when missing or stale: the model's ``train_meta.json`` records the SHA-256 of the catalog it
 was trained on and its training settings. ``<cache>`` is ``--cache-dir``, else ``$GRSERVE_CACHE_DIR/movielens``,
@@ -78,7 +78,7 @@ def ensure_artifacts(cfg: ArtifactsConfig = ArtifactsConfig(), *, log: Callable[
     """Build whatever is missing or stale (catalog, then model) under ``cfg.root``; reuse the rest."""
     from grserve.movielens.build import BuildConfig, build_catalog_file
     from grserve.movielens.split import leave_one_out
-    from grserve.movielens.train import TrainConfig, save_trained, train_gr
+    from grserve.recipe.train import TrainConfig, save_trained, train_gr
 
     art = Artifacts(cfg.root)
     art.root.mkdir(parents=True, exist_ok=True)

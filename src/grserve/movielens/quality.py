@@ -196,7 +196,7 @@ def evaluate(model, catalog, split, *, max_items: int, beam_width: int = 50, k: 
 
     from grserve.config import SearchConfig
     from grserve.engine.retrieval import RetrievalRunner
-    from grserve.movielens.train import history_tokens
+    from grserve.recipe.train import history_tokens
 
     n_users = len(split.users) if max_users is None else min(max_users, len(split.users))
     if split_name == "test":

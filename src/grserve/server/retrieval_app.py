@@ -127,6 +127,22 @@ def _search_knobs(body: RecommendRequest, search: Any, server_cfg: ServerConfig)
     return beam_width
 
 
+def retrieval_request(body: RecommendRequest, catalog: Any, engine: Any, server_cfg: ServerConfig) -> RetrievalRequest:
+    """A validated body → the engine's request (``ApiError`` naming the field otherwise); also the offline API's
+    conversion (``grserve.recommender``), so both take exactly the same inputs."""
+    beam_width = _search_knobs(body, engine.search, server_cfg)
+    prompt = history_tokens(body, catalog, int(engine.vocab_size), int(server_cfg.max_prompt_tokens))
+    kwargs = {"request_id": body.request_id} if body.request_id is not None else {}
+    return RetrievalRequest(prompt_tokens=prompt, beam_width=beam_width, top_n=body.top_n,
+                            exclude_items=excluded_items(body, server_cfg), **kwargs)
+
+
+def items_out(result: RetrievalResult) -> list[ItemOut]:
+    """The answer's items (a non-finite score, which JSON cannot carry, as -1e30)."""
+    return [ItemOut(item_id=int(it.item_id), sid=[int(c) for c in it.sid],
+                    score=float(it.score) if math.isfinite(float(it.score)) else -1e30) for it in result.items]
+
+
 def catalog_info(catalog: Any) -> CatalogInfo:
     return CatalogInfo(num_items=len(catalog), version=int(catalog.version), depth=int(catalog.depth),
                        codebook_sizes=[int(c) for c in catalog.codebook_sizes])
@@ -164,18 +180,12 @@ def create_app(engine: Any, server_cfg: ServerConfig, metrics: Metrics | None = 
     async def recommend(body: RecommendRequest, request: Request) -> Any:
         t0 = time.perf_counter()
         catalog = engine.catalogs.current()  # one snapshot for the whole conversion
-        beam_width = _search_knobs(body, engine.search, server_cfg)
-        prompt = history_tokens(body, catalog, int(engine.vocab_size), int(server_cfg.max_prompt_tokens))
-        kwargs = {"request_id": body.request_id} if body.request_id is not None else {}
-        req = RetrievalRequest(prompt_tokens=prompt, beam_width=beam_width, top_n=body.top_n,
-                               exclude_items=excluded_items(body, server_cfg), **kwargs)
+        req = retrieval_request(body, catalog, engine, server_cfg)
         result: RetrievalResult = await finish(request, engine, submit(engine, req))
-        items = [ItemOut(item_id=int(it.item_id), sid=[int(c) for c in it.sid],
-                         score=float(it.score) if math.isfinite(float(it.score)) else -1e30)
-                 for it in result.items]
+        items = items_out(result)
         metrics.observe_items(len(items))
         return RecommendResponse(
-            request_id=result.request_id or req.request_id, items=items, beam_width=beam_width,
+            request_id=result.request_id or req.request_id, items=items, beam_width=req.beam_width,
             catalog_version=int(result.catalog_version),
             timing=Timing(queue_ms=float(result.queue_ms), compute_ms=float(result.compute_ms),
                           total_ms=(time.perf_counter() - t0) * 1000.0),

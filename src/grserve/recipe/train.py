@@ -7,16 +7,22 @@ and each SID token predicts the next one — exactly what the served beam search
 decode → levels 1..D-1). Every position of a history is a training target, not only the last item (SASRec-style
 autoregressive training), which is what makes ~1k users enough.
 
-What is trained is grserve's own ``Decoder`` (the module the engine serves), through ``CausalBatchContext``:
-right-padded [B, T] sequences flattened to the packed [B·T] layout the decoder takes, causal SDPA per row. Padding
-sits after every real token, so no real token ever attends to it; its targets are ignored. The result is saved
-with ``grserve.model.save_pretrained`` (config.json + model.safetensors, HF tensor names; HF transformers loads it
-as ``Qwen3ForCausalLM``), plus ``train_meta.json`` (settings, catalog SHA-256, timings, losses).
+What is trained is grserve's own ``Decoder`` (the module the engine serves). Without dropout it runs through
+``CausalBatchContext`` (right-padded [B, T] sequences flattened to the packed [B·T] layout the decoder takes,
+causal SDPA per row); with dropout through ``recipe.forward.train_forward`` (the same computation plus dropout).
+Padding sits after every real token, so no real token ever attends to it; its targets are ignored. The loss is a
+cross-entropy normalised over the whole vocabulary, the target's SID level, or the codes the catalog allows after
+the target's prefix (``recipe.losses``). The result is saved with ``grserve.model.save_pretrained``
+(config.json + model.safetensors, HF tensor names; HF transformers loads it as ``Qwen3ForCausalLM``), plus
+``train_meta.json`` (settings, catalog SHA-256, timings, losses).
 
-Histories longer than ``max_items`` are cut into windows of ``max_items`` items from the most recent backwards;
-serving uses the same ``max_items`` most recent items as the prompt. Each epoch ends with the validation loss
-(NLL of the held-out next item's SID given the history); the weights of the best epoch are kept. Training stops
-at ``epochs`` or when ``time_budget_s`` runs out, whichever comes first (the budget is checked every step).
+Histories are cut into windows of ``window_items`` items (default ``max_items``), from the most recent end
+backwards, every ``window_stride`` items (default: the window, i.e. no overlap); serving uses the ``max_items``
+most recent items as the prompt. Batches are drawn in random order; with ``length_buckets`` the windows of a
+batch have similar lengths (less padding: shuffled, then sorted by length within groups of 50 batches). Each
+epoch ends with the validation loss (NLL of the held-out next item's SID given the history, under the training
+loss's normalisation); the weights of the best epoch are kept. Training stops at ``epochs`` or when
+``time_budget_s`` runs out, whichever comes first (the budget is checked every step).
 """
 
 from __future__ import annotations
@@ -37,21 +43,25 @@ from grserve.model.decoder import Decoder
 from grserve.model.loader import save_pretrained
 from grserve.model.spec import ModelSpec
 from grserve.movielens.data import file_sha256
-
-IGNORE = -100
+from grserve.recipe.forward import train_forward
+from grserve.recipe.losses import IGNORE, LOSSES, SidTargets, next_token_loss
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    # model shape (Qwen3: q/k-norm, GQA, tied embeddings)
+    # model shape (Qwen3: q/k-norm, GQA)
     hidden_size: int = 128
     intermediate_size: int = 384
     num_hidden_layers: int = 2
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
     head_dim: int = 32
+    tie_word_embeddings: bool = True
     # data
-    max_items: int = 50  # history window in items (prompt = max_items × depth tokens)
+    max_items: int = 50  # served prompt = the max_items most recent items (max_items × depth tokens)
+    window_items: int | None = None  # training window in items (None: max_items)
+    window_stride: int | None = None  # items between window ends (None: the window, i.e. no overlap)
+    length_buckets: bool = False  # batches of similar-length windows (less padding)
     # optimisation
     epochs: int = 12  # validation NLL bottoms out around epoch 10 (best epoch kept)
     batch_size: int = 32
@@ -61,10 +71,25 @@ class TrainConfig:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     seed: int = 0
+    # regularisation and loss
+    dropout: float = 0.0  # embeddings and residual branches (recipe.forward)
+    attention_dropout: float = 0.0
+    loss: str = "full"  # full | level | catalog (recipe.losses)
+    label_smoothing: float = 0.0
     time_budget_s: float = 540.0  # hard stop (checked every step); the issue's limit is 10 minutes
     # torch intra-op threads while training (None: keep the current setting). 1 by default: on a shared 2-core
     # machine two OpenMP threads that spin-wait for each other were measured 4× slower than one thread.
     threads: int | None = 1
+
+    def __post_init__(self) -> None:
+        if self.loss not in LOSSES:
+            raise ValueError(f"loss {self.loss!r}: choose one of {', '.join(LOSSES)}")
+        if self.window_items is not None and self.window_items < 2:
+            raise ValueError(f"window_items {self.window_items} must be >= 2 (a history item and a target)")
+
+    @property
+    def window(self) -> int:
+        return self.window_items or self.max_items
 
     def settings(self) -> dict:
         """What determines the trained weights (the budget and thread count only decide when/how fast)."""
@@ -108,9 +133,9 @@ def model_spec(cfg: TrainConfig, catalog: Catalog) -> ModelSpec:
     return ModelSpec(family="qwen3", vocab_size=vocab, hidden_size=cfg.hidden_size,
                      intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_hidden_layers,
                      num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
-                     head_dim=cfg.head_dim, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=True,
-                     attention_bias=False, qk_norm=True,
-                     max_position_embeddings=max(4096, 2 * cfg.max_items * catalog.depth))
+                     head_dim=cfg.head_dim, rms_norm_eps=1e-6, rope_theta=10000.0,
+                     tie_word_embeddings=cfg.tie_word_embeddings, attention_bias=False, qk_norm=True,
+                     max_position_embeddings=max(4096, 2 * max(cfg.max_items, cfg.window) * catalog.depth))
 
 
 @torch.no_grad()
@@ -134,15 +159,19 @@ def history_tokens(items: np.ndarray, catalog: Catalog, max_items: int) -> np.nd
     return catalog.layout.sids_to_tokens(catalog.sids_of_items(items))
 
 
-def windows(sequences: Sequence[np.ndarray], max_items: int) -> list[np.ndarray]:
-    """Cut each item sequence into windows of at most ``max_items`` (most recent first); drop 1-item windows."""
+def windows(sequences: Sequence[np.ndarray], max_items: int, stride: int | None = None) -> list[np.ndarray]:
+    """Cut each item sequence into windows of at most ``max_items``, ending every ``stride`` items from the most
+    recent end (default: ``max_items``, no overlap) until a window reaches the start; drop 1-item windows."""
+    stride = stride or max_items
     out = []
     for seq in sequences:
         seq = np.asarray(seq, dtype=np.int64)
-        for end in range(len(seq), 1, -max_items):
-            w = seq[max(0, end - max_items):end]
-            if len(w) >= 2:
-                out.append(w)
+        end = len(seq)
+        while end >= 2:
+            out.append(seq[max(0, end - max_items):end])
+            if end <= max_items:
+                break
+            end -= stride
     return out
 
 
@@ -158,31 +187,72 @@ def _pad_batch(token_seqs: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor
     return torch.from_numpy(inp), torch.from_numpy(tgt)
 
 
-def _forward_loss(model: Decoder, inp: torch.Tensor, tgt: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+def _pad_nodes(node_seqs: list[np.ndarray] | None) -> torch.Tensor | None:
+    """The trie node above each target (node_seqs[i][1:]), right-padded with 0 like ``_pad_batch``."""
+    if node_seqs is None:
+        return None
+    t = max(len(s) for s in node_seqs) - 1
+    out = np.zeros((len(node_seqs), t), dtype=np.int64)
+    for i, s in enumerate(node_seqs):
+        out[i, :len(s) - 1] = s[1:]
+    return torch.from_numpy(out)
+
+
+class _Stream:
+    """The training windows as SID token streams, with the trie node above each token when the loss needs it."""
+
+    def __init__(self, windows_: list[np.ndarray], catalog: Catalog, cfg: TrainConfig):
+        self.tokens = [catalog.layout.sids_to_tokens(catalog.sids_of_items(w)) for w in windows_]
+        self.sid = SidTargets(catalog) if cfg.loss != "full" else None
+        self.nodes = [self.sid.token_nodes(w) for w in windows_] if cfg.loss == "catalog" else None
+        self.lengths = np.array([len(t) for t in self.tokens])
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def batch(self, rows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        inp, tgt = _pad_batch([self.tokens[i] for i in rows])
+        return inp, tgt, _pad_nodes(None if self.nodes is None else [self.nodes[i] for i in rows])
+
+
+def _loss(model: Decoder, cfg: TrainConfig, inp: torch.Tensor, tgt: torch.Tensor, nodes: torch.Tensor | None,
+          sid: SidTargets | None, reduction: str = "mean", smoothing: float = 0.0) -> torch.Tensor:
     b, t = inp.shape
-    positions = torch.arange(t).repeat(b)
-    hidden = model(inp.reshape(-1), positions, CausalBatchContext(b, t))
-    return F.cross_entropy(model.logits(hidden), tgt.reshape(-1), ignore_index=IGNORE, reduction=reduction)
+    if model.training and (cfg.dropout > 0 or cfg.attention_dropout > 0):
+        hidden = train_forward(model, inp, cfg.dropout, cfg.attention_dropout)
+    else:
+        hidden = model(inp.reshape(-1), torch.arange(t).repeat(b), CausalBatchContext(b, t))
+    return next_token_loss(model, hidden, tgt.reshape(-1), None if nodes is None else nodes.reshape(-1), cfg.loss,
+                           sid, smoothing, reduction)
+
+
+def _forward_loss(model: Decoder, inp: torch.Tensor, tgt: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Full-vocabulary cross-entropy of a padded batch (no dropout)."""
+    return _loss(model, TrainConfig(), inp, tgt, None, None, reduction)
 
 
 @torch.no_grad()
 def next_item_nll(model: Decoder, histories: Sequence[np.ndarray], targets: np.ndarray, catalog: Catalog,
-                  max_items: int, batch_size: int = 64) -> float:
-    """Mean NLL (nats, summed over the SID tokens) of each target item given its history (teacher forcing)."""
+                  max_items: int, batch_size: int = 64, cfg: TrainConfig | None = None,
+                  sid: SidTargets | None = None) -> float:
+    """Mean NLL (nats, summed over the SID tokens) of each target item given its history (teacher forcing),
+    normalised like ``cfg.loss`` (default: over the whole vocabulary)."""
+    cfg = cfg or TrainConfig()
+    if cfg.loss != "full" and sid is None:
+        sid = SidTargets(catalog)
     total, count = 0.0, 0
     depth = catalog.depth
     for a in range(0, len(targets), batch_size):
-        seqs, tails = [], []
-        for h, y in zip(histories[a:a + batch_size], targets[a:a + batch_size]):
-            s = history_tokens(np.append(np.asarray(h, np.int64)[-max_items:], y), catalog, max_items + 1)
-            seqs.append(s)
-            tails.append(len(s) - 1)
+        wins = [np.append(np.asarray(h, np.int64)[-max_items:], y)
+                for h, y in zip(histories[a:a + batch_size], targets[a:a + batch_size])]
+        seqs = [catalog.layout.sids_to_tokens(catalog.sids_of_items(w)) for w in wins]
         inp, tgt = _pad_batch(seqs)
         keep = torch.full_like(tgt, IGNORE)
-        for i, end in enumerate(tails):  # only the target item's tokens count
+        for i, s in enumerate(seqs):  # only the target item's tokens count
+            end = len(s) - 1
             keep[i, end - depth:end] = tgt[i, end - depth:end]
-        nll = _forward_loss(model, inp, keep, reduction="sum")
-        total += float(nll)
+        nodes = _pad_nodes([sid.token_nodes(w) for w in wins]) if cfg.loss == "catalog" else None
+        total += float(_loss(model, cfg, inp, keep, nodes, sid, reduction="sum"))
         count += len(seqs)
     return total / max(count, 1)
 
@@ -220,46 +290,68 @@ def _lr_schedule(cfg: TrainConfig, total_steps: int) -> Callable[[int], float]:
     return lr_at
 
 
+def _epoch_batches(lengths: np.ndarray, cfg: TrainConfig, rng: np.random.Generator) -> list[np.ndarray]:
+    """One epoch's batches of window indices: a random order, or with ``length_buckets`` random groups of 50
+    batches sorted by length within the group, the batches then shuffled."""
+    order = rng.permutation(len(lengths))
+    if not cfg.length_buckets:
+        return [order[a:a + cfg.batch_size] for a in range(0, len(order), cfg.batch_size)]
+    group = cfg.batch_size * 50
+    out = []
+    for g in range(0, len(order), group):
+        part = order[g:g + group]
+        part = part[np.argsort(lengths[part], kind="stable")]
+        out += [part[a:a + cfg.batch_size] for a in range(0, len(part), cfg.batch_size)]
+    return [out[i] for i in rng.permutation(len(out))]
+
+
+def _steps_per_epoch(n: int, cfg: TrainConfig) -> int:
+    if not cfg.length_buckets:
+        return math.ceil(n / cfg.batch_size)
+    group = cfg.batch_size * 50
+    return sum(math.ceil(min(group, n - g) / cfg.batch_size) for g in range(0, n, group))
+
+
+def _new_model(cfg: TrainConfig, catalog: Catalog) -> Decoder:
+    torch.manual_seed(cfg.seed)
+    model = Decoder(model_spec(cfg, catalog), dtype=torch.float32, device="cpu")
+    init_weights(model, cfg.seed)
+    return model.train().requires_grad_(True)
+
+
 def _train(sequences, catalog, cfg, valid, progress, log) -> TrainResult:
     from tqdm import tqdm
 
     t_start = time.perf_counter()
-    torch.manual_seed(cfg.seed)
     rng = np.random.default_rng(cfg.seed)
-    spec = model_spec(cfg, catalog)
-    model = Decoder(spec, dtype=torch.float32, device="cpu")
-    init_weights(model, cfg.seed)
-    model.train().requires_grad_(True)
-
-    wins = windows(sequences, cfg.max_items)
+    model = _new_model(cfg, catalog)
+    wins = windows(sequences, cfg.window, cfg.window_stride)
     if not wins:
         raise ValueError("no training sequence has 2 or more items")
-    tokens = [catalog.layout.sids_to_tokens(catalog.sids_of_items(w)) for w in wins]
-    steps_per_epoch = math.ceil(len(tokens) / cfg.batch_size)
+    data = _Stream(wins, catalog, cfg)
+    steps_per_epoch = _steps_per_epoch(len(data), cfg)
     total_steps = steps_per_epoch * cfg.epochs
-
     opt = _optimizer(model, cfg)
     lr_at = _lr_schedule(cfg, total_steps)
+    spec = model.spec
     log(f"model: {spec.num_parameters():,} parameters (hidden {spec.hidden_size}, {spec.num_hidden_layers} layers, "
-        f"vocab {spec.vocab_size}); {len(tokens)} windows of <= {cfg.max_items} items, {steps_per_epoch} steps/epoch")
+        f"vocab {spec.vocab_size}); {len(data)} windows of <= {cfg.window} items, {steps_per_epoch} steps/epoch")
     history: list[dict] = []
-    best = (math.inf, -1, None)
+    best: tuple[float, int, dict | None] = (math.inf, -1, None)
     step, stopped = 0, False
     deadline = t_start + cfg.time_budget_s
     bar = tqdm(total=total_steps, desc="train GR", unit="step", disable=not progress, dynamic_ncols=True)
     try:
         for epoch in range(cfg.epochs):
             t_epoch = time.perf_counter()
-            order = rng.permutation(len(tokens))
             run_loss, run_n = 0.0, 0
-            for a in range(0, len(order), cfg.batch_size):
+            for rows in _epoch_batches(data.lengths, cfg, rng):
                 if time.perf_counter() > deadline:
                     stopped = True
                     break
-                inp, tgt = _pad_batch([tokens[i] for i in order[a:a + cfg.batch_size]])
                 for group in opt.param_groups:
                     group["lr"] = lr_at(step)
-                loss = _forward_loss(model, inp, tgt)
+                loss = _loss(model, cfg, *data.batch(rows), data.sid, smoothing=cfg.label_smoothing)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -271,14 +363,11 @@ def _train(sequences, catalog, cfg, valid, progress, log) -> TrainResult:
                 bar.set_postfix(epoch=epoch + 1, loss=f"{run_loss / run_n:.3f}")
             entry = {"epoch": epoch + 1, "train_loss": run_loss / max(run_n, 1), "steps": run_n}
             if valid is not None and run_n:
-                model.eval()
-                entry["valid_nll"] = next_item_nll(model, valid[0], valid[1], catalog, cfg.max_items)
-                model.train()
-                if entry["valid_nll"] < best[0]:
-                    best = (entry["valid_nll"], epoch + 1, {k: v.detach().clone() for k, v in model.state_dict().items()})
+                best = _validate(model, cfg, catalog, valid, data.sid, entry, best)
                 bar.set_postfix(epoch=epoch + 1, loss=f"{entry['train_loss']:.3f}", valid=f"{entry['valid_nll']:.3f}")
             entry["seconds"] = round(time.perf_counter() - t_epoch, 2)
             history.append(entry)
+            log(json.dumps(entry))
             if stopped:
                 break
     finally:
@@ -292,6 +381,16 @@ def _train(sequences, catalog, cfg, valid, progress, log) -> TrainResult:
     return TrainResult(model=model.eval().requires_grad_(False), config=cfg, steps=step, epochs_done=epochs_done,
                        seconds=seconds, stopped_by_budget=stopped, best_epoch=best[1],
                        threads=torch.get_num_threads(), history=history)
+
+
+def _validate(model: Decoder, cfg: TrainConfig, catalog: Catalog, valid, sid, entry: dict, best: tuple) -> tuple:
+    """Add the validation NLL to the epoch's entry; the new best (nll, epoch, weights) if it improved."""
+    model.eval()
+    entry["valid_nll"] = next_item_nll(model, valid[0], valid[1], catalog, cfg.max_items, cfg=cfg, sid=sid)
+    model.train()
+    if entry["valid_nll"] < best[0]:
+        return entry["valid_nll"], entry["epoch"], {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return best
 
 
 def save_trained(result: TrainResult, out: str | Path, *, catalog_path: str | Path | None = None,
