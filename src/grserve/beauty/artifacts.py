@@ -62,7 +62,7 @@ def _write_catalog_if_changed(ds, path: Path, log: Callable[[str], None]) -> Non
 
     catalog = Catalog.from_arrays(ds.item_ids, ds.sids, codebook_sizes=ds.codebook_sizes, token_offset=16,
                                   source=ds.source)
-    tmp = path.with_name(path.name + ".new")
+    tmp = path.with_name("new-" + path.name)
     save_catalog(catalog, tmp)
     if path.is_file() and path.read_bytes() == tmp.read_bytes():
         tmp.unlink()

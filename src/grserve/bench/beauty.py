@@ -196,6 +196,8 @@ def run(cfg, bench: BeautyBenchConfig, artifacts) -> int:
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
     console = Console()
+    if not console.is_terminal:
+        console = Console(width=170)  # the table whole in a log file
     if cfg.model is None:
         art = ensure_beauty(artifacts, log=console.print, progress=cfg.progress)
         model_dir, catalog_path = art.model, art.catalog
