@@ -46,7 +46,7 @@ def test_the_command_list():
     expected = {("serve", "retrieval"), ("serve", "ranking"), ("serve", "llm"), ("bench", "retrieval"),
                 ("bench", "cache"), ("bench", "ranking"), ("bench", "serve"), ("bench", "quality"), ("bench", "cluster"),
                 ("bench", "pd"),
-                ("catalog", "generate"), ("catalog", "validate"), ("catalog", "build")}
+                ("catalog", "generate"), ("catalog", "validate"), ("catalog", "build"), ("recommend",)}
     assert expected == set(LEAVES)
 
 
@@ -80,7 +80,7 @@ def test_help_imports_no_torch():
             "print(len(paths))\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert int(r.stdout) == 17  # the root, 3 groups, 13 commands
+    assert int(r.stdout) == 18  # the root, 3 groups, 14 commands
 
 
 def test_serve_help_lists_the_modes_and_the_default(capsys):

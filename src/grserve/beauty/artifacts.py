@@ -23,7 +23,7 @@ from typing import Callable
 from grserve.beauty.data import INDEXES, load_sid_dataset
 from grserve.flags import Checked, HelpFormatter, add_flags, flag, from_args, positive
 from grserve.movielens.artifacts import Artifacts, model_is_current
-from grserve.recipe.train import TrainConfig
+from grserve.recipe.config import TrainConfig
 
 # The recipe (docs/offline-eval.md has the experiments behind it). Prompt = the 20 most recent items, as the
 # published protocol cuts histories; training windows are 21 items (20 of history + the target).

@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 
 from grserve.catalog import Catalog
+from grserve.recipe.config import LOSSES
 
 IGNORE = -100
-LOSSES = ("full", "level", "catalog")
 
 
 def level_token_ids(catalog: Catalog) -> list[np.ndarray]:
