@@ -132,3 +132,36 @@ def test_sid_tokenizer_ids_are_the_layout_ids(tmp_path, catalog):
     text = "".join(sid_token(level, int(c)) for sid in sids for level, c in enumerate(sid))
     assert tok.encode(text, add_special_tokens=False) == catalog.layout.sids_to_tokens(sids).tolist()
     assert tok.convert_ids_to_tokens([0, 1, 16, 20, 24]) == ["<pad>", "<eos>", "<a_0>", "<b_0>", "<c_0>"]
+
+
+def test_weight_average_blends_and_swaps_back(catalog):
+    from grserve.recipe.ema import WeightAverage
+
+    m = Decoder(model_spec(TrainConfig(**TINY), catalog))
+    init_weights(m, 0)
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    avg = WeightAverage(m, decay=0.9)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(1.0)
+    avg.update(m)  # decay min(0.9, 2/11)
+    d = 2 / 11
+    for k, v in m.state_dict().items():
+        torch.testing.assert_close(avg.shadow[k], d * before[k] + (1 - d) * v)
+    raw = {k: v.clone() for k, v in m.state_dict().items()}
+    with avg.swapped(m):
+        torch.testing.assert_close(m.model.embed_tokens.weight, avg.shadow["model.embed_tokens.weight"])
+        assert m.lm_head.weight is m.model.embed_tokens.weight  # still tied
+    for k, v in m.state_dict().items():
+        torch.testing.assert_close(v, raw[k])
+
+
+def test_training_with_a_weight_average_keeps_the_average(catalog):
+    seqs = [catalog.item_ids[(i + np.arange(8)) % 30] for i in range(30)]
+    seen = []
+    cfg = TrainConfig(**TINY, epochs=2, ema_decay=0.99, time_budget_s=120)
+    res = train_gr(seqs, catalog, cfg, progress=False,
+                   on_epoch=lambda model, entry: seen.append({k: v.clone() for k, v in model.state_dict().items()}))
+    assert len(seen) == 2 and res.best_epoch == -1  # no validation: the last average is kept
+    for k, v in res.model.state_dict().items():
+        torch.testing.assert_close(v, seen[-1][k])

@@ -40,6 +40,7 @@ class TrainConfig:
     attention_dropout: float = 0.0
     loss: str = "full"  # full | level | catalog (recipe.losses)
     label_smoothing: float = 0.0
+    ema_decay: float = 0.0  # > 0: validate and keep an exponential moving average of the weights (recipe.ema)
     time_budget_s: float = 540.0  # hard stop (checked every step); the limit is 10 minutes
     # torch intra-op threads while training (None: keep the current setting). 1 by default: on a shared 2-core
     # machine two OpenMP threads that spin-wait for each other were measured 4× slower than one thread.

@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
@@ -45,6 +46,7 @@ from grserve.model.spec import ModelSpec
 from grserve.movielens.data import file_sha256
 from grserve.recipe.forward import train_forward
 from grserve.recipe.config import TrainConfig
+from grserve.recipe.ema import WeightAverage
 from grserve.recipe.losses import IGNORE, SidTargets, next_token_loss
 
 
@@ -208,13 +210,16 @@ def next_item_nll(model: Decoder, histories: Sequence[np.ndarray], targets: np.n
 
 def train_gr(sequences: Sequence[np.ndarray], catalog: Catalog, cfg: TrainConfig = TrainConfig(), *,
              valid: tuple[Sequence[np.ndarray], np.ndarray] | None = None, progress: bool = True,
-             log: Callable[[str], None] = lambda s: None) -> TrainResult:
-    """Train on item-id sequences (oldest first). ``valid`` = (histories, next items) for per-epoch selection."""
+             log: Callable[[str], None] = lambda s: None,
+             on_epoch: Callable[[Decoder, dict], None] | None = None) -> TrainResult:
+    """Train on item-id sequences (oldest first). ``valid`` = (histories, next items) for per-epoch selection.
+    ``on_epoch(model, entry)`` after each epoch sees the weights that epoch would keep (the average with
+    ``ema_decay``), in eval mode."""
     threads_before = torch.get_num_threads()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     try:
-        return _train(sequences, catalog, cfg, valid, progress, log)
+        return _train(sequences, catalog, cfg, valid, progress, log, on_epoch)
     finally:
         torch.set_num_threads(threads_before)
 
@@ -268,7 +273,7 @@ def _new_model(cfg: TrainConfig, catalog: Catalog) -> Decoder:
     return model.train().requires_grad_(True)
 
 
-def _train(sequences, catalog, cfg, valid, progress, log) -> TrainResult:
+def _train(sequences, catalog, cfg, valid, progress, log, on_epoch=None) -> TrainResult:
     from tqdm import tqdm
 
     t_start = time.perf_counter()
@@ -282,6 +287,7 @@ def _train(sequences, catalog, cfg, valid, progress, log) -> TrainResult:
     total_steps = steps_per_epoch * cfg.epochs
     opt = _optimizer(model, cfg)
     lr_at = _lr_schedule(cfg, total_steps)
+    ema = WeightAverage(model, cfg.ema_decay) if cfg.ema_decay > 0 else None
     spec = model.spec
     log(f"model: {spec.num_parameters():,} parameters (hidden {spec.hidden_size}, {spec.num_hidden_layers} layers, "
         f"vocab {spec.vocab_size}); {len(data)} windows of <= {cfg.window} items, {steps_per_epoch} steps/epoch")
@@ -305,15 +311,19 @@ def _train(sequences, catalog, cfg, valid, progress, log) -> TrainResult:
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
                 opt.step()
+                if ema is not None:
+                    ema.update(model)
                 step += 1
                 run_loss += loss.item()
                 run_n += 1
                 bar.update(1)
                 bar.set_postfix(epoch=epoch + 1, loss=f"{run_loss / run_n:.3f}")
             entry = {"epoch": epoch + 1, "train_loss": run_loss / max(run_n, 1), "steps": run_n}
-            if valid is not None and run_n:
-                best = _validate(model, cfg, catalog, valid, data.sid, entry, best)
-                bar.set_postfix(epoch=epoch + 1, loss=f"{entry['train_loss']:.3f}", valid=f"{entry['valid_nll']:.3f}")
+            if run_n:
+                with ema.swapped(model) if ema is not None else nullcontext():
+                    best = _end_epoch(model, cfg, catalog, valid, data.sid, entry, best, on_epoch)
+                if "valid_nll" in entry:
+                    bar.set_postfix(epoch=epoch + 1, loss=f"{entry['train_loss']:.3f}", valid=f"{entry['valid_nll']:.3f}")
             entry["seconds"] = round(time.perf_counter() - t_epoch, 2)
             history.append(entry)
             log(json.dumps(entry))
@@ -323,6 +333,8 @@ def _train(sequences, catalog, cfg, valid, progress, log) -> TrainResult:
         bar.close()
     if best[2] is not None:
         model.load_state_dict(best[2])
+    elif ema is not None:
+        model.load_state_dict(ema.shadow)
     seconds = time.perf_counter() - t_start
     epochs_done = step / steps_per_epoch
     if stopped:
@@ -332,12 +344,19 @@ def _train(sequences, catalog, cfg, valid, progress, log) -> TrainResult:
                        threads=torch.get_num_threads(), history=history)
 
 
-def _validate(model: Decoder, cfg: TrainConfig, catalog: Catalog, valid, sid, entry: dict, best: tuple) -> tuple:
-    """Add the validation NLL to the epoch's entry; the new best (nll, epoch, weights) if it improved."""
+def _end_epoch(model: Decoder, cfg: TrainConfig, catalog: Catalog, valid, sid, entry: dict, best: tuple,
+               on_epoch) -> tuple:
+    """Add the validation NLL to the epoch's entry, call ``on_epoch``; the new best (nll, epoch, weights) if the
+    validation NLL improved."""
     model.eval()
-    entry["valid_nll"] = next_item_nll(model, valid[0], valid[1], catalog, cfg.max_items, cfg=cfg, sid=sid)
-    model.train()
-    if entry["valid_nll"] < best[0]:
+    try:
+        if valid is not None:
+            entry["valid_nll"] = next_item_nll(model, valid[0], valid[1], catalog, cfg.max_items, cfg=cfg, sid=sid)
+        if on_epoch is not None:
+            on_epoch(model, entry)
+    finally:
+        model.train()
+    if valid is not None and entry["valid_nll"] < best[0]:
         return entry["valid_nll"], entry["epoch"], {k: v.detach().clone() for k, v in model.state_dict().items()}
     return best
 
