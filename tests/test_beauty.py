@@ -97,3 +97,19 @@ def test_bench_quality_beauty_end_to_end(artifacts, slice_dir, capsys):
         assert key in line, key
     assert line["users"] == 40 and line["hf_top20_agreement"] == 1.0 and line["params"] > 0
     assert 0 <= line["ndcg@10"] <= line["hr@10"] <= line["hr@20"] <= 1
+
+
+def test_a_model_trained_before_a_setting_existed_is_still_current(tmp_path):
+    """train_meta.json of an older trainer lacks the newer settings; their defaults are the old behaviour."""
+    from grserve.movielens.artifacts import Artifacts, model_is_current
+    from grserve.movielens.data import file_sha256
+
+    art = Artifacts(tmp_path)
+    art.model.mkdir()
+    (art.model / "config.json").write_text("{}")
+    art.catalog.write_text('{"item_id": 1, "sid": [0, 0, 0]}\n')
+    old = {k: v for k, v in TrainConfig().settings().items()
+           if k not in ("dropout", "loss", "window_items", "ema_decay", "length_buckets")}
+    art.train_meta.write_text(json.dumps({"config": old, "catalog_sha256": file_sha256(art.catalog)}))
+    assert model_is_current(art, TrainConfig().settings())
+    assert not model_is_current(art, replace(TrainConfig(), dropout=0.1).settings())

@@ -22,6 +22,7 @@ from typing import Callable
 
 from grserve.flags import Checked, HelpFormatter, add_flags, flag, from_args, positive
 from grserve.movielens.data import default_cache_dir, file_sha256, load_movielens
+from grserve.recipe.config import TrainConfig
 
 
 @dataclass(frozen=True)
@@ -68,9 +69,11 @@ def model_is_current(art: Artifacts, settings: dict | None = None) -> bool:
         return False
     if meta.get("catalog_sha256") != file_sha256(art.catalog):
         return False
-    if settings is not None and any(meta.get("config", {}).get(k) != v for k, v in settings.items()):
-        return False
-    return True
+    if settings is None:
+        return True
+    # a setting the recorded config lacks was added to the trainer later; its default is the old behaviour
+    recorded = {**TrainConfig().settings(), **meta.get("config", {})}
+    return all(recorded.get(k) == v for k, v in settings.items())
 
 
 def ensure_artifacts(cfg: ArtifactsConfig = ArtifactsConfig(), *, log: Callable[[str], None] = print,
@@ -78,7 +81,7 @@ def ensure_artifacts(cfg: ArtifactsConfig = ArtifactsConfig(), *, log: Callable[
     """Build whatever is missing or stale (catalog, then model) under ``cfg.root``; reuse the rest."""
     from grserve.movielens.build import BuildConfig, build_catalog_file
     from grserve.movielens.split import leave_one_out
-    from grserve.recipe.train import TrainConfig, save_trained, train_gr
+    from grserve.recipe.train import save_trained, train_gr
 
     art = Artifacts(cfg.root)
     art.root.mkdir(parents=True, exist_ok=True)
