@@ -165,3 +165,17 @@ def test_training_with_a_weight_average_keeps_the_average(catalog):
     assert len(seen) == 2 and res.best_epoch == -1  # no validation: the last average is kept
     for k, v in res.model.state_dict().items():
         torch.testing.assert_close(v, seen[-1][k])
+
+
+def test_keep_last_keeps_the_last_epoch_whatever_the_validation_nll(catalog):
+    seqs = [catalog.item_ids[(i + np.arange(8)) % 30] for i in range(30)]
+    hist, nxt = [s[:-1] for s in seqs], np.array([s[-1] for s in seqs])
+    seen = []
+    cfg = TrainConfig(**TINY, epochs=3, keep="last", time_budget_s=120)
+    res = train_gr(hist, catalog, cfg, valid=(hist[:4], nxt[:4]), progress=False,
+                   on_epoch=lambda model, entry: seen.append({k: v.clone() for k, v in model.state_dict().items()}))
+    assert res.best_epoch == 3
+    for k, v in res.model.state_dict().items():
+        torch.testing.assert_close(v, seen[-1][k])
+    with pytest.raises(ValueError, match="keep"):
+        TrainConfig(keep="first")

@@ -41,6 +41,7 @@ class TrainConfig:
     loss: str = "full"  # full | level | catalog (recipe.losses)
     label_smoothing: float = 0.0
     ema_decay: float = 0.0  # > 0: validate and keep an exponential moving average of the weights (recipe.ema)
+    keep: str = "best"  # best: the epoch of the lowest validation NLL; last: the last epoch's weights
     time_budget_s: float = 540.0  # hard stop (checked every step); the limit is 10 minutes
     # torch intra-op threads while training (None: keep the current setting). 1 by default: on a shared 2-core
     # machine two OpenMP threads that spin-wait for each other were measured 4× slower than one thread.
@@ -49,6 +50,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.loss not in LOSSES:
             raise ValueError(f"loss {self.loss!r}: choose one of {', '.join(LOSSES)}")
+        if self.keep not in ("best", "last"):
+            raise ValueError(f"keep {self.keep!r}: choose best or last")
         if self.window_items is not None and self.window_items < 2:
             raise ValueError(f"window_items {self.window_items} must be >= 2 (a history item and a target)")
 

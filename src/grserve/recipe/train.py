@@ -21,8 +21,10 @@ backwards, every ``window_stride`` items (default: the window, i.e. no overlap);
 most recent items as the prompt. Batches are drawn in random order; with ``length_buckets`` the windows of a
 batch have similar lengths (less padding: shuffled, then sorted by length within groups of 50 batches). Each
 epoch ends with the validation loss (NLL of the held-out next item's SID given the history, under the training
-loss's normalisation); the weights of the best epoch are kept. Training stops at ``epochs`` or when
-``time_budget_s`` runs out, whichever comes first (the budget is checked every step).
+loss's normalisation); the weights of the best epoch are kept, or with ``keep="last"`` the last epoch's (a
+ranking model can keep improving its top items while its NLL, which also pays for confident misses, rises). With
+``ema_decay`` the weights validated and kept are the moving average of the weights (``recipe.ema``). Training
+stops at ``epochs`` or when ``time_budget_s`` runs out, whichever comes first (the budget is checked every step).
 """
 
 from __future__ import annotations
@@ -356,8 +358,9 @@ def _end_epoch(model: Decoder, cfg: TrainConfig, catalog: Catalog, valid, sid, e
             on_epoch(model, entry)
     finally:
         model.train()
-    if valid is not None and entry["valid_nll"] < best[0]:
-        return entry["valid_nll"], entry["epoch"], {k: v.detach().clone() for k, v in model.state_dict().items()}
+    nll = entry.get("valid_nll", math.inf)
+    if cfg.keep == "last" or (valid is not None and nll < best[0]):
+        return nll, entry["epoch"], {k: v.detach().clone() for k, v in model.state_dict().items()}
     return best
 
 
