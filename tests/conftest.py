@@ -9,7 +9,10 @@ change their weights, dtype or device (build its own model for that).
   after ``torch.manual_seed(seed)`` (weights far from a preset's, so paths that must agree are tested away
   from ties);
 - ``hf_qwen3(kv_heads, seed, perturb_norms)``: a small HF transformers ``Qwen3ForCausalLM`` and the same weights
-  loaded by grserve, the pair every "grserve = HF" LLM test compares.
+  loaded by grserve, the pair every "grserve = HF" LLM test compares;
+- ``onerec_dir`` / ``minionerec_dir`` / ``thinking_onerec_dir``: GR model directories shaped like the published
+  checkpoints (SIDs as added tokens of their tokenizer, a catalog file beside them; ``tests/gr_fixtures.py``). Not
+  factories: one each.
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ import os
 import socket
 import threading
 import time
+import tomllib
+from importlib.metadata import EntryPoint
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,6 +34,28 @@ import torch
 # defined (grserve imports its kernel sources lazily, so setting it here is early enough). Never on a CUDA machine.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def declared_commands() -> dict[str, EntryPoint]:
+    """The ``grserve.commands`` entry points that pyproject.toml declares: what installing this tree registers."""
+    with open(Path(__file__).resolve().parents[1] / "pyproject.toml", "rb") as f:
+        declared = tomllib.load(f)["project"]["entry-points"]["grserve.commands"]
+    return {name: EntryPoint(name, value, "grserve.commands") for name, value in declared.items()}
+
+
+def _use_declared_commands() -> None:
+    """The tests run this source tree; an install made from an older tree (an editable install made before the lab
+    package existed) lacks its entry points, so the command line the tests drive loads the declared ones. A fresh
+    ``make install`` registers them itself (tests/grserve/test_cli.py checks both)."""
+    from grserve import cli
+
+    declared = declared_commands()
+    installed = cli.installed_commands
+    if set(installed()) != set(declared):
+        cli.installed_commands = functools.wraps(installed)(lambda: {name: ep.load() for name, ep in declared.items()})
+
+
+_use_declared_commands()
 
 
 def pytest_collection_modifyitems(config, items):
@@ -119,3 +147,31 @@ def live_server(app, log_level: str = "error"):
     finally:
         srv.should_exit = True
         th.join(timeout=5)
+
+
+@pytest.fixture(scope="session")
+def onerec_dir(tmp_path_factory):
+    """A OneRec-like model directory (``tests/gr_fixtures.py``): Qwen3, ``<s_a_N>`` SID tokens, a chat template."""
+    pytest.importorskip("transformers")
+    from gr_fixtures import build_onerec_like
+
+    return build_onerec_like(tmp_path_factory.mktemp("onerec-like"))
+
+
+@pytest.fixture(scope="session")
+def minionerec_dir(tmp_path_factory):
+    """A MiniOneRec-like model directory (``tests/gr_fixtures.py``): Qwen2, ``<a_N>`` SID tokens, an index JSON."""
+    pytest.importorskip("transformers")
+    from gr_fixtures import build_minionerec_like
+
+    return build_minionerec_like(tmp_path_factory.mktemp("minionerec-like"))
+
+
+@pytest.fixture(scope="session")
+def thinking_onerec_dir(tmp_path_factory):
+    """A OneRec-like model directory that thinks: untied, ``<|sid_begin|>``'s head row doubled, so its greedy text
+    ends in sid_begin by itself after some prompts and runs to the limit after others."""
+    pytest.importorskip("transformers")
+    from gr_fixtures import build_onerec_like
+
+    return build_onerec_like(tmp_path_factory.mktemp("onerec-thinking"), tied=False, sid_begin_boost=2.0)

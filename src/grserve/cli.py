@@ -3,14 +3,19 @@
 ::
 
     grserve serve [retrieval] | ranking | llm        server/retrieval_main.py, ranking_main.py, llm_main.py
-    grserve bench retrieval | cache | ranking | serve | quality | cluster | pd
-    grserve catalog generate | validate | build
+    grserve bench retrieval | cache | ranking | serve | quality | cluster | pd | peers     the lab package, grserve_bench
+    grserve catalog generate | validate | convert | build
     grserve recommend                                recommend_main.py (offline, JSONL in and out)
 
 Each command module has ``add_command(sub)``: it adds its subcommand to a group with flags generated from config
 dataclasses (:mod:`grserve.flags`: every flag, its default and its check are defined once, in a dataclass field) and
 sets ``handler``, which builds the configs and calls the module's ``run(cfg)``. Heavy imports (torch, the engines,
 uvicorn) happen inside the handlers, so ``--help`` is instant and never imports torch.
+
+Commands of other packages installed beside grserve come in through the entry-point group ``grserve.commands``
+(``name = "module:register"``; ``register(sub)`` adds command ``name`` to the root). That is how ``grserve bench``
+reaches the lab package ``grserve_bench`` (pyproject.toml declares it), which grserve never imports; without it,
+``grserve bench`` says in one line how to get it.
 
 ``main(argv)`` returns the exit code: 0 ok, 1 a failed check (``catalog validate``), 2 bad arguments (argparse's
 own errors, a :class:`~grserve.flags.ConfigError` or :class:`~grserve.flags.UsageError`, printed as
@@ -23,14 +28,8 @@ import argparse
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
-from grserve.bench import cache as bench_cache
-from grserve.bench import cluster as bench_cluster
-from grserve.bench import pd as bench_pd
-from grserve.bench import ranking as bench_ranking
-from grserve.bench import retrieval as bench_retrieval
-from grserve.bench import serve as bench_serve
 from grserve.config import CatalogConfig
 from grserve.flags import (
     Checked,
@@ -43,12 +42,14 @@ from grserve.flags import (
     from_args,
 )
 from grserve.movielens import build as movielens_build
-from grserve.movielens import quality as movielens_quality
 from grserve.server import llm_main, ranking_main, retrieval_main
 from grserve import recommend_main
 
-CATALOG_EXTENSIONS = (".jsonl", ".csv", ".grcat")
+CATALOG_EXTENSIONS = (".jsonl", ".csv", ".grcat", ".json")
 DEFAULT_SERVE_MODE = "retrieval"
+COMMANDS_GROUP = "grserve.commands"
+BENCH_MISSING = ("the benchmarks are the grserve_bench package, which is not installed here; get it with "
+                 "'pip install -e .' (or 'make install') in a grserve checkout")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -62,7 +63,7 @@ def _catalog_extension(path: str) -> str | None:
 
 @dataclass(frozen=True)
 class CatalogOut(Checked):
-    out: str = flag(help="output file: .jsonl, .csv or .grcat (the extension picks the format)",
+    out: str = flag(help="output file: .jsonl, .csv, .json or .grcat (the extension picks the format)",
                     check=_catalog_extension, metavar="FILE")
 
 
@@ -81,18 +82,50 @@ def catalog_generate(cat: CatalogConfig, out: str) -> int:
     return 0
 
 
-def catalog_validate(path: str) -> int:
+def _load_bound(path: str, model: str | None):
+    """The catalog at ``path``, bound to ``model``'s tokenizer when given (SID token text resolved, or inferred)."""
     from grserve.catalog import load_catalog
+    from grserve.catalog.sid_text import bind_catalog
+    from grserve.engine.tokenizer import model_tokenizer
 
+    cat = load_catalog(path)
+    if model is None:
+        return cat, None
+    if not os.path.isdir(model):
+        raise ValueError(f"--model {model}: not a model directory")
+    return bind_catalog(cat, model_tokenizer(model))
+
+
+def catalog_validate(path: str, model: str | None = None) -> int:
     if not os.path.isfile(path):
         print(f"grserve: error: catalog file not found: {path}", file=sys.stderr)
         return 1
     try:
-        cat = load_catalog(path)
+        cat, note = _load_bound(path, model)
     except (ValueError, OSError) as exc:  # CatalogError is a ValueError
         print(f"invalid catalog: {exc}", file=sys.stderr)
         return 1
-    print(f"{path}: ok: {len(cat):,} items, depth {cat.depth}, codebook sizes {list(cat.codebook_sizes)}")
+    text = f", SID text {cat.text.describe()}" if cat.text is not None else ""
+    print(f"{path}: ok: {len(cat):,} items, depth {cat.depth}, codebook sizes {list(cat.codebook_sizes)}{text}")
+    if note:
+        print(note)
+    if model is not None:
+        print(f"on {model}: {cat.layout.describe()}")
+    return 0
+
+
+def catalog_convert(path: str, out: str) -> int:
+    """Any catalog format to any other (the layout and SID text carried over; .grcat for million-item catalogs)."""
+    from grserve.catalog import CatalogError, load_catalog, save_catalog
+
+    if not os.path.isfile(path):
+        raise UsageError(f"catalog file not found: {path}")
+    try:
+        cat = load_catalog(path)
+        save_catalog(cat, out)
+    except (CatalogError, ValueError, OSError) as exc:
+        raise UsageError(str(exc)) from None
+    print(f"wrote {out}: {len(cat):,} items, depth {cat.depth}, codebook sizes {list(cat.codebook_sizes)}")
     return 0
 
 
@@ -106,8 +139,18 @@ def _add_catalog_commands(sub: Any) -> None:
     p = command_parser(sub, "validate", help="check a catalog file",
                        description="Load a catalog file and print its item count, depth and codebook sizes, or the "
                                    "first problem found (exit code 1).")
-    p.add_argument("file", metavar="FILE", help="catalog file (.jsonl, .csv or .grcat)")
-    p.set_defaults(handler=lambda ns: catalog_validate(ns.file))
+    p.add_argument("file", metavar="FILE", help="catalog file (.jsonl, .csv, .json or .grcat)")
+    p.add_argument("--model", metavar="DIR", default=None,
+                   help="also resolve the catalog's SID tokens against this model directory's tokenizer (default: "
+                        "none)")
+    p.set_defaults(handler=lambda ns: catalog_validate(ns.file, ns.model))
+    p = command_parser(sub, "convert", help="rewrite a catalog in another format",
+                       description="Read a catalog (.jsonl, .csv, .json: an LC-Rec / MiniOneRec index, .grcat) and write "
+                                   "it in the format of --out's extension, its layout and SID token text carried "
+                                   "over (.csv cannot carry SID token text).")
+    p.add_argument("file", metavar="FILE", help="catalog file to read")
+    add_flags(p, CatalogOut)
+    p.set_defaults(handler=lambda ns: catalog_convert(ns.file, from_args(CatalogOut, ns).out))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -119,13 +162,43 @@ def _help_on_stderr(parser: argparse.ArgumentParser) -> int:
     return 2
 
 
-def _group(sub: Any, name: str, help: str, description: str, metavar: str) -> Any:
+def command_group(sub: Any, name: str, help: str, description: str, metavar: str) -> Any:
+    """A command with subcommands (``grserve serve MODE``, ``grserve bench BENCH``); given none, it prints its help."""
     p = command_parser(sub, name, help=help, description=description)
     p.set_defaults(handler=lambda ns: _help_on_stderr(p))
     return p.add_subparsers(dest=f"{name}_command", metavar=metavar, title="commands")
 
 
-def build_parser() -> argparse.ArgumentParser:
+Register = Callable[[Any], None]
+
+
+def installed_commands() -> dict[str, Register]:
+    """name → ``register`` of every command that an installed package declares in the entry-point group
+    ``grserve.commands``; one declared by an install whose package is gone counts as not installed."""
+    from importlib.metadata import entry_points
+
+    found: dict[str, Register] = {}
+    for ep in sorted(entry_points(group=COMMANDS_GROUP), key=lambda e: e.name):
+        try:
+            found[ep.name] = ep.load()
+        except ImportError:
+            continue
+    return found
+
+
+def _missing_bench(ns: argparse.Namespace) -> int:
+    raise UsageError(f"grserve bench: {BENCH_MISSING}")
+
+
+def _add_missing_bench(sub: Any) -> None:
+    p = command_parser(sub, "bench", help="benchmarks (not installed: the grserve_bench package)",
+                       description=f"Benchmarks: {BENCH_MISSING}.")
+    p.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    p.set_defaults(handler=_missing_bench)
+
+
+def build_parser(commands: Mapping[str, Register] | None = None) -> argparse.ArgumentParser:
+    """The whole tree; ``commands``: the extra commands (default: ``installed_commands()``)."""
     parser = argparse.ArgumentParser(
         prog="grserve", formatter_class=HelpFormatter,
         description="Inference server for generative recommenders: a user's item history goes in, the top items "
@@ -135,23 +208,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser.set_defaults(handler=lambda ns: _help_on_stderr(parser))
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
 
-    serve = _group(sub, "serve", "run an HTTP server (retrieval, ranking or llm; default retrieval)",
+    serve = command_group(sub, "serve", "run an HTTP server (retrieval, ranking or llm; default retrieval)",
                    f"Serve a model over HTTP. MODE is retrieval (the default: 'grserve serve [FLAGS]' is 'grserve "
                    f"serve {DEFAULT_SERVE_MODE} [FLAGS]'), ranking or llm; 'grserve serve MODE --help' lists its "
                    "flags.", "MODE")
     for module in (retrieval_main, ranking_main, llm_main):
         module.add_command(serve)
 
-    bench = _group(sub, "bench", "benchmarks", "Benchmarks; 'grserve bench BENCH --help' lists a benchmark's flags.",
-                   "BENCH")
-    for module in (bench_retrieval, bench_cache, movielens_quality, bench_ranking, bench_serve, bench_cluster,
-                   bench_pd):
-        module.add_command(bench)
+    commands = installed_commands() if commands is None else commands
+    for register in commands.values():
+        register(sub)
+    if "bench" not in commands:
+        _add_missing_bench(sub)
 
-    catalog = _group(sub, "catalog", "generate, validate or build catalog files",
+    catalog = command_group(sub, "catalog", "generate, validate or build catalog files",
                      "Catalog files map item ids to semantic IDs. Formats (by extension): .jsonl ({\"item_id\": 7, "
-                     "\"sid\": [3, 41, 9]} per line), .csv (item_id,sid with dash-joined codes, or item_id,c1,c2,...) "
-                     "and the compact binary .grcat.", "ACTION")
+                     "\"sid\": [3, 41, 9]} or {\"item_id\": 7, \"sid_tokens\": [\"<a_3>\", \"<b_41>\", "
+                     "\"<c_9>\"]} per line), .csv (item_id,sid with dash-joined codes, or item_id,c1,c2,...), .json (an "
+                     "LC-Rec / MiniOneRec index) and the compact binary .grcat (docs/serving-gr-models.md).", "ACTION")
     _add_catalog_commands(catalog)
     movielens_build.add_command(catalog)
     recommend_main.add_command(sub)
@@ -165,9 +239,10 @@ def _with_default_serve_mode(argv: list[str]) -> list[str]:
     return argv
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, commands: Mapping[str, Register] | None = None) -> int:
+    """Run one command; ``commands`` as in ``build_parser``."""
     argv = _with_default_serve_mode(list(sys.argv[1:] if argv is None else argv))
-    parser = build_parser()
+    parser = build_parser(commands)
     try:
         ns = parser.parse_args(argv)
     except SystemExit as exc:  # --help (0) or an argparse usage error (2, message already printed)

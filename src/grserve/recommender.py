@@ -54,6 +54,9 @@ class RecommendedItem:
 class Recommendation:
     request_id: str
     items: list[RecommendedItem]  # best first
+    source: str = "model"  # "popularity": an empty history, answered from the popularity order (cold start)
+    history_dropped: int = 0  # oldest history entries cut by truncate "left"
+    thinking: str | None = None  # max_think_tokens > 0: the text the model wrote before its first SID token
 
     @property
     def item_ids(self) -> list[int]:
@@ -63,7 +66,8 @@ class Recommendation:
         """The items as ``/v1/recommend`` answers them (a non-finite score as -1e30)."""
         return {"request_id": self.request_id,
                 "items": [{"item_id": it.item_id, "sid": list(it.sid),
-                           "score": it.score if math.isfinite(it.score) else -1e30} for it in self.items]}
+                           "score": it.score if math.isfinite(it.score) else -1e30} for it in self.items],
+                "source": self.source, "history_dropped": self.history_dropped, "thinking": self.thinking}
 
 
 _FLAT = {"model": (ModelConfig, "source"), "dtype": (ModelConfig, "dtype"), "device": (ModelConfig, "device"),
@@ -102,8 +106,15 @@ class Recommender:
             raise TypeError("give a ServeConfig or keyword settings, not both")
         from grserve.engine.retrieval_engine import RetrievalEngine
 
+        from grserve.catalog.popularity import Popularity
+        from grserve.server.openai_beams import BeamContext
+
         self.config = config if config is not None else serve_config(**kwargs)
         self.engine = RetrievalEngine.build(self.config)
+        pop = self.config.catalog.popularity
+        self.popularity = Popularity.load(pop) if pop else Popularity()  # the cold-start order, as the server's
+        # what the server's conversion needs besides the engine (thinking's limit, the tokenizer); no HTTP metrics
+        self._beams = BeamContext(self.engine, self.config.server, self.config.beams, "grserve", None)
 
     @classmethod
     def from_config(cls, config: ServeConfig) -> "Recommender":
@@ -144,23 +155,38 @@ class Recommender:
         if total is None and isinstance(requests, Sequence):
             total = len(requests)
         batches = OfflineBatches(sched, self.engine.run_batch, window)
+        meta: dict[int, tuple[int, bool]] = {}  # id(request) -> (history entries dropped, cold start)
         with _progress(progress, total) as bar:
             for index, item in enumerate(requests):
                 try:
-                    req = self._request(item, index, defaults)
+                    req, dropped = self._request(item, index, defaults)
                 except RecommendInputError as exc:
                     if on_error is None:
                         raise
                     on_error(index, exc)
                     continue
-                yield from self._done(batches.add(req), bar)
-            yield from self._done(batches.flush(), bar)
+                cold = req.prompt_tokens.size == 0
+                meta[id(req)] = (dropped, cold)
+                if cold:  # a new user: the popularity order, as the server answers it
+                    from grserve.server.retrieval_app import cold_start
 
-    def _done(self, results, bar) -> Iterator[Recommendation]:
-        for res in results:
+                    done = batches.add_result(req, cold_start(req, self.catalog, self.popularity))
+                else:
+                    done = batches.add(req)
+                yield from self._done(done, bar, meta)
+            yield from self._done(batches.flush(), bar, meta)
+
+    def _done(self, results, bar, meta: dict) -> Iterator[Recommendation]:
+        for req, res in results:
+            dropped, cold = meta.pop(id(req))
             bar.update(1)
+            thinking = None
+            if res.thought is not None:
+                thinking = self._beams.tokenizer.decode(res.thought[:-1], skip_special_tokens=False)
             yield Recommendation(res.request_id, [RecommendedItem(int(i.item_id), tuple(int(c) for c in i.sid),
-                                                                  float(i.score)) for i in res.items])
+                                                                  float(i.score)) for i in res.items],
+                                 source="popularity" if cold else "model", history_dropped=dropped,
+                                 thinking=thinking)
 
     def _request(self, item: Any, index: int, defaults: dict):
         """One input → the engine's request, through the server's own schema and conversion."""
@@ -176,7 +202,7 @@ class Recommender:
                 body = RecommendRequest.model_validate({**defaults, **as_body(item)})
             from grserve.server.retrieval_app import retrieval_request
 
-            return retrieval_request(body, self.catalog, self.engine, self.config.server)
+            return retrieval_request(body, self.catalog, self.engine, self.config.server, self._beams)
         except ValidationError as exc:
             err = _validation_error(exc)
             raise RecommendInputError(index, err.message, err.field, err.type) from None

@@ -5,7 +5,7 @@ where it is defined::
 
     EVICTION_POLICIES = Registry("eviction policy")              # eviction/policy.py, beside EvictionPolicy
 
-    @EVICTION_POLICIES.register("belady", aliases=("opt",))      # eviction/belady.py
+    @EVICTION_POLICIES.register("belady", aliases=("opt",))      # grserve_bench/eviction/belady.py
     class BeladyPolicy(EvictionPolicy): ...
 
     EVICTION_POLICIES.create("opt", capacity, oracle=o)          # BeladyPolicy(capacity, oracle=o)
@@ -15,9 +15,10 @@ the KV cache only). ``names()`` lists the canonical names in registration order 
 ``--help`` show; aliases are accepted by ``create`` but not listed); an unknown name raises :class:`UnknownName`
 (a ``ValueError``) that lists the choices. Names are matched case-insensitively.
 
-The families: ``eviction.policy.EVICTION_POLICIES`` (LRU, LFU, Belady, FPB, HF, LARU),
-``scheduler.prefix_choice.PREFIX_POLICIES`` (BAT and its baselines), ``scheduler.llm_types.LLM_SCHEDULERS`` (FCFS,
-chunked prefill, Apt-Serve), ``bench.llm_workloads.LENGTH_DISTRIBUTIONS`` (the LLM workloads' datasets).
+The families: ``eviction.policy.EVICTION_POLICIES`` (LRU, LFU, LARU, density, leader; the lab package adds
+Belady, FPB, HF), ``scheduler.prefix_choice.PREFIX_POLICIES`` (BAT and its baselines),
+``scheduler.llm_types.LLM_SCHEDULERS`` (FCFS, chunked prefill, Apt-Serve); in the lab package,
+``grserve_bench.llm_workloads.LENGTH_DISTRIBUTIONS`` (the LLM workloads' datasets).
 This module sits at the bottom of the house with ``config.py`` and ``flags.py``: it imports nothing of grserve.
 """
 

@@ -1,7 +1,8 @@
 """Attention contexts for GR retrieval batches: packed prefill into ``shared_kv``, staged beam decode.
 
 ``PrefillContext``: the prompts of R requests packed into one token stream; each request attends causally to its
-own tokens only, and its K/V are written once into the batch's ``shared_kv``.
+own tokens only, and its K/V are written once into the batch's ``shared_kv``. With ``requests`` it prefills only
+those (in that order): the others' ``shared_kv`` came from elsewhere (a thought, ``engine/think.py``).
 
 ``BeamDecodeContext``: one new token per beam (R·BW rows). Its K/V are written into unshared slot ``step`` and
 it attends to shared + its own unshared tokens with the staged computation (shared stage per request, one
@@ -18,15 +19,24 @@ from grserve.kvcache.beam import BeamKV
 
 
 class PrefillContext:
-    def __init__(self, kv: BeamKV):
+    def __init__(self, kv: BeamKV, requests: list[int] | None = None):
         self.kv = kv
+        self.requests = requests  # None: every request of the batch, packed in order
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kv = self.kv
-        kv.write_shared(layer, k, v)
+        if self.requests is None:
+            kv.write_shared(layer, k, v)
+            spans = [(r, kv.offsets[r], kv.offsets[r + 1]) for r in range(kv.num_requests)]
+        else:
+            spans, a = [], 0
+            for r in self.requests:
+                b = a + kv.prompt_lens[r]
+                kv.write_shared_request(layer, r, k[a:b], v[a:b])
+                spans.append((r, a, b))
+                a = b
         out = torch.empty_like(q)
-        for r in range(kv.num_requests):
-            a, b = kv.offsets[r], kv.offsets[r + 1]
+        for r, a, b in spans:
             sk, sv = kv.shared(layer, r)
             qr = q[a:b].transpose(0, 1).unsqueeze(0)  # [1, Hq, L, D]
             o = F.scaled_dot_product_attention(qr, sk.unsqueeze(0), sv.unsqueeze(0), is_causal=True, enable_gqa=True)

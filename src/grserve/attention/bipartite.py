@@ -78,16 +78,10 @@ def causal_states_1(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, exact: bo
     return o.permute(2, 1, 0, 3).reshape(n, hq, d), lse.to(q.dtype).permute(2, 1, 0).reshape(n, hq)
 
 
-def full_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, exact: bool = False
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every query sees every key. q [Nq, Hq, D], k/v [Nk, Hkv, D] (Nk may be 0) → o [Nq, Hq, D], lse [Nq, Hq]."""
-    kh, vh = k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()  # head-major [Hkv, Nk, D]
-    return full_states_hm(q, kh, vh, exact)
-
-
 def full_states_hm(q: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, exact: bool = False
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``full_states`` with head-major keys kh/vh [Hkv, Nk, D] (may be strided views of a batch buffer)."""
+    """Every query sees every key. q [Nq, Hq, D], head-major keys kh/vh [Hkv, Nk, D] (Nk may be 0; may be strided
+    views of a batch buffer) → o [Nq, Hq, D], lse [Nq, Hq]."""
     if exact or q.dtype not in _FLASH_DTYPES:
         return shared_stage_reference(q, kh, vh)
     return shared_stage(q, kh, vh)

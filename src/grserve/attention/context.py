@@ -25,8 +25,8 @@ class AttentionContext(Protocol):
 class SequenceKVContext:
     """A single sequence with a growing per-layer KV cache (prefill, then incremental decoding).
 
-    The slow, obviously-correct path: used by the model-vs-HF tests and by the naive beam baseline, where
-    every beam owns a private copy of the prompt KV (``clone_for_beams``).
+    The slow, obviously-correct path: used by the model-vs-HF tests and by the lab's copy-KV-per-beam baseline
+    (``grserve_bench.baselines.BatchedBeamsKVContext``).
     """
 
     def __init__(self, num_layers: int):
@@ -45,42 +45,3 @@ class SequenceKVContext:
         q_pos = torch.arange(past, past + n_q, device=q.device)
         allowed = q_pos[:, None] >= torch.arange(n_k, device=q.device)[None, :]
         return reference_attention(q, self.k[layer], self.v[layer], allowed)
-
-
-class BatchedBeamsKVContext:
-    """B independent sequences decoded in lock-step, each with its own private KV (the naive beam baseline).
-
-    Every beam holds a full copy of its prompt KV: ``from_sequence`` expands one prefilled sequence into
-    ``copies`` private caches (this is the memory/time cost the shared-prefix design removes). ``reorder``
-    gathers caches by parent index after a beam-selection step.
-    """
-
-    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor]):
-        self.k = k  # per layer [B, T, Hkv, D]
-        self.v = v
-
-    @classmethod
-    def from_sequence(cls, seq: SequenceKVContext, copies: int) -> "BatchedBeamsKVContext":
-        ks = [t.unsqueeze(0).repeat(copies, 1, 1, 1) for t in seq.k]  # real copies, not views
-        vs = [t.unsqueeze(0).repeat(copies, 1, 1, 1) for t in seq.v]
-        return cls(ks, vs)
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
-
-    def reorder(self, parents: torch.Tensor) -> None:
-        self.k = [t.index_select(0, parents) for t in self.k]
-        self.v = [t.index_select(0, parents) for t in self.v]
-
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # one new token per sequence: q [B, Hq, D], k/v [B, Hkv, D]
-        self.k[layer] = torch.cat([self.k[layer], k[:, None]], dim=1)
-        self.v[layer] = torch.cat([self.v[layer], v[:, None]], dim=1)
-        kk, vv = self.k[layer], self.v[layer]  # [B, T, Hkv, D]
-        b, hq, d = q.shape
-        hkv = kk.shape[2]
-        qg = q.view(b, hkv, hq // hkv, d)
-        scores = torch.einsum("bhgd,bthd->bhgt", qg, kk) * (d**-0.5)
-        probs = torch.softmax(scores, dim=-1)
-        out = torch.einsum("bhgt,bthd->bhgd", probs, vv)
-        return out.reshape(b, hq, d)

@@ -26,6 +26,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from grserve.attention.decode_staging import DecodeStaging
 from grserve.attention.reference import reference_attention
 from grserve.kvcache.blocks import BlockTable, HybridCacheStorage
 
@@ -152,10 +153,11 @@ class HybridPagedContext(_HybridBase):
     """
 
     def __init__(self, storage: HybridCacheStorage, seqs: list[SeqSlice], kv_from_hidden: KVFromHidden,
-                 num_kv_heads: int, head_dim: int):
+                 num_kv_heads: int, head_dim: int, staging: DecodeStaging | None = None, keys: tuple | None = None):
         super().__init__(storage, seqs, kv_from_hidden, num_kv_heads, head_dim)
         dev = storage.data.device
         n_seq = len(seqs)
+        self._stage = None  # (staging, "append" | "rebuild", keys) for a staged pure decode (decode_staging.py)
         ends = self._starts + self._nnew
         self.t_max = int(ends.max())
         self.q_max = int(self._nnew.max())
@@ -196,6 +198,36 @@ class HybridPagedContext(_HybridBase):
         if not self.pure_decode:
             self._q_dst = (self._tok_seq * self.q_max + torch.arange(self.num_tokens)
                            - (torch.cumsum(self._nnew, 0) - self._nnew)[self._tok_seq]).to(dev)
+        elif staging is not None and keys is not None and self.all_kv:
+            mode = staging.plan(keys, self._starts.tolist())
+            if mode is not None:
+                self._stage = (staging, mode, keys)
+                self._stage_at = (torch.arange(n_seq, device=dev), self._starts.to(dev))
+
+    def finish(self) -> None:
+        """Every layer ran: a staged step's buffer now holds its tokens (the executor calls this after the
+        forward; a forward that raised leaves the buffer invalid instead)."""
+        if self._stage is not None:
+            staging, _mode, keys = self._stage
+            staging.commit(keys, self._starts.tolist())
+
+    def _attend_staged(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Pure decode on the staging buffer: append (or refill) this layer's K/V, one SDPA with the g query heads
+        of each KV head as g query rows (GQA without expanding K/V)."""
+        staging, mode, _keys = self._stage
+        n_seq, hq, d, hkv, t = len(self.seqs), q.shape[1], self.d, self.hkv, self.t_max
+        kb, vb = staging.k[layer], staging.v[layer]  # [S, Hkv, T_cap, d]
+        if mode == "rebuild":  # the pool already holds this step's token (written by _write)
+            data = self.storage.data[layer]
+            kb[:, :, :t].copy_(data.index_select(0, self._kv_rows[0]).view(n_seq, t, hkv, d).transpose(1, 2))
+            vb[:, :, :t].copy_(data.index_select(0, self._kv_rows[1]).view(n_seq, t, hkv, d).transpose(1, 2))
+        else:
+            s_idx, pos = self._stage_at
+            kb[s_idx, :, pos] = k.to(kb.dtype)
+            vb[s_idx, :, pos] = v.to(vb.dtype)
+        o = F.scaled_dot_product_attention(q.view(n_seq, hkv, hq // hkv, d), kb[:, :, :t].to(q.dtype),
+                                           vb[:, :, :t].to(q.dtype), attn_mask=self._mask)
+        return o.reshape(n_seq, hq, d)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self._write(layer, k, v)
@@ -207,6 +239,8 @@ class HybridPagedContext(_HybridBase):
                                                v.view(n_seq, n, hkv, d).transpose(1, 2), is_causal=True,
                                                enable_gqa=hq != hkv)
             return o.transpose(1, 2).reshape(n_seq * n, hq, d)
+        if self._stage is not None:
+            return self._attend_staged(layer, q, k, v)
         data = self.storage.data[layer]
         if self._kv_rows is not None:  # one gather per plane; includes the new tokens just written
             kk = data.index_select(0, self._kv_rows[0]).view(-1, hkv, d).to(k.dtype)

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .layout import SidLayout
 from .masks import ItemMask
-from .trie import PrefixTrie
+from .trie import PrefixTrie, lex_increasing
+
+if TYPE_CHECKING:
+    from .sid_text import SidText
 
 
 class CatalogError(ValueError):
@@ -24,19 +29,84 @@ def _first_dup(keys_sorted_eq: np.ndarray, order: np.ndarray) -> tuple[int, int]
     return int(order[i]), int(order[i - 1])
 
 
-class Catalog:
-    """Items sorted by SID, with a prefix trie and mask builder. Build with ``from_arrays`` or ``load_catalog``."""
+def _as_arrays(item_ids, sids, source: str, fail) -> tuple[np.ndarray, np.ndarray]:
+    """(int64 ids [n], integer codes [n, depth]: int32 or int64, never copied when already one of those)."""
+    n = len(item_ids)
+    if n == 0:
+        raise CatalogError(f"{source}: catalog is empty")
+    if len(sids) != n:
+        raise CatalogError(f"{source}: {n} item ids but {len(sids)} SIDs")
+    if isinstance(sids, np.ndarray) and sids.ndim == 2:
+        arr = sids
+    else:
+        sids = list(sids)
+        depth = len(sids[0])
+        for r, s in enumerate(sids):
+            if len(s) != depth:
+                fail(r, f"SID {tuple(s)} has depth {len(s)}, expected {depth} (from the first item)")
+        arr = np.asarray(sids).reshape(n, depth)
+    if arr.shape[1] == 0:
+        fail(0, "empty SID")
+    ids = np.asarray(item_ids)
+    if ids.dtype.kind not in "iu" or arr.dtype.kind not in "iu":
+        raise CatalogError(f"{source}: item ids and SID codes must be integers")
+    ids = ids.astype(np.int64, copy=False).reshape(-1)
+    if arr.dtype not in (np.dtype(np.int32), np.dtype(np.int64)):
+        arr = arr.astype(np.int64)
+    return ids, np.ascontiguousarray(arr)
 
-    def __init__(self, item_ids: np.ndarray, sids: np.ndarray, layout: SidLayout, source: str = "<arrays>"):
+
+def _checked_sizes(arr: np.ndarray, codebook_sizes, source: str, fail) -> tuple[int, ...]:
+    """The codebook sizes (given, else max code + 1 per level); every code inside its level's range."""
+    depth = arr.shape[1]
+    if codebook_sizes is not None and len(codebook_sizes) != depth:
+        raise CatalogError(f"{source}: codebook_sizes {tuple(codebook_sizes)} has {len(codebook_sizes)} "
+                           f"levels but SIDs have depth {depth}")
+    if codebook_sizes is None:
+        codebook_sizes = tuple(int(m) + 1 for m in arr.max(axis=0))
+    sizes = np.asarray(codebook_sizes, dtype=np.int64)
+    bad = (arr < 0).any(axis=1) | (arr >= sizes).any(axis=1)
+    if bad.any():
+        r = int(np.argmax(bad))
+        lvl = int(np.argmax((arr[r] < 0) | (arr[r] >= sizes)))
+        fail(r, f"code {int(arr[r, lvl])} at level {lvl} of SID {tuple(arr[r].tolist())} "
+                f"is out of range [0, {int(sizes[lvl])})")
+    if (sizes > np.iinfo(np.int32).max).any():
+        raise CatalogError(f"{source}: codebook sizes must fit in int32")
+    return tuple(int(c) for c in codebook_sizes)
+
+
+class Catalog:
+    """Items sorted by SID, with a prefix trie and mask builder. Build with ``from_arrays`` or ``load_catalog``.
+
+    ``text``: how the SIDs are written as tokenizer tokens, when the file said so (``catalog/sid_text.py``); such a
+    catalog serves once ``with_layout`` has bound it to the model's tokenizer. ``declared``: the file declared its
+    layout (a token offset or SID text), so none is inferred from the tokenizer."""
+
+    def __init__(self, item_ids: np.ndarray, sids: np.ndarray, layout: SidLayout, source: str = "<arrays>",
+                 text: SidText | None = None, declared: bool = False, id_order: np.ndarray | None = None):
         self.item_ids = item_ids
         self.sids = sids
         self.layout = layout
         self.source = source
+        self.text = text
+        self.declared = declared or text is not None
         self.version = 0
         self.trie = PrefixTrie(sids, layout.codebook_sizes)
         self.mask = ItemMask(self.trie)
-        self._id_order = np.argsort(item_ids, kind="stable")
+        self._id_order = np.argsort(item_ids, kind="stable") if id_order is None else id_order
         self._ids_sorted = item_ids[self._id_order]
+
+    def with_layout(self, layout: SidLayout, text: SidText | None = None) -> "Catalog":
+        """The same items (arrays, trie and masks shared, not copied) under another layout of the same shape."""
+        if layout.depth != self.depth or layout.codebook_sizes != self.codebook_sizes:
+            raise CatalogError(f"{self.source}: layout of depth {layout.depth} / codebooks {layout.codebook_sizes} "
+                               f"does not fit SIDs of depth {self.depth} / codebooks {self.codebook_sizes}")
+        new = copy.copy(self)
+        new.layout, new.version = layout, 0
+        if text is not None:
+            new.text = text
+        return new
 
     @property
     def depth(self) -> int:
@@ -55,67 +125,37 @@ class Catalog:
 
     @classmethod
     def from_arrays(cls, item_ids, sids, codebook_sizes=None, token_offset: int = 16, source: str = "<arrays>",
-                    lines: Sequence[int] | np.ndarray | None = None) -> "Catalog":
-        """Validate, sort by SID and build. ``lines`` gives each row's line number for messages (default 1..N)."""
-        n = len(item_ids)
+                    lines: Sequence[int] | np.ndarray | None = None, text: SidText | None = None,
+                    declared: bool = False, presorted: bool = False) -> "Catalog":
+        """Validate, sort by SID and build. ``lines`` gives each row's line number for messages (default 1..N).
+        ``presorted``: the rows claim SID order (a ``.grcat`` written by ``save_catalog``); the claim is checked in
+        one pass and the sort skipped when it holds (a million-item catalog loads in a few seconds)."""
         line_of = (lambda r: int(lines[r])) if lines is not None else (lambda r: r + 1)
 
         def fail(row: int, msg: str):
             raise CatalogError(f"{source}: line {line_of(row)}: {msg}")
 
-        if n == 0:
-            raise CatalogError(f"{source}: catalog is empty")
-        if len(sids) != n:
-            raise CatalogError(f"{source}: {n} item ids but {len(sids)} SIDs")
-        if isinstance(sids, np.ndarray) and sids.ndim == 2:
-            arr = sids
-        else:
-            sids = list(sids)
-            depth = len(sids[0])
-            for r, s in enumerate(sids):
-                if len(s) != depth:
-                    fail(r, f"SID {tuple(s)} has depth {len(s)}, expected {depth} (from the first item)")
-            arr = np.asarray(sids).reshape(n, depth)
-        depth = arr.shape[1]
-        if depth == 0:
-            fail(0, "empty SID")
-        if codebook_sizes is not None and len(codebook_sizes) != depth:
-            raise CatalogError(f"{source}: codebook_sizes {tuple(codebook_sizes)} has {len(codebook_sizes)} "
-                               f"levels but SIDs have depth {depth}")
-        ids = np.asarray(item_ids)
-        if ids.dtype.kind not in "iu" or arr.dtype.kind not in "iu":
-            raise CatalogError(f"{source}: item ids and SID codes must be integers")
-        ids = ids.astype(np.int64).reshape(-1)
-        arr = arr.astype(np.int64)
-
-        neg = (arr < 0).any(axis=1)
-        if codebook_sizes is None:
-            codebook_sizes = tuple(int(m) + 1 for m in arr.max(axis=0))
-        sizes = np.asarray(codebook_sizes, dtype=np.int64)
-        bad = neg | (arr >= sizes).any(axis=1)
-        if bad.any():
-            r = int(np.argmax(bad))
-            lvl = int(np.argmax((arr[r] < 0) | (arr[r] >= sizes)))
-            fail(r, f"code {int(arr[r, lvl])} at level {lvl} of SID {tuple(arr[r].tolist())} "
-                    f"is out of range [0, {int(sizes[lvl])})")
+        ids, arr = _as_arrays(item_ids, sids, source, fail)
+        sizes = _checked_sizes(arr, codebook_sizes, source, fail)
         try:
-            layout = SidLayout(depth, tuple(int(c) for c in codebook_sizes), token_offset)
+            layout = SidLayout(arr.shape[1], tuple(int(c) for c in sizes), token_offset)
         except ValueError as e:
             raise CatalogError(f"{source}: {e}") from None
-        if (sizes > np.iinfo(np.int32).max).any():
-            raise CatalogError(f"{source}: codebook sizes must fit in int32")
-
-        order = np.argsort(ids, kind="stable")
-        dup = _first_dup(ids[order][1:] == ids[order][:-1], order)
+        id_order = np.argsort(ids, kind="stable")
+        dup = _first_dup(ids[id_order][1:] == ids[id_order][:-1], id_order)
         if dup:
             fail(dup[0], f"duplicate item_id {int(ids[dup[0]])} (also on line {line_of(dup[1])})")
+        if presorted and lex_increasing(arr):
+            return cls(ids, arr.astype(np.int32, copy=False), layout, source, text, declared, id_order)
         order = np.lexsort(arr.T[::-1])  # stable, sorts by SID
         s = arr[order]
         dup = _first_dup((s[1:] == s[:-1]).all(axis=1), order)
         if dup:
             fail(dup[0], f"duplicate SID {tuple(arr[dup[0]].tolist())} "
                          f"(also item {int(ids[dup[1]])} on line {line_of(dup[1])})")
-        return cls(ids[order], s.astype(np.int32), layout, source)
+        rank = np.empty_like(order)
+        rank[order] = np.arange(order.size)  # row of each input row in SID order: the id order follows it
+        return cls(ids[order], s.astype(np.int32, copy=False), layout, source, text, declared, rank[id_order])
 
     # --- lookups -------------------------------------------------------------------------------------------
 

@@ -4,7 +4,7 @@ A trie node is *dead* for a request when every item below it is excluded. The be
 when the child it leads to is dead, on top of the catalog's item mask, so the valid-token mask of every step is
 exactly the mask of the catalog without the excluded items: an excluded item is never returned, no beam is spent
 on it or on a prefix that leads only to excluded items, and the results equal a search over that smaller catalog
-(``tests/test_security_limits.py`` checks it). Built per request against the batch's catalog snapshot:
+(``tests/grserve/server/test_security_limits.py`` checks it). Built per request against the batch's catalog snapshot:
 O(E · depth · log N) for E excluded items; ids the catalog does not know exclude nothing.
 """
 

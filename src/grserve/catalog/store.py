@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 from .catalog import Catalog
 
 
 class CatalogStore:
-    """Current catalog plus a version counter. ``current()`` returns an immutable snapshot reference."""
+    """Current catalog plus a version counter. ``current()`` returns an immutable snapshot reference.
 
-    def __init__(self, catalog: Catalog | None = None, vocab_size: int | None = None):
+    ``bind``: how a catalog meets the served model before it is swapped in (``sid_text.bind_catalog`` with the
+    model's tokenizer: SID token strings resolved, or a layout inferred); start-up and every reload alike."""
+
+    def __init__(self, catalog: Catalog | None = None, vocab_size: int | None = None,
+                 bind: Callable[[Catalog], Catalog] | None = None):
         self.vocab_size = vocab_size
+        self.bind = bind
         self._lock = threading.Lock()
         self._catalog: Catalog | None = None
         self._version = 0
@@ -33,6 +39,8 @@ class CatalogStore:
         """Validate against the model vocab, assign the next version (or ``version``, which must be newer than the
         current one: a restarted cluster instance catching up with the front end) and swap it in; returns the
         version."""
+        if self.bind is not None:
+            new = self.bind(new)
         if self.vocab_size is not None:
             new.layout.check_vocab(self.vocab_size)
         with self._lock:

@@ -5,6 +5,9 @@ from __future__ import annotations
 import numpy as np
 
 from .catalog import Catalog
+from .recif_like import generate_recif_like
+
+MAX_SPLIT_CELLS = 1 << 25  # the largest [prefixes × codes] table of one level split here; beyond: recif_like.py
 
 
 def _split(rng: np.random.Generator, demand: np.ndarray, c: int, cap: int, s: float) -> np.ndarray:
@@ -33,10 +36,14 @@ def generate_catalog(n_items: int = 20000, depth: int = 3, codebook_size: int = 
     Prefixes of length depth-1 ("leaf parents") are spread top-down with Zipf-like weights (so level 1
     uses most codes, unevenly); each leaf parent gets 1 + a few last-level codes (geometric, mean ~2.5).
     Item ids are 0..n_items-1 in a random order (a seeded permutation), so ids do not follow SID order.
+    A shape whose split tables would pass ``MAX_SPLIT_CELLS`` (RecIF's 1.5 M items × 8,192 codes × depth 4) is
+    sampled item by item instead (``recif_like.generate_recif_like``).
     """
     c = int(codebook_size)
     if n_items < 1 or depth < 1 or c < 1 or n_items > c ** depth:
         raise ValueError(f"need 1 <= n_items <= codebook_size**depth, got {n_items}, {c}**{depth}")
+    if depth >= 2 and min(c ** (depth - 2), n_items) * c > MAX_SPLIT_CELLS:
+        return generate_recif_like(n_items, depth, c, seed, token_offset)
     rng = np.random.default_rng(seed)
     cap_parents = c ** (depth - 1)
     # fan-out of each leaf parent, summing to n_items

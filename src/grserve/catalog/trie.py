@@ -5,6 +5,16 @@ from __future__ import annotations
 import numpy as np
 
 
+def lex_increasing(sids: np.ndarray) -> bool:
+    """Rows strictly increasing in lexicographic order (sorted and unique), in one pass."""
+    if sids.shape[0] < 2:
+        return True
+    ne = sids[1:] != sids[:-1]
+    col = np.argmax(ne, axis=1)
+    r = np.arange(sids.shape[0] - 1)
+    return bool(ne[r, col].all() and (sids[1:][r, col] > sids[:-1][r, col]).all())
+
+
 class PrefixTrie:
     """Trie of SID prefixes.
 
@@ -15,7 +25,9 @@ class PrefixTrie:
     """
 
     def __init__(self, sids: np.ndarray, codebook_sizes: tuple[int, ...]):
-        sids = np.asarray(sids, dtype=np.int64)
+        sids = np.asarray(sids)
+        if sids.dtype not in (np.dtype(np.int32), np.dtype(np.int64)):
+            sids = sids.astype(np.int64)
         if sids.ndim != 2 or sids.shape[1] != len(codebook_sizes):
             raise ValueError(f"sids must be [N, {len(codebook_sizes)}], got shape {sids.shape}")
         n, depth = sids.shape

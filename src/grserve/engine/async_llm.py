@@ -9,6 +9,12 @@ failing engine step fails with ``EngineStepFailed`` — an error never looks lik
 Admission (the server edge's ``EdgeConfig``): at most ``max_waiting`` requests wait for their first schedule
 (``submit`` raises ``EngineOverloaded`` beyond it), and a request that has not started ``request_timeout`` seconds
 after it was submitted is aborted before any of its tokens is computed (``RequestTimedOut``).
+
+The inbox: the step loop's thread alone touches the core. Other threads (the server's event loop, a cluster
+instance's) hand it messages — a request (``_Submit``), a cancel, a call (``call(fn)``: a cluster instance's cache
+reset) — which the loop applies in order between two steps; so ``submit`` and ``cancel`` never wait for a step in
+progress (a long prefill: seconds), and nothing needs a lock around the core. What must be known at once is checked
+in the caller's thread: the request's fit (``LLMFit``, fixed at build) and the queue bound.
 """
 
 from __future__ import annotations
@@ -16,14 +22,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 from grserve.config import EdgeConfig, LLMServeConfig
 from grserve.engine.llm import LLMEngine, Sequence, TokenEvent
 from grserve.engine.protocol import (
-    EngineError,
     EngineHealth,
     EngineOverloaded,
+    EngineStepFailed,
     EngineStopped,
     RequestCancelled,
     RequestHandle,
@@ -34,14 +44,30 @@ from grserve.engine.types import LLMRequest, LLMResult
 log = logging.getLogger("grserve.engine")
 
 
-class EngineStepFailed(EngineError):
-    """An engine iteration raised; the requests it held are failed (the engine keeps serving)."""
+@dataclass(frozen=True)
+class _Submit:
+    request: LLMRequest
+    handle: RequestHandle[LLMResult]
+    at: float  # monotonic submission time: the queue deadline counts from here
+
+
+@dataclass(frozen=True)
+class _Cancel:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class _Call:
+    fn: Callable[[LLMEngine], Any]
+    future: Future[Any]
 
 
 class AsyncLLMEngine:
     def __init__(self, core: LLMEngine, tokenizer: Any = None, model: Any = None, edge: EdgeConfig | None = None):
         self.max_waiting = edge.max_waiting if edge is not None else None  # None: no edge (driven in code)
         self.request_timeout_s: float | None = edge.request_timeout if edge is not None else None
+        self._inbox: deque[_Submit | _Cancel | _Call] = deque()  # for the step loop, applied between steps, in order
+        self._open: set[str] = set()  # request ids submitted and not ended (what ``cancel`` may still cancel)
         self._submitted: dict[str, float] = {}  # request id -> monotonic submit time, until it first runs
         self._expired: set[str] = set()
         self.requests_expired = 0
@@ -51,7 +77,7 @@ class AsyncLLMEngine:
         self._cv = threading.Condition()
         self._status = "stopped"
         self._thread: threading.Thread | None = None
-        self._live: dict[str, tuple[int, Sequence, RequestHandle]] = {}
+        self._live: dict[str, tuple[int, Sequence, RequestHandle]] = {}  # the loop's: requests in the core
         self.errors = 0
 
     @classmethod
@@ -75,6 +101,7 @@ class AsyncLLMEngine:
         core = build_model_engine(model, pol, num_blocks=c.num_blocks, block_size=c.block_size,
                                   prefix_cache_tokens=c.prefix_cache_tokens,
                                   prefix_cache_policy=c.prefix_cache_policy, prefix_cache_mode=c.prefix_cache_mode,
+                                  packed_linears=c.packed_linears, decode_staging=c.decode_staging,
                                   eos_token_id=tok.eos_token_id, detokenize=tok.decode,
                                   decoder_factory=tok.decode_stream)
         return cls(core, tok, model, cfg.edge)
@@ -94,7 +121,7 @@ class AsyncLLMEngine:
         with self._cv:
             if self._status == "ok":
                 self._status = "draining"
-        while self.core.has_work():
+        while self.core.has_work() or self._inbox:
             if deadline is not None and time.perf_counter() >= deadline:
                 return False
             time.sleep(0.005)
@@ -107,10 +134,16 @@ class AsyncLLMEngine:
         if self._thread is not None:
             self._thread.join(timeout=10)
             self._thread = None
-        with self.core.lock:
-            for seq_id, _seq, handle in list(self._live.values()):
-                self.core.abort(seq_id)
-                _fail(handle, EngineStopped("engine stopped"))
+        while self._inbox:  # the loop is gone: this thread has the core now
+            msg = self._inbox.popleft()
+            if isinstance(msg, _Submit):
+                self._open.discard(msg.request.request_id)
+                _fail(msg.handle, EngineStopped("engine stopped"))
+            elif isinstance(msg, _Call):
+                msg.future.set_exception(EngineStopped("engine stopped"))
+        for seq_id, _seq, handle in list(self._live.values()):
+            self.core.abort(seq_id)
+            _fail(handle, EngineStopped("engine stopped"))
 
     def __enter__(self) -> "AsyncLLMEngine":
         return self.start()
@@ -120,29 +153,74 @@ class AsyncLLMEngine:
 
     # ---- requests -----------------------------------------------------------------------------------------
     def submit(self, req: LLMRequest) -> RequestHandle[LLMResult]:
-        """Queue a request; ``ValueError`` if it can never fit (model length or pool size)."""
+        """Queue a request (never waits for a step); ``ValueError`` if it can never fit (model length or pool)."""
         if self._status != "ok":
             raise EngineStopped(f"engine is {self._status}")
+        self.core.fit.check(len(req.prompt_ids), req.params.max_tokens)
+        depth = self.queue_depth
+        if self.max_waiting is not None and depth >= self.max_waiting:
+            raise EngineOverloaded(f"{depth} requests waiting (max_waiting={self.max_waiting})")
         handle: RequestHandle[LLMResult] = RequestHandle(req.request_id, self.cancel)
-        with self.core.lock:
-            if self.max_waiting is not None and len(self.core.waiting) >= self.max_waiting:
-                raise EngineOverloaded(f"{len(self.core.waiting)} requests waiting (max_waiting={self.max_waiting})")
-            seq_id = self.core.add_request(req.prompt_ids, req.params,
-                                           on_event=lambda ev, r=req.request_id: self._on_event(r, ev),
-                                           priority=req.priority)
-            self._live[req.request_id] = (seq_id, self.core.seqs[seq_id], handle)
-            self._submitted[req.request_id] = time.monotonic()
-        with self._cv:
-            self._cv.notify_all()
+        self._open.add(req.request_id)
+        self._post(_Submit(req, handle, time.monotonic()))
         return handle
 
     def cancel(self, request_id: str) -> bool:
-        with self.core.lock:
-            entry = self._live.get(request_id)
-            return entry is not None and self.core.abort(entry[0])
+        """Ask the loop to cancel a request (its handle fails with ``RequestCancelled`` between two steps). False
+        when it is unknown or has ended."""
+        if request_id not in self._open:
+            return False
+        self._post(_Cancel(request_id))
+        return True
+
+    def call(self, fn: Callable[[LLMEngine], Any]) -> Future[Any]:
+        """Run ``fn(core)`` on the step loop between two steps (a cluster instance's cache reset); its future."""
+        fut: Future[Any] = Future()
+        self._post(_Call(fn, fut))
+        return fut
+
+    def _post(self, msg: _Submit | _Cancel | _Call) -> None:
+        with self._cv:
+            if self._status == "stopped":  # after stop() (or raced with it: it has drained the inbox already)
+                if isinstance(msg, _Submit):
+                    self._open.discard(msg.request.request_id)
+                    raise EngineStopped("engine is stopped")
+                if isinstance(msg, _Call):
+                    msg.future.set_exception(EngineStopped("engine is stopped"))
+                return
+            self._inbox.append(msg)
+            self._cv.notify_all()
+
+    def _drain_inbox(self) -> None:
+        """The loop: apply every message posted so far, in order (each one's failure is its own)."""
+        while self._inbox:
+            msg = self._inbox.popleft()
+            if isinstance(msg, _Submit):
+                self._add(msg)
+            elif isinstance(msg, _Cancel):
+                entry = self._live.get(msg.request_id)
+                if entry is not None:
+                    self.core.abort(entry[0])
+            else:
+                try:
+                    msg.future.set_result(msg.fn(self.core))
+                except Exception as exc:  # noqa: BLE001 - the caller's error, not the loop's
+                    msg.future.set_exception(exc)
+
+    def _add(self, msg: _Submit) -> None:
+        req, rid = msg.request, msg.request.request_id
+        try:
+            seq_id = self.core.add_request(req.prompt_ids, req.params, on_event=lambda ev: self._on_event(rid, ev),
+                                           priority=req.priority, handover=req.handover)
+        except Exception as exc:  # noqa: BLE001 - e.g. a handover with nothing left: that request fails
+            self._open.discard(rid)
+            _fail(msg.handle, exc)
+            return
+        self._live[rid] = (seq_id, self.core.seqs[seq_id], msg.handle)
+        self._submitted[rid] = msg.at
 
     def _on_event(self, request_id: str, ev: TokenEvent) -> None:
-        """Called by the core (engine thread, core lock held) for every token and every end."""
+        """Called by the core (the loop thread) for every token and every end."""
         entry = self._live.get(request_id)
         if entry is None:
             return
@@ -152,14 +230,16 @@ class AsyncLLMEngine:
         if not ev.finished:
             return
         del self._live[request_id]
+        self._open.discard(request_id)
         self._submitted.pop(request_id, None)
         if request_id in self._expired:
             self._expired.discard(request_id)
             _fail(handle, RequestTimedOut(f"request {request_id} waited more than {self.request_timeout_s:g} s in "
                                           f"the queue"))
-        elif ev.finish_reason in ("stop", "length"):
+        elif ev.finish_reason in ("stop", "length", "pause"):
             handle.future.set_result(LLMResult(request_id, list(seq.output_ids), seq.text, ev.finish_reason,
-                                               len(seq.prompt_ids), seq.num_preemptions, seq.cached_tokens))
+                                               len(seq.prompt_ids), seq.num_preemptions, seq.cached_tokens,
+                                               **_phases(seq)))
         elif ev.finish_reason == "abort":
             _fail(handle, RequestCancelled(f"request {request_id} cancelled"))
         else:
@@ -168,7 +248,8 @@ class AsyncLLMEngine:
     # ---- state ---------------------------------------------------------------------------------------------
     @property
     def queue_depth(self) -> int:
-        return len(self.core.waiting)
+        """Requests waiting for their first schedule: in the core's queue, or still in the inbox."""
+        return len(self.core.waiting) + sum(isinstance(m, _Submit) for m in list(self._inbox))
 
     @property
     def prefix_cache(self):
@@ -176,7 +257,7 @@ class AsyncLLMEngine:
 
     def health(self) -> EngineHealth:
         c = self.core
-        return EngineHealth(self._status, len(c.waiting), len(c.running),  # type: ignore[arg-type]
+        return EngineHealth(self._status, self.queue_depth, len(c.running),  # type: ignore[arg-type]
                             {"free_blocks": c.pool.num_free, "total_blocks": c.pool.num_blocks})
 
     def stats(self) -> dict[str, float]:
@@ -189,33 +270,35 @@ class AsyncLLMEngine:
 
     # ---- the loop --------------------------------------------------------------------------------------------
     def _expire(self) -> None:
-        """Abort every request still waiting for its first schedule past its deadline (nothing computed)."""
+        """The loop: apply the inbox, then abort every request still waiting for its first schedule past its
+        deadline (nothing computed)."""
+        self._drain_inbox()
         if self.request_timeout_s is None or not self._submitted:
             return
         limit = time.monotonic() - self.request_timeout_s
-        with self.core.lock:
-            for rid, t in list(self._submitted.items()):  # oldest first (insertion order)
-                if t >= limit:
-                    break
-                del self._submitted[rid]
-                seq = self._live[rid][1]
-                if seq.num_computed or seq.output_ids:  # it has run: a later preemption is not a queue wait
-                    continue
-                self._expired.add(rid)
-                self.requests_expired += 1
-                self.core.abort(self._live[rid][0])
+        for rid, t in list(self._submitted.items()):  # oldest first (insertion order)
+            if t >= limit:
+                break
+            del self._submitted[rid]
+            seq = self._live[rid][1]
+            if seq.num_computed or seq.token_times:  # it has run: a later preemption is not a queue wait
+                continue
+            self._expired.add(rid)
+            self.requests_expired += 1
+            self.core.abort(self._live[rid][0])
 
     def _run(self) -> None:
         while True:
             with self._cv:
-                while self._status != "stopped" and not self.core.has_work():
+                while self._status != "stopped" and not self.core.has_work() and not self._inbox:
                     self._cv.wait(timeout=0.5)
                 if self._status == "stopped":
                     return
             self._iterate()
 
     def _iterate(self) -> None:
-        """One loop iteration: expire, step; a step that raises never kills the loop (``_fail_step``)."""
+        """One loop iteration: the inbox and the deadlines (``_expire``), one step; a step that raises never kills
+        the loop (``_fail_step``)."""
         try:
             self._expire()
             self.core.step()
@@ -233,9 +316,8 @@ class AsyncLLMEngine:
         and stay queued — unless nothing was running (the failure came from scheduling the queue itself): then
         they fail too, so a failure that repeats cannot loop forever."""
         message = f"engine step failed: {type(exc).__name__}"
-        with self.core.lock:
-            for s in list(self.core.running) or list(self.core.waiting):
-                self.core.fail(s, message)
+        for s in list(self.core.running) or list(self.core.waiting):
+            self.core.fail(s, message)
 
 
 def colocated(policy, cfg: LLMServeConfig):
@@ -247,6 +329,14 @@ def colocated(policy, cfg: LLMServeConfig):
     return ColocationScheduler(policy, tpot_slo_s=cfg.slo.tpot_slo_s,
                                max_offline_preemptions=co.max_offline_preemptions,
                                offline_admission=co.offline_admission)
+
+
+def _phases(seq: Sequence) -> dict[str, float]:
+    """A finished sequence's queue, prefill and decode times (engine clock)."""
+    if seq.first_scheduled is None or not seq.token_times:
+        return {}
+    return {"queue_s": seq.first_scheduled - seq.arrival, "prefill_s": seq.token_times[0] - seq.first_scheduled,
+            "decode_s": seq.token_times[-1] - seq.token_times[0]}
 
 
 def _fail(handle: RequestHandle, exc: BaseException) -> None:

@@ -2,9 +2,9 @@
 
     prefill (eager)   packed prompts → each prompt's K/V into its padded shared slot; level-0 logits → first()
     per level l ≥ 1   ONE function (``_step``): decoder forward with staged attention over ``PaddedBeamKV``
-                      (backend: torch | triton), the LM head on level l's codebook range only, masked top-k/expand
-                      with the trie on the device, exact fixed-shape top-BW, code/node/token update, unshared-KV
-                      reorder by parent
+                      (backend: torch | triton), the LM head on level l's token rows only
+                      (``search/level_heads.py``), masked top-k/expand with the trie on the device, exact
+                      fixed-shape top-BW, code/node/token update, unshared-KV reorder by parent
     results           one host copy per batch
 
 A *bucket* is (R_b, BW, L_cap, scoring, catalog): the batch's request count padded up to a ``batch_buckets``
@@ -33,6 +33,7 @@ from grserve.kvcache.padded_beam import PaddedBeamKV
 from grserve.model import Decoder
 from grserve.search.device_beams import DeviceBeamState
 from grserve.search.device_trie import DeviceTrie
+from grserve.search.level_heads import level_heads
 from grserve.search.masked_topk import masked_topk_expand_backend
 
 
@@ -46,8 +47,8 @@ class _Bucket:
         self.kv = PaddedBeamKV(num_layers=spec.num_hidden_layers, num_kv_heads=spec.num_key_value_heads,
                                head_dim=spec.head_dim, num_requests=r, max_len=max_len, beam_width=bw,
                                decode_steps=depth, dtype=model.dtype, device=dev)
-        starts = [catalog.layout.level_range(level)[0] for level in range(depth)]
-        self.state = DeviceBeamState(trie, starts, r, bw, top_k, dev)
+        self.heads = level_heads(catalog.layout, dev)
+        self.state = DeviceBeamState(trie, self.heads, r, bw, top_k, dev)
         self.positions = torch.zeros(depth, r * bw, dtype=torch.int64, device=dev)  # row l: level-l step
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.r, self.bw = r, bw
@@ -137,7 +138,7 @@ class DeviceRetrievalRunner:
         last = hidden[torch.tensor(offsets[1:], device=dev) - 1]
         c0 = catalog.codebook_sizes[0]
         logits = torch.zeros(b.r, c0, dtype=torch.float32, device=dev)
-        logits[: len(lens)] = model.logits(last, catalog.layout.level_range(0)).float()
+        logits[: len(lens)] = model.logits(last, b.heads.rows[0]).float()
         full = None
         if self.search.scoring == "hf":
             full = torch.zeros(b.r, dtype=torch.float32, device=dev)
@@ -171,7 +172,7 @@ class DeviceRetrievalRunner:
         model, st = self.model, b.state
         ctx = PaddedBeamDecodeContext(b.kv, level - 1, self.backend)
         hidden = model(st.tokens, b.positions[level], ctx)
-        logits = model.logits(hidden, catalog.layout.level_range(level))
+        logits = model.logits(hidden, b.heads.rows[level])
         full = torch.logsumexp(model.logits(hidden).float(), dim=-1) if self.search.scoring == "hf" else None
         parents = st.select(level, logits, self.topk_fn, full)
         if level < catalog.depth - 1:

@@ -25,6 +25,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from grserve.model.packed_linear import available
+
 U_BF16 = 2.0 ** -8
 
 
@@ -36,13 +38,22 @@ class ScreenedGreedyHead:
             raise ValueError("hidden size too large for the accumulation bound")
         self.weight = weight
         self.weight_lo = weight.detach().to(torch.bfloat16).contiguous()
+        # the screen's GEMM on a oneDNN-packed copy where the CPU build has one (1.1-4x faster at 1-32 rows;
+        # the same bf16 products accumulated in fp32, so the bound below is unchanged); F.linear otherwise
+        self.weight_lo_packed = None
+        if weight.device.type == "cpu" and available():
+            self.weight_lo_packed = torch.ops.mkldnn._reorder_linear_weight(self.weight_lo, 32)
         self.max_row_norm = float(weight.detach().norm(dim=1).max())
         self.stats = {"rows": 0, "candidates": 0}  # candidates recomputed exactly (≥ 1 per row)
 
     def argmax(self, hidden: torch.Tensor, k: int = 8) -> torch.Tensor:
         """hidden fp32 [B, d] → int64 [B], the argmax over the vocabulary of ``hidden · Wᵀ``."""
         h = hidden.float()
-        lo = F.linear(h.to(torch.bfloat16), self.weight_lo)  # [B, V] bf16
+        hb = h.to(torch.bfloat16)
+        if self.weight_lo_packed is not None:
+            lo = torch.ops.mkldnn._linear_pointwise(hb, self.weight_lo_packed, None, "none", [], "")  # [B, V] bf16
+        else:
+            lo = F.linear(hb, self.weight_lo)  # [B, V] bf16
         vals, idx = lo.topk(min(k, lo.shape[1]), dim=1)  # one pass; the screen's top k per row
         if vals.shape[1] == 1:  # a one-token vocabulary
             return idx[:, 0]

@@ -5,9 +5,10 @@ then execute its ``SchedulerOutput`` — preempt (free blocks, back to the front
 block tables, run one packed forward pass (``HybridPagedContext``), sample (temperature / top-p / seed), apply
 stop conditions (max_tokens, EOS, stop token ids, stop strings), free finished requests' blocks.
 
-The executor is swappable: ``ModelExecutor`` runs the real model; ``bench.simulator.SimulatedExecutor``
+The executor is swappable: ``ModelExecutor`` runs the real model; ``grserve_bench.simulator.SimulatedExecutor``
 returns a cost-model duration instead (the discrete-event simulator). The clock is injectable (virtual time
-in the benchmark). ``abort()`` frees a request's blocks at once (between iterations: the engine lock).
+in the benchmark). ``abort()`` frees a request's blocks at once. One thread drives an engine (``AsyncLLMEngine``'s
+step loop, which applies other threads' requests between steps; or a benchmark); it takes no lock.
 
 Prefix cache: ``prefix_cache`` (default None) is a ``kvcache.prefix_kv.PrefixKVStore`` (a radix tree of cached
 prompt spans with a pluggable eviction policy, e.g. LARU). A KV request admitted to prefill first copies its
@@ -30,14 +31,15 @@ from typing import Callable, Protocol
 import numpy as np
 import torch
 
+from grserve.attention.decode_staging import DecodeStaging
 from grserve.attention.hybrid import HybridPagedContext, SeqSlice
-from grserve.kvcache.blocks import BlockPool, CacheKind, HybridCacheStorage
-from grserve.engine.fair_lock import FairRLock
+from grserve.config import Priority
+from grserve.kvcache.blocks import BlockPool, BlockTable, CacheKind, HybridCacheStorage
 from grserve.engine.sampling import SampleOutput, SampleRow, SamplingParams, TokenLogprobs, sample
+from grserve.engine.types import Handover, LLMFit
 from grserve.scheduler.llm_types import LLMScheduler, PoolView, SchedulerInput, SchedulerOutput, SeqView
 
 log = logging.getLogger("grserve.engine")
-PRIORITIES = ("online", "offline")  # co-location classes (LLMRequest.priority)
 
 
 class PrefixCache(Protocol):
@@ -58,9 +60,11 @@ class TokenEvent:
     token_ids: list[int]
     text: str
     finished: bool
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    finish_reason: str | None = None  # "stop" | "length" | "pause" | "abort" | "error"
     logprobs: list[TokenLogprobs] | None = None  # one per token id, when the request asked for logprobs
     error: str | None = None  # why the request failed (finish_reason "error")
+    prompt_kv: torch.Tensor | None = None  # on the first token's event of a request that asked (``export_kv``)
+    cached_tokens: int = 0  # prompt tokens its admission took from the prefix cache (a cluster's usage)
 
 
 class IncrementalDecoder(Protocol):
@@ -91,7 +95,13 @@ class Sequence:
     prefix_saved: bool = False  # this (re)prefill's tokens were offered to the prefix cache
     cached_tokens: int = 0  # prompt tokens its last admission took from the prefix cache (usage.cached_tokens)
     last_scheduled: float | None = None  # start of the last iteration that computed tokens for it (pending time)
-    priority: str = "online"  # "online" | "offline" (co-location, scheduler/colocation.py)
+    first_scheduled: float | None = None  # start of the first one (its queue time ends there)
+    priority: Priority = Priority.ONLINE  # co-location class (scheduler/colocation.py)
+    resumed: int = 0  # output tokens it started with (delivered by an earlier attempt elsewhere)
+    pause_at: int | None = None  # end the attempt ("pause", text unfinished) at this many output tokens
+    export_kv: bool = False  # hand out the K/V its first prefill computed (``TokenEvent.prompt_kv``)
+    kv_in: torch.Tensor | None = None  # K/V [L, 2, m, width] of its first m tokens, computed elsewhere
+    kv_out: torch.Tensor | None = None  # the exported K/V, until its first token's event carries it
 
     @property
     def tokens(self) -> list[int]:
@@ -123,11 +133,19 @@ class ModelExecutor:
     """Runs one packed forward over the hybrid cache; for the requests that sample it returns their logits, or,
     when every one of them is greedy, their token ids (list) chosen by the screened greedy head."""
 
-    def __init__(self, model, storage: HybridCacheStorage, screened_greedy: bool = True):
+    def __init__(self, model, storage: HybridCacheStorage, screened_greedy: bool = True, packed_linears: bool = True,
+                 decode_staging: bool = True):
         self.model = model
         self.storage = storage
         spec = model.spec
         self.hkv, self.d = spec.num_key_value_heads, spec.head_dim
+        from grserve.model.packed_linear import maybe_pack
+
+        # oneDNN-prepacked projections on a CPU (model/packed_linear.py; the model is not changed); else F.linear
+        self.packed = maybe_pack(model, packed_linears)
+        # pure decode steps read K/V from a persistent head-major copy (attention/decode_staging.py); None: gather
+        self.staging = DecodeStaging(spec.num_hidden_layers, self.hkv, self.d, dtype=storage.data.dtype,
+                                     device=storage.data.device) if decode_staging else None
         # exact greedy argmax through a bf16 screen of the LM head (engine/greedy_head.py), fp32 models only
         self.greedy_head = None
         if screened_greedy and model.lm_head.weight.dtype == torch.float32:
@@ -153,9 +171,16 @@ class ModelExecutor:
             if it.sample:
                 rows.append(len(ids) - 1)
         dev = self.storage.data.device
-        ctx = HybridPagedContext(self.storage, slices, self.model.kv_from_hidden, self.hkv, self.d)
+        keys = tuple((it.seq.seq_id, it.seq.num_preemptions) for it in items) if self.staging is not None else None
+        ctx = HybridPagedContext(self.storage, slices, self.model.kv_from_hidden, self.hkv, self.d, self.staging, keys)
         with torch.inference_mode():
-            h = self.model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), ctx)
+            try:
+                h = self.model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), ctx, packed=self.packed)
+            except BaseException:
+                if self.staging is not None:
+                    self.staging.invalidate()
+                raise
+            ctx.finish()
             if not rows:
                 return None, None
             last = h[torch.tensor(rows, device=dev)]
@@ -207,6 +232,7 @@ class LLMEngine:
         self.decoder_factory = decoder_factory
         self.clock = clock
         self.max_model_len = max_model_len
+        self.fit = LLMFit(max_model_len, pool.num_blocks, pool.block_size, pool.kv_planes)  # what it can ever hold
         self.prefix_cache = prefix_cache
         self._storage = getattr(executor, "storage", None)
         if prefix_cache is not None and self._storage is None:
@@ -218,7 +244,6 @@ class LLMEngine:
         self.seqs: dict[int, Sequence] = {}
         self.finished: list[Sequence] = []
         self.keep_finished = False
-        self.lock = FairRLock()  # FIFO: the step loop cannot starve other threads (engine/fair_lock.py)
         self._next_id = 0
         self.iterations = 0
         self.last_step_progressed = False  # did the last step() schedule or preempt anything?
@@ -228,50 +253,59 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt_ids: list[int], params: SamplingParams, *, arrival: float | None = None,
                     on_event: Callable[[TokenEvent], None] | None = None, seq_id: int | None = None,
-                    priority: str = "online") -> int:
-        """Queue a request; raises ValueError if it can never fit (model length or pool size). ``priority``:
-        "online" or "offline" (only a co-location policy, ``scheduler/colocation.py``, tells them apart)."""
-        if priority not in PRIORITIES:
-            raise ValueError(f"priority must be one of {PRIORITIES}, not {priority!r}")
-        if not prompt_ids:
-            raise ValueError("prompt must have at least one token")
-        total = len(prompt_ids) + params.max_tokens
-        if self.max_model_len is not None and total > self.max_model_len:
-            raise ValueError(f"prompt ({len(prompt_ids)}) + max_tokens ({params.max_tokens}) exceeds the model "
-                             f"length {self.max_model_len}")
-        if self.pool.blocks_for(total, "kv") > self.pool.num_blocks:
-            raise ValueError(f"prompt + max_tokens = {total} tokens never fits the KV pool "
-                             f"({self.pool.num_blocks} blocks of {self.pool.block_size})")
-        with self.lock:
-            if seq_id is None:
-                seq_id = self._next_id
-                self._next_id += 1
-            seq = Sequence(seq_id, list(prompt_ids), params, self.clock() if arrival is None else arrival, on_event)
-            seq.seed = params.seed if params.seed is not None else random.getrandbits(63)
-            seq.priority = priority
-            if self.decoder_factory is not None:
-                seq.decoder = self.decoder_factory(seq.prompt_ids)
-            self.seqs[seq_id] = seq
-            self.waiting.append(seq)
+                    priority: Priority | str = Priority.ONLINE, handover: Handover | None = None) -> int:
+        """Queue a request; raises ValueError if it can never fit (model length or pool size). ``priority``: its
+        co-location class (only a co-location policy, ``scheduler/colocation.py``, tells them apart). ``handover``:
+        what a request carries across cluster instances (``engine.types.Handover``)."""
+        priority = Priority.of(priority)
+        self.fit.check(len(prompt_ids), params.max_tokens)
+        handover = handover if handover is not None else Handover()
+        if len(handover.delivered) >= params.max_tokens:
+            raise ValueError(f"{len(handover.delivered)} tokens delivered: nothing left of max_tokens "
+                             f"{params.max_tokens}")
+        if seq_id is None:
+            seq_id = self._next_id
+            self._next_id += 1
+        seq = Sequence(seq_id, list(prompt_ids), params, self.clock() if arrival is None else arrival, on_event)
+        seq.seed = params.seed if params.seed is not None else random.getrandbits(63)
+        seq.priority = priority
+        if self.decoder_factory is not None:
+            seq.decoder = self.decoder_factory(seq.prompt_ids)
+        self._resume(seq, handover)
+        self.seqs[seq_id] = seq
+        self.waiting.append(seq)
         return seq_id
+
+    def _resume(self, seq: Sequence, handover: Handover) -> None:
+        """Start ``seq`` after the tokens an earlier attempt delivered: they are its first outputs (sampling,
+        penalties and stop rules see them so; admission recomputes them like a preempted request's), and its
+        incremental decoder replays them, so its text state — the characters held back for a stop string or an
+        unfinished UTF-8 character — is what the earlier attempt's was; its events carry only what follows."""
+        seq.output_ids = list(handover.delivered)
+        seq.resumed = len(seq.output_ids)
+        if handover.pause_after is not None:
+            seq.pause_at = seq.resumed + handover.pause_after
+        seq.export_kv, seq.kv_in = handover.export_kv, handover.prompt_kv
+        if seq.decoder is not None:
+            for tok in seq.output_ids:
+                self._new_text(seq, tok, final=False)
 
     def abort(self, seq_id: int) -> bool:
         """Cancel a request and free its blocks now. Returns False if it is unknown or already finished."""
-        with self.lock:
-            seq = self.seqs.get(seq_id)
-            if seq is None or seq.finished:
-                return False
-            self._finish(seq, "abort")
-            return True
+        seq = self.seqs.get(seq_id)
+        if seq is None or seq.finished:
+            return False
+        self._finish(seq, "abort")
+        return True
 
     def priority_counts(self) -> dict[str, int]:
         """Running and waiting requests per priority: ``running_online``, ``waiting_offline``, ...
 
-        Read without the engine lock: ``stats()`` is asked from event loops (``/health``, ``/metrics``, a cluster
-        instance's poll, which is its heartbeat), and the lock is held for a whole step — a long prefill would
-        stall the loop for as long. Each queue is copied in one C call (atomic under the GIL), so a count is at
-        most one step old and never torn within a queue."""
-        out = {f"{q}_{p}": 0 for q in ("running", "waiting") for p in PRIORITIES}
+        Read from other threads while the loop steps: ``stats()`` is asked from event loops (``/health``,
+        ``/metrics``, a cluster instance's poll, which is its heartbeat), which must not wait for a step. Each queue
+        is copied in one C call (atomic under the GIL), so a count is at most one step old and never torn within a
+        queue."""
+        out = {f"{q}_{p}": 0 for q in ("running", "waiting") for p in Priority}
         for q, seqs in (("running", list(self.running)), ("waiting", list(self.waiting))):
             for s in seqs:
                 out[f"{q}_{s.priority}"] += 1
@@ -284,7 +318,7 @@ class LLMEngine:
     def _view(self, s: Sequence) -> SeqView:
         p = self.pool
         return SeqView(s.seq_id, s.arrival, s.token_times[-1] if s.token_times else None, s.num_tokens,
-                       s.num_computed, len(s.output_ids), s.cache, p.blocks_of(s.seq_id),
+                       s.num_computed, len(s.output_ids) - s.resumed, s.cache, p.blocks_of(s.seq_id),
                        p.freeable_blocks(s.seq_id) if p.shared_credit else -1, s.last_scheduled, s.priority,
                        s.num_preemptions, s.token_times[0] if s.token_times else None)
 
@@ -298,10 +332,6 @@ class LLMEngine:
                                        p.hidden_planes))
 
     def step(self) -> list[TokenEvent]:
-        with self.lock:
-            return self._step()
-
-    def _step(self) -> list[TokenEvent]:
         self.last_step_progressed = False
         if not self.has_work():
             return []
@@ -318,7 +348,7 @@ class LLMEngine:
             seq.num_computed, seq.cache, seq.prefix_saved = 0, None, False
             seq.num_preemptions += 1
             self.stats["preemptions"] += 1
-            if seq.priority == "offline":
+            if seq.priority == Priority.OFFLINE:
                 self.stats["offline_preemptions"] += 1
             if seq in self.running:
                 self.running.remove(seq)
@@ -342,7 +372,8 @@ class LLMEngine:
                 self.running.append(seq)
                 seq.cache = x.cache
             n = min(x.num_tokens, seq.num_tokens - seq.num_computed)
-            if admitted and x.cache == "kv" and self.prefix_cache is not None and seq.num_computed == 0:
+            if admitted and x.cache == "kv" and seq.num_computed == 0 and (
+                    self.prefix_cache is not None or seq.kv_in is not None):
                 n, used = self._load_prefix(seq, n, spare)
                 spare -= used
             self.pool.reserve(x.seq_id, seq.num_computed + n, x.cache)
@@ -354,6 +385,8 @@ class LLMEngine:
         t0 = self.clock()
         for it in items:
             it.seq.last_scheduled = t0
+            if it.seq.first_scheduled is None:
+                it.seq.first_scheduled = t0
         logits, duration = self.executor.execute(items, self.pool)
         if duration is not None:  # simulated executor: advance the virtual clock
             self.clock_advance(duration)
@@ -366,6 +399,9 @@ class LLMEngine:
             it.seq.num_computed += it.num_new
             table = self.pool.table(it.seq.seq_id)
             table.num_tokens = it.seq.num_computed
+            if it.sample and it.seq.export_kv:  # the end of its first prefill: hand its K/V out (cluster)
+                it.seq.export_kv = False
+                it.seq.kv_out = self._export(table, it.seq.num_computed if it.kind == "kv" else 0)
             if self.prefix_cache is not None and it.kind == "kv" and it.sample and not it.seq.prefix_saved:
                 it.seq.prefix_saved = True  # the end of this (re)prefill: offer its tokens to the cache
                 self.prefix_cache.save(it.seq.tokens[:it.seq.num_computed], self._storage, table)
@@ -410,27 +446,36 @@ class LLMEngine:
 
     def fail(self, seq: Sequence, message: str) -> None:
         """End one request with an error (its client gets an error, never a normal finish)."""
-        with self.lock:
-            if seq.finished:
-                return
-            seq.error = message
-            self._finish(seq, "error")
+        if seq.finished:
+            return
+        seq.error = message
+        self._finish(seq, "error")
 
     def _load_prefix(self, seq: Sequence, n: int, spare: int) -> tuple[int, int]:
-        """Copy ``seq``'s longest cached prefix (m ≤ num_tokens − 1 tokens) into its blocks; return how many
-        tokens to compute now and how many blocks beyond its plan it took. The cached prefix is free, so the
-        request still computes its planned n tokens after it (fewer at the end of the prompt) if ``spare``
-        blocks (ones no other planned item needs) allow; otherwise it stays within the blocks planned for n
-        tokens (m ≤ n − 1, computing n − m)."""
+        """Load ``seq``'s prefix computed before — the K/V it brought (``kv_in``: a moved request's), else its
+        longest cached prefix — into its blocks (m ≤ num_tokens − 1 tokens); return how many tokens to compute
+        now and how many blocks beyond its plan it took. The prefix is free, so the request still computes its
+        planned n tokens after it (fewer at the end of the prompt) if ``spare`` blocks (ones no other planned item
+        needs) allow; otherwise it stays within the blocks planned for n tokens (m ≤ n − 1, computing n − m)."""
         pc = self.prefix_cache
+        if seq.kv_in is not None:
+            kv, seq.kv_in = seq.kv_in, None
+            return self._copy_prefix(seq, n, spare, min(int(kv.shape[2]), seq.num_tokens - 1),
+                                     lambda table, m: self._import(table, kv[:, :, :m]))
         if getattr(pc, "shares_blocks", False):  # SharedPrefixCache: attach cached blocks, no copy
             m, n_after, extra = pc.attach(seq.seq_id, seq.tokens, n, spare, self._storage)
             seq.num_computed = seq.cached_tokens = m
             self.stats["prefix_hit_tokens"] += m
             return n_after, extra
         slots = pc.match(seq.tokens)
-        m = len(slots)
-        if m == 0:
+        return self._copy_prefix(seq, n, spare, len(slots),
+                                 lambda table, m: pc.copy_in(slots[:m], self._storage, table))
+
+    def _copy_prefix(self, seq: Sequence, n: int, spare: int, m: int,
+                     copy: Callable[[BlockTable, int], object]) -> tuple[int, int]:
+        """``_load_prefix`` of a prefix of ``m`` tokens that is copied into the request's blocks (``copy(table,
+        m)``, after the reservation; m may be cut to stay within the plan)."""
+        if m <= 0:
             return n, 0
         n_after = min(n, seq.num_tokens - m)
         pool = self.pool
@@ -439,10 +484,21 @@ class LLMEngine:
             m = min(m, n - 1)
             n_after, extra = n - m, 0
         pool.reserve(seq.seq_id, m + n_after, "kv")
-        pc.copy_in(slots[:m], self._storage, pool.table(seq.seq_id))
+        copy(pool.table(seq.seq_id), m)
         seq.num_computed = seq.cached_tokens = m
         self.stats["prefix_hit_tokens"] += m
         return n_after, max(0, extra)
+
+    def _export(self, table: BlockTable, m: int) -> torch.Tensor:
+        """A copy of rows 0 … m−1 of ``table``'s K and V: ``[L, 2, m, width]`` (the prefix store's layout)."""
+        rows = self._storage.row_index(table, 0, m)
+        return torch.stack([self._storage.data[:, rows[0]], self._storage.data[:, rows[1]]], dim=1)
+
+    def _import(self, table: BlockTable, kv: torch.Tensor) -> None:
+        """Write K/V ``[L, 2, m, width]`` computed elsewhere into rows 0 … m−1 of ``table``."""
+        rows = self._storage.row_index(table, 0, kv.shape[2])
+        for plane in (0, 1):
+            self._storage.data[:, rows[plane]] = kv[:, plane].to(self._storage.data)
 
     def clock_advance(self, dt: float) -> None:
         adv = getattr(self.clock, "advance", None)
@@ -466,11 +522,15 @@ class LLMEngine:
             delta, reason = seq.parts[-1], "stop"
         if reason is None and len(seq.output_ids) >= p.max_tokens:
             reason = "length"
-        if reason is not None and seq.pending:
+        if reason is None and seq.pause_at is not None and len(seq.output_ids) >= seq.pause_at:
+            reason = "pause"  # the attempt's end, not the request's: the held-back text stays held back
+        if reason not in (None, "pause") and seq.pending:
             delta += seq.pending
             seq.parts.append(seq.pending)
             seq.pending = ""
-        ev = TokenEvent(seq.seq_id, [tok], delta, reason is not None, reason, [lp] if lp is not None else None)
+        ev = TokenEvent(seq.seq_id, [tok], delta, reason is not None, reason, [lp] if lp is not None else None,
+                        prompt_kv=seq.kv_out, cached_tokens=seq.cached_tokens)
+        seq.kv_out = None
         if reason is not None:
             self._finish(seq, reason, emit=False)
         if seq.on_event is not None:
@@ -522,11 +582,13 @@ class LLMEngine:
 
 def build_model_engine(model, scheduler: LLMScheduler, *, num_blocks: int, block_size: int = 16,
                        prefix_cache_tokens: int = 0, prefix_cache_policy: str = "leader",
-                       prefix_cache_mode: str = "share", **kw) -> LLMEngine:
+                       prefix_cache_mode: str = "share", packed_linears: bool = True, decode_staging: bool = True,
+                       **kw) -> LLMEngine:
     """Engine over a real model: pool + storage sized from the model spec (planes of K/V width); with
     ``prefix_cache_tokens`` > 0 a prompt-prefix cache of that many tokens, evicting by ``prefix_cache_policy``:
     ``prefix_cache_mode="share"`` shares full cached blocks of the pool (``SharedPrefixCache``, at most
-    ⌊tokens / block_size⌋ groups), ``"copy"`` copies from a separate store (``PrefixKVStore``)."""
+    ⌊tokens / block_size⌋ groups), ``"copy"`` copies from a separate store (``PrefixKVStore``). ``packed_linears``:
+    the decoder's projections run on oneDNN-prepacked weights where the CPU build has them (``model/packed_linear``)."""
     spec = model.spec
     pool = BlockPool.for_model(num_blocks, block_size, spec.hidden_size, spec.kv_size)
     storage = HybridCacheStorage(pool, spec.num_hidden_layers, spec.kv_size, spec.hidden_size, dtype=model.dtype,
@@ -540,4 +602,5 @@ def build_model_engine(model, scheduler: LLMScheduler, *, num_blocks: int, block
         from grserve.kvcache.prefix_kv import PrefixKVStore
 
         kw["prefix_cache"] = PrefixKVStore.for_storage(storage, prefix_cache_tokens, prefix_cache_policy)
-    return LLMEngine(scheduler, pool, ModelExecutor(model, storage), **kw)
+    return LLMEngine(scheduler, pool, ModelExecutor(model, storage, packed_linears=packed_linears,
+                                                   decode_staging=decode_staging), **kw)

@@ -14,7 +14,9 @@ The servers (``server/``) and the cluster router talk to engines through this co
 - ``drain(timeout_s) -> bool``: take no new work, finish what is queued and running; True when all finished.
 - ``start()`` / ``stop()``: threads up / down; ``stop()`` fails whatever is still queued with ``EngineStopped``.
 
-Every engine is also a context manager (start on enter, stop on exit).
+Every engine is also a context manager (start on enter, stop on exit). ``RetrievalService`` and ``RankingService``
+add what the retrieval and ranking apps read of their engine beyond the contract (a single engine or a cluster
+front end offers both the same way).
 """
 
 from __future__ import annotations
@@ -25,7 +27,14 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Generic, Literal, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, Generic, Literal, Protocol, TypeVar, runtime_checkable
+
+from grserve.engine.types import RankingRequest, RankingResult, RetrievalRequest, RetrievalResult
+
+if TYPE_CHECKING:
+    from grserve.catalog import CatalogStore
+    from grserve.config import SearchConfig
+    from grserve.ranking.registry import RankingRegistry
 
 Req = TypeVar("Req")
 Res = TypeVar("Res")
@@ -49,6 +58,11 @@ class RequestCancelled(EngineError):
 
 class RequestTimedOut(EngineError):
     """The request waited in the queue past its deadline and was dropped without being computed (HTTP 503)."""
+
+
+class EngineStepFailed(EngineError):
+    """An engine iteration raised; the requests it held are failed (the engine keeps serving). An error, never a
+    normal finish (HTTP 500)."""
 
 
 @dataclass(frozen=True)
@@ -140,3 +154,45 @@ class Engine(Protocol[Req, Res]):
 
     @property
     def queue_depth(self) -> int: ...
+
+
+class RetrievalService(Engine[RetrievalRequest, RetrievalResult], Protocol):
+    """A retrieval engine as its app sees it: the contract, the hot-swappable catalog store, the model's
+    vocabulary size and the search defaults (beam width and its bound)."""
+
+    catalogs: "CatalogStore"
+    vocab_size: int
+    search: "SearchConfig"
+    tokenizer: Any  # the model directory's own tokenizer (chat and text prompts), None without one
+
+
+class PolicyName(Protocol):
+    name: str
+
+
+class RankingStatsView(Protocol):
+    def summary(self) -> dict: ...
+
+
+class RankingRunnerView(Protocol):
+    """What the ranking app reads of the runner: the prefix policy's name, the cache statistics, and the KV
+    precomputation of newly registered items."""
+
+    policy: PolicyName
+
+    @property
+    def stats(self) -> RankingStatsView: ...
+
+    def add_items(self, item_ids: list[int]) -> Any: ...
+
+
+class RankingService(Engine[RankingRequest, RankingResult], Protocol):
+    """A ranking engine as its app sees it: the contract, the user/item registry, and the runner's view."""
+
+    @property
+    def registry(self) -> "RankingRegistry": ...
+
+    @property
+    def runner(self) -> RankingRunnerView: ...
+
+    on_batch: Callable[[int, int], None] | None  # called once per executed batch (the batch histograms)

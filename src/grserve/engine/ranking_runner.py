@@ -16,23 +16,24 @@ Per request (``RankingRunner.run``):
    softmax → top-k.
 
 A cached token is never recomputed: ``computed_tokens`` counts exactly the tokens that entered the forward.
-Batches run one at a time (``engine/ranking_engine.py`` gives the runner one executor thread): cache decisions and writes are sequential, so each request
-sees the cache state left by the previous batch (on 2 CPU cores one forward already uses every core).
+Batches run one at a time (``engine/ranking_engine.py`` gives the runner one executor thread): cache decisions and
+writes are sequential, so each request sees the cache state left by the previous batch (on 2 CPU cores one forward
+already uses every core).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
 
 from grserve.config import RankingConfig
 from grserve.attention.bipartite import BipartiteBatchContext, BipartiteRequest
+from grserve.engine.types import RankingRequest, RankingResult
 from grserve.kvcache.item_pool import ItemKVPool, ItemKVSource
 from grserve.kvcache.meta import CacheMetaService
 from grserve.kvcache.paged import PagedKVStore
@@ -40,39 +41,8 @@ from grserve.kvcache.user_cache import UserKVCache
 from grserve.model import Decoder
 from grserve.ranking.layouts import ITEM_PREFIX, USER_PREFIX, BipartitePrompt, build_prompt
 from grserve.ranking.registry import RankingRegistry
-from grserve.ranking.scoring import score_candidates
+from grserve.ranking.scoring import full_vocab_lse, score_candidates
 from grserve.scheduler.prefix_choice import PrefixDecision, PrefixPolicy, PrefixQuery, make_policy
-
-
-@dataclass
-class RankingRequest:
-    user_tokens: np.ndarray  # int64 profile 𝒰
-    item_tokens: list[np.ndarray]  # per candidate; the last token is its identifier token
-    user_id: int | None = None  # None: raw tokens, never cached
-    item_ids: list[int | None] | None = None  # None entries: raw candidates (never cached)
-    top_k: int = 10
-    now: float | None = None  # hotness clock (trace seconds); None → time.time()
-    request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
-    arrival: float = field(default_factory=time.perf_counter)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.user_tokens) + sum(len(t) for t in self.item_tokens)
-
-
-@dataclass
-class RankingResult:
-    request_id: str
-    order: list[int]  # candidate indices, best first
-    scores: list[float]  # softmax probabilities of ``order``
-    layout: str
-    total_tokens: int
-    computed_tokens: int
-    cached_tokens: int
-    user_cache_hit: bool
-    queue_ms: float = 0.0
-    compute_ms: float = 0.0
-    batch_size: int = 1
 
 
 @dataclass
@@ -92,6 +62,7 @@ class RankingStats:
     user_admission_failures: int = 0
     user_evictions: int = 0
     items_written_back: int = 0
+    item_fetch_s: float = 0.0  # reading cached item KV from the item source (a cluster's: the KV-cache workers)
     forward_s: float = 0.0
     busy_s: float = 0.0
 
@@ -120,7 +91,8 @@ def _kv_store(model: Decoder, capacity_bytes: int, page_size: int) -> PagedKVSto
 
 
 @torch.no_grad()
-def precompute_item_kv(model: Decoder, items: Sequence[tuple[int, np.ndarray]], put: Callable[[int, torch.Tensor], object],
+def precompute_item_kv(model: Decoder, items: Sequence[tuple[int, np.ndarray]],
+                       put: Callable[[int, torch.Tensor], object],
                        notation: np.ndarray | None = None, notation_kv: torch.Tensor | None = None,
                        batch_tokens: int = 8192, progress: bool = False) -> int:
     """Compute every item's KV alone (IP positions, after the notation) and hand it to ``put(item_id, kv)``.
@@ -220,6 +192,8 @@ class RankingRunner:
             elif kind == "item" and self.item_pool is not None:
                 self.item_pool.remove(key)
                 self.add_items([key])
+            elif kind == "item" and hasattr(self.item_source, "forget"):  # the cluster's: computed inline until
+                self.item_source.forget(key)  # the front end has its new KV computed into the KV-cache workers
 
     def add_items(self, item_ids: Sequence[int]) -> int:
         """Precompute and store the KV of newly registered (or changed) items in the local pool."""
@@ -304,7 +278,9 @@ class RankingRunner:
                 head_kv = self.notation_kv
                 if d.read_item_cache and self.item_source is not None and req.item_ids is not None:
                     pos = [k for k, i in enumerate(req.item_ids) if i is not None]
+                    tf = time.perf_counter()
                     kv, flags = self.item_source.fetch([req.item_ids[k] for k in pos])
+                    self.stats.item_fetch_s += time.perf_counter() - tf
                     if any(flags):
                         cached_items_kv = kv
                         for k, f in zip(pos, flags):
@@ -320,13 +296,14 @@ class RankingRunner:
         forward_s = time.perf_counter() - tf
         last = hidden[torch.tensor([ctx.last_index(r) for r in range(len(plans))], device=hidden.device)]
         w = self.model.lm_head.weight
+        lse = full_vocab_lse(last, w)  # per request: log-probabilities comparable across requests
         done = time.perf_counter()
         results = []
         st = self.stats
         for r, (req, plan, d) in enumerate(zip(requests, plans, decisions)):
             p = plan.prompt
             ident = torch.from_numpy(p.identifier_tokens).to(w.device)
-            ranked = score_candidates(last[r], w, ident, req.top_k)
+            ranked = score_candidates(last[r], w, ident, req.top_k, lse[r])
             cached_user = len(p.head) if (d.layout == USER_PREFIX and plan.head_kv is not None) else 0
             cached_item = sum(len(p.items[k]) for k, x in enumerate(plan.item_kv) if x is not None)
             total = p.num_tokens - (len(p.head) if d.layout == ITEM_PREFIX else 0)  # notation is not request data
@@ -350,7 +327,7 @@ class RankingRunner:
                 request_id=req.request_id, order=ranked.order, scores=ranked.scores, layout=d.layout,
                 total_tokens=total, computed_tokens=computed, cached_tokens=cached_user + cached_item,
                 user_cache_hit=hits[r], queue_ms=(t0 - req.arrival) * 1e3, compute_ms=(done - t0) * 1e3,
-                batch_size=len(requests)))
+                batch_size=len(requests), logprobs=ranked.logprobs or []))
         st.batches += 1
         st.forward_s += forward_s
         st.busy_s += time.perf_counter() - t0

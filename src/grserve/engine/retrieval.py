@@ -10,6 +10,10 @@ Decoder-only mapping (decided; see docs/decisions.md): the first SID token comes
 position, so a depth-D SID takes 1 prefill + (D−1) decode forwards; decode token s (0-based) of every beam sits
 at position L + s. The unshared cache is sized BW × D slots as the paper specifies (slot D−1 is never written:
 the last token's K/V is never needed).
+
+A request with a ``ThinkSpec`` first writes its thought (``engine/think.py``); its prompt + thought + sid_begin K/V
+is copied into its ``shared_kv`` slot (not recomputed) and its beams start from the hidden state at sid_begin; the
+other requests of the batch are prefilled packed as usual.
 """
 
 from __future__ import annotations
@@ -23,8 +27,9 @@ import torch
 
 from grserve.attention.beam_context import BeamDecodeContext, PrefillContext
 from grserve.catalog import Catalog
-from grserve.catalog.exclusion import ItemExclusion
+from grserve.catalog.allowlist import Allow, item_filter
 from grserve.config import SearchConfig
+from grserve.engine.think import ThinkSpec, Thought, think
 from grserve.kvcache.beam import BeamKV
 from grserve.model import Decoder
 from grserve.search.beam_search import BeamSearch, Hit
@@ -37,6 +42,7 @@ class BatchOutput:
     kv_bytes_per_request: list[int]
     kv_bytes_formula: list[int]
     trace: list[tuple[str, float, float]] = field(default_factory=list)  # (event, start, end), perf_counter
+    thoughts: list[Thought | None] = field(default_factory=list)  # per request: its thought, if it thought
 
 
 class RetrievalRunner:
@@ -52,33 +58,23 @@ class RetrievalRunner:
     @torch.inference_mode()
     def run(
         self, prompts: list[np.ndarray], beam_width: int, top_n: list[int], catalog: Catalog, trace: bool = False,
-        exclude: list[np.ndarray | None] | None = None,
+        exclude: list[np.ndarray | None] | None = None, include: list[Allow | None] | None = None,
+        think: list[ThinkSpec | None] | None = None,
     ) -> BatchOutput:
-        """One batch; ``exclude[i]``: item ids request ``i`` must never get (masked inside the search)."""
-        model, spec = self.model, self.model.spec
-        dev = model.device
+        """One batch; ``exclude[i]``: item ids request ``i`` must never get, ``include[i]``: the only items it may get
+        (both masked inside the search: ``catalog/exclusion.py``, ``catalog/allowlist.py``); ``think[i]``: request
+        ``i`` thinks first (the module docstring)."""
+        model, dev = self.model, self.model.device
         events: list[tuple[str, float, float]] = []
-        lens = [int(p.shape[0]) for p in prompts]
         r, depth = len(prompts), catalog.depth
-        kv = BeamKV(
-            num_layers=spec.num_hidden_layers,
-            num_kv_heads=spec.num_key_value_heads,
-            head_dim=spec.head_dim,
-            prompt_lens=lens,
-            beam_width=beam_width,
-            decode_steps=depth,
-            dtype=model.dtype,
-            device=dev,
-        )
-        exclusions = [ItemExclusion(catalog, e) if e is not None and len(e) else None for e in (exclude or [])]
+        exclude, include = exclude or [None] * r, include or [None] * r
+        exclusions = [item_filter(catalog, e, a) for e, a in zip(exclude, include)]
         beams = BeamSearch(catalog, r, beam_width, self.search.top_k, self.search.topbw, dev, exclusions)
         hf = self.search.scoring == "hf"
 
         t0 = time.perf_counter()
-        tokens = torch.from_numpy(np.concatenate(prompts).astype(np.int64)).to(dev)
-        positions = torch.cat([torch.arange(n) for n in lens]).to(dev)
-        hidden = model(tokens, positions, PrefillContext(kv))
-        last = hidden[torch.tensor(kv.offsets[1:], device=dev) - 1]
+        kv, last, thoughts = self._prefill(prompts, beam_width, depth, think or [None] * r)
+        lens = kv.prompt_lens
         self._level_logits(last, catalog, 0, beams)
         beams.select_first(self._full_lse(last) if hf else None)
         events.append(("prefill", t0, time.perf_counter()))
@@ -105,7 +101,32 @@ class RetrievalRunner:
             kv_bytes_per_request=[kv.request_nbytes(i) for i in range(r)],
             kv_bytes_formula=[(n + beam_width * depth) * kv.bytes_per_token for n in lens],
             trace=events if trace else [],
+            thoughts=thoughts,
         )
+
+    def _prefill(self, prompts: list[np.ndarray], beam_width: int, depth: int, specs: list[ThinkSpec | None]
+                 ) -> tuple[BeamKV, torch.Tensor, list[Thought | None]]:
+        """The batch's ``BeamKV`` with every request's prompt (+ thought) in ``shared_kv``, and the hidden state
+        [R, H] each request's beams start from: thoughts first, then one packed prefill of the other prompts."""
+        model, spec, dev = self.model, self.model.spec, self.model.device
+        thoughts = [think(model, p, s) if s is not None else None for p, s in zip(prompts, specs)]
+        lens = [int(p.shape[0]) + (len(t.tokens) if t is not None else 0) for p, t in zip(prompts, thoughts)]
+        kv = BeamKV(num_layers=spec.num_hidden_layers, num_kv_heads=spec.num_key_value_heads, head_dim=spec.head_dim,
+                    prompt_lens=lens, beam_width=beam_width, decode_steps=depth, dtype=model.dtype, device=dev)
+        fresh = [i for i, t in enumerate(thoughts) if t is None]
+        last = torch.empty(len(prompts), spec.hidden_size, dtype=model.dtype, device=dev)
+        if fresh:
+            tokens = torch.from_numpy(np.concatenate([prompts[i] for i in fresh]).astype(np.int64)).to(dev)
+            positions = torch.cat([torch.arange(lens[i]) for i in fresh]).to(dev)
+            hidden = model(tokens, positions, PrefillContext(kv, None if len(fresh) == len(prompts) else fresh))
+            ends = np.cumsum([lens[i] for i in fresh])
+            last[fresh] = hidden[torch.from_numpy(ends - 1).to(dev)]
+        for i, t in enumerate(thoughts):
+            if t is not None:
+                for layer in range(spec.num_hidden_layers):
+                    kv.write_shared_request(layer, i, t.kv.k[layer], t.kv.v[layer])
+                last[i] = t.last_hidden[0]
+        return kv, last, thoughts
 
     def _submit_mask(self, beams: BeamSearch, level: int, events: list):
         def build():
@@ -120,8 +141,7 @@ class RetrievalRunner:
         return self._mask_pool.submit(build)
 
     def _level_logits(self, hidden: torch.Tensor, catalog: Catalog, level: int, beams: BeamSearch) -> None:
-        a, b = catalog.layout.level_range(level)
-        beams.logits[level].copy_(self.model.logits(hidden, (a, b)))
+        beams.logits[level].copy_(self.model.logits(hidden, beams.heads.rows[level]))
 
     def _full_lse(self, hidden: torch.Tensor) -> torch.Tensor:
         return torch.logsumexp(self.model.logits(hidden).float(), dim=-1, keepdim=True)

@@ -24,6 +24,9 @@ Every tokenizer offers ``encode``, ``decode``, ``decode_stream(prompt_ids)`` (an
 from __future__ import annotations
 
 import json
+import os
+import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Callable
 
@@ -45,6 +48,10 @@ CHAT_TEMPLATE = (
 
 class ChatTemplateError(ValueError):
     """The chat template could not render this conversation (it raised, or the tokenizer has none)."""
+
+
+class MissingTokenizerError(ChatTemplateError):
+    """Text or chat input for a model directory that has no tokenizer files."""
 
 
 class WindowDecoder:
@@ -120,17 +127,42 @@ def preset_tokenizer_json(vocab_size: int) -> str:
     return tok.to_str()
 
 
-def write_preset_tokenizer(directory: str | Path, vocab_size: int, model_max_length: int) -> Path:
-    """Write the presets' tokenizer as an HF directory loadable by ``AutoTokenizer.from_pretrained``."""
-    d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
-    (d / "tokenizer.json").write_text(preset_tokenizer_json(vocab_size))
+def preset_tokenizer_files(vocab_size: int, model_max_length: int) -> dict[str, str]:
+    """The files of the presets' tokenizer directory, by name, as this version writes them."""
     cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>",
            "pad_token": "<pad>", "model_max_length": model_max_length, "clean_up_tokenization_spaces": False}
-    (d / "tokenizer_config.json").write_text(json.dumps(cfg, indent=1))
-    (d / "special_tokens_map.json").write_text(json.dumps({"bos_token": "<bos>", "eos_token": "<eos>",
-                                                           "pad_token": "<pad>"}))
-    (d / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    return {"tokenizer.json": preset_tokenizer_json(vocab_size),
+            "tokenizer_config.json": json.dumps(cfg, indent=1),
+            "special_tokens_map.json": json.dumps({"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"}),
+            "chat_template.jinja": CHAT_TEMPLATE}
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """``path`` holds ``text`` whole or keeps what it held (a temporary file renamed over it)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def write_preset_tokenizer(directory: str | Path, vocab_size: int, model_max_length: int) -> Path:
+    """Write the presets' tokenizer as an HF directory loadable by ``AutoTokenizer.from_pretrained`` (each file
+    atomically: a crash mid-write never leaves a torn file)."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    for name, text in preset_tokenizer_files(vocab_size, model_max_length).items():
+        _write_atomic(d / name, text)
     return d
 
 
@@ -186,6 +218,16 @@ class HFTokenizer:
         self.vocab_size = len(self.tok)
         self.extra_eos_ids = _generation_eos(Path(model_dir), self.eos_token_id)
         self._byte_level = type(backend.decoder).__name__ == "ByteLevel"
+        self._max_token_chars: int | None = None
+
+    @property
+    def max_token_chars(self) -> int:
+        """The longest vocabulary entry, in characters (a byte-level BPE's entries have one character a byte): no
+        token covers more characters of text, so a text of more than ``n * max_token_chars`` characters is more
+        than n tokens."""
+        if self._max_token_chars is None:
+            self._max_token_chars = max((len(t) for t in self.tok.get_vocab()), default=1)
+        return self._max_token_chars
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.tok.encode(text, add_special_tokens=add_special_tokens))
@@ -196,6 +238,14 @@ class HFTokenizer:
     def decode_stream(self, prompt_ids: list[int] | None = None) -> _DecodeStream:
         return _DecodeStream(self.backend, self.vocab_size, prompt_ids)
 
+    def encode_each(self, texts) -> list[list[int]]:
+        """Each text's ids, no special tokens added (one batch call; SID token resolution, ``catalog/sid_text``)."""
+        return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=False)]
+
+    def added_tokens(self) -> dict[str, int]:
+        """The tokenizer's added tokens, string → id."""
+        return dict(self.tok.get_added_vocab())
+
     def token_bytes(self, token_id: int) -> bytes:
         if not 0 <= token_id < self.vocab_size:
             return b""
@@ -205,29 +255,95 @@ class HFTokenizer:
         return self.tok.decode([token_id]).encode("utf-8")
 
     def apply_chat_template(self, messages: list[dict], tools: list | None = None,
-                            add_generation_prompt: bool = True) -> str:
+                            add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        """``kwargs``: extra template variables (vLLM's ``chat_template_kwargs``, e.g. ``enable_thinking``)."""
         if not self.tok.chat_template:
             raise ChatTemplateError(f"the tokenizer of {self.name_or_path} has no chat template")
         try:
             return self.tok.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                                tokenize=False)
+                                                tokenize=False, **kwargs)
         except Exception as exc:  # jinja's TemplateError, raise_exception(...), a template's own TypeError
             raise ChatTemplateError(f"the chat template failed: {exc}") from exc
 
 
+def user_cache_dir(environ: Mapping[str, str] = os.environ) -> Path:
+    """Where the presets' tokenizers are cached by default: ``$GRSERVE_CACHE_DIR/tokenizers``, else
+    ``$XDG_CACHE_HOME/grserve/tokenizers``, else ``~/.cache/grserve/tokenizers`` (never the working directory)."""
+    if environ.get("GRSERVE_CACHE_DIR"):
+        return Path(environ["GRSERVE_CACHE_DIR"]).expanduser() / "tokenizers"
+    base = environ.get("XDG_CACHE_HOME") or str(Path("~").expanduser() / ".cache")
+    return Path(base).expanduser() / "grserve" / "tokenizers"
+
+
 def preset_tokenizer_dir(cache_dir: str | Path, vocab_size: int, model_max_length: int) -> Path:
-    """The presets' tokenizer directory under ``cache_dir`` (written once per vocabulary size)."""
+    """The presets' tokenizer directory under ``cache_dir``: reused only when every file in it is exactly what this
+    version writes (verified byte for byte), else (re)written — a stale, torn or foreign file is never loaded."""
     d = (Path(cache_dir) / f"grserve-bytes-v2-{vocab_size}").resolve()
-    if not (d / "tokenizer.json").is_file() or not (d / "chat_template.jinja").is_file():
+    files = preset_tokenizer_files(vocab_size, model_max_length)
+    if any(_read(d / name) != text for name, text in files.items()):
+        Path(cache_dir).mkdir(parents=True, exist_ok=True, mode=0o700)
         write_preset_tokenizer(d, vocab_size, model_max_length)
     return d
 
 
+class NoTokenizer:
+    """The tokenizer of a model directory that has none. Token ids in and out still work (output text is empty);
+    text and chat input raise ``MissingTokenizerError`` naming the directory: the model's own tokenizer is the only
+    one whose text means anything to it."""
+
+    eos_token_id = bos_token_id = None
+    extra_eos_ids: tuple[int, ...] = ()
+    chat_template = None
+
+    def __init__(self, model_dir: str | Path, vocab_size: int):
+        self.name_or_path = str(model_dir)
+        self.vocab_size = int(vocab_size)
+        self.message = (f"the model directory {model_dir} has no tokenizer files (tokenizer.json or "
+                        "tokenizer_config.json): text and chat input need the model's own tokenizer; send token ids, "
+                        "or add the tokenizer files (or start with --tokenizer DIR)")
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        raise MissingTokenizerError(self.message)
+
+    def encode_each(self, texts) -> list[list[int]]:
+        raise MissingTokenizerError(self.message)
+
+    def apply_chat_template(self, messages: list[dict], tools: list | None = None,
+                            add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        raise MissingTokenizerError(self.message)
+
+    def added_tokens(self) -> dict[str, int]:
+        return {}
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return ""
+
+    def decode_stream(self, prompt_ids: list[int] | None = None) -> WindowDecoder:
+        return WindowDecoder(lambda ids: "")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return b""
+
+
+def has_tokenizer_files(directory: str | Path) -> bool:
+    p = Path(directory)
+    return (p / "tokenizer.json").is_file() or (p / "tokenizer_config.json").is_file()
+
+
+def model_tokenizer(source: str) -> HFTokenizer | None:
+    """The tokenizer of a model directory that has one, else None (a preset, or a directory without one)."""
+    p = Path(source).expanduser()
+    return HFTokenizer(p) if p.is_dir() and has_tokenizer_files(p) else None
+
+
 def load_tokenizer(source: str, vocab_size: int, model_max_length: int = 4096,
-                   cache_dir: str | Path = ".grserve-cache/tokenizers") -> HFTokenizer:
-    """``source``'s own tokenizer if it is a directory with one; else (a preset) the byte-level preset tokenizer,
-    written to ``cache_dir`` and loaded from there the same way (``tokenizer.name_or_path`` is that directory)."""
-    p = Path(source)
-    if p.is_dir() and ((p / "tokenizer.json").is_file() or (p / "tokenizer_config.json").is_file()):
-        return HFTokenizer(p)
-    return HFTokenizer(preset_tokenizer_dir(cache_dir, vocab_size, model_max_length))
+                   cache_dir: str | Path | None = None) -> HFTokenizer | NoTokenizer:
+    """``source``'s own tokenizer if it is a directory with one; ``NoTokenizer`` for a directory without one (text
+    and chat input refused, never a made-up tokenizer); else (a preset) the byte-level preset tokenizer, written to
+    (or verified in) ``cache_dir`` (default ``user_cache_dir()``) and loaded from there the same way
+    (``tokenizer.name_or_path`` is that directory)."""
+    p = Path(source).expanduser()
+    if p.is_dir():
+        return HFTokenizer(p) if has_tokenizer_files(p) else NoTokenizer(p, vocab_size)
+    cache = user_cache_dir() if cache_dir is None else cache_dir
+    return HFTokenizer(preset_tokenizer_dir(cache, vocab_size, model_max_length))

@@ -83,17 +83,6 @@ class AsyncPredictionJobs:
             out, self._mailbox = self._mailbox, []
         return out
 
-    def wait_idle(self, timeout: float = 10.0) -> None:
-        """Tests: block until no job is running."""
-        import time
-
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            with self._lock:
-                if not self._busy:
-                    return
-            time.sleep(0.001)
-
     def close(self) -> None:
         if self._thread is not None:
             with self._lock:

@@ -1,29 +1,11 @@
-"""Knobs of the eviction policies and of the LightGBM next-access-time predictor (one dataclass per concern).
+"""The knobs of the LightGBM next-access-time predictor.
 
-Kept here rather than in ``grserve/config.py`` so that ``eviction/`` stays a leaf package; the serving config can
-embed these dataclasses.
+Kept here rather than in ``grserve/config.py`` so that ``eviction/`` stays a leaf package.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal
-
-PolicyName = Literal["lru", "lfu", "belady", "fpb", "hf", "laru", "density", "leader"]
-PredictMode = Literal["sync", "async"]
-
-
-@dataclass(frozen=True)
-class LARUConfig:
-    """Algorithm 1 parameters. ``b`` is the decay base of λ (paper: 2, chosen so that log_b k ≤ k).
-
-    ``decay_every`` is the number of prediction-induced misses (Line 14 evaluated *true*) per division of λ by b:
-    1 is Algorithm 1 / the DLRM setting; the LLM setting halves λ every ⌈k/32⌉ such misses ("auto" picks 1 for
-    k ≤ 64 and ⌈k/32⌉ above, k taken at the phase start). The counter restarts at every phase (digest §11.7).
-    """
-
-    b: float = 2.0
-    decay_every: int | Literal["auto"] = 1
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -47,16 +29,3 @@ class PredictorConfig:
     num_threads: int = 1  # 2 on a shared 2-core box: OpenMP spin contention made refits ~60× slower
     max_keys: int = 1_000_000  # per-key history table bound (oldest keys forgotten beyond this)
     seed: int = 0
-
-
-@dataclass(frozen=True)
-class EvictionConfig:
-    """Which policy a cache uses, chosen by name (``make_policy``)."""
-
-    policy: PolicyName = "lru"
-    laru: LARUConfig = field(default_factory=LARUConfig)
-    hf_candidates: int = 4  # HALP's fixed LRU candidate set (digest §11.17)
-    lfu_window: int = 10_000  # window-LFU: frequency counted over the last N accesses
-    mode: PredictMode = "sync"
-    async_batch: int = 64  # ASYNC: accesses per background prediction job
-    async_threaded: bool = False  # ASYNC: a real background thread (True) or its deterministic emulation

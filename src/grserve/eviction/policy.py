@@ -1,5 +1,5 @@
 """The one eviction interface every grserve cache uses, the predictor protocol, and the by-name registry
-(``EVICTION_POLICIES``; every policy module registers its class, the package imports them all).
+(``EVICTION_POLICIES``; every policy module registers its class, its package imports them all).
 
 A cache drives its policy with a small event protocol (``now`` is the cache's logical clock, one tick per
 request; several events may share a tick):
@@ -130,23 +130,7 @@ def policy_names() -> tuple[str, ...]:
 
 
 def make_policy(name: str, capacity: int, **kw: Any) -> EvictionPolicy:
-    """Build a policy by name. Learned policies need ``predictor=``; Belady needs ``oracle=``.
+    """Build a policy by name. Learned policies need ``predictor=``; Belady (the lab's) needs ``oracle=``.
 
     Extra keywords go to the policy's constructor (e.g. ``mode``, ``b``, ``decay_every``, ``candidates``)."""
     return EVICTION_POLICIES.create(name, capacity, **kw)
-
-
-def make_policy_from_config(cfg: Any, capacity: int, **kw: Any) -> EvictionPolicy:
-    """Build from an ``EvictionConfig`` (+ runtime objects such as ``predictor=`` / ``oracle=``)."""
-    name = cfg.policy
-    extra: dict[str, Any] = {}
-    if name in ("fpb", "hf", "laru"):
-        extra.update(mode=cfg.mode, async_batch=cfg.async_batch, async_threaded=cfg.async_threaded)
-    if name == "hf":
-        extra["candidates"] = cfg.hf_candidates
-    if name == "laru":
-        extra.update(b=cfg.laru.b, decay_every=cfg.laru.decay_every)
-    if name == "lfu":
-        extra["window"] = cfg.lfu_window
-    extra.update(kw)
-    return make_policy(name, capacity, **extra)

@@ -158,13 +158,6 @@ class LearnedPredictor:
             if data is not None:
                 self._fit(data)
 
-    def retrain_now(self, now: int) -> bool:
-        data = self._training_set(now)
-        if data is None:
-            return False
-        self._fit(data)
-        return True
-
     def wait_training(self, timeout: float = 30.0) -> None:
         if self._trainer is not None:
             self._trainer.join(timeout)

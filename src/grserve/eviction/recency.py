@@ -10,8 +10,8 @@ nodes keep the evictable count and (max value, leftmost position of the max). Th
 
 So "among the l LRU-oldest evictable items, the one with the largest predicted next-request time" (Algorithm 1,
 Line 25) is two descents. Stamps grow without bound, so when they reach the tree size the live keys are
-renumbered 0..n−1 in order (O(S), once per ≥ S/2 accesses: O(1) amortised). ``ReferenceRecency`` is the slow
-list-based twin the tests compare against.
+renumbered 0..n−1 in order (O(S), once per ≥ S/2 accesses: O(1) amortised). The tests compare it with a slow
+list-based twin (``ReferenceRecency``, tests/grserve/eviction/test_eviction_policies.py).
 """
 
 from __future__ import annotations
@@ -134,9 +134,6 @@ class RecencyIndex:
         self.n_evictable += 1 if evictable else -1
         self._set_leaf(self._stamp[key], int(evictable), self._value[key])
 
-    def is_evictable(self, key: Hashable) -> bool:
-        return self._evictable[key]
-
     # ---- queries -------------------------------------------------------------------------------------------
     def oldest_position(self, l: int) -> int:
         """Stamp of the l-th oldest evictable key (1-based); requires 1 ≤ l ≤ n_evictable."""
@@ -180,48 +177,3 @@ class RecencyIndex:
     def keys(self) -> Iterator[Hashable]:
         """All tracked keys, oldest first."""
         return iter([k for k, _ in sorted(self._stamp.items(), key=lambda kv: kv[1])])
-
-
-class ReferenceRecency:
-    """Slow twin of ``RecencyIndex`` (a Python list in recency order), for tests."""
-
-    def __init__(self):
-        self.order: list[Hashable] = []
-        self.val: dict[Hashable, float] = {}
-        self.ev: dict[Hashable, bool] = {}
-
-    def touch(self, key, value=None, evictable=None):
-        if key in self.ev:
-            self.order.remove(key)
-        else:
-            self.val[key] = NEG_INF if value is None else value
-            self.ev[key] = True if evictable is None else evictable
-        if value is not None:
-            self.val[key] = value
-        if evictable is not None:
-            self.ev[key] = evictable
-        self.order.append(key)
-
-    def remove(self, key):
-        self.order.remove(key)
-        del self.val[key], self.ev[key]
-
-    def set_value(self, key, value):
-        self.val[key] = value
-
-    def set_evictable(self, key, evictable):
-        self.ev[key] = evictable
-
-    def evictable_order(self):
-        return [k for k in self.order if self.ev[k]]
-
-    def oldest(self, l=1):
-        return self.evictable_order()[l - 1]
-
-    def argmax_among_oldest(self, l):
-        cand = self.evictable_order()[:l]
-        best = cand[0]
-        for k in cand[1:]:
-            if self.val[k] > self.val[best]:
-                best = k
-        return best

@@ -8,9 +8,9 @@ For a batch of R requests with prompt lengths L_r, beam width BW and ND decode s
 So a request holds exactly ``(L_r + BW·ND) · bytes_per_token`` of KV (``bytes_per_token`` = 2·layers·Hkv·D·
 element size). After every beam-selection step the unshared rows are reordered by parent index. The default
 reorder gathers through one preallocated layer-sized workspace owned by the batch (not per request), so it is
-correct for *any* parent vector. The paper's two-pass direction-index scheme (``two_pass_inplace_reorder``)
-needs no workspace at all but is only correct when parents are non-decreasing; it is kept with its precondition
-and tested (see docs/decisions.md).
+correct for *any* parent vector. The paper's two-pass direction-index scheme needs no workspace at all but is
+only correct when parents are non-decreasing; tests/grserve/kvcache/test_beam_kv.py holds it and proves the precondition (see
+docs/decisions.md).
 """
 
 from __future__ import annotations
@@ -54,6 +54,12 @@ class BeamKV:
         self.shared_k[layer].copy_(k.transpose(0, 1))
         self.shared_v[layer].copy_(v.transpose(0, 1))
 
+    def write_shared_request(self, layer: int, r: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k/v [L_r, Hkv, D]: request ``r``'s prompt alone."""
+        a, b = self.offsets[r], self.offsets[r + 1]
+        self.shared_k[layer, :, a:b].copy_(k.transpose(0, 1))
+        self.shared_v[layer, :, a:b].copy_(v.transpose(0, 1))
+
     def shared(self, layer: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:
         a, b = self.offsets[r], self.offsets[r + 1]
         return self.shared_k[layer, :, a:b], self.shared_v[layer, :, a:b]
@@ -83,19 +89,3 @@ class BeamKV:
         """KV bytes held for the batch (shared + unshared; the transient reorder workspace is not KV)."""
         tensors = (self.shared_k, self.shared_v, self.unshared_k, self.unshared_v)
         return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def two_pass_inplace_reorder(rows: torch.Tensor, parents: list[int]) -> None:
-    """The paper's in-place reorder with direction indices (xGR §5.1), on dim 0 of ``rows``.
-
-    Pass 1 does the "upward" writes (parent[i] > i) top to bottom, pass 2 the "downward" writes (parent[i] < i)
-    bottom to top. Equal to the gather ``rows[i] = old[parents[i]]`` only when ``parents`` is non-decreasing
-    (new beams ordered by parent); callers must sort the selected beams by parent first.
-    """
-    n = len(parents)
-    for i in range(n):
-        if parents[i] > i:
-            rows[i].copy_(rows[parents[i]])
-    for i in reversed(range(n)):
-        if parents[i] < i:
-            rows[i].copy_(rows[parents[i]])

@@ -57,11 +57,6 @@ class BlockTable:
     def num_blocks(self) -> int:
         return sum(len(p) for p in self.planes)
 
-    def location(self, token: int, block_size: int) -> list[tuple[int, int]]:
-        """(block, offset) of ``token`` in every plane."""
-        g, off = divmod(token, block_size)
-        return [(p[g], off) for p in self.planes]
-
 
 @dataclass
 class BlockPool:
@@ -273,10 +268,6 @@ class HybridCacheStorage:
         self.hidden_size = hidden_size
         self.num_layers = num_layers
         self.data = torch.zeros(num_layers, pool.num_blocks * pool.block_size, width, dtype=dtype, device=device)
-
-    @property
-    def bytes_per_block(self) -> int:
-        return self.num_layers * self.pool.block_size * self.width * self.data.element_size()
 
     def row_index(self, table: BlockTable, start: int, stop: int, device=None) -> torch.Tensor:
         """Flat row ids [planes, stop-start] of tokens start…stop-1 in every plane of ``table``."""

@@ -5,7 +5,7 @@ its own tokens only: they are computed once (offline, ``grserve.engine.ranking.p
 by every request. The pool is memory only; it never runs the model.
 
 ``ItemKVSource`` is what an inference worker reads item KV through: this local pool, or the cluster's
-HRCS-placed KV-cache workers (``grserve.cluster.kv_workers``), which also count the bytes moved.
+HRCS-placed KV-cache workers (``grserve.cluster.gr.kv_workers``), which also count the bytes moved.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The cache meta service (BAT §5.1): the index and the hotness of every user/item KV entry, no physical data.
+"""The cache meta service's hotness (BAT §5.1): how often each user and item KV entry is read, no physical data.
 
 Hotness is a **decayed sliding-window frequency** (the paper gives neither the window form nor the decay; our
 choice): every access adds 1 and the sum decays with time constant W,
@@ -50,13 +50,12 @@ class DecayedWindowFrequency:
 
 
 class CacheMetaService:
-    """Index (where each entry lives) + hotness (user and item frequencies). Thread-safe."""
+    """Hotness (user and item frequencies), thread-safe. Where each entry lives is the engine's own (a local user
+    cache and item pool) or, in a ranking cluster, the front end's (``cluster/gr/meta_service.py``)."""
 
     def __init__(self, user_window_s: float = 300.0, item_window_s: float = 3600.0):
         self.user_freq = DecayedWindowFrequency(user_window_s)
         self.item_freq = DecayedWindowFrequency(item_window_s)
-        self.user_index: dict[int, int] = {}  # user id → worker holding its KV
-        self.item_index: dict[int, frozenset[int]] = {}  # item id → workers holding its KV
         self._lock = threading.Lock()
 
     # ---- hotness ------------------------------------------------------------------------------------------
@@ -82,20 +81,3 @@ class CacheMetaService:
     def item_frequencies(self, now: float) -> dict[int, float]:
         with self._lock:
             return self.item_freq.snapshot(now)
-
-    # ---- index --------------------------------------------------------------------------------------------
-    def set_user_location(self, user_id: int, worker: int | None) -> None:
-        with self._lock:
-            if worker is None:
-                self.user_index.pop(user_id, None)
-            else:
-                self.user_index[user_id] = worker
-
-    def set_item_locations(self, locations: dict[int, Iterable[int]]) -> None:
-        with self._lock:
-            for item, workers in locations.items():
-                self.item_index[item] = frozenset(workers)
-
-    def item_locations(self, item_ids: Iterable[int]) -> list[frozenset[int]]:
-        with self._lock:
-            return [self.item_index.get(i, frozenset()) for i in item_ids]

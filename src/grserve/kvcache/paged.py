@@ -65,9 +65,6 @@ class PagedKVStore:
     def pages_for(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.page_size)
 
-    def bytes_for(self, num_tokens: int) -> int:
-        return self.pages_for(num_tokens) * self.bytes_per_page
-
     def entry_pages(self, key: Hashable) -> int:
         return int(self._entries[key][0].numel())
 
@@ -82,6 +79,14 @@ class PagedKVStore:
 
     def length(self, key: Hashable) -> int:
         return self._entries[key][1]
+
+    def grow(self, num_pages: int) -> None:
+        """``num_pages`` more pages (a new pool holding the old one's pages; entries keep their page ids)."""
+        with self._lock:
+            old = self.pages
+            self.pages = old.new_empty(old.shape[0] + num_pages, *old.shape[1:])
+            self.pages[:old.shape[0]] = old
+            self._free[:0] = range(self.pages.shape[0] - 1, old.shape[0] - 1, -1)
 
     # ---- writes -------------------------------------------------------------------------------------------
     def put(self, key: Hashable, kv: torch.Tensor) -> bool:

@@ -38,17 +38,24 @@ class PrefixKVStore:
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", **policy_kw: Any):
         self.capacity = capacity_tokens
         self.kv = torch.zeros(num_layers, 2, capacity_tokens, width, dtype=dtype, device=device)
-        self._free = np.arange(capacity_tokens - 1, -1, -1, dtype=np.int64).tolist()  # a stack of free slots
-        if policy in LEARNED and "predictor" not in policy_kw:  # the online LightGBM next-access predictor
-            from grserve.eviction.config import PredictorConfig
-            from grserve.eviction.predictor import LearnedPredictor
-
-            policy_kw["predictor"] = LearnedPredictor(PredictorConfig(horizon=4096, window=16_384,
-                                                                      retrain_every=2048, min_train=256))
-        self.tree = RadixCache(capacity_tokens, policy, on_evict=self._release, **policy_kw)
+        self._policy_spec = (policy, policy_kw)
         # store/evict hook (the cluster's KV event publisher): .stored(tokens, start, stop) after a span is
         # cached, .evicted(path_tokens, start, stop) when one goes (tokens[start:stop] of a path from position 0)
         self.listener: Any = None
+        self.clear()
+
+    def clear(self) -> None:
+        """Empty the store: every slot free, a new tree (and policy, when given by name), the counters at 0."""
+        self._free = np.arange(self.capacity - 1, -1, -1, dtype=np.int64).tolist()  # a stack of free slots
+        policy, policy_kw = self._policy_spec
+        kw = dict(policy_kw)
+        if policy in LEARNED and "predictor" not in kw:  # the online LightGBM next-access predictor
+            from grserve.eviction.config import PredictorConfig
+            from grserve.eviction.predictor import LearnedPredictor
+
+            kw["predictor"] = LearnedPredictor(PredictorConfig(horizon=4096, window=16_384, retrain_every=2048,
+                                                               min_train=256))
+        self.tree = RadixCache(self.capacity, policy, on_evict=self._release, **kw)
         self.tree.on_evict_node = self._evicted
         self.stats = {"lookups": 0, "hit_tokens": 0, "lookup_tokens": 0, "inserted_tokens": 0}
 
@@ -113,18 +120,6 @@ class PrefixKVStore:
                 self.kv[:, plane].index_copy_(1, dst, storage.data[:, rows[plane]])
 
         return self._insert(tokens, write)
-
-    # ---- KV hand-off (cluster migration): the K/V of a cached prefix out, a prefix's K/V in ----------------------
-    def export(self, tokens: list[int]) -> torch.Tensor:
-        """The K/V ``[L, 2, m, width]`` of the longest cached prefix of ``tokens`` (a copy; m may be 0)."""
-        slots = self.tree.match_prefix(tokens).values
-        return self.kv.index_select(2, torch.from_numpy(np.ascontiguousarray(slots)).to(self.kv.device)).clone()
-
-    def put(self, tokens: list[int], kv: torch.Tensor) -> int:
-        """Cache ``tokens`` whose K/V ``[L, 2, len(tokens), width]`` were computed elsewhere (a migrated
-        request's snapshot). Returns how many tokens were new."""
-        return self._insert(tokens,
-                            lambda start, stop, dst: self.kv.index_copy_(2, dst, kv[:, :, start:stop].to(self.kv)))
 
     def _insert(self, tokens: list[int], write) -> int:
         """Insert ``tokens`` into the tree; ``write(start, stop, dst_slots)`` fills each new span's slots. Counts the

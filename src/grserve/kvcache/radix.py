@@ -82,9 +82,6 @@ class TreeNode:
     def end(self) -> int:
         return self.start + len(self.key)
 
-    def is_leaf(self) -> bool:
-        return not self.children
-
 
 @dataclass
 class MatchResult:
@@ -256,10 +253,6 @@ class RadixCache:
         return freed
 
     @property
-    def evictable_size(self) -> int:
-        return sum(len(n.key) for n in self.nodes.values() if n.lock_ref == 0 and not n.children)
-
-    @property
     def hit_rate(self) -> float:
         return self.stats["hit_tokens"] / self.stats["prompt_tokens"] if self.stats["prompt_tokens"] else 0.0
 
@@ -278,54 +271,3 @@ class RadixCache:
                 stack.append(ch)
         assert total == self.size <= self.capacity
         assert len(self.nodes) == len(self.policy)
-
-
-class _AccessRecorder(EvictionPolicy):
-    """Infinite-capacity 'policy' that records, per node key, the request times that touched it."""
-
-    name = "recorder"
-
-    def __init__(self):
-        super().__init__(1)
-        self.times: dict[Hashable, list[int]] = {}
-
-    def _add(self, key: Hashable, now: int) -> None:
-        ts = self.times.setdefault(key, [])
-        if not ts or ts[-1] != now:
-            ts.append(now)
-
-    def on_insert(self, key, now):
-        self._add(key, now)
-
-    def on_hit(self, key, now):
-        self._add(key, now)
-
-    def on_split(self, head, tail, now):
-        self.times[tail] = [t for t in self.times.get(head, []) if t < now]
-
-    def on_remove(self, key):
-        pass
-
-    def set_evictable(self, key, evictable):
-        pass
-
-    def victim(self, now):
-        raise AssertionError("the recorder never evicts")
-
-    def __len__(self):
-        return len(self.times)
-
-    def __contains__(self, key):
-        return key in self.times
-
-
-def prefix_access_times(prompts: Sequence[np.ndarray]) -> dict[Hashable, list[int]]:
-    """For an offline oracle on prefix traces: replay the prompts (request r at time r) through an unbounded tree
-    and return, per node key, the sorted request times that touched that node. Every node that a bounded tree can
-    hold starts at a boundary of the unbounded tree (a request end or a divergence point), so its key is here."""
-    rec = _AccessRecorder()
-    tree = RadixCache(1 << 62, policy=rec)
-    for r, toks in enumerate(prompts):
-        tree.match_prefix(toks, now=r)
-        tree.insert(toks, now=r)
-    return rec.times

@@ -21,6 +21,10 @@ vLLM-style automatic prefix caching on the hybrid pool (``kvcache/blocks.py``):
 
 The policy sees a hit per matched group and ``on_path`` (the request's hash path) when it defines it (``density``,
 ``leader``). Hit accounting: ``stats["hit_tokens"]`` counts the shared and copied tokens.
+
+``listener`` (the cluster's KV event publisher, ``cluster/core/kv_index.py``): ``stored_blocks(tokens, groups)``
+after a save adopted groups (``groups``: (hash, start, stop) of each, ``tokens`` the path from position 0),
+``evicted_blocks(hashes)`` when groups go. ``clear()`` empties the cache (a benchmark's fresh start).
 """
 
 from __future__ import annotations
@@ -56,15 +60,9 @@ class SharedPrefixCache:
         self.capacity_groups = capacity_blocks
         self.capacity = capacity_blocks * pool.block_size  # tokens
         self.bytes = 0  # no memory beyond the pool's blocks
-        if isinstance(policy, str):
-            if policy in LEARNED and "predictor" not in policy_kw:
-                from grserve.eviction.config import PredictorConfig
-                from grserve.eviction.predictor import LearnedPredictor
-
-                policy_kw["predictor"] = LearnedPredictor(PredictorConfig(horizon=4096, window=16_384,
-                                                                          retrain_every=2048, min_train=256))
-            policy = make_policy(policy, capacity_blocks, **policy_kw)
-        self.policy = policy
+        self._policy_spec = (policy, policy_kw)
+        self.policy = self._new_policy()
+        self.listener: Any = None
         self.entries: dict[int, Entry] = {}
         self._of_block: dict[int, int] = {}  # block -> hash of its entry
         self._evictable: dict[int, bool] = {}
@@ -73,6 +71,39 @@ class SharedPrefixCache:
         self.stats = {"lookups": 0, "hit_tokens": 0, "lookup_tokens": 0, "shared_groups": 0, "cow_tokens": 0,
                       "adopted_groups": 0, "evicted_groups": 0}
         pool.reclaimer = self
+
+    def _new_policy(self) -> EvictionPolicy:
+        policy, policy_kw = self._policy_spec
+        if not isinstance(policy, str):
+            return policy
+        kw = dict(policy_kw)
+        if policy in LEARNED and "predictor" not in kw:
+            from grserve.eviction.config import PredictorConfig
+            from grserve.eviction.predictor import LearnedPredictor
+
+            kw["predictor"] = LearnedPredictor(PredictorConfig(horizon=4096, window=16_384, retrain_every=2048,
+                                                               min_train=256))
+        return make_policy(policy, self.capacity_groups, **kw)
+
+    def clear(self) -> None:
+        """Empty the cache — every group back to the pool, the policy (when built by name) and the counters new.
+        No request may hold a cached group."""
+        if any(not ev for ev in self._evictable.values()):
+            raise RuntimeError("clear() while requests hold cached blocks")
+        gone = list(self.entries)
+        for e in self.entries.values():
+            self.pool.release(e.blocks)
+        self.entries, self._of_block, self._evictable, self._reclaimable = {}, {}, {}, 0
+        if isinstance(self._policy_spec[0], str):
+            self.policy.close()
+            self.policy = self._new_policy()
+        else:
+            for h in gone:
+                self.policy.on_remove(h)
+        self.clock = 0
+        self.stats = {k: 0 for k in self.stats}
+        if self.listener is not None and gone:
+            self.listener.evicted_blocks(gone)
 
     # ---- the pool's view ----------------------------------------------------------------------------------
     def reclaimable(self) -> int:
@@ -105,6 +136,8 @@ class SharedPrefixCache:
             del self._of_block[b]
         self.pool.release(e.blocks)
         self.stats["evicted_groups"] += 1
+        if self.listener is not None:
+            self.listener.evicted_blocks([h])
         return len(e.blocks)
 
     # ---- the engine's hooks --------------------------------------------------------------------------------
@@ -176,7 +209,7 @@ class SharedPrefixCache:
         now = self._tick()
         B = self.pool.block_size
         hashes = chained_block_hashes(tokens[:table.num_tokens], B)
-        added = 0
+        added: list[tuple[int, int, int]] = []  # (hash, start, stop) of each group adopted
         for g, h in enumerate(hashes):
             if h in self.entries:
                 continue
@@ -190,17 +223,15 @@ class SharedPrefixCache:
             self._evictable[h] = False
             self.policy.on_insert(h, now)
             self.policy.set_evictable(h, False)
-            added += 1
-        self.stats["adopted_groups"] += added
-        return added
+            added.append((h, g * B, (g + 1) * B))
+        self.stats["adopted_groups"] += len(added)
+        if self.listener is not None and added:
+            self.listener.stored_blocks(tokens, added)
+        return len(added)
 
     @property
     def hit_rate(self) -> float:
         return self.stats["hit_tokens"] / self.stats["lookup_tokens"] if self.stats["lookup_tokens"] else 0.0
-
-    @property
-    def cached_blocks(self) -> int:
-        return sum(len(e.blocks) for e in self.entries.values())
 
     def check(self) -> None:
         """Invariants (tests): every entry's blocks are retained and in use; evictable == no request holds it."""

@@ -1,6 +1,7 @@
-"""Qwen2 / Qwen3 dense decoder over packed tokens (no batch dimension).
+"""Qwen2 / Qwen3 / LLaMA dense decoder over packed tokens (no batch dimension).
 
-Submodule names mirror HF ``Qwen{2,3}ForCausalLM`` so an HF state_dict loads directly. Attention itself is
+Submodule names mirror HF ``Qwen{2,3}ForCausalLM`` / ``LlamaForCausalLM`` (the same names) so an HF state_dict loads
+directly. The families differ only in the q/k norm (Qwen3) and the attention biases (``ModelSpec``). Attention itself is
 delegated to an ``AttentionContext``: the decoder produces q/k/v (after q/k-norm and RoPE) per layer and the
 context owns the KV memory and the visibility rules.
 
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from grserve.attention.context import AttentionContext
+from grserve.model.packed_linear import PackedLinears, linear
 from grserve.model.spec import ModelSpec
 
 
@@ -125,8 +127,10 @@ class Decoder(nn.Module):
         sin = torch.cat((-sin, sin), dim=-1).to(self.dtype)[:, None, :]
         return cos, sin
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        """input_ids, positions: int64 [N] (packed tokens, absolute positions) → final-normed hidden [N, H]."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
+                packed: PackedLinears | None = None) -> torch.Tensor:
+        """input_ids, positions: int64 [N] (packed tokens, absolute positions) → final-normed hidden [N, H].
+        ``packed``: the projections' oneDNN-packed weights (``model/packed_linear.py``); None: ``F.linear``."""
         cos, sin = self.rope(positions)
         x = F.embedding(input_ids, self.model.embed_tokens.weight)
         n = x.shape[0]
@@ -138,17 +142,17 @@ class Decoder(nn.Module):
             h = layer.input_layernorm(x)
             if observe is not None:
                 observe(i, h)
-            q = F.linear(h, a.q_proj.weight, a.q_proj.bias).view(n, a.hq, a.d)
-            k = F.linear(h, a.k_proj.weight, a.k_proj.bias).view(n, a.hkv, a.d)
-            v = F.linear(h, a.v_proj.weight, a.v_proj.bias).view(n, a.hkv, a.d)
+            q = linear(h, a.q_proj, packed).view(n, a.hq, a.d)
+            k = linear(h, a.k_proj, packed).view(n, a.hkv, a.d)
+            v = linear(h, a.v_proj, packed).view(n, a.hkv, a.d)
             if a.q_norm is not None:
                 q, k = a.q_norm(q), a.k_norm(k)
             o = ctx.attend(i, _rotate(q, cos, sin), _rotate(k, cos, sin), v)
-            x = x + F.linear(o.reshape(n, a.hq * a.d), a.o_proj.weight, a.o_proj.bias)
+            x = x + linear(o.reshape(n, a.hq * a.d), a.o_proj, packed)
             m = layer.mlp
             h = layer.post_attention_layernorm(x)
-            g = F.silu(F.linear(h, m.gate_proj.weight)) * F.linear(h, m.up_proj.weight)
-            x = x + F.linear(g, m.down_proj.weight)
+            g = F.silu(linear(h, m.gate_proj, packed)) * linear(h, m.up_proj, packed)
+            x = x + linear(g, m.down_proj, packed)
         return self.model.norm(x)
 
     def kv_from_hidden(self, layer: int, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,17 +163,20 @@ class Decoder(nn.Module):
         """
         a = self.model.layers[layer].self_attn
         n = h.shape[0]
-        k = F.linear(h, a.k_proj.weight, a.k_proj.bias).view(n, a.hkv, a.d)
-        v = F.linear(h, a.v_proj.weight, a.v_proj.bias).view(n, a.hkv, a.d)
+        k = linear(h, a.k_proj).view(n, a.hkv, a.d)
+        v = linear(h, a.v_proj).view(n, a.hkv, a.d)
         if a.k_norm is not None:
             k = a.k_norm(k)
         cos, sin = self.rope(positions)
         return _rotate(k, cos, sin), v
 
-    def logits(self, hidden: torch.Tensor, token_range: tuple[int, int] | None = None) -> torch.Tensor:
-        """hidden [N, H] → logits [N, V], or [N, b-a] for token_range=(a, b) (only those vocab rows are used)."""
+    def logits(self, hidden: torch.Tensor, token_range: tuple[int, int] | torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [N, H] → logits [N, V]; [N, b-a] for token_range=(a, b) (only those vocab rows are used); [N, K]
+        for an int64 tensor of K token ids (a gather of those rows: a SID level whose ids are not contiguous)."""
         w = self.lm_head.weight
-        if token_range is not None:
+        if isinstance(token_range, torch.Tensor):
+            w = w.index_select(0, token_range)
+        elif token_range is not None:
             a, b = token_range
             if not 0 <= a < b <= w.shape[0]:
                 raise ValueError(f"token_range {token_range} out of bounds for vocab size {w.shape[0]}")

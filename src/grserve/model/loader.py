@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -59,13 +60,17 @@ def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 
 def load_model(source: str | Path, *, dtype: torch.dtype | str = torch.float32, device: torch.device | str = "cpu",
-               seed: int = 0) -> Decoder:
+               seed: int = 0, min_vocab: int | None = None) -> Decoder:
     """Preset name → seeded random weights; directory → weights from its safetensors files.
 
-    ``dtype`` is a torch dtype or a name in ``DTYPES``."""
+    ``dtype`` is a torch dtype or a name in ``DTYPES``. ``min_vocab``: a preset's vocabulary is grown to at least
+    this (rounded up to a multiple of 64) — a synthetic catalog whose SID tokens do not fit the preset's."""
     spec = resolve_spec(source)
+    is_preset = isinstance(source, str) and source in PRESETS
+    if is_preset and min_vocab is not None and min_vocab > spec.vocab_size:
+        spec = dataclasses.replace(spec, vocab_size=-(-int(min_vocab) // 64) * 64)
     model = Decoder(spec, dtype=resolve_dtype(dtype), device=device)
-    if isinstance(source, str) and source in PRESETS:
+    if is_preset:
         _random_init(model, seed)
     else:
         _load_safetensors(model, Path(source).expanduser())

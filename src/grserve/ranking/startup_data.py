@@ -16,7 +16,7 @@ def build_registry(data: Any, vocab_size: int) -> "RankingRegistry":
     import numpy as np
 
     from grserve.ranking.registry import RankingRegistry
-    from grserve.ranking.workload import WorkloadSpec, generate_workload
+    from grserve.ranking.workload import WorkloadSpec, synthetic_population
 
     if data.items_file or data.users_file:
         if data.instruction:
@@ -29,6 +29,5 @@ def build_registry(data: Any, vocab_size: int) -> "RankingRegistry":
         if data.users_file:
             reg.load_jsonl(data.users_file, "user")
         return reg
-    reg, _, _ = generate_workload(WorkloadSpec(num_items=data.num_items, num_users=data.num_users, scale=data.scale,
-                                               seed=data.seed), vocab_size)
-    return reg
+    return synthetic_population(WorkloadSpec(num_items=data.num_items, num_users=data.num_users, scale=data.scale,
+                                             seed=data.seed), vocab_size).registry

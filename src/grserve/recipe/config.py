@@ -42,7 +42,7 @@ class TrainConfig:
     label_smoothing: float = 0.0
     ema_decay: float = 0.0  # > 0: validate and keep an exponential moving average of the weights (recipe.ema)
     keep: str = "best"  # best: the epoch of the lowest validation NLL; last: the last epoch's weights
-    time_budget_s: float = 540.0  # hard stop (checked every step); the limit is 10 minutes
+    time_budget_s: float | None = None  # optional wall-clock stop (checked every step); None: ``epochs`` only
     # torch intra-op threads while training (None: keep the current setting). 1 by default: on a shared 2-core
     # machine two OpenMP threads that spin-wait for each other were measured 4× slower than one thread.
     threads: int | None = 1

@@ -1,4 +1,4 @@
-"""Train a small Qwen3-shaped GR decoder on user histories (next-item SIDs), on CPU, within a time budget.
+"""Train a small Qwen3-shaped GR decoder on user histories (next-item SIDs), on CPU, for a fixed number of epochs.
 
 The served layout is the training layout. A user's history is laid out as SID tokens, item after item
 (``catalog.layout.sids_to_tokens``), and the model is trained as a plain causal LM over that stream: the token at
@@ -24,7 +24,8 @@ epoch ends with the validation loss (NLL of the held-out next item's SID given t
 loss's normalisation); the weights of the best epoch are kept, or with ``keep="last"`` the last epoch's (a
 ranking model can keep improving its top items while its NLL, which also pays for confident misses, rises). With
 ``ema_decay`` the weights validated and kept are the moving average of the weights (``recipe.ema``). Training
-stops at ``epochs`` or when ``time_budget_s`` runs out, whichever comes first (the budget is checked every step).
+runs ``epochs`` epochs, so the trained weights do not depend on how loaded the machine is; an optional wall-clock
+``time_budget_s`` (default: none) stops it earlier, checked every step.
 """
 
 from __future__ import annotations
@@ -296,7 +297,7 @@ def _train(sequences, catalog, cfg, valid, progress, log, on_epoch=None) -> Trai
     history: list[dict] = []
     best: tuple[float, int, dict | None] = (math.inf, -1, None)
     step, stopped = 0, False
-    deadline = t_start + cfg.time_budget_s
+    deadline = math.inf if cfg.time_budget_s is None else t_start + cfg.time_budget_s
     bar = tqdm(total=total_steps, desc="train GR", unit="step", disable=not progress, dynamic_ncols=True)
     try:
         for epoch in range(cfg.epochs):

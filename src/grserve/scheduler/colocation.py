@@ -41,7 +41,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from grserve.scheduler.llm_types import LLMScheduler, ScheduledSeq, SchedulerInput, SchedulerOutput, SeqView
+from grserve.config import Priority
+from grserve.scheduler.llm_types import (
+    LLMScheduler,
+    ScheduledSeq,
+    SchedulerInput,
+    SchedulerOutput,
+    SeqView,
+)
 from grserve.scheduler.step_latency import StepFeatures, StepLatencyModel, item_features
 
 _OWN = frozenset({"inner", "name", "tpot_slo_s", "max_offline_preemptions", "offline_admission", "model",
@@ -76,14 +83,14 @@ class ColocationScheduler:
 
     # ------------------------------------------------------------------ the policy
     def schedule(self, inp: SchedulerInput) -> SchedulerOutput:
-        if any(s.priority == "offline" for s in inp.waiting) or any(s.priority == "offline" for s in inp.running):
+        if any(s.priority == Priority.OFFLINE for s in inp.waiting) or any(s.priority == Priority.OFFLINE for s in inp.running):
             out = self._colocated(inp)
         else:
             out = self.inner.schedule(inp)
         self._last = _plan_features(out, {s.seq_id: s for s in (*inp.waiting, *inp.running)})
         scheduled = {x.seq_id for x in out.scheduled}
-        strict = any(s.priority != "offline" for s in inp.running) or any(
-            s.priority != "offline" and s.seq_id in scheduled for s in inp.waiting)
+        strict = any(s.priority != Priority.OFFLINE for s in inp.running) or any(
+            s.priority != Priority.OFFLINE and s.seq_id in scheduled for s in inp.waiting)
         self._last_pred = self.model.predict(self._last) if strict else None
         return out
 
@@ -95,12 +102,12 @@ class ColocationScheduler:
             self._last = None
 
     def _preemptable(self, s: SeqView) -> bool:
-        return s.priority == "offline" and s.num_preemptions < self.max_offline_preemptions
+        return s.priority == Priority.OFFLINE and s.num_preemptions < self.max_offline_preemptions
 
     def _ordered(self, inp: SchedulerInput) -> SchedulerInput:
-        w = [s for s in inp.waiting if s.priority != "offline"] + [s for s in inp.waiting if s.priority == "offline"]
-        capped = [s for s in inp.running if s.priority == "offline" and not self._preemptable(s)]
-        r = (capped + [s for s in inp.running if s.priority != "offline"]
+        w = [s for s in inp.waiting if s.priority != Priority.OFFLINE] + [s for s in inp.waiting if s.priority == Priority.OFFLINE]
+        capped = [s for s in inp.running if s.priority == Priority.OFFLINE and not self._preemptable(s)]
+        r = (capped + [s for s in inp.running if s.priority != Priority.OFFLINE]
              + [s for s in inp.running if self._preemptable(s)])
         return replace(inp, waiting=tuple(w), running=tuple(r))
 
@@ -114,7 +121,7 @@ class ColocationScheduler:
             inp = replace(inp, running=tuple(s for s in inp.running if s.seq_id not in gone),
                           pool=replace(inp.pool, free_blocks=inp.pool.free_blocks + freed))
             out = self.inner.schedule(inp)
-            self.stats["offline_victims"] += sum(v.priority == "offline" for v in victims)
+            self.stats["offline_victims"] += sum(v.priority == Priority.OFFLINE for v in victims)
         for attempt in range(3):
             gated, deferred = self._admit_offline(inp, out)
             if not deferred or attempt == 2:
@@ -125,7 +132,7 @@ class ColocationScheduler:
             # prefill. A deferred waiting request holds back the offline requests queued behind it (FIFO), or
             # the re-plan would only pick the next ones
             if any(s.seq_id in deferred for s in inp.waiting):
-                deferred = deferred | {s.seq_id for s in inp.waiting if s.priority == "offline"}
+                deferred = deferred | {s.seq_id for s in inp.waiting if s.priority == Priority.OFFLINE}
             inp = replace(inp, waiting=tuple(s for s in inp.waiting if s.seq_id not in deferred),
                           running=tuple(s for s in inp.running if s.seq_id not in deferred))
             out = self.inner.schedule(inp)
@@ -137,8 +144,8 @@ class ColocationScheduler:
     def _victims_for_online(self, inp: SchedulerInput, out: SchedulerOutput) -> list[SeqView]:
         """Offline requests to preempt so that the first online request still to prefill gets in (or [])."""
         scheduled = {x.seq_id for x in out.scheduled}
-        todo = [s for s in inp.running if s.priority == "online" and s.num_computed < s.num_tokens - 1]
-        todo += [s for s in inp.waiting if s.priority == "online"]
+        todo = [s for s in inp.running if s.priority == Priority.ONLINE and s.num_computed < s.num_tokens - 1]
+        todo += [s for s in inp.waiting if s.priority == Priority.ONLINE]
         if not todo or todo[0].seq_id in scheduled:
             return []
         head, pool = todo[0], inp.pool
@@ -167,12 +174,12 @@ class ColocationScheduler:
             return out, set()
         views = {s.seq_id: s for s in (*inp.waiting, *inp.running)}
         gone = set(out.preempted)
-        online = [x for x in out.scheduled if views[x.seq_id].priority != "offline"]
-        online_running = any(s.priority != "offline" and s.seq_id not in gone for s in inp.running)
-        prompt_pending = any(s.priority != "offline" for s in inp.waiting) or any(
-            s.priority != "offline" and s.num_computed < s.num_tokens - 1 and s.seq_id not in gone
+        online = [x for x in out.scheduled if views[x.seq_id].priority != Priority.OFFLINE]
+        online_running = any(s.priority != Priority.OFFLINE and s.seq_id not in gone for s in inp.running)
+        prompt_pending = any(s.priority != Priority.OFFLINE for s in inp.waiting) or any(
+            s.priority != Priority.OFFLINE and s.num_computed < s.num_tokens - 1 and s.seq_id not in gone
             for s in inp.running)
-        offline = [x for x in out.scheduled if views[x.seq_id].priority == "offline"]
+        offline = [x for x in out.scheduled if views[x.seq_id].priority == Priority.OFFLINE]
         if not offline:
             return out, set()
         feats = {x.seq_id: item_features(views[x.seq_id].num_tokens, views[x.seq_id].num_computed, x.num_tokens)
@@ -205,7 +212,7 @@ class ColocationScheduler:
         SLO itself): a request already slowed by prefill steps gets no offline work added to its steps."""
         limit = self.tpot_slo_s
         for s in inp.running:
-            if s.priority != "offline" and s.seq_id not in gone and s.first_token_time is not None:
+            if s.priority != Priority.OFFLINE and s.seq_id not in gone and s.first_token_time is not None:
                 limit = min(limit, self.tpot_slo_s * s.num_output - (inp.now - s.first_token_time))
         return limit
 

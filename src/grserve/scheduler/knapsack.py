@@ -1,4 +1,4 @@
-"""The hybrid-cache scheduling problem (Definition 1) and its solvers: Apt-Serve's greedy and an exhaustive one.
+"""The hybrid-cache scheduling problem (Definition 1) and Apt-Serve's greedy solver.
 
 Each candidate request i has up to three options: none (value 0, memory 0), hidden cache (value g_h, memory c_h)
 and KV cache (value g_kv = p_i, memory c_kv). Maximise Σ value subject to Σ memory ≤ M.
@@ -14,12 +14,12 @@ paper's c_h = c_kv/2 to any block counts (so GQA, where c_h ≥ c_kv, simply nev
 Feasibility fix (digest §5.5): increments that cannot fit even alone are dropped (a request whose KV cache can
 never fit keeps a lone hidden increment when that has positive value), and V′ is the true value of the
 break request alone at the level its break increment leads to (hidden for a hidden step, KV for an upgrade or a
-KV step), which is ≥ θ·Δ — so ALG ≥ OPT/2 holds (tested against ``exhaustive``).
+KV step), which is ≥ θ·Δ — so ALG ≥ OPT/2 holds (tested against an exhaustive search over all 3^n
+assignments, tests/grserve/scheduler/test_llm_schedulers.py).
 """
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 from grserve.kvcache.blocks import CacheKind
@@ -123,26 +123,3 @@ def _hidden_cost(cands: list[Candidate], req: int) -> int:
         if c.req == req:
             return c.cost_hidden or 0
     return 0
-
-
-def exhaustive(cands: list[Candidate], budget: int) -> Solution:
-    """Reference optimum over all 3^n assignments (small n only)."""
-    options = []
-    for c in cands:
-        opts: list[tuple[CacheKind | None, float, int]] = [(None, 0.0, 0)]
-        if c.theta_override is not None:
-            opts.append(("kv", c.theta_override * c.cost_kv, c.cost_kv))
-        else:
-            opts.append(("kv", c.value_kv, c.cost_kv))
-            if c.value_hidden is not None and c.cost_hidden is not None:
-                opts.append(("hidden", c.value_hidden, c.cost_hidden))
-        options.append(opts)
-    best = Solution({}, 0.0, 0)
-    for combo in itertools.product(*options):
-        cost = sum(o[2] for o in combo)
-        if cost > budget:
-            continue
-        val = sum(o[1] for o in combo)
-        if val > best.value:
-            best = Solution({c.req: o[0] for c, o in zip(cands, combo) if o[0] is not None}, val, cost)
-    return best

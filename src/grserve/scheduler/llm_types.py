@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple, Protocol
 
+from grserve.config import Priority
 from grserve.kvcache.blocks import CacheKind
 from grserve.registry import Registry
 
@@ -40,7 +41,7 @@ class SeqView(NamedTuple):
     held_blocks: int
     freeable_blocks: int = -1  # blocks its preemption frees (shared prefix blocks excluded); -1: held_blocks
     last_scheduled: float | None = None  # start of the last iteration that computed tokens for it
-    priority: str = "online"  # "online" | "offline" (co-location: scheduler/colocation.py)
+    priority: Priority = Priority.ONLINE
     num_preemptions: int = 0  # times it was preempted so far
     first_token_time: float | None = None  # when its first output token came (TPOT so far, co-location)
 

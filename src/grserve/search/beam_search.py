@@ -8,8 +8,9 @@ The engine drives it step by step (one step per SID level):
               may overlap the forward) → ``select(l)``: masked log-softmax, per-beam top-K, global top-BW,
               reorder of the beam rows by parent → returns the flat parent index for the KV reorder.
 
-A request may exclude items (``catalog.exclusion.ItemExclusion``): their dead trie branches are masked in every
-step on top of the catalog's item mask, so they are never returned and take no beam.
+A request may exclude items (``catalog.exclusion.ItemExclusion``) or allow only some (``catalog.allowlist.
+ItemAllowlist``): the trie branches that lead to no item it may get are masked in every step on top of the
+catalog's item mask, so the others are never returned and take no beam.
 
 Beams whose score is −inf (fewer valid continuations than BW) stay in their rows, are never revived (their mask
 rows are all −inf) and are dropped from the results, so a request can get fewer items, never an invalid one.
@@ -23,7 +24,9 @@ import numpy as np
 import torch
 
 from grserve.catalog import Catalog
+from grserve.catalog.allowlist import ItemAllowlist
 from grserve.catalog.exclusion import ItemExclusion
+from grserve.search.level_heads import level_heads
 from grserve.search.scoring import masked_log_softmax_
 from grserve.search.topbw import TopBW, top_bw_heap
 
@@ -44,7 +47,7 @@ class BeamSearch:
         top_k: int | None = None,
         topbw: str = "vectorized",
         device: torch.device | str = "cpu",
-        exclusions: list[ItemExclusion | None] | None = None,
+        exclusions: list[ItemExclusion | ItemAllowlist | None] | None = None,
     ):
         self.catalog = catalog
         self.exclusions = [(i, e) for i, e in enumerate(exclusions or []) if e is not None]
@@ -82,7 +85,7 @@ class BeamSearch:
         self._lse = torch.empty(rows, 1, dtype=f32, device=device)
         # per-level constants as 0-dim tensors (a Python scalar operand allocates a wrapper tensor per call)
         self._k_t = [torch.tensor(k, dtype=i64, device=device) for k in self.ks]
-        self._start_t = [torch.tensor(catalog.layout.level_range(l)[0], dtype=i64, device=device) for l in range(self.depth)]
+        self.heads = level_heads(catalog.layout, device)  # code → token of each level (a start or a table)
         self._mask_handle = None
         self.candidates_visited = 0
 
@@ -165,7 +168,7 @@ class BeamSearch:
         self.nodes = self.catalog.trie.step(level, parent_nodes, codes)
         torch.isneginf(self.scores.view(-1), out=self._dead)
         self.nodes[self._dead.cpu().numpy()] = -1
-        torch.add(self.codes[:, level], self._start_t[level], out=self.next_tokens)
+        self.heads.to_tokens(level, self.codes[:, level], self.next_tokens)
 
     # ---- results ------------------------------------------------------------------------------------------
     def results(self, top_n: list[int]) -> list[list[Hit]]:

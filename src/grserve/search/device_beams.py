@@ -20,11 +20,12 @@ import torch
 from grserve.catalog import Catalog
 from grserve.search.beam_search import Hit
 from grserve.search.device_trie import DeviceTrie
+from grserve.search.level_heads import LevelHeads
 from grserve.search.topbw import TopBW
 
 
 class DeviceBeamState:
-    def __init__(self, trie: DeviceTrie, level_starts: list[int], num_requests: int, beam_width: int,
+    def __init__(self, trie: DeviceTrie, heads: LevelHeads, num_requests: int, beam_width: int,
                  top_k: int | None, device: torch.device | str):
         self.trie = trie
         self.r, self.bw, self.depth = num_requests, beam_width, trie.depth
@@ -39,7 +40,7 @@ class DeviceBeamState:
         self._codes_ws = torch.empty_like(self.codes)
         self._flat = torch.empty(rows, dtype=i64, device=device)
         self._row_base = (torch.arange(num_requests, device=device) * beam_width)[:, None]
-        self._starts = [torch.tensor(s, dtype=i64, device=device) for s in level_starts]
+        self.heads = heads  # code → token of each level
         self.ks = [min(beam_width, trie.sizes[0])]
         self.selectors: list[TopBW | None] = [None]
         for level in range(1, self.depth):
@@ -63,7 +64,7 @@ class DeviceBeamState:
         codes0[:, :k] = i
         self.nodes.copy_(self.trie.first_child[self.codes[:, 0]])
         self.nodes.masked_fill_(torch.isneginf(self.scores.view(-1)), -1)
-        torch.add(self.codes[:, 0], self._starts[0], out=self.tokens)
+        self.heads.to_tokens(0, self.codes[:, 0], self.tokens)
         self.visited.fill_(live * k)
 
     # ---- levels ≥ 1 (fixed shapes: capturable) ---------------------------------------------------------------
@@ -84,7 +85,7 @@ class DeviceBeamState:
         self.codes[:, level].copy_(cand_code.view(-1)[self._flat])
         self.nodes.copy_(cand_node.view(-1)[self._flat])
         self.nodes.masked_fill_(torch.isneginf(self.scores.view(-1)), -1)
-        torch.add(self.codes[:, level], self._starts[level], out=self.tokens)
+        self.heads.to_tokens(level, self.codes[:, level], self.tokens)
         return self.parents
 
     # ---- results (one host copy per batch) --------------------------------------------------------------------

@@ -31,4 +31,4 @@ def masked_log_softmax_(
     else:
         logits.sub_(full_vocab_lse)
         logits.add_(mask)
-    return logits.nan_to_num_(nan=NEG_INF)
+    return logits.nan_to_num_(nan=NEG_INF, neginf=NEG_INF)  # torch would turn −inf into the lowest finite value

@@ -3,11 +3,11 @@
 Candidates ``cand[b, j]`` = cumulative score of beam b extended by its j-th best token; every row is
 non-increasing in j (per-beam top-K is sorted and adding the beam score is a monotone shift).
 
-**Tie rule** (all three implementations): order by score descending, then by flat index ``b·K + j`` ascending,
-i.e. a lower beam index wins, then a better per-beam rank. −inf candidates (invalid tokens) sort last by the
-same rule; they only get selected when fewer than BW valid candidates exist, and callers drop them.
+**Tie rule** (both implementations, and the full-sort oracle of tests/grserve/search/test_topbw.py): order by score
+descending, then by flat index ``b·K + j`` ascending, i.e. a lower beam index wins, then a better per-beam rank.
+−inf candidates (invalid tokens) sort last by the same rule; they only get selected when fewer than BW valid
+candidates exist, and callers drop them.
 
-* ``top_bw_reference``: full sort of the pool (numpy lexsort). The oracle in tests.
 * ``top_bw_heap``: the paper's early-terminated scan: a global min-heap of size BW; beams are visited in index
   order, a beam stops at its first candidate that does not beat the heap minimum (strict ``>``: earlier-visited
   ties win, which is the tie rule above). Reports the exact number of candidates it visited.
@@ -24,14 +24,6 @@ import heapq
 
 import numpy as np
 import torch
-
-
-def top_bw_reference(cand: np.ndarray, bw: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """cand [B, K] → (scores, beams, ranks), each [min(bw, B·K)], best first, tie rule applied."""
-    b, k = cand.shape
-    flat = cand.reshape(-1)
-    order = np.lexsort((np.arange(flat.size), -flat))[:bw]
-    return flat[order], order // k, order % k
 
 
 def top_bw_heap(cand: np.ndarray, bw: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:

@@ -3,15 +3,15 @@
 A client names a file; it never gives a path. The reload is bounded at every step:
 
 1. **by name, from one directory** (``--catalog-dir``; unset: reload is off, 403): the name is a plain file name
-   (letters, digits, ``.``, ``_``, ``-``; no ``/``, no ``..``, no leading dot) ending in ``.jsonl``, ``.csv`` or
-   ``.grcat``, looked up relative to the directory (``dir_fd``), so no file outside it can be named, and an error
-   never says whether a file outside it exists;
+   (letters, digits, ``.``, ``_``, ``-``; no ``/``, no ``..``, no leading dot) ending in ``.jsonl``, ``.csv``,
+   ``.json`` (an LC-Rec index) or ``.grcat``, looked up relative to the directory (``dir_fd``), so no file outside
+   it can be named, and an error never says whether a file outside it exists;
 2. **regular files only**: ``lstat`` first (a FIFO, device, socket, directory or symlink is refused without being
    opened), then ``open(O_NONBLOCK | O_NOFOLLOW)`` and ``fstat`` again on the open descriptor (a file swapped in
    between is caught; opening a FIFO non-blocking never waits for a writer);
 3. **size** (``--max-catalog-bytes``, 413) on ``fstat`` and again while reading (a file that grows is cut off);
 4. **parsed while read** (``catalog.io.read_catalog``: line by line into compact arrays; ``.grcat`` straight into
-   its arrays) on a daemon thread, with errors that name the line and never quote the file's text;
+   its arrays; an index ``.json`` whole, within the size limit), then bound to the served tokenizer (SID token text) on a daemon thread, with errors that name the line and never quote the file's text;
 5. **deadline** (``--catalog-timeout``): past it the client gets a 504, the parse is told to stop (it checks
    every few thousand lines) and its result is **never applied** — a catalog is swapped in only by the request
    that started it, after the parse returned within its deadline;
@@ -20,13 +20,16 @@ A client names a file; it never gives a path. The reload is bounded at every ste
    cannot pile up more threads.
 
 The parse thread is a daemon and the route never outlives the deadline, so a stuck reload never keeps SIGTERM
-from stopping the server.
+from stopping the server. With a state store (``--state-dir``) the parsed catalog is committed there, at the
+version it will be served at, before it is swapped in and answered (500 ``state_write_failed``: the old catalog
+stays); swaps run one at a time.
 """
 
 from __future__ import annotations
 
 import asyncio
 import io
+import logging
 import os
 import re
 import stat
@@ -35,9 +38,10 @@ from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
 from grserve.config import CatalogReloadConfig
-from grserve.server.core import ApiError
+from grserve.server.errors import ApiError
+from grserve.state.store import StateError, StateStore
 
-CATALOG_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}\.(jsonl|csv|grcat)")
+CATALOG_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}\.(jsonl|csv|json|grcat)")
 _POLL_S = 0.02
 
 
@@ -49,7 +53,7 @@ def check_name(name: str) -> str:
     """A catalog file name a client may give, or 400 ``invalid_catalog_name`` (the name is not echoed back)."""
     if not CATALOG_NAME.fullmatch(name) or ".." in name:
         raise ApiError(400, "name: a catalog is named by its file name in the catalog directory (letters, digits, "
-                            "'.', '_', '-'; ending in .jsonl, .csv or .grcat; no path)", "name",
+                            "'.', '_', '-'; ending in .jsonl, .csv, .json or .grcat; no path)", "name",
                        "invalid_catalog_name")
     return name
 
@@ -128,12 +132,13 @@ class CappedReader(io.RawIOBase):
 
 
 def load_for_serving(catalog_dir: str, name: str, served: Any, vocab_size: int, max_bytes: int,
-                     check: Any = None) -> Any:
+                     check: Any = None, bind: Any = None) -> Any:
     """Open and parse the catalog ``name`` exactly as start-up reads a file (its declared layout, else the
     inferred one; the served token offset) and check it fits the served model: the same depth and codebook
     sizes as the catalog being served (the model was trained on those token ids), SID tokens inside the vocab."""
     from grserve.catalog import CatalogError
     from grserve.catalog.io import read_catalog
+    from grserve.catalog.sid_text import SidTokenError
 
     fd, size = open_catalog(catalog_dir, name, max_bytes)
     raw = CappedReader(fd, max_bytes)
@@ -141,6 +146,11 @@ def load_for_serving(catalog_dir: str, name: str, served: Any, vocab_size: int, 
         with io.BufferedReader(raw, 1 << 16) as f:
             catalog = read_catalog(f, os.path.splitext(name)[1], name, size,
                                    token_offset=int(served.layout.token_offset), check=check)
+        if bind is not None:
+            catalog = bind(catalog)  # SID token text → the served tokenizer's ids (as at start-up)
+    except SidTokenError as exc:  # the message would quote the file: name the level only
+        raise ApiError(400, f"cannot load catalog: a {exc.what} is not exactly one token of the model's tokenizer",
+                       "name", "catalog_load_failed") from None
     except (CatalogError, KeyError) as exc:  # CatalogError is a ValueError
         message = exc.args[0] if exc.args else type(exc).__name__
         raise ApiError(400, f"cannot load catalog: {message}", "name", "catalog_load_failed") from None
@@ -161,9 +171,11 @@ def load_for_serving(catalog_dir: str, name: str, served: Any, vocab_size: int, 
 class CatalogReloader:
     """Serialized, deadline-bounded reloads into an engine's ``CatalogStore`` (the module docstring)."""
 
-    def __init__(self, cfg: CatalogReloadConfig, catalogs: Any, vocab_size: int) -> None:
-        self.cfg, self.catalogs, self.vocab_size = cfg, catalogs, int(vocab_size)
+    def __init__(self, cfg: CatalogReloadConfig, catalogs: Any, vocab_size: int,
+                 store: StateStore | None = None) -> None:
+        self.cfg, self.catalogs, self.vocab_size, self.store = cfg, catalogs, int(vocab_size), store
         self._slot = threading.Lock()  # taken by the route, released by the parse thread when it really ends
+        self._swap = asyncio.Lock()  # stored and swapped in one at a time: the stored version is the served one
         self.abandoned = 0
 
     async def reload(self, name: str) -> Any:
@@ -188,11 +200,27 @@ class CatalogReloader:
             raise ApiError(504, f"the catalog reload took longer than {cfg.catalog_timeout:g} s "
                                 f"(--catalog-timeout); it was abandoned and the served catalog is unchanged", None,
                            "reload_timeout") from None
+        async with self._swap:  # only here: by the request that started it, within its deadline
+            version = self.catalogs.version + 1
+            if self.store is not None:
+                await self._store(catalog, version)
+            try:
+                self.catalogs.replace(catalog, version)
+            except ValueError as exc:
+                raise ApiError(400, f"catalog rejected: {exc}", "name", "catalog_incompatible") from None
+        return self.catalogs.current()
+
+    async def _store(self, catalog: Any, version: int) -> None:
         try:
-            self.catalogs.replace(catalog)  # only here: by the request that started it, within its deadline
+            catalog.layout.check_vocab(self.vocab_size)  # what replace() checks: never store what it would refuse
         except ValueError as exc:
             raise ApiError(400, f"catalog rejected: {exc}", "name", "catalog_incompatible") from None
-        return self.catalogs.current()
+        try:
+            await asyncio.to_thread(self.store.put_catalog, catalog, version)  # type: ignore[union-attr]
+        except StateError as exc:
+            logging.getLogger("grserve.server").error("%s", exc)
+            raise ApiError(500, "the catalog could not be stored; the served catalog is unchanged", None,
+                           "state_write_failed") from None
 
     async def _take_slot(self) -> None:
         loop = asyncio.get_running_loop()
@@ -210,7 +238,8 @@ class CatalogReloader:
 
         try:
             catalog = load_for_serving(self.cfg.catalog_dir, name, self.catalogs.current(),  # type: ignore[arg-type]
-                                       self.vocab_size, self.cfg.max_catalog_bytes, check)
+                                       self.vocab_size, self.cfg.max_catalog_bytes, check,
+                                       getattr(self.catalogs, "bind", None))
             check()
             _settle(done, result=catalog)
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting route (or dropped if it left)

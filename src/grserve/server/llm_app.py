@@ -1,4 +1,4 @@
-"""The LLM app: the OpenAI-compatible routes (``openai_routes.py``) on the server core's app (OpenAI-shaped
+"""The LLM app: the OpenAI-compatible routes (``openai_routes.py``) on the shared app (``app.py``) (OpenAI-shaped
 errors, the shared metrics with the LLM engine's gauges, ``/health`` with the pool state, ``/metrics`` with the
 request metrics of ``llm_metrics.py`` labelled by ``model_name``)."""
 
@@ -9,17 +9,20 @@ from typing import Any
 from fastapi import FastAPI
 
 from grserve.config import EdgeConfig
-from grserve.server.core import new_app
+from grserve.engine.protocol import Engine
+from grserve.server.app import new_app
 from grserve.server.llm_metrics import LLMMetrics, StatusCounter
 from grserve.server.metrics import Metrics
 from grserve.server.openai_routes import create_openai_router
 
 HEALTH_STATS = ("waiting", "free_blocks", "total_blocks")  # engine.stats() keys /health shows
+# the routes counted by admission (``admission.py``): they queue work in the engine, /tokenize in the heavy pool
+QUEUED_ROUTES = frozenset({("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/tokenize")})
 
 
-def create_llm_app(engine: Any, tokenizer: Any, model_name: str, max_model_len: int, vocab_size: int,
+def create_llm_app(engine: Engine, tokenizer: Any, model_name: str, max_model_len: int, vocab_size: int,
                    metrics: Metrics | None = None, edge: EdgeConfig | None = None, *, max_n: int = 16,
-                   max_logprobs: int = 20) -> FastAPI:
+                   max_logprobs: int = 20, max_messages: int = 2048) -> FastAPI:
     """The LLM app around a started (or to-be-started) LLM engine; the caller owns start/stop."""
 
     def detail() -> dict:
@@ -27,12 +30,12 @@ def create_llm_app(engine: Any, tokenizer: Any, model_name: str, max_model_len: 
         return {"model": model_name, **{k: stats[k] for k in HEALTH_STATS if k in stats}}
 
     app = new_app(engine, metrics, title="grserve LLM", openai=True, detail=detail, edge=edge,
-                  queued_routes=frozenset({("POST", "/v1/completions"), ("POST", "/v1/chat/completions")}),
+                  queued_routes=QUEUED_ROUTES,
                   description="An LLM behind an OpenAI-compatible API, on the hybrid-cache continuous-batching engine.")
     app.state.metrics.bind_llm_stats(engine.stats)
     llm_metrics = LLMMetrics(app.state.metrics.registry, model_name)
     app.state.llm_metrics = llm_metrics
     app.add_middleware(StatusCounter, metrics=llm_metrics)
     app.include_router(create_openai_router(engine, tokenizer, model_name, max_model_len, vocab_size, llm_metrics,
-                                            max_n=max_n, max_logprobs=max_logprobs))
+                                            max_n=max_n, max_logprobs=max_logprobs, max_messages=max_messages))
     return app

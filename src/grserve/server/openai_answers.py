@@ -55,10 +55,12 @@ def sse(chunk: BaseModel) -> str:
     return f"data: {chunk.model_dump_json()}\n\n"
 
 
-def sse_error(message: str, status: int) -> str:
-    """The streamed error event (OpenAI's error shape under ``error``; the ``openai`` client raises on it)."""
+def sse_error(message: str, status: int, code: str | None = None) -> str:
+    """The streamed error event (OpenAI's error shape under ``error``; the ``openai`` client raises on it);
+    ``code`` the house type (default ``internal`` for a 5xx, ``invalid_value`` for a 4xx)."""
+    code = code or ("internal" if status >= 500 else "invalid_value")
     err = {"message": message, "type": "server_error" if status >= 500 else "invalid_request_error",
-           "param": None, "code": "internal" if status >= 500 else "invalid_value"}
+           "param": None, "code": code}
     return f"data: {json.dumps({'error': err})}\n\n"
 
 
@@ -128,7 +130,8 @@ class CompletionShape(Shape):
         return self._answer([], usage)
 
     def whole(self, choices: list[Choice], usage: Usage) -> BaseModel:
-        return self._answer([CompletionChoice(index=i, text=self.echo + c.text, finish_reason=c.reason,  # type: ignore[arg-type]
+        return self._answer([CompletionChoice(index=i, text=self.echo + c.text,
+                                              finish_reason=c.reason,  # type: ignore[arg-type]
                                               logprobs=self._logprobs(c.logprobs, len(self.echo))
                                               if c.logprobs else None)
                              for i, c in enumerate(choices)], usage)
@@ -156,8 +159,9 @@ class ChatShape(Shape):
 
     def delta(self, i: int, ev: Any, choice: Choice) -> BaseModel:
         lp = self._logprobs(ev.logprobs) if ev.logprobs else None
+        reason = choice.reason if ev.finished else None
         return self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(content=ev.text or None), logprobs=lp,
-                                            finish_reason=choice.reason if ev.finished else None)])  # type: ignore[arg-type]
+                                            finish_reason=reason)])  # type: ignore[arg-type]
 
     def usage(self, usage: Usage) -> BaseModel:
         return self._chunk([], usage)
@@ -165,6 +169,7 @@ class ChatShape(Shape):
     def whole(self, choices: list[Choice], usage: Usage) -> BaseModel:
         return ChatCompletionResponse(
             id=self.rid, created=self.created, model=self.model, usage=usage,
-            choices=[ChatChoice(index=i, message=AssistantMessage(content=c.text), finish_reason=c.reason,  # type: ignore[arg-type]
+            choices=[ChatChoice(index=i, message=AssistantMessage(content=c.text),
+                                finish_reason=c.reason,  # type: ignore[arg-type]
                                 logprobs=self._logprobs(c.logprobs) if c.logprobs else None)
                      for i, c in enumerate(choices)])

@@ -2,7 +2,7 @@
 ``/v1/models/{id}``, and vLLM's ``/tokenize``, ``/detokenize``, ``/version``.
 
 Typed bodies and responses (``openai_schemas.py``, which also rejects every parameter that is not implemented);
-errors in OpenAI's shape (the LLM app installs that family's handlers, ``server/core.py``). A request runs on the
+errors in OpenAI's shape (the LLM app installs that family's handlers, ``server/errors.py``). A request runs on the
 LLM engine through the Engine protocol: ``submit`` → its handle's token events (streamed as chunks, or collected)
 → ``result()``; ``n > 1`` submits n engine requests (choice i seeded ``choice_seed(seed, i)``). A client that
 disconnects has its requests cancelled, which frees their blocks at once.
@@ -28,17 +28,21 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from grserve.engine.async_llm import EngineStepFailed
-from grserve.engine.protocol import RequestHandle
+from grserve.engine.protocol import Engine, EngineStepFailed, RequestHandle
 from grserve.engine.sampling import SamplingParams, mix64
-from grserve.engine.tokenizer import ChatTemplateError
+from grserve.engine.tokenizer import ChatTemplateError, MissingTokenizerError
 from grserve.engine.types import LLMRequest
-from grserve.server.core import ApiError, finish, submit, token_ids
+from grserve.server.bodies import body_route
+from grserve.server.errors import ApiError
+from grserve.server.lifecycle import engine_failure, finish, submit
 from grserve.server.llm_metrics import LLMMetrics, RequestTimer
+from grserve.server.offload import off_loop
 from grserve.server.openai_answers import Choice, CompletionShape, ChatShape, Shape, sse, sse_error, usage
+from grserve.server.openai_limits import PromptLimits, prechecks
 from grserve.server.openai_schemas import (
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatMessage,
     CompletionRequest,
     CompletionResponse,
     DetokenizeRequest,
@@ -50,11 +54,21 @@ from grserve.server.openai_schemas import (
     TokenizeResponse,
     VersionResponse,
 )
+from grserve.server.validators import token_ids
 
 log = logging.getLogger("grserve.server")
 _ERRORS: dict[int | str, dict[str, Any]] = {k: {} for k in (400, 404, 500, 503)}
 DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI
 DEFAULT_CHAT_MAX_TOKENS = 256  # /v1/chat/completions without max_tokens: at most this, at most what fits
+
+
+def encode(tokenizer: Any, text: str, field: str, **kwargs: Any) -> list[int]:
+    """Text → token ids; a model directory without tokenizer files is a 400 naming the field (never a made-up
+    tokenizer)."""
+    try:
+        return tokenizer.encode(text, **kwargs)
+    except MissingTokenizerError as exc:
+        raise ApiError(400, str(exc), field, "no_tokenizer") from None
 
 
 def choice_seed(seed: int | None, i: int) -> int | None:
@@ -80,7 +94,8 @@ def sampling_params(body: SamplingRequest, max_tokens: int, vocab_size: int, i: 
         raise ApiError(400, f"min_tokens ({body.min_tokens}) is more than max_tokens ({max_tokens})", "min_tokens",
                        "invalid_value")
     return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                          top_k=max(body.top_k or 0, 0), min_p=body.min_p, seed=choice_seed(body.seed if seed is None else seed, i),
+                          top_k=max(body.top_k or 0, 0), min_p=body.min_p,
+                          seed=choice_seed(body.seed if seed is None else seed, i),
                           stop=body.stops(), stop_token_ids=stop_ids, ignore_eos=body.ignore_eos,
                           min_tokens=body.min_tokens, presence_penalty=body.presence_penalty,
                           frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
@@ -90,7 +105,7 @@ def sampling_params(body: SamplingRequest, max_tokens: int, vocab_size: int, i: 
 class _Group:
     """n engine requests as one: cancelling one cancels all (for ``core.finish``)."""
 
-    def __init__(self, engine: Any, handles: list[RequestHandle]) -> None:
+    def __init__(self, engine: Engine, handles: list[RequestHandle]) -> None:
         self.engine, self.handles = engine, handles
 
     def cancel(self, _request_id: str = "") -> None:
@@ -105,11 +120,13 @@ async def _collect(handle: RequestHandle, timer: RequestTimer) -> Choice:
         timer.on_event(ev)
         c.add(ev)
     try:
-        c.cached_tokens = getattr(await handle.result(), "cached_tokens", 0)
+        result = await handle.result()
     except BaseException:
         timer.failed()
         raise
+    c.cached_tokens = getattr(result, "cached_tokens", 0)
     timer.done(c.reason)
+    timer.phases(result)
     return c
 
 
@@ -183,13 +200,28 @@ def _engine_error(group: _Group, exc: BaseException) -> ApiError:
     return ApiError(500, f"the request failed in the engine: {exc}", None, "engine_error")
 
 
-async def _stream(group: _Group, shape: Shape, timers: list[RequestTimer], n_prompt: int, include_usage: bool,
+def _stream_failure(exc: Exception, rid: str) -> ApiError:
+    """How a stream whose 200 is sent ends when its request fails: a failed engine step is a 500 that says why;
+    a planned drain (the engine stopped) a 503 ``stopped``, as a request that has not started gets (``lifecycle``)."""
+    if isinstance(exc, EngineStepFailed):
+        log.exception("engine failed on streamed request %s", rid)
+        return ApiError(500, f"the request failed in the engine: {exc}", None, "internal")
+    return engine_failure(exc, rid)
+
+
+async def _stream(group: _Group, shape: Shape, timers: list[RequestTimer], n_prompt: int, body: SamplingRequest,
                   metrics: LLMMetrics, events: AsyncIterator[tuple[int, Any]],
                   first: tuple[int, Any] | None) -> AsyncIterator[str]:
-    """SSE chunks of one request (its n choices), from its ``first`` event on (``_opened``). Closed early (the
-    client went away): requests cancelled."""
+    """SSE chunks of one request (its n choices), from its ``first`` event on (``_opened``); with
+    ``stream_options.include_usage`` a last usage chunk, with ``continuous_usage_stats`` too the usage so far in
+    every chunk (vLLM's). Closed early (the client went away): requests cancelled."""
     done = False
     choices = [Choice() for _ in group.handles]
+
+    def chunk(c: Any) -> str:
+        if body.continuous_usage:
+            c.usage = usage(n_prompt, sum(ch.n_out for ch in choices))
+        return sse(c)
 
     async def rest() -> AsyncIterator[tuple[int, Any]]:
         if first is not None:
@@ -198,28 +230,31 @@ async def _stream(group: _Group, shape: Shape, timers: list[RequestTimer], n_pro
             yield item
 
     try:
-        for chunk in shape.opening(len(choices)):
-            yield sse(chunk)
+        for c in shape.opening(len(choices)):
+            yield chunk(c)
         async for i, ev in rest():
             timers[i].on_event(ev)
             choices[i].add(ev)
             if ev.text or ev.finished or ev.logprobs:
-                yield sse(shape.delta(i, ev, choices[i]))
+                yield chunk(shape.delta(i, ev, choices[i]))
             if ev.finished:
                 timers[i].done(choices[i].reason)
         done = True
-        if include_usage:
-            cached = getattr(await group.handles[0].result(), "cached_tokens", 0)  # finished: returns at once
+        results = [h.future.result() for h in group.handles]  # all finished: the events ended with them
+        for t, r in zip(timers, results):
+            t.phases(r)
+        if body.include_usage:
+            cached = getattr(results[0], "cached_tokens", 0)
             yield sse(shape.usage(usage(n_prompt, sum(c.n_out for c in choices), cached)))
         yield "data: [DONE]\n\n"
     except Exception as exc:  # noqa: BLE001 - the status line is sent: an error event, never a clean finish
-        log.exception("engine failed on streamed request %s", shape.rid)
         done = True
         group.cancel()
         for t in timers:
             t.failed()
-        metrics.error(500)
-        yield sse_error(f"the request failed in the engine: {exc}", 500)
+        error = _stream_failure(exc, shape.rid)
+        metrics.error(error.status)
+        yield sse_error(error.message, error.status, error.type)
     finally:
         if not done:
             group.cancel()
@@ -229,7 +264,7 @@ async def _stream(group: _Group, shape: Shape, timers: list[RequestTimer], n_pro
 class OpenAIContext:
     """What every OpenAI route needs: the engine, the tokenizer, the served model and the per-request limits."""
 
-    engine: Any
+    engine: Engine
     tokenizer: Any
     model_name: str
     max_model_len: int
@@ -258,6 +293,16 @@ class OpenAIContext:
                                                       add_generation_prompt=add_generation_prompt)
         except ChatTemplateError as exc:
             raise ApiError(400, str(exc), "messages", "chat_template_error") from None
+
+    def chat_ids(self, messages: list[ChatMessage], tools: list | None, add_generation_prompt: bool = True,
+                 add_special_tokens: bool = False) -> list[int]:
+        """The chat's prompt token ids: rendered by the chat template, then encoded (a heavy-work thread's job)."""
+        text = self.chat_prompt([m.for_template() for m in messages], tools, add_generation_prompt)
+        return encode(self.tokenizer, text, "messages", add_special_tokens=add_special_tokens)
+
+    async def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        """``encode`` (``param``: the field a missing tokenizer's 400 names) on a heavy-work thread."""
+        return await off_loop(lambda: encode(self.tokenizer, text, param, add_special_tokens=add_special_tokens))
 
     def card(self) -> ModelCard:
         return ModelCard(id=self.model_name, created=self.created, max_model_len=self.max_model_len)
@@ -290,18 +335,21 @@ async def generate(ctx: OpenAIContext, request: Request, body: SamplingRequest, 
     timers = [ctx.metrics.timer(len(prompt_ids) if i == 0 else 0) for i in range(len(handles))]  # prompt once
     if body.stream:
         events, first = await _opened(request, group, timers)
-        return StreamingResponse(_stream(group, shape, timers, len(prompt_ids), body.include_usage, ctx.metrics,
-                                         events, first),
+        return StreamingResponse(_stream(group, shape, timers, len(prompt_ids), body, ctx.metrics, events, first),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     choices = await finish(request, group, handles[0], _collect_all(group, timers))
     return shape.whole(choices, usage(len(prompt_ids), sum(c.n_out for c in choices), choices[0].cached_tokens))
 
 
-def create_openai_router(engine: Any, tokenizer: Any, model_name: str, max_model_len: int, vocab_size: int,
-                         metrics: LLMMetrics, max_n: int = 16, max_logprobs: int = 20) -> APIRouter:
-    """The OpenAI routes around an LLM engine (the Engine protocol; events are ``TokenEvent``\\ s)."""
-    router = APIRouter()
+def create_openai_router(engine: Engine, tokenizer: Any, model_name: str, max_model_len: int, vocab_size: int,
+                         metrics: LLMMetrics, max_n: int = 16, max_logprobs: int = 20,
+                         max_messages: int = 2048) -> APIRouter:
+    """The OpenAI routes around an LLM engine (the Engine protocol; events are ``TokenEvent``\\ s). Bodies are
+    parsed and validated off the event loop after the cheap length checks of ``openai_limits.py``; templates and
+    the tokenizer run off it too (``offload.py``)."""
+    limits = PromptLimits(max_model_len, getattr(tokenizer, "max_token_chars", None), max_messages)
+    router = APIRouter(route_class=body_route(prechecks(limits)))
     ctx = OpenAIContext(engine, tokenizer, model_name, max_model_len, vocab_size, metrics, max_n, max_logprobs)
 
     @router.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
@@ -311,10 +359,10 @@ def create_openai_router(engine: Any, tokenizer: Any, model_name: str, max_model
         p = body.prompt
         if isinstance(p, list) and isinstance(p[0], int):
             ids = token_ids(p, vocab_size, "prompt").tolist()  # type: ignore[arg-type]
-            text = tokenizer.decode(ids) if body.echo else ""
+            text = await off_loop(tokenizer.decode, ids) if body.echo else ""
         else:
             text = p[0] if isinstance(p, list) else p
-            ids = tokenizer.encode(text)
+            ids = await ctx.encode(text, "prompt")
         shape = CompletionShape(f"cmpl-{uuid.uuid4().hex[:24]}", ctx.created, model_name, tokenizer,
                                 text if body.echo else "")
         return await generate(ctx, request, body, ids, body.requested_max_tokens() or DEFAULT_MAX_TOKENS, shape)
@@ -323,8 +371,7 @@ def create_openai_router(engine: Any, tokenizer: Any, model_name: str, max_model
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         ctx.check_model(body.model)
         ctx.check_limits(body)
-        prompt = ctx.chat_prompt([m.for_template() for m in body.messages], body.tools or None)
-        ids = tokenizer.encode(prompt, add_special_tokens=False)
+        ids = await off_loop(ctx.chat_ids, body.messages, body.tools or None)
         shape = ChatShape(f"chatcmpl-{uuid.uuid4().hex[:24]}", ctx.created, model_name, tokenizer)
         return await generate(ctx, request, body, ids, body.requested_max_tokens(), shape)
 
@@ -348,17 +395,17 @@ def add_utility_routes(router: APIRouter, ctx: OpenAIContext) -> None:
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         ctx.check_model(body.model)
         if body.messages is not None:
-            text = ctx.chat_prompt([m.for_template() for m in body.messages], None, body.add_generation_prompt)
-            ids = ctx.tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
+            ids = await off_loop(ctx.chat_ids, body.messages, None, body.add_generation_prompt,
+                                 bool(body.add_special_tokens))
         else:
-            ids = ctx.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
+            ids = await ctx.encode(body.prompt, "prompt", body.add_special_tokens is not False)
         return TokenizeResponse(count=len(ids), max_model_len=ctx.max_model_len, tokens=ids)
 
     @router.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         ctx.check_model(body.model)
         ids = token_ids(body.tokens, ctx.vocab_size, "tokens").tolist()
-        return DetokenizeResponse(prompt=ctx.tokenizer.decode(ids))
+        return DetokenizeResponse(prompt=await off_loop(ctx.tokenizer.decode, ids))
 
     @router.get("/version", response_model=VersionResponse)
     async def version() -> VersionResponse:

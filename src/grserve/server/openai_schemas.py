@@ -19,9 +19,10 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, AllowInfNan, BaseModel, ConfigDict, Field, Strict, field_validator, \
     model_validator
 
-from grserve.server.core import ApiError
+from grserve.server.errors import ApiError
 
 FinishReason = Literal["stop", "length"]
+MAX_TOKEN_ID_DIGITS = 19  # a token id fits int64
 INT64_MIN, UINT64_END = -(2 ** 63), 2 ** 64
 
 
@@ -51,8 +52,12 @@ def unsupported(param: str, message: str) -> ApiError:
 
 # ---- requests ------------------------------------------------------------------------------------------------
 class StreamOptions(BaseModel):
+    """OpenAI's ``include_usage`` (a last chunk with the usage) and vLLM's ``continuous_usage_stats`` (with it,
+    the usage so far in every chunk; guidellm sends it)."""
+
     model_config = ConfigDict(extra="forbid")
     include_usage: Bool = False
+    continuous_usage_stats: Bool = False
 
 
 class SamplingRequest(BaseModel):
@@ -99,8 +104,9 @@ class SamplingRequest(BaseModel):
     @classmethod
     def _bias_keys(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for k in v or {}:
-            if not k.isdecimal() or not k.isascii():
-                raise ValueError(f"key {k!r} is not a token id")
+            if not k.isdecimal() or not k.isascii() or len(k) > MAX_TOKEN_ID_DIGITS:  # int() refuses > 4300 digits
+                shown = k if len(k) <= MAX_TOKEN_ID_DIGITS else k[:MAX_TOKEN_ID_DIGITS] + "..."
+                raise ValueError(f"key {shown!r} is not a token id")
         return v
 
     def stops(self) -> tuple[str, ...]:
@@ -115,6 +121,11 @@ class SamplingRequest(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage in every streamed chunk: vLLM's ``continuous_usage_stats``, which needs ``include_usage``."""
+        return bool(self.include_usage and self.stream_options.continuous_usage_stats)  # type: ignore[union-attr]
 
 
 class CompletionRequest(SamplingRequest):

@@ -1,21 +1,23 @@
-"""The BAT ranking app: the ranking routes (``ranking_routes.py``) on the server core's app (house errors,
+"""The BAT ranking app: the ranking routes (``ranking_routes.py``) on the shared app (``app.py``) (house errors,
 metrics, ``/health`` with the prefix policy and registry sizes, ``/metrics``)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import FastAPI
 
 from grserve.config import EdgeConfig, RankingLimits
-from grserve.server.core import new_app
+from grserve.engine.protocol import RankingService
+from grserve.server.app import new_app
 from grserve.server.metrics import Metrics
 from grserve.server.ranking_routes import ADMIN_ROUTES, build_router
+from grserve.state.store import StateStore
 
 
-def create_ranking_app(engine: Any, limits: RankingLimits | None = None, metrics: Metrics | None = None,
-                       edge: EdgeConfig | None = None) -> FastAPI:
-    """The ranking app around a started (or to-be-started) ``RankingEngine``; the caller owns start/stop."""
+def create_ranking_app(engine: RankingService, limits: RankingLimits | None = None, metrics: Metrics | None = None,
+                       edge: EdgeConfig | None = None, store: StateStore | None = None) -> FastAPI:
+    """The ranking app around a started (or to-be-started) ranking engine or cluster front end (the
+    ``RankingService`` protocol); the caller owns start/stop. ``store``: where registrations are kept (memory only
+    without one)."""
     runner = engine.runner
     app = new_app(engine, metrics, title="grserve ranking",
                   description="GR ranking with Bipartite Attention (BAT): user + candidates in, ranked candidates out.",
@@ -24,5 +26,6 @@ def create_ranking_app(engine: Any, limits: RankingLimits | None = None, metrics
                                   "items": runner.registry.num_items, "vocab_size": runner.registry.vocab_size},
                   edge=edge, admin_routes=ADMIN_ROUTES, queued_routes=frozenset({("POST", "/v1/rank")}))
     engine.on_batch = app.state.metrics.on_batch
-    app.include_router(build_router(engine, limits or RankingLimits()))
+    app.state.metrics.bind_gr_stats(engine.stats, lambda: runner.stats.summary())
+    app.include_router(build_router(engine, limits or RankingLimits(), store))
     return app

@@ -10,19 +10,25 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from grserve.config import (
     ClusterConfig,
+    HRCSConfig,
     ModelConfig,
     RankingConfig,
     RankingDataConfig,
     RankingLimits,
     RankingServeConfig,
     ServerConfig,
+    StateConfig,
 )
 from grserve.flags import Checked, UsageError, add_flags, command_parser, flag, from_args, non_negative
-from grserve.server.retrieval_main import GR_CLUSTER_SKIP
+from grserve.server.retrieval_main import GR_CLUSTER_SKIP, restore_started
 from grserve.server.startup import add_edge_flags, check_model, edge_from_args
+
+if TYPE_CHECKING:
+    from grserve.state.store import StateStore, StoredState
 
 MiB = 1 << 20
 
@@ -46,7 +52,9 @@ def add_command(sub) -> None:
     add_flags(p, d.limits, title="request limits")
     add_flags(p, d.server, title="HTTP", skip=("max_prompt_tokens", "max_top_n", "max_exclude_items"))
     add_edge_flags(p)
+    add_flags(p, d.state, title="state across restarts (docs/security.md)")
     add_flags(p, ClusterConfig, title="cluster (several instances on Ray; docs/cluster.md)", skip=GR_CLUSTER_SKIP)
+    add_flags(p, d.hrcs, title="item KV over KV-cache workers, BAT's HRCS (--instances N; docs/ranking.md)")
     p.set_defaults(handler=lambda ns: run(config_from_args(ns)))
 
 
@@ -55,20 +63,24 @@ def config_from_args(ns: argparse.Namespace) -> RankingServeConfig:
     return RankingServeConfig(model=from_args(ModelConfig, ns),
                               ranking=from_args(RankingConfig, ns, user_cache_bytes=cache_bytes),
                               data=from_args(RankingDataConfig, ns), limits=from_args(RankingLimits, ns),
+                              hrcs=from_args(HRCSConfig, ns),
                               server=from_args(ServerConfig, ns), edge=edge_from_args(ns),
-                              cluster=from_args(ClusterConfig, ns))
+                              cluster=from_args(ClusterConfig, ns), state=from_args(StateConfig, ns))
 
 
 def run(cfg: RankingServeConfig) -> int:
+    from grserve.state.store import open_state, restore_registry, state_line
+
     check_model(cfg.model)
+    store, stored = open_state(cfg.state.state_dir, "ranking")  # before anything heavy: a locked dir fails fast
     if cfg.cluster.instances > 1 or cfg.cluster.ray_address:
-        return run_cluster(cfg)
+        return run_cluster(cfg, store, stored)
 
     from grserve.engine.ranking_engine import RankingEngine
     from grserve.engine.ranking_runner import RankingRunner
     from grserve.model import load_model
     from grserve.ranking.registry import RegistryError
-    from grserve.server.core import serve_until_exit
+    from grserve.server.serving import serve_until_exit
     from grserve.server.ranking_app import create_ranking_app
 
     m = cfg.model
@@ -77,39 +89,47 @@ def run(cfg: RankingServeConfig) -> int:
         from grserve.ranking.startup_data import build_registry
 
         reg = build_registry(cfg.data, model.spec.vocab_size)
+        restore_registry(reg, stored)  # before the item pool is sized and precomputed
     except (RegistryError, OSError) as e:
         raise UsageError(str(e)) from None
     print(f"grserve ranking: {reg.num_items} items, {reg.num_users} users, policy {cfg.ranking.policy}; "
           "precomputing item KV", file=sys.stderr, flush=True)
     runner = RankingRunner(model, reg, cfg.ranking, progress=True)
     engine = RankingEngine(runner, edge=cfg.edge)
-    app = create_ranking_app(engine, cfg.limits, edge=cfg.edge)
+    app = create_ranking_app(engine, cfg.limits, edge=cfg.edge, store=store)
     s = cfg.server
+    print(f"grserve: {state_line(store, stored)}", flush=True)
     print(f"grserve ranking -> http://{s.host}:{s.port}  (POST /v1/rank)", flush=True)
     engine.start()
     return serve_until_exit(app, s.host, s.port, s.log_level, engine.stop)
 
 
-def run_cluster(cfg: RankingServeConfig) -> int:
-    """``--instances N`` (or ``--ray-address``): N ranking engine actors on Ray behind this front end."""
-    from grserve.cluster.gr_modes import ClusterRankingEngine
+def run_cluster(cfg: RankingServeConfig, store: StateStore | None, stored: StoredState) -> int:
+    """``--instances N`` (or ``--ray-address``): N ranking engine actors on Ray behind this front end, which owns the
+    state store: the instances are sent what it holds once started (and again when one is restarted)."""
+    from grserve.cluster.gr.kv_workers import kv_cache_workers
+    from grserve.cluster.gr.modes import ClusterRankingEngine
     from grserve.ranking.registry import RegistryError
-    from grserve.server.core import serve_until_exit
+    from grserve.server.serving import serve_until_exit
     from grserve.server.ranking_app import create_ranking_app
     from grserve.server.retrieval_main import cluster_app
+    from grserve.state.store import state_line
 
-    print(f"grserve ranking: starting {cfg.cluster.instances} instances (each precomputes the item KV)",
-          file=sys.stderr, flush=True)
+    n = kv_cache_workers(cfg, cfg.cluster.instances)
+    where = f"the item KV on {n} KV-cache workers (HRCS)" if n else "each precomputes the item KV"
+    print(f"grserve ranking: starting {cfg.cluster.instances} instances ({where})", file=sys.stderr, flush=True)
     try:
         engine = ClusterRankingEngine.launch(cfg, cfg.cluster)
     except (ValueError, RegistryError, OSError) as e:
         raise UsageError(str(e)) from None
-    app = cluster_app(engine, lambda m: create_ranking_app(engine, cfg.limits, m, edge=cfg.edge))
+    app = cluster_app(engine, lambda m: create_ranking_app(engine, cfg.limits, m, edge=cfg.edge, store=store))
+    engine.start()  # with KV-cache workers: filled before the first request
     for line in engine.describe():
         print(f"grserve: {line}", flush=True)
     s = cfg.server
     reg = engine.registry
     print(f"grserve ranking: {reg.num_items} items, {reg.num_users} users, policy {engine.runner.policy.name}, "
           f"{cfg.cluster.instances} instances -> http://{s.host}:{s.port}  (POST /v1/rank)", flush=True)
-    engine.start()
+    restore_started(engine, stored)
+    print(f"grserve: {state_line(store, stored)}", flush=True)
     return serve_until_exit(app, s.host, s.port, s.log_level, engine.stop)

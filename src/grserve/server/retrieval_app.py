@@ -1,8 +1,21 @@
-"""The GR retrieval app: ``POST /v1/recommend`` (a history in, the top items by SID beam search out) and the
-admin route ``POST /v1/catalog`` (hot catalog reload); ``/health`` and ``/metrics`` come from the server core.
+"""The GR retrieval app: ``POST /v1/recommend`` (a history in, the top items by SID beam search out), the OpenAI
+routes ``POST /v1/chat/completions`` / ``POST /v1/completions`` (a chat or text prompt in, the ranked beams out as
+``choices[]``: ``openai_beams.py``) and the admin route ``POST /v1/catalog`` (hot catalog reload); ``/health`` and
+``/metrics`` come from the shared app (``app.py``).
 
-A history is given in one of three forms and laid out as prompt tokens here, against one catalog snapshot, so
-the engine receives valid ``RetrievalRequest``\\ s only. Errors: the house convention (``server/core.py``).
+A history is given in one of five forms and laid out as prompt tokens here, against one catalog snapshot, so
+the engine receives valid ``RetrievalRequest``\\ s only. A ``history_*`` longer than ``--max-prompt-tokens`` keeps its
+newest entries that fit (``truncate`` "left", the default; at most ``--max-history-entries`` entries are read) or is
+a 413 (``"none"``; a ``prompt`` / ``messages`` is never cut); ``exclude_items`` and the allowlist (``include_items``,
+``include_sid_prefix``) are masked inside the search; a history that lays out to no token (a new user, where the
+layout has no ``sid_begin`` to start from) is answered from the popularity order (``cold_start``), not by the
+engine. Errors: the house convention (``server/errors.py``), and OpenAI's shape on the OpenAI routes.
+
+Every route that queues work is hardened alike (issue 25, docs/security.md): admission counts it from the edge on;
+its body's cheap length checks come first (``recommend_precheck``, ``beam_prechecks``: histories, ``exclude_items``,
+``include_items``, a text prompt's characters and a chat's messages against ``--max-prompt-tokens``), then it is
+parsed and validated off the event loop (``bodies.py``); a text history is rendered and tokenized on a heavy-work
+thread; the engine's key is the server's own (a client's ``request_id`` is only echoed).
 """
 
 from __future__ import annotations
@@ -15,22 +28,19 @@ from typing import Any
 import numpy as np
 from fastapi import FastAPI, Request
 
-from grserve.config import CatalogReloadConfig, EdgeConfig, ServerConfig
-from grserve.engine.types import RetrievalRequest, RetrievalResult
-from grserve.server.core import (
-    INT64_MAX,
-    INT64_MIN,
-    ApiError,
-    check_length,
-    finish,
-    int64_in_range,
-    new_app,
-    submit,
-    token_ids,
-    unknown_ids,
-)
+from grserve.catalog.allowlist import Allow, allowed_rows
+from grserve.catalog.popularity import Popularity
+from grserve.config import BeamApiConfig, CatalogReloadConfig, EdgeConfig, ServerConfig
+from grserve.engine.protocol import RetrievalService
+from grserve.engine.types import RetrievalRequest, RetrievalResult, RetrievedItem
+from grserve.server.app import new_app
+from grserve.server.bodies import MAX_BRACKETS, Precheck
 from grserve.server.catalog_reload import CatalogReloader
+from grserve.server.errors import ApiError
+from grserve.server.lifecycle import finish, submit
 from grserve.server.metrics import Metrics
+from grserve.server.offload import off_loop
+from grserve.server.openai_limits import PromptLimits, PromptTokenLimits
 from grserve.server.schemas import (
     CatalogInfo,
     CatalogReloadRequest,
@@ -40,11 +50,14 @@ from grserve.server.schemas import (
     RecommendResponse,
     Timing,
 )
+from grserve.server.validators import INT64_MAX, INT64_MIN, check_length, int64_in_range, token_ids, unknown_ids
+from grserve.state.store import StateStore
 
 log = logging.getLogger("grserve.server")
 _ERRORS: dict[int | str, dict[str, Any]] = {k: {} for k in (400, 401, 404, 413, 415, 422, 429, 500, 503)}
 _RELOAD_ERRORS: dict[int | str, dict[str, Any]] = {k: {} for k in (400, 401, 403, 404, 413, 422, 429, 500, 504)}
 ADMIN_ROUTES = frozenset({("POST", "/v1/catalog")})
+TEXT_HISTORIES = frozenset({"prompt", "messages"})  # rendered and tokenized: on a heavy-work thread
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -54,9 +67,20 @@ def _too_long(n_tokens: int, max_tokens: int, field: str) -> None:
     check_length(n_tokens, max_tokens, field, "the history (laid out as prompt tokens)", "prompt_too_long")
 
 
-def items_to_tokens(catalog: Any, items: list[int], max_tokens: int) -> np.ndarray:
-    """Catalog item ids → their SIDs' tokens; 404 listing the ids the catalog does not know."""
-    _too_long(len(items) * catalog.depth, max_tokens, "history_items")
+def dropped_entries(n: int, per_entry: int, max_tokens: int, truncate: str, field: str) -> int:
+    """How many of the oldest of ``n`` history entries (``per_entry`` prompt tokens each) are cut so the rest fits
+    in ``max_tokens``: 0 when all fit; with ``truncate`` "none" a history that does not fit is a 413 instead."""
+    if n * per_entry <= max_tokens:
+        return 0
+    if truncate == "none":
+        _too_long(n * per_entry, max_tokens, field)
+    return n - max_tokens // per_entry
+
+
+def items_to_tokens(catalog: Any, items: list[int], max_tokens: int, truncate: str = "none") -> tuple[np.ndarray, int]:
+    """Catalog item ids → their SIDs' tokens (wrapped where the layout wraps items) and the number of oldest items
+    cut to fit (every id is looked up, the cut ones too); 404 listing the ids the catalog does not know."""
+    dropped = dropped_entries(len(items), _item_tokens(catalog), max_tokens, truncate, "history_items")
     beyond = [k for k, v in enumerate(items) if not INT64_MIN <= v <= INT64_MAX]
     if beyond:  # ids beyond int64 cannot be in the catalog
         raise unknown_ids("history_items", items, beyond, "item id", "unknown_items")
@@ -66,7 +90,7 @@ def items_to_tokens(catalog: Any, items: list[int], max_tokens: int) -> np.ndarr
     except KeyError:
         raise unknown_ids("history_items", items, _unknown_positions(catalog, ids), "item id",
                           "unknown_items") from None
-    return catalog.layout.sids_to_tokens(np.asarray(sids, dtype=np.int64))
+    return catalog.layout.items_to_tokens(np.asarray(sids[dropped:], dtype=np.int64)), dropped
 
 
 def _unknown_positions(catalog: Any, ids: np.ndarray) -> list[int]:
@@ -80,38 +104,54 @@ def _unknown_positions(catalog: Any, ids: np.ndarray) -> list[int]:
     return [k for k, v in enumerate(ids.tolist()) if v in unknown]
 
 
-def sids_to_tokens(catalog: Any, sids: list[list[int]], max_tokens: int) -> np.ndarray:
-    """SIDs → tokens; 400 for a SID of the wrong depth or a code outside its level's codebook."""
+def sids_to_tokens(catalog: Any, sids: list[list[int]], max_tokens: int, truncate: str = "none") -> tuple[np.ndarray, int]:
+    """SIDs → tokens and the number of oldest SIDs cut to fit (every SID is checked, the cut ones too); 400 for a
+    SID of the wrong depth or a code outside its level's codebook."""
     depth = int(catalog.depth)
     sizes = tuple(int(c) for c in catalog.codebook_sizes)
     for i, sid in enumerate(sids):
         if len(sid) != depth:
             raise ApiError(400, f"history_sids[{i}]: a SID has {depth} codes (catalog depth), got {len(sid)}",
                            f"history_sids[{i}]", "wrong_depth")
-    _too_long(len(sids) * depth, max_tokens, "history_sids")
+    dropped = dropped_entries(len(sids), _item_tokens(catalog), max_tokens, truncate, "history_sids")
+    if not sids:
+        return np.zeros(0, dtype=np.int64), 0
     arr, bad = int64_in_range(sids, 0, np.asarray(sizes, dtype=np.int64))
     if bad is not None:
         i, j = bad
         raise ApiError(400, f"history_sids[{i}][{j}]: code {sids[i][j]} is out of range for level {j} "
                             f"[0, {sizes[j]})", f"history_sids[{i}][{j}]", "out_of_range")
-    return catalog.layout.sids_to_tokens(arr)
+    return catalog.layout.items_to_tokens(arr.reshape(len(sids), depth)[dropped:]), dropped
 
 
-def history_tokens(body: RecommendRequest, catalog: Any, vocab_size: int, max_tokens: int) -> np.ndarray:
-    """The request's history, whichever form it takes, as int64 prompt tokens inside the model vocabulary."""
-    kind = body.history_kind
-    if kind == "history_items":
-        prompt = items_to_tokens(catalog, body.history_items, max_tokens)  # type: ignore[arg-type]
+def history_tokens(body: RecommendRequest, catalog: Any, vocab_size: int, max_tokens: int, beams: Any = None,
+                   truncate: str = "none") -> tuple[np.ndarray, int]:
+    """The request's history, whichever form it takes, as int64 prompt tokens inside the model vocabulary, ending
+    where the beams (or the thought) start: after ``sid_begin`` where the layout has one; and the number of its
+    oldest entries cut to fit ``max_tokens`` (``history_*`` with ``truncate`` "left"; "none": 413 instead).
+    ``beams``: the OpenAI routes' context (the tokenizer) for ``prompt`` / ``messages``."""
+    from grserve.server.openai_beams import prompt_tokens
+    from grserve.server.sid_prompts import beam_start
+
+    kind, dropped = body.history_kind, 0
+    if kind in ("prompt", "messages"):
+        prompt = prompt_tokens(beams, catalog, body.prompt, body.messages)
+        _too_long(int(prompt.size), max_tokens, kind)
+    elif kind == "history_items":
+        prompt, dropped = items_to_tokens(catalog, body.history_items, max_tokens, truncate)  # type: ignore[arg-type]
     elif kind == "history_sids":
-        prompt = sids_to_tokens(catalog, body.history_sids, max_tokens)  # type: ignore[arg-type]
+        prompt, dropped = sids_to_tokens(catalog, body.history_sids, max_tokens, truncate)  # type: ignore[arg-type]
     else:
-        _too_long(len(body.history_tokens), max_tokens, "history_tokens")  # type: ignore[arg-type]
-        prompt = token_ids(body.history_tokens, vocab_size, "history_tokens")  # type: ignore[arg-type]
+        raw: list[int] = body.history_tokens  # type: ignore[assignment]
+        dropped = dropped_entries(len(raw), 1, max_tokens, truncate, "history_tokens")
+        prompt = token_ids(raw, vocab_size, "history_tokens")[dropped:]
     prompt = np.ascontiguousarray(prompt, dtype=np.int64).reshape(-1)
+    if kind != "history_tokens":
+        prompt = beam_start(prompt.tolist(), catalog.layout, body.max_think_tokens > 0)
     if prompt.size > 0 and int(prompt.max()) >= vocab_size:  # catalog layout vs model vocab
         raise ApiError(400, f"{kind}: the history maps to token {int(prompt.max())}, outside the model "
                             f"vocabulary of {vocab_size}", kind, "out_of_range")
-    return prompt
+    return prompt, dropped
 
 
 def _search_knobs(body: RecommendRequest, search: Any, server_cfg: ServerConfig) -> int:
@@ -127,14 +167,18 @@ def _search_knobs(body: RecommendRequest, search: Any, server_cfg: ServerConfig)
     return beam_width
 
 
-def retrieval_request(body: RecommendRequest, catalog: Any, engine: Any, server_cfg: ServerConfig) -> RetrievalRequest:
-    """A validated body → the engine's request (``ApiError`` naming the field otherwise); also the offline API's
-    conversion (``grserve.recommender``), so both take exactly the same inputs."""
-    beam_width = _search_knobs(body, engine.search, server_cfg)
-    prompt = history_tokens(body, catalog, int(engine.vocab_size), int(server_cfg.max_prompt_tokens))
-    kwargs = {"request_id": body.request_id} if body.request_id is not None else {}
-    return RetrievalRequest(prompt_tokens=prompt, beam_width=beam_width, top_n=body.top_n,
-                            exclude_items=excluded_items(body, server_cfg), **kwargs)
+def recommend_think(body: RecommendRequest, catalog: Any, beams: Any) -> Any:
+    """A /v1/recommend request's ``ThinkSpec`` (greedy) when ``max_think_tokens`` > 0, checked like the OpenAI
+    routes' (the server limit, a layout with ``sid_begin``)."""
+    from grserve.server.openai_beams import think_spec
+
+    return think_spec(beams, body.max_think_tokens, catalog.layout)
+
+
+def _item_tokens(catalog: Any) -> int:
+    """Prompt tokens of one history item: its SID, wrapped where the layout wraps items."""
+    layout = catalog.layout
+    return int(catalog.depth) + (layout.sid_begin is not None) + (layout.sid_end is not None)
 
 
 def items_out(result: RetrievalResult) -> list[ItemOut]:
@@ -148,44 +192,218 @@ def catalog_info(catalog: Any) -> CatalogInfo:
                        codebook_sizes=[int(c) for c in catalog.codebook_sizes])
 
 
+def _check_excluded(n: int, server_cfg: ServerConfig) -> None:
+    limit = int(server_cfg.max_exclude_items)
+    if n > limit:
+        raise ApiError(413, f"exclude_items: {n} items, more than the limit of {limit}", "exclude_items",
+                       "too_many_excluded")
+
+
 def excluded_items(body: RecommendRequest, server_cfg: ServerConfig) -> np.ndarray | None:
     """``exclude_items`` as int64 ids (413 over ``--max-exclude-items``). Ids the catalog does not know — and ids
     beyond int64, which no catalog can hold — exclude nothing and are dropped (decided: docs/security.md)."""
     if not body.exclude_items:
         return None
-    limit = int(server_cfg.max_exclude_items)
-    if len(body.exclude_items) > limit:
-        raise ApiError(413, f"exclude_items: {len(body.exclude_items)} items, more than the limit of {limit}",
-                       "exclude_items", "too_many_excluded")
+    _check_excluded(len(body.exclude_items), server_cfg)
     return np.asarray([v for v in body.exclude_items if INT64_MIN <= v <= INT64_MAX], dtype=np.int64)
+
+
+def allowed(body: RecommendRequest, catalog: Any, server_cfg: ServerConfig) -> Allow | None:
+    """The request's allowlist (``include_items``, ``include_sid_prefix``) or None: 413 over
+    ``--max-include-items``; a prefix longer than the catalog depth or a code outside its level's codebook is a 400.
+    Unknown ids allow nothing and are dropped, like ``exclude_items``'."""
+    items, prefix = body.include_items, body.include_sid_prefix
+    if items is None and prefix is None:
+        return None
+    if items is not None:
+        _check_included(len(items), server_cfg)
+    if prefix is not None:
+        depth, sizes = int(catalog.depth), [int(c) for c in catalog.codebook_sizes]
+        if len(prefix) > depth:
+            raise ApiError(400, f"include_sid_prefix: {len(prefix)} codes, more than the catalog depth {depth}",
+                           "include_sid_prefix", "wrong_depth")
+        bad = next((j for j, c in enumerate(prefix) if not 0 <= c < sizes[j]), None)
+        if bad is not None:
+            raise ApiError(400, f"include_sid_prefix[{bad}]: code {prefix[bad]} is out of range for level {bad} "
+                                f"[0, {sizes[bad]})", f"include_sid_prefix[{bad}]", "out_of_range")
+    ids = None if items is None else np.asarray([v for v in items if INT64_MIN <= v <= INT64_MAX], dtype=np.int64)
+    return Allow(ids, None if prefix is None else tuple(int(c) for c in prefix))
+
+
+def _check_included(n: int, server_cfg: ServerConfig) -> None:
+    limit = int(server_cfg.max_include_items)
+    if n > limit:
+        raise ApiError(413, f"include_items: {n} items, more than the limit of {limit}", "include_items",
+                       "too_many_included")
+
+
+def _history_precheck(raw: dict, name: str, tokens_each: int, server_cfg: ServerConfig) -> None:
+    """A raw ``history_*`` list's cheap bound: with truncation (the request's ``truncate``, else the server's) at
+    most ``--max-history-entries`` entries; without, at most ``--max-prompt-tokens`` as prompt tokens (413)."""
+    n = len(raw[name])
+    truncate = raw.get("truncate") if raw.get("truncate") in ("left", "none") else server_cfg.truncate
+    if truncate == "none":
+        _too_long(n * tokens_each, int(server_cfg.max_prompt_tokens), name)
+    elif n > server_cfg.max_history_entries:
+        raise ApiError(413, f"{name}: {n} entries, more than the limit of {server_cfg.max_history_entries} "
+                            f"(--max-history-entries; the newest that fit in --max-prompt-tokens are used)", name,
+                       "history_too_long")
+
+def text_limits(engine: RetrievalService, server_cfg: ServerConfig, beams: BeamApiConfig) -> PromptTokenLimits:
+    """The cheap bounds of a text history and of the OpenAI beam routes' prompts (``openai_limits.py``):
+    ``--max-prompt-tokens`` x the model tokenizer's longest token in characters (no character bound without a
+    tokenizer: text is refused anyway), messages and content parts at most ``--max-chat-messages``."""
+    tok = getattr(engine, "tokenizer", None)
+    return PromptTokenLimits(int(server_cfg.max_prompt_tokens), getattr(tok, "max_token_chars", None),
+                             int(beams.max_chat_messages))
+
+
+def max_brackets(server_cfg: ServerConfig, limits: PromptLimits) -> int:
+    """The app's bound on a body's ``[`` + ``{`` bytes (``bodies.py``): a SID is a list, so more than
+    ``--max-prompt-tokens`` of them is too long anyway; with a tokenizer, text may quote brackets too — as many as
+    the prompt's characters and a chat's containers (at most the LLM server's ``MAX_BRACKETS``)."""
+    bound = max(int(server_cfg.max_prompt_tokens), int(server_cfg.max_history_entries)) + 64
+    if limits.max_chars is None:
+        return bound
+    return max(bound, min(MAX_BRACKETS, limits.max_chars + 3 * limits.message_limit + 64))
+
+
+def _excluded_precheck(raw: dict, server_cfg: ServerConfig) -> None:
+    if isinstance(raw.get("exclude_items"), list):
+        _check_excluded(len(raw["exclude_items"]), server_cfg)
+    if isinstance(raw.get("include_items"), list):
+        _check_included(len(raw["include_items"]), server_cfg)
+
+
+def recommend_precheck(engine: RetrievalService, server_cfg: ServerConfig,
+                       limits: PromptLimits | None = None) -> Precheck:
+    """The cheap length checks of ``/v1/recommend`` on its raw JSON (``bodies.py``: before it is validated): the
+    history as prompt tokens (a SID or an item lays out to ``depth`` tokens), a text history's characters and
+    messages (``limits``), and ``exclude_items``."""
+
+    def check(raw: Any) -> None:
+        if not isinstance(raw, dict):
+            return
+        depth = int(engine.catalogs.current().depth)
+        for name, tokens_each in (("history_tokens", 1), ("history_items", depth), ("history_sids", depth)):
+            if isinstance(raw.get(name), list):
+                _history_precheck(raw, name, tokens_each, server_cfg)
+        if limits is not None:
+            if isinstance(raw.get("prompt"), str):
+                limits.check_text("prompt", len(raw["prompt"]))
+            limits.check_messages(raw.get("messages"))
+        _excluded_precheck(raw, server_cfg)
+
+    return check
+
+
+def beam_prechecks(limits: PromptLimits, server_cfg: ServerConfig) -> dict[str, Precheck]:
+    """The cheap length checks of the OpenAI beam routes, by path: ``/v1/completions``' prompt (its characters, or
+    its token ids), ``/v1/chat/completions``' messages, and both routes' ``exclude_items``."""
+
+    def completion(raw: Any) -> None:
+        if isinstance(raw, dict):
+            limits.check_prompt(raw.get("prompt"))
+            _excluded_precheck(raw, server_cfg)
+
+    def chat(raw: Any) -> None:
+        if isinstance(raw, dict):
+            limits.check_messages(raw.get("messages"))
+            _excluded_precheck(raw, server_cfg)
+
+    return {"/v1/completions": completion, "/v1/chat/completions": chat}
 
 
 # ----------------------------------------------------------------------------------------------------------
 # the app
 # ----------------------------------------------------------------------------------------------------------
-def create_app(engine: Any, server_cfg: ServerConfig, metrics: Metrics | None = None, edge: EdgeConfig | None = None,
-               reload: CatalogReloadConfig | None = None) -> FastAPI:
-    """The retrieval app around a started (or to-be-started) ``RetrievalEngine``; the caller owns start/stop."""
+def retrieval_request(body: RecommendRequest, catalog: Any, engine: RetrievalService, server_cfg: ServerConfig,
+                      beam_ctx: Any, beam_width: int | None = None) -> tuple[RetrievalRequest, int]:
+    """The engine request of a ``/v1/recommend`` body against one catalog snapshot, and the number of history
+    entries ``truncate`` cut (``ApiError`` naming the field otherwise). Also the offline API's conversion
+    (``grserve.recommender``), so both take exactly the same inputs."""
+    if beam_width is None:
+        beam_width = _search_knobs(body, engine.search, server_cfg)
+    think, excluded = recommend_think(body, catalog, beam_ctx), excluded_items(body, server_cfg)  # cheap first
+    include = allowed(body, catalog, server_cfg)
+    prompt, dropped = history_tokens(body, catalog, int(engine.vocab_size), int(server_cfg.max_prompt_tokens),
+                                     beam_ctx, body.truncate or server_cfg.truncate)
+    # the engine's key (its cancel key) is the server's own: a client's request_id is only echoed, so a client
+    # that reuses another's id and disconnects cancels nothing but its own request
+    req = RetrievalRequest(prompt_tokens=prompt, beam_width=beam_width, top_n=body.top_n, exclude_items=excluded,
+                           include=include, think=think)
+    return req, dropped
+
+
+async def recommend_request(body: RecommendRequest, catalog: Any, engine: RetrievalService, server_cfg: ServerConfig,
+                            beam_ctx: Any, beam_width: int) -> tuple[RetrievalRequest, int]:
+    """``retrieval_request`` for the server: a text history's chat template and tokenizer run on a heavy-work
+    thread, never on the event loop."""
+    if body.history_kind in TEXT_HISTORIES:
+        return await off_loop(retrieval_request, body, catalog, engine, server_cfg, beam_ctx, beam_width)
+    return retrieval_request(body, catalog, engine, server_cfg, beam_ctx, beam_width)
+
+
+def cold_start(req: RetrievalRequest, catalog: Any, popular: Popularity) -> RetrievalResult:
+    """The answer to a history with no prompt token: the ``top_n`` most popular catalog items the request may get
+    (``exclude_items`` never, only its allowlist's when it has one; ``catalog/popularity.py``); computed here, the
+    engine is not asked."""
+    t0 = time.perf_counter()
+    if req.include is not None:  # the allowlist, exclusions folded in, as item ids of this snapshot
+        top = popular.top(catalog, req.top_n, include=catalog.item_ids[allowed_rows(catalog, req.include,
+                                                                                    req.exclude_items)])
+    else:
+        top = popular.top(catalog, req.top_n, req.exclude_items)
+    items = [RetrievedItem(int(i), tuple(int(c) for c in sid), float(score))
+             for i, sid, score in zip(top.item_ids, top.sids, top.scores)]
+    return RetrievalResult(req.request_id, items, compute_ms=(time.perf_counter() - t0) * 1e3, batch_size=0,
+                           catalog_version=int(catalog.version))
+
+
+def create_app(engine: RetrievalService, server_cfg: ServerConfig, metrics: Metrics | None = None,
+               edge: EdgeConfig | None = None, reload: CatalogReloadConfig | None = None,
+               beams: BeamApiConfig | None = None, model_name: str = "grserve",
+               store: StateStore | None = None, popularity: Popularity | None = None) -> FastAPI:
+    """The retrieval app around a started (or to-be-started) retrieval engine or cluster front end (the
+    ``RetrievalService`` protocol); the caller owns start/stop. ``model_name``: the id the OpenAI routes serve;
+    ``store``: where reloads are kept (memory only without one); ``popularity``: the cold-start order (default:
+    every item counts 0)."""
+    from grserve.server.openai_beams import OPENAI_BEAM_PATHS, BeamContext, create_beam_router, thought_text
+
+    popular = popularity if popularity is not None else Popularity()
+    queued = frozenset({("POST", "/v1/recommend"), ("POST", "/v1/chat/completions"), ("POST", "/v1/completions")})
+    beams = beams or BeamApiConfig()
+    limits = text_limits(engine, server_cfg, beams)
+    checks = {"/v1/recommend": recommend_precheck(engine, server_cfg, limits), **beam_prechecks(limits, server_cfg)}
     app = new_app(engine, metrics, title="grserve",
                   description="Generative-recommender retrieval: history in, top items by SID beam search out.",
                   groups=("history",), detail=lambda: {"catalog": catalog_info(engine.catalogs.current()).model_dump(),
                                                        "vocab_size": int(engine.vocab_size)},
-                  edge=edge, admin_routes=ADMIN_ROUTES, queued_routes=frozenset({("POST", "/v1/recommend")}))
+                  edge=edge, admin_routes=ADMIN_ROUTES, queued_routes=queued, openai_paths=OPENAI_BEAM_PATHS,
+                  prechecks=checks, max_brackets=max_brackets(server_cfg, limits))
     metrics = app.state.metrics
+    metrics.bind_gr_stats(lambda: engine.stats())  # read at scrape time
     app.state.server_cfg = server_cfg
-    reloader = CatalogReloader(reload or CatalogReloadConfig(), engine.catalogs, int(engine.vocab_size))
+    reloader = CatalogReloader(reload or CatalogReloadConfig(), engine.catalogs, int(engine.vocab_size), store)
     app.state.reloader = reloader
+    beam_ctx = BeamContext(engine, server_cfg, beams, model_name, metrics)
+    app.include_router(create_beam_router(beam_ctx, app.router.route_class))  # the app's body route class
 
     @app.post("/v1/recommend", response_model=RecommendResponse, responses=_ERRORS)
     async def recommend(body: RecommendRequest, request: Request) -> Any:
         t0 = time.perf_counter()
         catalog = engine.catalogs.current()  # one snapshot for the whole conversion
-        req = retrieval_request(body, catalog, engine, server_cfg)
-        result: RetrievalResult = await finish(request, engine, submit(engine, req))
+        beam_width = _search_knobs(body, engine.search, server_cfg)
+        req, dropped = await recommend_request(body, catalog, engine, server_cfg, beam_ctx, beam_width)
+        if req.prompt_tokens.size == 0:  # a new user: nothing for the model to answer from (catalog/popularity.py)
+            result, source = cold_start(req, catalog, popular), "popularity"
+        else:
+            result, source = await finish(request, engine, submit(engine, req)), "model"
         items = items_out(result)
         metrics.observe_items(len(items))
         return RecommendResponse(
-            request_id=result.request_id or req.request_id, items=items, beam_width=req.beam_width,
+            request_id=body.request_id or req.request_id, items=items, source=source, history_dropped=dropped,
+            beam_width=beam_width, thinking=await thought_text(beam_ctx, result),
             catalog_version=int(result.catalog_version),
             timing=Timing(queue_ms=float(result.queue_ms), compute_ms=float(result.compute_ms),
                           total_ms=(time.perf_counter() - t0) * 1000.0),

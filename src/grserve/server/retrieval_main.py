@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
+from typing import TYPE_CHECKING
 
 from grserve.config import (
     AccelConfig,
+    BeamApiConfig,
     CatalogConfig,
     CatalogReloadConfig,
     ClusterConfig,
@@ -20,9 +23,13 @@ from grserve.config import (
     SearchConfig,
     ServeConfig,
     ServerConfig,
+    StateConfig,
 )
 from grserve.flags import UsageError, add_flags, command_parser, from_args
 from grserve.server.startup import add_edge_flags, check_catalog_dir, check_model, edge_from_args
+
+if TYPE_CHECKING:
+    from grserve.state.store import StateStore, StoredState
 
 # ClusterConfig flags of the LLM cluster that retrieval/ranking instances have no use for (no prefix blocks, no
 # decode phase, no KV snapshots: a request is recomputed when its instance dies)
@@ -39,6 +46,8 @@ def add_command(sub) -> None:
     add_flags(p, d.scheduler, title="batching")
     add_flags(p, d.server, title="HTTP")
     add_edge_flags(p, reload=True)
+    add_flags(p, d.beams, title="OpenAI beam routes (docs/serving-gr-models.md)")
+    add_flags(p, d.state, title="state across restarts (docs/security.md)")
     add_flags(p, d.accel, title="accelerator (docs/gpu.md)")
     add_flags(p, ClusterConfig, title="cluster (several instances on Ray; docs/cluster.md)", skip=GR_CLUSTER_SKIP)
     p.set_defaults(handler=lambda ns: run(config_from_args(ns)))
@@ -57,6 +66,8 @@ def config_from_args(ns: argparse.Namespace) -> ServeConfig:
         reload=from_args(CatalogReloadConfig, ns),
         accel=from_args(AccelConfig, ns),
         cluster=from_args(ClusterConfig, ns),
+        state=from_args(StateConfig, ns),
+        beams=from_args(BeamApiConfig, ns),
     )
 
 
@@ -65,26 +76,48 @@ def run(cfg: ServeConfig) -> int:
         raise UsageError(f"catalog file not found: {cfg.catalog.path}")
     check_model(cfg.model)
     check_catalog_dir(cfg.reload)
+    from grserve.state.store import open_state, restore_catalog, state_line
+
+    store, stored = open_state(cfg.state.state_dir, "retrieval")  # before anything heavy: a locked dir fails fast
     if cfg.cluster.instances > 1 or cfg.cluster.ray_address:
-        return run_cluster(cfg)
+        return run_cluster(cfg, store, stored)
 
     from grserve.engine.retrieval_engine import RetrievalEngine
-    from grserve.server.core import serve_until_exit
+    from grserve.server.serving import serve_until_exit
     from grserve.server.metrics import Metrics
-    from grserve.server.retrieval_app import create_app
 
     metrics = Metrics()
     try:
+        popularity = load_popularity(cfg)
         engine = RetrievalEngine.build(cfg, on_batch=metrics.on_batch)
+        restore_catalog(engine.catalogs, stored.catalog)
     except (ValueError, KeyError, OSError) as exc:  # CatalogError is a ValueError: bad file, vocab mismatch...
         raise _usage_error(exc) from None
-    app = create_app(engine, cfg.server, metrics, cfg.edge, cfg.reload)
+    app = create_app_for(engine, cfg, metrics, store, popularity)
+    print(f"grserve: {state_line(store, stored)}", flush=True)
     cat = engine.catalogs.current()
+    print_layout(engine)
     print(f"grserve: model {cfg.model.source} ({cfg.model.dtype}, {cfg.model.device}), catalog {len(cat):,} items "
           f"(depth {cat.depth}, codebooks {list(cat.codebook_sizes)}), default beam width {cfg.search.beam_width} "
           f"-> {_url(cfg.server)}", flush=True)
+    if cfg.search.warmup and hasattr(engine, "warm_up"):  # a stand-in engine (tests) may have none
+        _warm_up(engine)
     engine.start()
     return serve_until_exit(app, cfg.server.host, cfg.server.port, cfg.server.log_level, engine.stop)
+
+
+def _warm_up(engine) -> None:
+    """The engine's warm-up with a line per batch (``start()`` would do it silently); the server listens after."""
+    t0 = time.perf_counter()
+    engine.warm_up(log=lambda line: print(f"grserve: {line}", flush=True))
+    print(f"grserve: warmed up in {time.perf_counter() - t0:.1f} s; listening", flush=True)
+
+
+def load_popularity(cfg: ServeConfig):
+    """The cold-start popularity of ``--popularity FILE`` (None without it: every item counts 0)."""
+    from grserve.catalog.popularity import Popularity
+
+    return Popularity.load(cfg.catalog.popularity) if cfg.catalog.popularity else None
 
 
 def _usage_error(exc: Exception) -> UsageError:
@@ -97,37 +130,69 @@ def _url(server) -> str:
     return f"http://{host}:{server.port}"
 
 
-def run_cluster(cfg: ServeConfig) -> int:
-    """``--instances N`` (or ``--ray-address``): N retrieval engine actors on Ray behind this front end."""
-    from grserve.cluster.gr_modes import ClusterRetrievalEngine
-    from grserve.server.core import serve_until_exit
+def run_cluster(cfg: ServeConfig, store: StateStore | None, stored: StoredState) -> int:
+    """``--instances N`` (or ``--ray-address``): N retrieval engine actors on Ray behind this front end, which owns
+    the state store: the instances are sent what it holds once started (and again when one is restarted)."""
+    from grserve.cluster.gr.modes import ClusterRetrievalEngine
+    from grserve.server.serving import serve_until_exit
+    from grserve.state.store import state_line
 
     try:
+        popularity = load_popularity(cfg)
         engine = ClusterRetrievalEngine.launch(cfg, cfg.cluster)
     except (ValueError, KeyError, OSError) as exc:
         raise _usage_error(exc) from None
-    app = cluster_app(engine, lambda m: create_app_for(engine, cfg, m))
+    app = cluster_app(engine, lambda m: create_app_for(engine, cfg, m, store, popularity))
     cat = engine.catalogs.current()
+    print_layout(engine)
     for line in engine.describe():
         print(f"grserve: {line}", flush=True)
     print(f"grserve: model {cfg.model.source} ({cfg.model.dtype}, {cfg.model.device}) on {cfg.cluster.instances} "
           f"instances, catalog {len(cat):,} items, default beam width {cfg.search.beam_width} "
           f"-> {_url(cfg.server)}", flush=True)
     engine.start()
+    restore_started(engine, stored)
+    print(f"grserve: {state_line(store, stored)}", flush=True)
     return serve_until_exit(app, cfg.server.host, cfg.server.port, cfg.server.log_level, engine.stop)
 
 
-def create_app_for(engine, cfg: ServeConfig, metrics):
+def restore_started(engine, stored: StoredState) -> None:
+    """The front end's store replayed on a started cluster (``engine.restore``): an instance that fails to apply it
+    is fenced and restarted with it. A store that does not fit the served model stops the engine (usage error)."""
+    try:
+        engine.restore(stored)
+    except BaseException as exc:
+        engine.stop()
+        if isinstance(exc, ValueError):
+            raise _usage_error(exc) from None
+        raise
+
+
+def served_model_name(cfg: ServeConfig) -> str:
+    """The OpenAI routes' model id: ``--served-model-name``, else ``--model`` as given."""
+    return cfg.beams.served_model_name or cfg.model.source
+
+
+def print_layout(engine) -> None:
+    """The SID layout the catalog serves with, and what was inferred from the tokenizer (if anything)."""
+    note = getattr(engine, "layout_note", None)
+    if note:
+        print(f"grserve: {note}", flush=True)
+    print(f"grserve: SID layout: {engine.catalogs.current().layout.describe()}", flush=True)
+
+
+def create_app_for(engine, cfg: ServeConfig, metrics, store: StateStore | None = None, popularity=None):
     from grserve.server.retrieval_app import create_app
 
-    return create_app(engine, cfg.server, metrics, cfg.edge, cfg.reload)
+    return create_app(engine, cfg.server, metrics, cfg.edge, cfg.reload, cfg.beams, served_model_name(cfg), store,
+                      popularity)
 
 
 def cluster_app(engine, make_app):
     """The unchanged app around a cluster front end, its /metrics with the cluster's collectors and every
     instance's batches in the batch histograms."""
-    from grserve.cluster.gr_modes import GRClusterCollector
-    from grserve.cluster.metrics import ClusterCollector
+    from grserve.cluster.gr.modes import GRClusterCollector
+    from grserve.cluster.core.metrics import ClusterCollector
     from grserve.server.metrics import Metrics
 
     metrics = Metrics()

@@ -4,50 +4,88 @@
 Numbers are strict: ``"5"``, ``5.0`` and ``true`` are rejected where an integer is expected, so a client bug
 shows up as a 422 naming the field instead of being silently coerced. Unknown top-level fields are rejected
 too (a typo such as ``history_item`` would otherwise look like a missing history). Range checks that pydantic
-does (``ge=1``, ``min_length=1``) answer 400, like every other bad value (``server/core.py``).
+does (``ge=1``, ``min_length=1``) answer 400, like every other bad value (``server/errors.py``).
 """
 
 from __future__ import annotations
 
-from typing import Annotated
+import unicodedata
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
 from pydantic_core import PydanticCustomError
 
-HISTORY_FIELDS = ("history_items", "history_sids", "history_tokens")
+from grserve.server.openai_schemas import ChatMessage
+
+HISTORY_FIELDS = ("history_items", "history_sids", "history_tokens", "prompt", "messages")
+UNPRINTABLE = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})  # control, format, surrogate, line/paragraph separators
 
 NonEmptyInts = Annotated[list[StrictInt], Field(min_length=1)]
+Truncate = Literal["left", "none"]
+Source = Literal["model", "popularity"]
+
+
+def _printable(value: str) -> str:
+    """A client's id is echoed in answers and may be logged: no character that could break or forge a line."""
+    for i, c in enumerate(value):
+        if unicodedata.category(c) in UNPRINTABLE:
+            raise ValueError(f"must not contain control characters (U+{ord(c):04X} at position {i})")
+    return value
+
+
+# the client's own id of a request: echoed in the answer, never the engine's key (the server makes that one)
+RequestId = Annotated[StrictStr, Field(min_length=1, max_length=128), AfterValidator(_printable)]
 
 
 class RecommendRequest(BaseModel):
-    """A user's history, in exactly one of three forms, and the search knobs.
+    """A user's history, in exactly one of five forms, and the search knobs.
 
-    - ``history_items``: catalog item ids, oldest first; each is mapped to its SID.
+    - ``history_items``: catalog item ids, oldest first; each is mapped to its SID (wrapped in ``sid_begin`` /
+      ``sid_end`` where the layout has them).
     - ``history_sids``: SIDs, one ``[c_0, ..., c_{depth-1}]`` list per item (code ``c_l`` in ``[0, codebook_size_l)``).
     - ``history_tokens``: raw prompt token ids, each in ``[0, vocab_size)``.
+    - ``prompt``: text with the items written as SID token text, encoded with the model's tokenizer.
+    - ``messages``: a chat (OpenAI's messages), rendered with the model's chat template.
+
+    ``max_think_tokens`` > 0: the model first writes free text (greedy) until ``sid_begin``
+    (think-then-recommend, ``engine/think.py``); the text comes back in ``thinking``.
+
+    ``exclude_items`` are never returned; with ``include_items`` and/or ``include_sid_prefix`` only the items they
+    allow are (both inside the beam search, equal to a search over the catalog restricted to them).
+    An empty history (``history_*``) is a new user (cold start): where it lays out to no prompt token, it is answered
+    from the popularity order (``catalog/popularity.py``).
+    ``truncate``: a ``history_*`` longer than the server's ``--max-prompt-tokens`` keeps its newest entries that fit
+    (``"left"``) or is refused with 413 (``"none"``); unset: the server's ``--truncate`` (default ``"left"``).
     """
 
     model_config = ConfigDict(extra="forbid")
 
-    history_items: NonEmptyInts | None = None
-    history_sids: Annotated[list[list[StrictInt]], Field(min_length=1)] | None = None
-    history_tokens: NonEmptyInts | None = None
+    history_items: list[StrictInt] | None = None
+    history_sids: list[list[StrictInt]] | None = None
+    history_tokens: list[StrictInt] | None = None
+    prompt: Annotated[StrictStr, Field(min_length=1)] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    max_think_tokens: Annotated[StrictInt, Field(ge=0)] = 0
     beam_width: Annotated[StrictInt, Field(ge=1)] | None = None  # None → the server's SearchConfig.beam_width
     top_n: Annotated[StrictInt, Field(ge=1)] = 10
     exclude_items: list[StrictInt] | None = None  # catalog item ids never returned (masked inside the search)
-    request_id: Annotated[StrictStr, Field(min_length=1, max_length=128)] | None = None
+    include_items: list[StrictInt] | None = None  # an allowlist: only these catalog items (masked alike)
+    include_sid_prefix: Annotated[list[StrictInt], Field(min_length=1)] | None = None  # only items under this prefix
+    truncate: Truncate | None = None  # None → the server's ServerConfig.truncate
+    request_id: RequestId | None = None
 
     @model_validator(mode="after")
     def _exactly_one_history(self) -> "RecommendRequest":
         given = [name for name in HISTORY_FIELDS if getattr(self, name) is not None]
         if not given:
             raise PydanticCustomError(
-                "history_missing", "exactly one of history_items, history_sids, history_tokens is required")
+                "history_missing", "exactly one of history_items, history_sids, history_tokens, prompt, messages "
+                                   "is required")
         if len(given) > 1:
             raise PydanticCustomError(
                 "history_ambiguous",
-                "exactly one of history_items, history_sids, history_tokens may be given, got {given}",
-                {"given": ", ".join(given)})
+                "exactly one of history_items, history_sids, history_tokens, prompt, messages may be given, got "
+                "{given}", {"given": ", ".join(given)})
         return self
 
     @property
@@ -58,7 +96,7 @@ class RecommendRequest(BaseModel):
 class ItemOut(BaseModel):
     item_id: int
     sid: list[int]
-    score: float  # summed log-probability of the SID tokens
+    score: float  # source "model": summed log-probability of the SID tokens; "popularity": log of the item's share
 
 
 class Timing(BaseModel):
@@ -68,8 +106,11 @@ class Timing(BaseModel):
 
 
 class RecommendResponse(BaseModel):
-    request_id: str
+    request_id: str  # the client's request_id, else the server's id of the request
     items: list[ItemOut]  # best first
+    source: Source = "model"  # "popularity": the history laid out to no prompt token (cold start)
+    history_dropped: int = 0  # oldest history entries (items, SIDs or tokens, as given) cut by truncate "left"
+    thinking: str | None = None  # max_think_tokens > 0: the text the model wrote before its first SID token
     beam_width: int
     catalog_version: int
     timing: Timing
@@ -102,10 +143,6 @@ class ErrorDetail(BaseModel):
     type: str  # machine-readable kind, e.g. "unknown_items", "out_of_range", "invalid_json"
 
 
-class ErrorBody(BaseModel):
-    error: ErrorDetail
-
-
 # ---- ranking (BAT) ------------------------------------------------------------------------------------------
 class RankRequest(BaseModel):
     """A user (``user_id`` of a registered user, or raw ``user_tokens``) and candidates (registered
@@ -118,7 +155,7 @@ class RankRequest(BaseModel):
     candidates: list[StrictInt] | None = None
     candidate_tokens: list[list[StrictInt]] | None = None
     top_k: Annotated[StrictInt, Field(ge=1)] = 10
-    request_id: Annotated[StrictStr, Field(min_length=1, max_length=128)] | None = None
+    request_id: RequestId | None = None
 
     @model_validator(mode="after")
     def _exactly_one(self) -> "RankRequest":
@@ -135,11 +172,12 @@ class RankRequest(BaseModel):
 class RankedItem(BaseModel):
     index: int  # position in the request's candidate list
     item_id: int | None  # None for raw candidates
-    score: float  # softmax probability over the candidates
+    score: float  # softmax probability over the request's candidates (sums to 1 over them)
+    logprob: float  # log-probability of the identifier token over the whole vocabulary: comparable across requests
 
 
 class RankResponse(BaseModel):
-    request_id: str
+    request_id: str  # the client's request_id, else the server's id of the request
     items: list[RankedItem]  # best first
     layout: str  # "user_prefix" | "item_prefix"
     total_tokens: int

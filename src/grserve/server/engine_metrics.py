@@ -1,0 +1,115 @@
+"""The engines' ``stats()`` on ``/metrics``, read at scrape time, typed as Prometheus means them: a running total is
+a counter (``_total``: ``rate()`` works on it and a restart shows as a reset), a current value a gauge. Names follow
+vLLM's where vLLM has one (``kv_cache_usage_perc`` is a fraction in [0, 1], as vLLM's).
+
+- LLM (``LLMStatsCollector``): gauges ``grserve_llm_running``, ``_waiting``, ``_free_blocks``,
+  ``_kv_cache_usage_perc``, the co-location split (``_running_online`` …) and ``_offline_deferred`` (per step);
+  counters ``grserve_llm_preemptions_total``, ``_prefix_hit_tokens_total``, ``_prefill_tokens_total``,
+  ``_offline_preemptions_total``, ``_requests_expired_total``, ``_step_errors_total``.
+- Retrieval and ranking (``GRStatsCollector``): counters ``grserve_batches_run_total``,
+  ``grserve_batches_failed_total``, ``grserve_requests_expired_total``; ranking adds its caches
+  (``grserve_ranking_user_cache_lookups_total`` / ``_hits_total``, ``grserve_ranking_item_kv_tokens_total`` /
+  ``_hit_tokens_total``, prompt / computed / cached token totals) and their hit rates since start as gauges. GR
+  retrieval keeps no cache between requests: it has no hit rate.
+
+A key the engine does not report (a cluster front end sums fewer) is left out; a scrape never fails because the
+engine is shutting down (the family is left out).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+LLM_GAUGES = (  # engine.stats() key → help; exported as grserve_llm_<key>
+    ("running", "Requests holding cache blocks."),
+    ("waiting", "Requests waiting (new or preempted)."),
+    ("free_blocks", "Free blocks in the unified pool."),
+    ("offline_deferred", "Offline rows the latency model kept out of a step with online work (per step)."),
+    ("running_online", "Online requests holding cache blocks."),
+    ("running_offline", "Offline requests holding cache blocks."),
+    ("waiting_online", "Online requests waiting."),
+    ("waiting_offline", "Offline requests waiting."),
+)
+LLM_COUNTERS = (  # engine.stats() key → (name, help); exported as grserve_llm_<name>_total
+    ("preemptions", "preemptions", "Preemptions (recompute)."),
+    ("prefix_hit_tokens", "prefix_hit_tokens", "Prompt tokens copied from the prefix cache instead of computed."),
+    ("prefill_tokens", "prefill_tokens", "Prompt tokens computed."),
+    ("offline_preemptions", "offline_preemptions", "Preemptions of offline requests (co-location)."),
+    ("requests_expired", "requests_expired", "Requests dropped uncomputed at their queue deadline."),
+    ("errors", "step_errors", "Engine iterations that raised (their running requests failed)."),
+)
+GR_COUNTERS = (
+    ("batches_run", "batches_run", "Engine batches executed."),
+    ("batches_failed", "batches_failed", "Engine batches that failed (their requests failed)."),
+    ("requests_expired", "requests_expired", "Requests dropped uncomputed at their queue deadline."),
+)
+RANKING_COUNTERS = (  # RankingStats.summary() key → (name, help); exported as grserve_ranking_<name>_total
+    ("user_lookups", "user_cache_lookups", "User-as-prefix requests that looked the user's KV up."),
+    ("user_hits", "user_cache_hits", "User-KV lookups that hit."),
+    ("ip_item_tokens", "item_kv_tokens", "Candidate tokens of item-as-prefix requests."),
+    ("cached_item_tokens", "item_kv_hit_tokens", "Candidate tokens whose KV came from the item-KV pool."),
+    ("total_tokens", "prompt_tokens", "Prompt tokens of every ranked request."),
+    ("computed_tokens", "computed_tokens", "Prompt tokens that entered a forward."),
+    ("cached_tokens", "cached_tokens", "Prompt tokens served from a KV cache (user or item)."),
+)
+RANKING_RATES = (
+    ("user_hit_rate", "user_cache_hit_rate", "User-KV cache hits / lookups since start."),
+    ("item_hit_rate", "item_kv_hit_rate", "Item-KV pool hit tokens / item-as-prefix candidate tokens since start."),
+)
+
+
+def _safe(fn: Callable[[], dict]) -> dict:
+    try:
+        return dict(fn())
+    except Exception:  # noqa: BLE001 - an engine shutting down: nothing this scrape
+        return {}
+
+
+def _counters(prefix: str, table: tuple, stats: dict) -> Iterator[Metric]:
+    for key, name, help_text in table:
+        if key in stats:
+            yield CounterMetricFamily(f"{prefix}{name}", help_text, value=float(stats[key]))
+
+
+class LLMStatsCollector:
+    """The LLM engine's ``stats()`` as gauges and counters (module docstring)."""
+
+    def __init__(self, stats: Callable[[], dict]) -> None:
+        self.stats = stats
+
+    def describe(self) -> list:
+        return []  # read at scrape time only: the families depend on what the engine reports
+
+    def collect(self) -> Iterator[Metric]:
+        s = _safe(self.stats)
+        for key, help_text in LLM_GAUGES:
+            if key in s:
+                yield GaugeMetricFamily(f"grserve_llm_{key}", help_text, value=float(s[key]))
+        if s.get("total_blocks"):
+            used = 1.0 - float(s.get("free_blocks", 0)) / float(s["total_blocks"])
+            yield GaugeMetricFamily("grserve_llm_kv_cache_usage_perc", "Fraction of the KV/hidden block pool in "
+                                    "use (0 to 1).", value=used)
+        yield from _counters("grserve_llm_", LLM_COUNTERS, s)
+
+
+class GRStatsCollector:
+    """A retrieval or ranking engine's batch totals; with ``ranking`` (the runner's ``stats.summary``), the
+    ranking caches' totals and hit rates."""
+
+    def __init__(self, stats: Callable[[], dict], ranking: Callable[[], dict] | None = None) -> None:
+        self.stats, self.ranking = stats, ranking
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        yield from _counters("grserve_", GR_COUNTERS, _safe(self.stats))
+        if self.ranking is None:
+            return
+        r = _safe(self.ranking)
+        yield from _counters("grserve_ranking_", RANKING_COUNTERS, r)
+        for key, name, help_text in RANKING_RATES:
+            if key in r:
+                yield GaugeMetricFamily(f"grserve_ranking_{name}", help_text, value=float(r[key]))

@@ -1,0 +1,107 @@
+"""The bf16-screened exact greedy head (engine/greedy_head.py) = argmax of the fp32 logits, including near-ties
+far below bf16 resolution, exact ties (lowest index), wide candidate bands (the row-scan fallback) and extreme
+scales; and the engine takes this path only when every sampled row is greedy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from grserve.engine.greedy_head import ScreenedGreedyHead
+
+
+def _ref(h, w):
+    return F.linear(h, w).argmax(dim=1)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 30.0])
+@pytest.mark.parametrize("packed", [True, False])
+def test_matches_fp32_argmax_random(seed, scale, packed):
+    """Both screens: the oneDNN-packed bf16 GEMM (default on a CPU with oneDNN) and plain ``F.linear``."""
+    g = torch.Generator().manual_seed(seed)
+    v, d = 3000, 64
+    w = torch.randn(v, d, generator=g) * 0.05 * scale
+    h = torch.randn(17, d, generator=g) * scale
+    head = ScreenedGreedyHead(w)
+    if not packed:
+        head.weight_lo_packed = None
+    elif head.weight_lo_packed is None:
+        pytest.skip("this torch build has no oneDNN matmul")
+    assert torch.equal(head.argmax(h), _ref(h, w))
+
+
+def test_near_ties_below_bf16_resolution():
+    """Pairs of rows whose logits differ by ~1e-6 relative (bf16 cannot tell them apart): the exact pass must."""
+    g = torch.Generator().manual_seed(1)
+    v, d = 500, 32
+    w = torch.randn(v, d, generator=g)
+    h = torch.randn(8, d, generator=g)
+    for r in range(8):  # for row r, make two rows the top, differing in the 6th significant digit
+        best = int(_ref(h[r:r + 1], w))
+        j = (best + 1 + r) % v
+        w[j] = w[best] * (1 + (1e-6 if r % 2 else -1e-6))
+    head = ScreenedGreedyHead(w)
+    got, want = head.argmax(h), _ref(h, w)
+    assert torch.equal(got, want)
+    assert head.stats["candidates"] > head.stats["rows"]  # the near-ties did go to the exact pass
+
+
+def test_exact_ties_take_the_lowest_index_and_wide_bands_scan_the_row():
+    d = 16
+    w = torch.zeros(40, d)
+    w[:, 0] = 1.0  # 40 identical rows: every logit equal, a band far wider than the top k
+    h = torch.randn(3, d)
+    h[:, 0] = 2.0
+    head = ScreenedGreedyHead(w)
+    assert head.argmax(h).tolist() == [0, 0, 0] == _ref(h, w).tolist()
+    assert head.stats["candidates"] == 3 * 40
+
+
+def test_rejects_non_fp32_weights():
+    with pytest.raises(ValueError):
+        ScreenedGreedyHead(torch.zeros(4, 4, dtype=torch.bfloat16))
+
+
+def test_engine_uses_it_only_for_all_greedy_passes(random_decoder):
+    from grserve.engine.llm import build_model_engine
+    from grserve.engine.sampling import SamplingParams
+    from grserve.model import ModelSpec
+    from grserve.scheduler.fcfs import FCFSScheduler
+
+    spec = ModelSpec(family="qwen3", vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                     num_attention_heads=2, num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6, rope_theta=1e4,
+                     tie_word_embeddings=True, attention_bias=False, qk_norm=True, max_position_embeddings=256)
+    model = random_decoder(spec, seed=3, std=0.3)
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    runs = {}
+    for screened in (True, False):
+        eng = build_model_engine(model, FCFSScheduler(), num_blocks=32, block_size=4)
+        if not screened:
+            eng.executor.greedy_head = None
+        runs[screened] = (eng.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)),
+                          eng.executor.greedy_head)
+    assert runs[True][0] == runs[False][0]
+    assert runs[True][1].stats["rows"] == 2 * 6
+    # a sampled (temperature > 0) request in the pass: full logits, the head is not called
+    eng = build_model_engine(model, FCFSScheduler(), num_blocks=32, block_size=4)
+    eng.generate(prompts, [SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
+                           SamplingParams(max_tokens=3, temperature=0.8, seed=1, ignore_eos=True)])
+    assert eng.executor.greedy_head.stats["rows"] == 0
+
+
+def test_screen_order_flips_are_caught_by_the_bound():
+    """Built so that bf16 rounding reverses the order of the top two: exact A = 1 + 0.51ε > B = 1 + 0.505ε, but
+    A's weight rounds down (→ 1.0) and B's sum rounds up (→ 1 + ε), ε = 2⁻⁷ the bf16 spacing at 1. Only the
+    error bound keeps A among the candidates (with a zero bound the screen alone would answer B)."""
+    eps = 2.0 ** -7
+    w = torch.zeros(50, 2)
+    w[:, 0] = -1.0  # everything else far below
+    w[7] = torch.tensor([1 + 0.49 * eps, 0.02 * eps])  # A
+    w[3] = torch.tensor([1.0, 0.505 * eps])  # B
+    h = torch.tensor([[1.0, 1.0]])
+    lo = F.linear(h.to(torch.bfloat16), w.to(torch.bfloat16)).float()
+    assert int(lo.argmax()) == 3  # the screen alone is wrong
+    head = ScreenedGreedyHead(w)
+    assert int(head.argmax(h)) == 7 == int(_ref(h, w))
