@@ -192,7 +192,7 @@ class Recommender:
         """One input → the engine's request, through the server's own schema and conversion."""
         from pydantic import ValidationError
 
-        from grserve.server.core import ApiError
+        from grserve.server.errors import ApiError
         from grserve.server.schemas import RecommendRequest
 
         try:
@@ -230,7 +230,7 @@ def as_body(item: Any) -> dict:
 def _validation_error(exc):
     from fastapi.exceptions import RequestValidationError
 
-    from grserve.server.core import house_validation_error
+    from grserve.server.errors import house_validation_error
 
     return house_validation_error(RequestValidationError(exc.errors()), ("history",))
 

@@ -89,7 +89,7 @@ def test_api_refuses_what_the_server_refuses_with_its_message(cfg, rec):
 
     bad = [{"history_items": [1, 2, 10**9]}, {"history_sids": [[1, 2]]}, {"history_item": [1]},
            {"history_items": [1], "history_tokens": [20]}, {"history_items": [1], "top_n": BW + 1},
-           {"history_tokens": [1] * 121}]
+           {"history_tokens": [1] * 121, "truncate": "none"}]
     engine = RetrievalEngine.build(cfg)
     client = TestClient(create_app(engine, cfg.server))
     for i, body in enumerate(bad):
@@ -97,6 +97,42 @@ def test_api_refuses_what_the_server_refuses_with_its_message(cfg, rec):
         with pytest.raises(RecommendInputError) as exc:
             rec.recommend([[int(rec.catalog.item_ids[0])], body], top_n=BW, progress=False)
         assert exc.value.index == 1 and exc.value.message == err["message"] and exc.value.field == err["field"], i
+
+
+def test_cold_start_and_truncation_equal_the_servers(cfg, rec, tmp_path):
+    """An empty history (the popularity order, ``source``) and a history cut by ``truncate`` left
+    (``history_dropped``) come back from the API as the server answers them, in input order among model answers."""
+    from grserve.catalog.popularity import Popularity
+    from grserve.engine.retrieval_engine import RetrievalEngine
+    from grserve.server.retrieval_app import create_app
+
+    ids = rec.catalog.item_ids
+    counts = {str(int(i)): int(n) for i, n in zip(ids[:40], range(40, 0, -1))}
+    (tmp_path / "pop.json").write_text(json.dumps(counts))
+    long = ids[:45].tolist()  # 45 items × depth 3 = 135 tokens > --max-prompt-tokens 120: the oldest 5 are cut
+    reqs = [{"history_items": []}, {"history_items": long}, ids[5:8].tolist(),
+            {"history_items": [], "exclude_items": ids[:2].tolist()}, {"history_sids": []}]
+    from dataclasses import replace
+
+    pcfg = replace(cfg, catalog=replace(cfg.catalog, popularity=str(tmp_path / "pop.json")))
+    with Recommender(pcfg) as api:
+        ours = api.recommend(reqs, top_n=BW, progress=False)
+    assert [r.source for r in ours] == ["popularity", "model", "model", "popularity", "popularity"]
+    assert ours[1].history_dropped == 5 and ours[0].history_dropped == 0
+    assert ours[0].item_ids == [int(i) for i in ids[:BW]] and ours[3].item_ids == [int(i) for i in ids[2:BW + 2]]
+    engine = RetrievalEngine.build(cfg)
+    engine.start()
+    try:
+        client = TestClient(create_app(engine, cfg.server, popularity=Popularity.load(tmp_path / "pop.json")))
+        for r, mine in zip(reqs, ours, strict=True):
+            resp = client.post("/v1/recommend", json={"top_n": BW, **as_server_body(r)})
+            assert resp.status_code == 200, resp.text
+            theirs = resp.json()
+            assert [it["item_id"] for it in theirs["items"]] == mine.item_ids
+            assert (theirs["source"], theirs["history_dropped"]) == (mine.source, mine.history_dropped)
+            assert np.allclose([it["score"] for it in theirs["items"]], [it.score for it in mine.items], atol=1e-4)
+    finally:
+        engine.stop()
 
 
 def test_recommend_is_deterministic_and_independent_of_the_read_ahead(rec):
@@ -150,6 +186,9 @@ def test_offline_batches_fill_by_capacity_keep_order_and_bound_memory(window):
         ob2.add(r)
     ob2.flush()
     assert again == [[id(r) for r in b] for b in batches]  # the same batches: a function of the inputs only
+    answered = OfflineBatches(cfg, run, window)  # answers given without the engine keep their input place
+    got = answered.add(reqs[0]) + answered.add_result("cold", "popular") + answered.add(reqs[1]) + answered.flush()
+    assert [res for _, res in got] == [id(reqs[0]), "popular", id(reqs[1])]
 
 
 def test_import_grserve_imports_no_torch():
