@@ -28,10 +28,10 @@ from grserve.recipe.config import TrainConfig
 # The recipe (docs/offline-eval.md has the experiments behind it). Prompt = the 20 most recent items, as the
 # published protocol cuts histories; training windows are 21 items (20 of history + the target).
 BEAUTY_RECIPE = TrainConfig(
-    hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-    head_dim=32, max_items=20, window_items=21, window_stride=10, length_buckets=True,
+    hidden_size=192, intermediate_size=576, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=48, max_items=20, window_items=21, window_stride=10, length_buckets=True,
     epochs=10, batch_size=128, lr=3e-3, warmup_steps=200, min_lr_ratio=0.02, weight_decay=0.1,
-    dropout=0.1, loss="catalog", time_budget_s=3600.0, threads=1)
+    dropout=0.15, loss="catalog", ema_decay=0.999, threads=1)
 VALID_USERS = 4000  # validation users whose NLL picks the best epoch (every k-th user, k = users // VALID_USERS)
 
 
@@ -45,12 +45,13 @@ class BeautyArtifactsConfig(Checked):
 
     data_dir: str | None = flag(None, "a folder with inter.json and index_<name>.json (default: the bundled "
                                       "Amazon Beauty)", metavar="DIR")
-    index: str = flag("rqvae", "which SID index of the data folder (index_<name>.json)", choices=INDEXES)
+    index: str = flag("rqkmeans", "which SID index of the data folder (index_<name>.json; the recipe was chosen "
+                                  "on rqkmeans)", choices=INDEXES)
     cache_dir: str | None = flag(None, "artifact directory (default: $GRSERVE_CACHE_DIR/beauty or "
                                        ".grserve-cache/beauty)", metavar="DIR")
     rebuild: bool = flag(False, "rewrite the catalog and retrain the model even if cached")
-    budget_s: float | None = flag(None, "training time budget in seconds if it has to train (default: the "
-                                        "recipe's 3600)", check=positive, metavar="S")
+    budget_s: float | None = flag(None, "a wall-clock limit on training, in seconds, if it has to train (default: "
+                                        "none, it trains the recipe's epochs)", check=positive, metavar="S")
 
     @property
     def root(self) -> Path:
@@ -80,7 +81,8 @@ def ensure_beauty(cfg: BeautyArtifactsConfig = BeautyArtifactsConfig(), *, recip
     ds = load_sid_dataset(cfg.data_dir, cfg.index)
     _write_catalog_if_changed(ds, art.catalog, log)
     train_cfg = recipe if cfg.budget_s is None else replace(recipe, time_budget_s=cfg.budget_s)
-    if not cfg.rebuild and model_is_current(art, train_cfg.settings()):
+    complete = train_cfg.time_budget_s is None  # a model a budget cut short is stale for a full run
+    if not cfg.rebuild and model_is_current(art, train_cfg.settings(), complete=complete):
         log(f"reusing model {art.model}")
         return art
     train_model(ds, art, train_cfg, index=cfg.index, log=log, progress=progress)
@@ -98,8 +100,9 @@ def train_model(ds, art: Artifacts, train_cfg: TrainConfig, *, index: str, log: 
     catalog = load_catalog(art.catalog)
     step = max(1, len(split.users) // VALID_USERS)
     valid = ([split.train[i] for i in range(0, len(split.users), step)], split.valid[::step])
-    log(f"training the GR model on {len(split.users):,} users' histories (budget {train_cfg.time_budget_s:.0f} s; "
-        f"best epoch by the NLL of {len(valid[1]):,} validation items) ...")
+    cap = "" if train_cfg.time_budget_s is None else f", at most {train_cfg.time_budget_s:.0f} s"
+    log(f"training the GR model on {len(split.users):,} users' histories ({train_cfg.epochs} epochs{cap}; "
+        f"keeping the {train_cfg.keep} epoch; validation NLL on {len(valid[1]):,} items) ...")
     result = train_gr(split.train, catalog, train_cfg, valid=valid, progress=progress, log=log)
     save_trained(result, art.model, catalog_path=art.catalog,
                  extra={"dataset": ds.source, "index": index,

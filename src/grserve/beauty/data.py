@@ -72,7 +72,7 @@ def _int_key(key: str, path: Path) -> int:
         raise DatasetError(f"{path}: key {key[:40]!r} is not an integer id") from None
 
 
-def load_sid_dataset(data_dir: str | Path | None = None, index: str = "rqvae") -> SidDataset:
+def load_sid_dataset(data_dir: str | Path | None = None, index: str = "rqkmeans") -> SidDataset:
     """Read ``inter.json`` and ``index_<index>.json`` of ``data_dir`` (default: the bundled Amazon Beauty)."""
     data_dir = Path(data_dir) if data_dir is not None else BEAUTY_DIR
     pinned = BEAUTY_SHA256 if data_dir.resolve() == BEAUTY_DIR else {}

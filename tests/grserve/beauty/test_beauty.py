@@ -64,7 +64,7 @@ def test_artifacts_are_trained_once_and_reused(artifacts):
     cfg, art, logs = artifacts
     assert any("saved model" in m for m in logs)
     meta = json.loads(art.train_meta.read_text())
-    assert meta["config"]["loss"] == "catalog" and meta["index"] == "rqvae" and len(meta["catalog_sha256"]) == 64
+    assert meta["config"]["loss"] == "catalog" and meta["index"] == "rqkmeans" and len(meta["catalog_sha256"]) == 64
     assert (art.model / "tokenizer.json").is_file()
     again: list[str] = []
     ensure_beauty(cfg, recipe=TINY_RECIPE, log=again.append, progress=False)
