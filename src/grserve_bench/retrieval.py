@@ -172,10 +172,122 @@ def _systems(cfg: RetrievalBenchConfig, engine, runner, naive, hf, prompts, cata
     return systems
 
 
+def _sweep_row(cfg: RetrievalBenchConfig, bw: int, engine, runner, hf_runner, naive, hf, prompts, catalog,
+               b_tok: int, bar) -> dict:
+    """One beam width: grserve (engine, then one traced batch), the copy-per-beam baseline, HF and the
+    exactness check against HF."""
+    top_n = min(cfg.top_n, bw)
+    row: dict = {"beam_width": bw}
+    g = run_grserve(engine, prompts[: cfg.requests], bw, top_n)
+    bar.update()
+    t = time.perf_counter()
+    traced = runner.run(prompts[: cfg.batch], bw, [top_n] * cfg.batch, catalog, trace=True)
+    row["ms_per_batch"] = (time.perf_counter() - t) * 1e3
+    row.update(step_shares(traced.trace))
+    row["grserve"] = {k: v for k, v in g.items() if k != "items"}
+    row["kv_bytes_formula"] = (cfg.prompt_len + bw * cfg.depth) * b_tok
+    if naive is not None:
+        n = run_sequential(lambda p: naive.run(p, bw, top_n, catalog), prompts[: cfg.naive_requests])
+        row["naive"] = {k: n[k] for k in ("req_per_s", "p50_ms", "p99_ms")}
+        row["naive"]["kv_bytes_per_request"] = int(max(o[1] for o in n["outs"]))
+        row["speedup_vs_naive"] = g["req_per_s"] / n["req_per_s"]
+        bar.update()
+    if hf is not None:
+        h = run_sequential(lambda p: hf.run(p, bw, top_n, catalog), prompts[: cfg.hf_requests])
+        row["hf"] = {k: h[k] for k in ("req_per_s", "p50_ms", "p99_ms")}
+        row["hf"]["kv_bytes_per_request"] = bw * (cfg.prompt_len + cfg.depth) * b_tok  # one cache row per beam
+        row["speedup_vs_hf"] = g["req_per_s"] / h["req_per_s"]
+        # exactness: grserve under HF's scoring convention returns HF's items
+        same = hf_runner.run(prompts[: cfg.hf_requests], bw, [top_n] * cfg.hf_requests, catalog)
+        agree = [[x.item_id for x in a] == [x.item_id for x in b] for a, b in zip(same.hits, h["outs"])]
+        row["hf_agreement"] = sum(agree) / len(agree)
+        bar.update()
+    return row
+
+
+def _print_results(console, cfg: RetrievalBenchConfig, sweep: list[dict], b_tok: int, warm_s: dict) -> None:
+    """The table of requests/s, latency and KV bytes per system and beam width, then one line per width."""
+    from rich.table import Table
+
+    table = Table(title="GR retrieval: requests/s (higher is better), latency, KV bytes per request")
+    for col in ("BW", "system", "req/s", "P50 ms", "P99 ms", "KV bytes/req", "speedup"):
+        table.add_column(col, justify="right")
+    for row in sweep:
+        bw = row["beam_width"]
+        g = row["grserve"]
+        table.add_row(str(bw), "grserve", f"{g['req_per_s']:.2f}", f"{g['p50_ms']:.0f}", f"{g['p99_ms']:.0f}", f"{g['kv_bytes_per_request']:,}", "1.0×")
+        for name, key in (("naive copy-KV", "naive"), ("HF transformers", "hf")):
+            if key in row:
+                o = row[key]
+                sp = row[f"speedup_vs_{key}"]
+                table.add_row("", name, f"{o['req_per_s']:.2f}", f"{o['p50_ms']:.0f}", f"{o['p99_ms']:.0f}", f"{o['kv_bytes_per_request']:,}", f"grserve {sp:.1f}×")
+    console.print(table)
+    for row in sweep:
+        extra = f", HF agreement (scoring=hf) {row['hf_agreement']:.0%}" if "hf_agreement" in row else ""
+        console.print(
+            f"BW {row['beam_width']}: {row['ms_per_batch']:.1f} ms per batch of {cfg.batch}; KV/request "
+            f"{row['grserve']['kv_bytes_per_request']:,} B = (L + BW·ND)·{b_tok} = {row['kv_bytes_formula']:,} B; "
+            f"top-BW candidates visited {row['grserve']['candidates_visited']:,}{extra}; beam step "
+            f"{row['step_ms']:.1f} ms: mask {row['mask_share']:.0%} (overlapping the forward), select "
+            f"{row['select_share']:.0%}"
+        )
+    console.print("warm-up before any timing, s per system and beam width (untimed): " + "; ".join(
+        f"{name} " + ", ".join(f"BW {bw} {sec:.2f}" for bw, sec in per.items()) for name, per in warm_s.items()))
+
+
+def _summary(cfg: RetrievalBenchConfig, sweep: list[dict], headline: int, catalog, b_tok: int, t_cat: float,
+             warm_s: dict) -> dict:
+    """The final JSON line: the headline beam width's numbers, then the per-width sweep."""
+    head = next(r for r in sweep if r["beam_width"] == headline)
+    return {
+        "benchmark": "retrieval",
+        "model": cfg.model,
+        "device": cfg.device,
+        "prompt_len": cfg.prompt_len,
+        "beam_width": headline,
+        "sid_tokens": cfg.depth,
+        "catalog_items": len(catalog),
+        "speedup_vs_hf": head.get("speedup_vs_hf"),
+        "speedup_vs_naive": head.get("speedup_vs_naive"),
+        "req_per_s": head["grserve"]["req_per_s"],
+        "p50_ms": head["grserve"]["p50_ms"],
+        "p99_ms": head["grserve"]["p99_ms"],
+        "ms_per_batch": head["ms_per_batch"],
+        "kv_bytes_per_request": head["grserve"]["kv_bytes_per_request"],
+        "kv_bytes_formula": head["kv_bytes_formula"],
+        "bytes_per_token": b_tok,
+        "hf_agreement": head.get("hf_agreement"),
+        "codebook_size": cfg.codebook_size,
+        "catalog_seconds": t_cat,
+        "step_ms": head["step_ms"],
+        "mask_share": head["mask_share"],
+        "select_share": head["select_share"],
+        "warmup_s": warm_s,
+        "sweep": [
+            {k: row.get(k) for k in ("beam_width", "speedup_vs_hf", "speedup_vs_naive", "ms_per_batch", "kv_bytes_formula", "hf_agreement", "step_ms", "mask_share", "select_share")}
+            | {"req_per_s": row["grserve"]["req_per_s"], "kv_bytes_per_request": row["grserve"]["kv_bytes_per_request"]}
+            for row in sweep
+        ],
+    }
+
+
+def _baselines(cfg: RetrievalBenchConfig, model):
+    """The HF constrained beam search and the copy-KV-per-beam baseline, each None when skipped."""
+    hf = naive = None
+    if not cfg.skip_hf:
+        from grserve_bench.baselines import HFConstrainedBeamSearch
+
+        hf = HFConstrainedBeamSearch(model)
+    if not cfg.skip_naive:
+        from grserve_bench.baselines import NaiveCopyBeamSearch
+
+        naive = NaiveCopyBeamSearch(model)
+    return hf, naive
+
+
 def run(cfg: RetrievalBenchConfig) -> int:
     import torch
     from rich.console import Console
-    from rich.table import Table
     from tqdm import tqdm
 
     from grserve_bench.workload import bench_layout, history_prompts
@@ -216,15 +328,7 @@ def run(cfg: RetrievalBenchConfig) -> int:
     )
     sched = SchedulerConfig(token_capacity=cfg.batch * cfg.prompt_len, max_batch_requests=cfg.batch, max_inflight_batches=1)
     engine = RetrievalEngine(model, CatalogStore(catalog), SearchConfig(scoring=cfg.scoring), sched).start()
-    hf = naive = None
-    if not cfg.skip_hf:
-        from grserve_bench.baselines import HFConstrainedBeamSearch
-
-        hf = HFConstrainedBeamSearch(model)
-    if not cfg.skip_naive:
-        from grserve_bench.baselines import NaiveCopyBeamSearch
-
-        naive = NaiveCopyBeamSearch(model)
+    hf, naive = _baselines(cfg, model)
     runner = RetrievalRunner(model, SearchConfig(scoring=cfg.scoring))  # one batch, timed alone
     hf_runner = RetrievalRunner(model, SearchConfig(scoring="hf"))  # exactness check against HF
 
@@ -234,94 +338,13 @@ def run(cfg: RetrievalBenchConfig) -> int:
     try:
         warm_s = warm_every_width(bws, _systems(cfg, engine, runner, naive, hf, prompts, catalog))
         for bw in bws:
-            top_n = min(cfg.top_n, bw)
-            row: dict = {"beam_width": bw}
-            g = run_grserve(engine, prompts[: cfg.requests], bw, top_n)
-            bar.update()
-            t = time.perf_counter()
-            traced = runner.run(prompts[: cfg.batch], bw, [top_n] * cfg.batch, catalog, trace=True)
-            row["ms_per_batch"] = (time.perf_counter() - t) * 1e3
-            row.update(step_shares(traced.trace))
-            row["grserve"] = {k: v for k, v in g.items() if k != "items"}
-            row["kv_bytes_formula"] = (cfg.prompt_len + bw * cfg.depth) * b_tok
-            if naive is not None:
-                n = run_sequential(lambda p: naive.run(p, bw, top_n, catalog), prompts[: cfg.naive_requests])
-                row["naive"] = {k: n[k] for k in ("req_per_s", "p50_ms", "p99_ms")}
-                row["naive"]["kv_bytes_per_request"] = int(max(o[1] for o in n["outs"]))
-                row["speedup_vs_naive"] = g["req_per_s"] / n["req_per_s"]
-                bar.update()
-            if hf is not None:
-                h = run_sequential(lambda p: hf.run(p, bw, top_n, catalog), prompts[: cfg.hf_requests])
-                row["hf"] = {k: h[k] for k in ("req_per_s", "p50_ms", "p99_ms")}
-                row["hf"]["kv_bytes_per_request"] = bw * (cfg.prompt_len + cfg.depth) * b_tok  # one cache row per beam
-                row["speedup_vs_hf"] = g["req_per_s"] / h["req_per_s"]
-                # exactness: grserve under HF's scoring convention returns HF's items
-                same = hf_runner.run(prompts[: cfg.hf_requests], bw, [top_n] * cfg.hf_requests, catalog)
-                agree = [[x.item_id for x in a] == [x.item_id for x in b] for a, b in zip(same.hits, h["outs"])]
-                row["hf_agreement"] = sum(agree) / len(agree)
-                bar.update()
-            sweep.append(row)
+            sweep.append(_sweep_row(cfg, bw, engine, runner, hf_runner, naive, hf, prompts, catalog, b_tok, bar))
     finally:
         bar.close()
         engine.stop()
         runner.close()
         hf_runner.close()
 
-    table = Table(title="GR retrieval: requests/s (higher is better), latency, KV bytes per request")
-    for col in ("BW", "system", "req/s", "P50 ms", "P99 ms", "KV bytes/req", "speedup"):
-        table.add_column(col, justify="right")
-    for row in sweep:
-        bw = row["beam_width"]
-        g = row["grserve"]
-        table.add_row(str(bw), "grserve", f"{g['req_per_s']:.2f}", f"{g['p50_ms']:.0f}", f"{g['p99_ms']:.0f}", f"{g['kv_bytes_per_request']:,}", "1.0×")
-        for name, key in (("naive copy-KV", "naive"), ("HF transformers", "hf")):
-            if key in row:
-                o = row[key]
-                sp = row[f"speedup_vs_{key}"]
-                table.add_row("", name, f"{o['req_per_s']:.2f}", f"{o['p50_ms']:.0f}", f"{o['p99_ms']:.0f}", f"{o['kv_bytes_per_request']:,}", f"grserve {sp:.1f}×")
-    console.print(table)
-    for row in sweep:
-        extra = f", HF agreement (scoring=hf) {row['hf_agreement']:.0%}" if "hf_agreement" in row else ""
-        console.print(
-            f"BW {row['beam_width']}: {row['ms_per_batch']:.1f} ms per batch of {cfg.batch}; KV/request "
-            f"{row['grserve']['kv_bytes_per_request']:,} B = (L + BW·ND)·{b_tok} = {row['kv_bytes_formula']:,} B; "
-            f"top-BW candidates visited {row['grserve']['candidates_visited']:,}{extra}; beam step "
-            f"{row['step_ms']:.1f} ms: mask {row['mask_share']:.0%} (overlapping the forward), select "
-            f"{row['select_share']:.0%}"
-        )
-    console.print("warm-up before any timing, s per system and beam width (untimed): " + "; ".join(
-        f"{name} " + ", ".join(f"BW {bw} {sec:.2f}" for bw, sec in per.items()) for name, per in warm_s.items()))
-    head = next(r for r in sweep if r["beam_width"] == headline)
-    summary = {
-        "benchmark": "retrieval",
-        "model": cfg.model,
-        "device": cfg.device,
-        "prompt_len": cfg.prompt_len,
-        "beam_width": headline,
-        "sid_tokens": cfg.depth,
-        "catalog_items": len(catalog),
-        "speedup_vs_hf": head.get("speedup_vs_hf"),
-        "speedup_vs_naive": head.get("speedup_vs_naive"),
-        "req_per_s": head["grserve"]["req_per_s"],
-        "p50_ms": head["grserve"]["p50_ms"],
-        "p99_ms": head["grserve"]["p99_ms"],
-        "ms_per_batch": head["ms_per_batch"],
-        "kv_bytes_per_request": head["grserve"]["kv_bytes_per_request"],
-        "kv_bytes_formula": head["kv_bytes_formula"],
-        "bytes_per_token": b_tok,
-        "hf_agreement": head.get("hf_agreement"),
-        "codebook_size": cfg.codebook_size,
-        "catalog_seconds": t_cat,
-        "step_ms": head["step_ms"],
-        "mask_share": head["mask_share"],
-        "select_share": head["select_share"],
-        "warmup_s": warm_s,
-        "sweep": [
-            {k: row.get(k) for k in ("beam_width", "speedup_vs_hf", "speedup_vs_naive", "ms_per_batch", "kv_bytes_formula", "hf_agreement", "step_ms", "mask_share", "select_share")}
-            | {"req_per_s": row["grserve"]["req_per_s"], "kv_bytes_per_request": row["grserve"]["kv_bytes_per_request"]}
-            for row in sweep
-        ],
-    }
-    print(json.dumps(summary))
+    _print_results(console, cfg, sweep, b_tok, warm_s)
+    print(json.dumps(_summary(cfg, sweep, headline, catalog, b_tok, t_cat, warm_s)))
     return 0
-

@@ -274,51 +274,102 @@ def shared_vs_copied_blocks(*, requests: int = 32, system_len: int = 512, user_l
     return out
 
 
-def run(cfg: ServeBenchConfig) -> int:
-    import torch
+def _print_prefix_only() -> int:
+    """``--prefix-only``: the prefix-cache benchmark and the shared-vs-copied blocks count."""
+    r = prefix_vs_none()
+    print(f"prefix cache: {r['requests']} requests = {r['system_len']}-token shared system prompt + "
+          f"{r['user_len']} own tokens, {r['new_tokens']} new, waves of {r['batch']}: prefill tokens "
+          f"{r['none']['prefill_tokens']} -> {r['prefix']['prefill_tokens']}, wall {r['none']['wall_s']:.2f} -> "
+          f"{r['prefix']['wall_s']:.2f} s ({r['speedup']:.2f}x), mean TTFT {r['none']['mean_ttft_s']*1e3:.0f} -> "
+          f"{r['prefix']['mean_ttft_s']*1e3:.0f} ms shared ({r['ttft_speedup']:.2f}x), "
+          f"{r['copy']['mean_ttft_s']*1e3:.0f} ms copied ({r['ttft_speedup_copy']:.2f}x); "
+          f"same tokens: {r['same_tokens']}", file=sys.stderr)
+    b = shared_vs_copied_blocks()
+    r["blocks"] = b
+    print(f"blocks in use, {b['requests']} concurrent requests sharing a {b['system_len']}-token prompt: "
+          f"copy {b['copy']['peak_blocks']}, share {b['share']['peak_blocks']} ({b['block_ratio']:.3f} of the "
+          f"copy's); same tokens: {b['same_tokens']}", file=sys.stderr)
+    print(json.dumps(r), flush=True)
+    return 0
 
-    if cfg.threads > 0:
-        torch.set_num_threads(cfg.threads)
-    if cfg.prefix_only:
-        r = prefix_vs_none()
-        print(f"prefix cache: {r['requests']} requests = {r['system_len']}-token shared system prompt + "
-              f"{r['user_len']} own tokens, {r['new_tokens']} new, waves of {r['batch']}: prefill tokens "
-              f"{r['none']['prefill_tokens']} -> {r['prefix']['prefill_tokens']}, wall {r['none']['wall_s']:.2f} -> "
-              f"{r['prefix']['wall_s']:.2f} s ({r['speedup']:.2f}x), mean TTFT {r['none']['mean_ttft_s']*1e3:.0f} -> "
-              f"{r['prefix']['mean_ttft_s']*1e3:.0f} ms shared ({r['ttft_speedup']:.2f}x), "
-              f"{r['copy']['mean_ttft_s']*1e3:.0f} ms copied ({r['ttft_speedup_copy']:.2f}x); "
-              f"same tokens: {r['same_tokens']}", file=sys.stderr)
-        b = shared_vs_copied_blocks()
-        r["blocks"] = b
-        print(f"blocks in use, {b['requests']} concurrent requests sharing a {b['system_len']}-token prompt: "
-              f"copy {b['copy']['peak_blocks']}, share {b['share']['peak_blocks']} ({b['block_ratio']:.3f} of the "
-              f"copy's); same tokens: {b['same_tokens']}", file=sys.stderr)
-        print(json.dumps(r), flush=True)
-        return 0
-    if cfg.decode_only:
-        dec = decode_vs_hf(cfg.quick, repeats=cfg.decode_repeats or (1 if cfg.quick else 2))
-        print(f"decode batch {dec['batch']} (tiny, 32k vocab, prompt {dec['prompt']}, {dec['new_tokens']} new, "
-              f"{dec['threads']} thread(s)): grserve {dec['ours_tok_s']:.0f} tok/s, HF generate "
-              f"{dec['hf_tok_s']:.0f} tok/s -> {dec['speedup']:.2f}x; same tokens: {dec['same_tokens']}",
-              file=sys.stderr)
-        print(json.dumps(dec), flush=True)
-        return 0
-    if cfg.simulate and (cfg.paper_tables or cfg.ladder):
-        return _run_paper(cfg)
-    from rich.console import Console
-    from rich.table import Table
-    from tqdm import tqdm
 
+def _print_decode_only(cfg: ServeBenchConfig) -> int:
+    """``--decode-only``: the batch-32 decode vs HF benchmark (P7)."""
+    dec = decode_vs_hf(cfg.quick, repeats=cfg.decode_repeats or (1 if cfg.quick else 2))
+    print(f"decode batch {dec['batch']} (tiny, 32k vocab, prompt {dec['prompt']}, {dec['new_tokens']} new, "
+          f"{dec['threads']} thread(s)): grserve {dec['ours_tok_s']:.0f} tok/s, HF generate "
+          f"{dec['hf_tok_s']:.0f} tok/s -> {dec['speedup']:.2f}x; same tokens: {dec['same_tokens']}",
+          file=sys.stderr)
+    print(json.dumps(dec), flush=True)
+    return 0
+
+
+@dataclass
+class _Setup:
+    """What a sweep runs under: the SLOs, the pool, the scheduler's rho, the model (real mode) or cost model
+    (simulate), the single-request latency and what the summary reports of it (``info``)."""
+
+    n_req: int
+    info: dict
+    ttft_slo: float
+    tbt_slo: float
+    num_blocks: int
+    hidden_planes: int
+    rho: float
+    single: float
+    model: object = None
+    cost: object = None
+
+
+def _simulated_setup(cfg: ServeBenchConfig, mean_p: float, mean_o: float) -> dict:
+    """``--simulate``: OPT-13B on an A100 (the cost model), Table 3's SLOs."""
+    from grserve_bench.aptserve_repro import kv_blocks_opt13b_a100
+    from grserve_bench.simulator import CostModel
+
+    cost = CostModel.preset(cfg.cost_model)
+    ttft_slo, tbt_slo = TABLE3[cfg.dataset]
+    single = cost.iteration_time([_Item(0, int(mean_p), "kv")]) + mean_o * cost.iteration_time(
+        [_Item(int(mean_p + mean_o / 2), 1, "kv")])
+    return dict(ttft_slo=ttft_slo, tbt_slo=tbt_slo, num_blocks=kv_blocks_opt13b_a100(), hidden_planes=1,
+                rho=cost.rho_h, single=single, model=None, cost=cost)
+
+
+def _real_setup(cfg: ServeBenchConfig, timer: str, mean_p: float, mean_o: float, info: dict) -> dict:
+    """Real mode: load the model, calibrate rho, time one request alone (engine, FCFS, as the sweep times it);
+    the SLOs are multiples of its prefill and decode-step latencies, the pool holds ``--mem-requests`` of it."""
     from grserve.engine.llm import LLMEngine, build_model_engine, calibrate_rho
-    from grserve_bench.simulator import CostModel, SimulatedExecutor, TimedExecutor, VirtualClock, run_trace
-    from grserve.kvcache.blocks import BlockPool
+    from grserve.engine.sampling import SamplingParams
+    from grserve.model import load_model
     from grserve.scheduler.llm_factory import make_llm_scheduler
+    from grserve_bench.simulator import TimedExecutor, VirtualClock
 
-    systems = split_commas(cfg.systems)
-    timer = cfg.timer if torch.get_num_threads() == 1 else "wall"  # thread CPU time misses other OpenMP threads
-    console = Console(stderr=False)
-    out_dir = Path(cfg.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    model = load_model(cfg.model, seed=cfg.seed)
+    spec = model.spec
+    rho = calibrate_rho(model, timer=time.thread_time if timer == "thread" else time.perf_counter)
+    hidden_planes = -(-spec.hidden_size // spec.kv_size)
+    # single-request latencies (engine, FCFS, one request alone), timed as the sweep is
+    cal = build_model_engine(model, make_llm_scheduler("fcfs"), num_blocks=4096, block_size=cfg.block_size)
+    eng = LLMEngine(cal.scheduler, cal.pool, TimedExecutor(cal.executor, timer), clock=VirtualClock())
+    eng.generate([[5] * 16], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))  # warm-up
+    ts = []
+    for _ in range(3):
+        eng.keep_finished = True
+        eng.generate([[5] * int(mean_p)], SamplingParams(max_tokens=int(mean_o), temperature=0.0,
+                                                         ignore_eos=True))
+        s = eng.finished[-1]
+        ts.append((s.token_times[0] - s.arrival, (s.token_times[-1] - s.token_times[0]) / max(1, len(
+            s.token_times) - 1)))
+    prefill_lat = min(t[0] for t in ts)
+    step_lat = min(t[1] for t in ts)
+    per_tok_kv = 2 * cfg.block_size
+    num_blocks = int(cfg.mem_requests * (mean_p + mean_o) / cfg.block_size * 2) + per_tok_kv
+    info.update(single_prefill_s=prefill_lat, single_step_s=step_lat, model=cfg.model, timer=timer)
+    return dict(ttft_slo=cfg.ttft_mult * prefill_lat, tbt_slo=cfg.tbt_mult * step_lat, num_blocks=num_blocks,
+                hidden_planes=hidden_planes, rho=rho, single=prefill_lat + mean_o * step_lat, model=model, cost=None)
+
+
+def _setup(cfg: ServeBenchConfig, timer: str) -> _Setup:
+    """The workload's mean lengths (a probe trace), then the simulated or the real setting."""
     n_req = cfg.num_requests or ((24 if cfg.quick else 40) if not cfg.simulate else (200 if cfg.quick else 500))
     probe = make_trace(cfg.dataset, n_req, 1.0, cv=cfg.cv, seed=cfg.seed,
                        scale=1.0 if cfg.simulate else cfg.scale)
@@ -326,76 +377,57 @@ def run(cfg: ServeBenchConfig) -> int:
     mean_o = sum(r.output_len for r in probe) / n_req
     info: dict = {"mode": "simulate" if cfg.simulate else "real", "dataset": cfg.dataset, "cv": cfg.cv,
                   "num_requests": n_req, "mean_prompt": mean_p, "mean_output": mean_o}
+    got = _simulated_setup(cfg, mean_p, mean_o) if cfg.simulate else _real_setup(cfg, timer, mean_p, mean_o, info)
+    return _Setup(n_req=n_req, info=info, **got)
 
-    if cfg.simulate:
-        from grserve_bench.aptserve_repro import kv_blocks_opt13b_a100
 
-        cost = CostModel.preset(cfg.cost_model)
-        ttft_slo, tbt_slo = TABLE3[cfg.dataset]
-        num_blocks, hidden_planes = kv_blocks_opt13b_a100(), 1
-        rho = cost.rho_h
-        single = cost.iteration_time([_Item(0, int(mean_p), "kv")]) + mean_o * cost.iteration_time(
-            [_Item(int(mean_p + mean_o / 2), 1, "kv")])
-        model = None
-    else:
-        from grserve.model import load_model
-
-        model = load_model(cfg.model, seed=cfg.seed)
-        spec = model.spec
-        rho = calibrate_rho(model, timer=time.thread_time if timer == "thread" else time.perf_counter)
-        hidden_planes = -(-spec.hidden_size // spec.kv_size)
-        # single-request latencies (engine, FCFS, one request alone), timed as the sweep is
-        cal = build_model_engine(model, make_llm_scheduler("fcfs"), num_blocks=4096, block_size=cfg.block_size)
-        eng = LLMEngine(cal.scheduler, cal.pool, TimedExecutor(cal.executor, timer), clock=VirtualClock())
-        from grserve.engine.sampling import SamplingParams
-
-        eng.generate([[5] * 16], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))  # warm-up
-        ts = []
-        for _ in range(3):
-            eng.keep_finished = True
-            eng.generate([[5] * int(mean_p)], SamplingParams(max_tokens=int(mean_o), temperature=0.0,
-                                                             ignore_eos=True))
-            s = eng.finished[-1]
-            ts.append((s.token_times[0] - s.arrival, (s.token_times[-1] - s.token_times[0]) / max(1, len(
-                s.token_times) - 1)))
-        prefill_lat = min(t[0] for t in ts)
-        step_lat = min(t[1] for t in ts)
-        ttft_slo, tbt_slo = cfg.ttft_mult * prefill_lat, cfg.tbt_mult * step_lat
-        per_tok_kv = 2 * cfg.block_size
-        num_blocks = int(cfg.mem_requests * (mean_p + mean_o) / cfg.block_size * 2) + per_tok_kv
-        single = prefill_lat + mean_o * step_lat
-        info.update(single_prefill_s=prefill_lat, single_step_s=step_lat, model=cfg.model, timer=timer)
+def _rates(cfg: ServeBenchConfig, single: float) -> list[float]:
+    """``--rates``, else multiples of the single-request service rate (real) or the simulator's fixed grid."""
     mu = 1.0 / single  # single-request service rate
     if cfg.rates:
-        rates = split_commas(cfg.rates, float)
-    else:
-        mults = [2, 4, 6, 8] if cfg.quick else [1, 2, 3, 4, 6, 8, 10, 12]  # x single-request service rate
-        rates = [round(mu * m, 3) for m in mults] if not cfg.simulate else \
-            ([0.5, 1, 2, 3, 4, 6] if cfg.quick else [0.5, 1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 7, 8])
-    info.update(ttft_slo=ttft_slo, tbt_slo=tbt_slo, num_blocks=num_blocks, rho=rho, rates=rates)
+        return split_commas(cfg.rates, float)
+    mults = [2, 4, 6, 8] if cfg.quick else [1, 2, 3, 4, 6, 8, 10, 12]  # x single-request service rate
+    return [round(mu * m, 3) for m in mults] if not cfg.simulate else \
+        ([0.5, 1, 2, 3, 4, 6] if cfg.quick else [0.5, 1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 7, 8])
+
+
+def _make_run_one(cfg: ServeBenchConfig, st: _Setup, timer: str):
+    """``run_one(system, rate)``: one trace at ``rate`` through a fresh engine with ``system``'s scheduler;
+    returns its attainment (with the rate, hidden-cache schedules and preemptions)."""
+    from grserve.engine.llm import LLMEngine, build_model_engine
+    from grserve.kvcache.blocks import BlockPool
+    from grserve.scheduler.llm_factory import make_llm_scheduler
+    from grserve_bench.simulator import SimulatedExecutor, TimedExecutor, VirtualClock, run_trace
 
     def run_one(system: str, rate: float) -> dict:
-        trace = make_trace(cfg.dataset, n_req, rate, cv=cfg.cv, seed=cfg.seed,
+        trace = make_trace(cfg.dataset, st.n_req, rate, cv=cfg.cv, seed=cfg.seed,
                            scale=1.0 if cfg.simulate else cfg.scale)
         clock = VirtualClock()
-        pool = BlockPool(num_blocks, cfg.block_size, kv_planes=2, hidden_planes=hidden_planes)
-        pol = make_llm_scheduler(system, ttft_slo=ttft_slo, tbt_slo=tbt_slo, rho=rho,
+        pool = BlockPool(st.num_blocks, cfg.block_size, kv_planes=2, hidden_planes=st.hidden_planes)
+        pol = make_llm_scheduler(system, ttft_slo=st.ttft_slo, tbt_slo=st.tbt_slo, rho=st.rho,
                                  token_budget=512 if cfg.simulate else 128,
                                  max_num_batched_tokens=2048 if cfg.simulate else 512,
                                  watermark=0.01 if cfg.simulate else 0.0)
         if cfg.simulate:
-            eng = LLMEngine(pol, pool, SimulatedExecutor(cost), clock=clock)
+            eng = LLMEngine(pol, pool, SimulatedExecutor(st.cost), clock=clock)
         else:
-            real = build_model_engine(model, pol, num_blocks=num_blocks, block_size=cfg.block_size)
+            real = build_model_engine(st.model, pol, num_blocks=st.num_blocks, block_size=cfg.block_size)
             eng = LLMEngine(pol, real.pool, TimedExecutor(real.executor, timer), clock=clock)
         res = run_trace(eng, trace, clock)
-        a = attainment(res.requests, ttft_slo, tbt_slo)
+        a = attainment(res.requests, st.ttft_slo, st.tbt_slo)
         a.update(rate=rate, hidden_scheduled=res.stats["hidden_scheduled"], preemptions=res.stats["preemptions"])
         return a
 
+    return run_one
+
+
+def _sweep_and_refine(cfg: ServeBenchConfig, run_one, rates: list[float], systems: list[str]):
+    """The grid sweep, then each system's own points: the grid, then bisection of its 90 % crossing; returns
+    the sweep, the points and each system's effective throughput."""
+    from tqdm import tqdm
+
     total = len(rates) * len(systems)
     with tqdm(total=total, desc="rate sweep", file=sys.stderr) as bar:
-        rates = sorted(rates)
         sweep = _sweep(run_one, rates, systems, bar, cfg.stop_below)
     # each system's own points: the grid, then bisection of its 90 % crossing (a coarse grid's linear
     # interpolation can misplace a cliff by most of a grid step)
@@ -407,9 +439,14 @@ def run(cfg: ServeBenchConfig) -> int:
                 points[s] = _refine(run_one, s, points[s], cfg.refine, bar)
     eff = {s: effective_throughput([r for r, _ in points[s]], [x["attainment"] for _, x in points[s]])
            for s in systems}
+    return sweep, points, eff
 
-    table = Table(title=f"SLO attainment ({info['mode']}, {cfg.dataset}, CV {cfg.cv}; TTFT {ttft_slo:.3g}s, "
-                        f"P99 TBT {tbt_slo:.3g}s)")
+
+def _print_table(console, cfg: ServeBenchConfig, st: _Setup, systems, rates, sweep, points, eff) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"SLO attainment ({st.info['mode']}, {cfg.dataset}, CV {cfg.cv}; TTFT {st.ttft_slo:.3g}s, "
+                        f"P99 TBT {st.tbt_slo:.3g}s)")
     table.add_column("rate (req/s)", justify="right")
     for s in systems:
         table.add_column(s, justify="right")
@@ -423,6 +460,9 @@ def run(cfg: ServeBenchConfig) -> int:
     table.add_row("effective @90%", *[f"{eff[s]:.3g}" for s in systems])
     console.print(table)
 
+
+def _plot(cfg: ServeBenchConfig, mode: str, systems, points, out_dir: Path) -> Path:
+    """Attainment vs rate, one line per system; returns the PNG's path."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -434,11 +474,54 @@ def run(cfg: ServeBenchConfig) -> int:
     ax.axhline(90, ls="--", c="grey")
     ax.set_xlabel("request rate (req/s)")
     ax.set_ylabel("SLO attainment (%)")
-    ax.set_title(f"{cfg.dataset} ({info['mode']})")
+    ax.set_title(f"{cfg.dataset} ({mode})")
     ax.legend()
     fig.tight_layout()
-    png = out_dir / f"attainment_vs_rate_{info['mode']}_{cfg.dataset}.png"
+    png = out_dir / f"attainment_vs_rate_{mode}_{cfg.dataset}.png"
     fig.savefig(png, dpi=120)
+    return png
+
+
+def _simulated_effective(cfg: ServeBenchConfig, console, out_dir: Path) -> dict:
+    """Real mode's paper-scale counterpart: the simulator's effective throughput at 90 % per dataset (seconds)."""
+    from tqdm import tqdm
+
+    from grserve_bench import aptserve_repro as repro
+
+    with tqdm(desc="simulated effective throughput", file=sys.stderr) as bar:
+        sim = repro.effective_table(repro.Runner(lambda: bar.update(1), cache_dir=out_dir / "sim-cache"),
+                                    repro.Setting(cost=cfg.cost_model), levels=(0.9,), steps=2)
+    out = {ds: {x: v[0.9] for x, v in row.items()} for ds, row in sim.items()}
+    console.print(f"simulated (OPT-13B/A100, {cfg.cost_model}) effective throughput @90%: {out}")
+    return out
+
+
+def run(cfg: ServeBenchConfig) -> int:
+    import torch
+
+    if cfg.threads > 0:
+        torch.set_num_threads(cfg.threads)
+    if cfg.prefix_only:
+        return _print_prefix_only()
+    if cfg.decode_only:
+        return _print_decode_only(cfg)
+    if cfg.simulate and (cfg.paper_tables or cfg.ladder):
+        return _run_paper(cfg)
+    from rich.console import Console
+
+    systems = split_commas(cfg.systems)
+    timer = cfg.timer if torch.get_num_threads() == 1 else "wall"  # thread CPU time misses other OpenMP threads
+    console = Console(stderr=False)
+    out_dir = Path(cfg.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    st = _setup(cfg, timer)
+    info = st.info
+    rates = _rates(cfg, st.single)
+    info.update(ttft_slo=st.ttft_slo, tbt_slo=st.tbt_slo, num_blocks=st.num_blocks, rho=st.rho, rates=rates)
+    rates = sorted(rates)
+    sweep, points, eff = _sweep_and_refine(cfg, _make_run_one(cfg, st, timer), rates, systems)
+    _print_table(console, cfg, st, systems, rates, sweep, points, eff)
+    png = _plot(cfg, info["mode"], systems, points, out_dir)
 
     dec = None
     if cfg.decode_bench:
@@ -451,15 +534,7 @@ def run(cfg: ServeBenchConfig) -> int:
     summary = {"effective_throughput": eff, **ratios, "decode_speedup_vs_hf": dec["speedup"] if dec else None,
                "png": str(png), **{k: v for k, v in info.items() if k != "rates"}}
     if not cfg.simulate and cfg.sim_effective:  # the paper-scale counterpart, at 90 % (the simulator, seconds)
-        from grserve_bench import aptserve_repro as repro
-
-        with tqdm(desc="simulated effective throughput", file=sys.stderr) as bar:
-            sim = repro.effective_table(repro.Runner(lambda: bar.update(1), cache_dir=out_dir / "sim-cache"),
-                                        repro.Setting(cost=cfg.cost_model), levels=(0.9,), steps=2)
-        summary["simulated_effective_throughput"] = {ds: {x: v[0.9] for x, v in row.items()} for ds, row in
-                                                     sim.items()}
-        console.print(f"simulated (OPT-13B/A100, {cfg.cost_model}) effective throughput @90%: "
-                      f"{summary['simulated_effective_throughput']}")
+        summary["simulated_effective_throughput"] = _simulated_effective(cfg, console, out_dir)
     (out_dir / f"serve_{info['mode']}_{cfg.dataset}.json").write_text(json.dumps(
         {"summary": summary, "sweep": sweep, "points": {k: [[r, x] for r, x in v] for k, v in points.items()},
          "decode": dec}, indent=2))

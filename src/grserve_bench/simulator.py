@@ -11,7 +11,7 @@ Cost model (seconds per iteration; digest §10.1 layer B):
 
 Two shapes share the paper's one anchor (≈ 120 ms for a 50-request OPT-13B decode, §6.8), differing in how that
 time splits between a per-iteration part and a per-request part — the assumption the paper's gain rests on
-(docs/llm.md, "what moved the result"): ``opt13b_a100()`` (per-request heavy: ≈ 1.1 ms per request, the time
+(docs/results/llm.md, "what moved the result"): ``opt13b_a100()`` (per-request heavy: ≈ 1.1 ms per request, the time
 grows almost linearly with the batch) and ``opt13b_a100_roofline()`` (A100 roofline slopes, the rest fixed:
 decode is memory-bound, a bigger batch costs little). ``opt13b_a100_physical()`` is the roofline without the
 anchor (≈ 41 ms at 50 requests).

@@ -5,7 +5,7 @@ A block's *class* is a few prefix-tree and frequency features known at its last 
 * accesses within the owner's LFU window (counted for uncached keys too): 1, 2, 3, 4, 5–7, 8–15, 16+ for a root
   block (depth 0: every key of a one-key-per-request trace), 1, 2, 3+ for a deeper prefix block (its count is in
   practice its conversation's turns since it was written, and its reuse odds stop changing after 3; finer bins
-  only split the histograms — docs/eviction.md, "Conversation signals"),
+  only split the histograms — docs/results/eviction.md, "Conversation signals"),
 * cached-tree shape: a leaf (no child seen yet), one child, or a branch point (2+ children),
 * the root block (depth 0) or not.
 

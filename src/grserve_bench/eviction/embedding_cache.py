@@ -16,7 +16,7 @@ clock advances by the batch's length); ``"id"`` gives each distinct id of a batc
 advances by the number of distinct ids). ``access_times`` returns the ticks a trace's ids will be resolved at
 under a clock, i.e. the future an oracle needs. Default ``"lookup"``: with ``"batch"`` every id of a batch shares
 one tick, so an oracle's next-request times tie within a batch, Line 25 breaks those ties by recency, and LARU
-with the exact oracle fires Line 14 and falls short of Belady (docs/eviction.md, "DLRM at p = 1").
+with the exact oracle fires Line 14 and falls short of Belady (docs/results/eviction.md, "DLRM at p = 1").
 """
 
 from __future__ import annotations

@@ -565,11 +565,12 @@ def test_the_text_routes_bound_brackets_by_what_a_valid_prompt_can_quote(preset_
     from grserve.server.openai_limits import PromptTokenLimits
     from grserve.server.retrieval_app import max_brackets
 
-    server = ServerConfig(max_prompt_tokens=64)
+    server = ServerConfig(max_prompt_tokens=64, max_history_entries=64)  # a truncated history holds up to 64 entries
     assert max_brackets(server, PromptTokenLimits(64, None, 3)) == 128
     assert max_brackets(server, PromptTokenLimits(64, preset_tok.max_token_chars, 3)) == \
         64 * preset_tok.max_token_chars + 9 + 64
-    assert max_brackets(ServerConfig(), PromptTokenLimits(8192, 100, 2048)) == MAX_BRACKETS
+    assert max_brackets(ServerConfig(max_history_entries=64), PromptTokenLimits(8192, 100, 2048)) == MAX_BRACKETS
+    assert max_brackets(ServerConfig(max_prompt_tokens=64), PromptTokenLimits(64, None, 3)) == 16384 + 64
     client = _text_client(preset_tok, server)
     quoted = "[" * (64 * preset_tok.max_token_chars // 2)  # more brackets than 128, fewer characters than the bound
     r = client.post("/v1/recommend", json={"prompt": quoted, "top_n": 1})  # before: 413 body_too_complex

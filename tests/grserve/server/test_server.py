@@ -7,6 +7,7 @@ import json
 import random
 import string
 import sys
+import time
 import types
 
 import numpy as np
@@ -707,7 +708,10 @@ def test_real_engine_end_to_end(tmp_path):
         assert client.post("/v1/catalog", json={"name": path.name}).json()["catalog"]["version"] == 2
         r = client.post("/v1/recommend", json={"history_tokens": [1, 2, 3], "top_n": 3})
         assert r.status_code == 200 and r.json()["catalog_version"] == 2
-        text = client.get("/metrics").text
+        # the batch metrics are recorded after the batch's futures resolve: the last one may land just after its answer
+        deadline = time.monotonic() + 10
+        while "grserve_batch_size_count 4.0" not in (text := client.get("/metrics").text) and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert "grserve_batch_size_count 4.0" in text
     finally:
         engine.stop()
