@@ -47,7 +47,7 @@ def slice_dir(tmp_path_factory):
 def test_a_changed_copy_of_the_bundled_data_is_refused(tmp_path, slice_dir):
     with pytest.raises(DatasetError, match="lacks"):
         (tmp_path / "inter.json").write_text(json.dumps({"0": [1, 2, 99999]}))
-        (tmp_path / "index_rqvae.json").write_text(json.dumps({"1": [0, 0, 0, 0], "2": [0, 0, 0, 1]}))
+        (tmp_path / "index_rqkmeans.json").write_text(json.dumps({"1": [0, 0, 0, 0], "2": [0, 0, 0, 1]}))
         load_sid_dataset(tmp_path)
     assert len(load_sid_dataset(slice_dir).users) == 300  # another folder is read unchecked
 
