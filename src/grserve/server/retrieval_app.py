@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 from fastapi import FastAPI, Request
 
-from grserve.catalog.allowlist import Allow, allowed_rows
+from grserve.catalog.allowlist import allowed_rows
 from grserve.catalog.popularity import Popularity
 from grserve.config import BeamApiConfig, CatalogReloadConfig, EdgeConfig, ServerConfig
 from grserve.engine.protocol import RetrievalService
@@ -37,6 +37,7 @@ from grserve.server.app import new_app
 from grserve.server.bodies import MAX_BRACKETS, Precheck
 from grserve.server.catalog_reload import CatalogReloader
 from grserve.server.errors import ApiError
+from grserve.server.item_filters import allowed, check_excluded, check_included, excluded_items
 from grserve.server.lifecycle import finish, submit
 from grserve.server.metrics import Metrics
 from grserve.server.offload import off_loop
@@ -192,51 +193,6 @@ def catalog_info(catalog: Any) -> CatalogInfo:
                        codebook_sizes=[int(c) for c in catalog.codebook_sizes])
 
 
-def _check_excluded(n: int, server_cfg: ServerConfig) -> None:
-    limit = int(server_cfg.max_exclude_items)
-    if n > limit:
-        raise ApiError(413, f"exclude_items: {n} items, more than the limit of {limit}", "exclude_items",
-                       "too_many_excluded")
-
-
-def excluded_items(body: RecommendRequest, server_cfg: ServerConfig) -> np.ndarray | None:
-    """``exclude_items`` as int64 ids (413 over ``--max-exclude-items``). Ids the catalog does not know — and ids
-    beyond int64, which no catalog can hold — exclude nothing and are dropped (decided: docs/security.md)."""
-    if not body.exclude_items:
-        return None
-    _check_excluded(len(body.exclude_items), server_cfg)
-    return np.asarray([v for v in body.exclude_items if INT64_MIN <= v <= INT64_MAX], dtype=np.int64)
-
-
-def allowed(body: RecommendRequest, catalog: Any, server_cfg: ServerConfig) -> Allow | None:
-    """The request's allowlist (``include_items``, ``include_sid_prefix``) or None: 413 over
-    ``--max-include-items``; a prefix longer than the catalog depth or a code outside its level's codebook is a 400.
-    Unknown ids allow nothing and are dropped, like ``exclude_items``'."""
-    items, prefix = body.include_items, body.include_sid_prefix
-    if items is None and prefix is None:
-        return None
-    if items is not None:
-        _check_included(len(items), server_cfg)
-    if prefix is not None:
-        depth, sizes = int(catalog.depth), [int(c) for c in catalog.codebook_sizes]
-        if len(prefix) > depth:
-            raise ApiError(400, f"include_sid_prefix: {len(prefix)} codes, more than the catalog depth {depth}",
-                           "include_sid_prefix", "wrong_depth")
-        bad = next((j for j, c in enumerate(prefix) if not 0 <= c < sizes[j]), None)
-        if bad is not None:
-            raise ApiError(400, f"include_sid_prefix[{bad}]: code {prefix[bad]} is out of range for level {bad} "
-                                f"[0, {sizes[bad]})", f"include_sid_prefix[{bad}]", "out_of_range")
-    ids = None if items is None else np.asarray([v for v in items if INT64_MIN <= v <= INT64_MAX], dtype=np.int64)
-    return Allow(ids, None if prefix is None else tuple(int(c) for c in prefix))
-
-
-def _check_included(n: int, server_cfg: ServerConfig) -> None:
-    limit = int(server_cfg.max_include_items)
-    if n > limit:
-        raise ApiError(413, f"include_items: {n} items, more than the limit of {limit}", "include_items",
-                       "too_many_included")
-
-
 def _history_precheck(raw: dict, name: str, tokens_each: int, server_cfg: ServerConfig) -> None:
     """A raw ``history_*`` list's cheap bound: with truncation (the request's ``truncate``, else the server's) at
     most ``--max-history-entries`` entries; without, at most ``--max-prompt-tokens`` as prompt tokens (413)."""
@@ -270,9 +226,9 @@ def max_brackets(server_cfg: ServerConfig, limits: PromptLimits) -> int:
 
 def _excluded_precheck(raw: dict, server_cfg: ServerConfig) -> None:
     if isinstance(raw.get("exclude_items"), list):
-        _check_excluded(len(raw["exclude_items"]), server_cfg)
+        check_excluded(len(raw["exclude_items"]), server_cfg)
     if isinstance(raw.get("include_items"), list):
-        _check_included(len(raw["include_items"]), server_cfg)
+        check_included(len(raw["include_items"]), server_cfg)
 
 
 def recommend_precheck(engine: RetrievalService, server_cfg: ServerConfig,
