@@ -1,6 +1,7 @@
 """Item catalog: SID layout, prefix trie, constrained-decoding masks, loaders and the live store."""
 
-from .catalog import Catalog, CatalogError
+from .catalog import Catalog
+from .errors import CatalogError
 from .io import load_catalog, save_catalog
 from .layout import SidLayout
 from .masks import ItemMask

@@ -8,16 +8,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .errors import CatalogError
 from .layout import SidLayout
 from .masks import ItemMask
 from .trie import PrefixTrie, lex_increasing
 
 if TYPE_CHECKING:
     from .sid_text import SidText
-
-
-class CatalogError(ValueError):
-    """A catalog input is invalid; the message names the source and line."""
 
 
 def _first_dup(keys_sorted_eq: np.ndarray, order: np.ndarray) -> tuple[int, int] | None:

@@ -46,7 +46,8 @@ from typing import BinaryIO, TextIO
 
 import numpy as np
 
-from .catalog import Catalog, CatalogError
+from .catalog import Catalog
+from .errors import CatalogError
 from .sid_text import SidText, codes_from_strings, parse_header, text_from_header
 
 DEFAULT_TOKEN_OFFSET = 16

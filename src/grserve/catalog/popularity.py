@@ -22,7 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .catalog import Catalog, CatalogError
+from .catalog import Catalog
+from .errors import CatalogError
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from typing import Protocol
 
 import numpy as np
 
-from .catalog import CatalogError
+from .errors import CatalogError
 from .layout import SidLayout
 
 _NUMBERED = re.compile(r"^(.*?)(0|[1-9][0-9]*)(\D*)$", re.S)

@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from grserve.cluster.core import heartbeat
 from grserve.cluster.gr.hrcs import Placement, compute_replication_ratio, hrcs_placement, place_new, replicate
@@ -28,9 +28,12 @@ from grserve.kvcache.meta import CacheMetaService
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
 
-    from grserve.cluster.gr.modes import ClusterRankingEngine
-    from grserve.config import HRCSConfig
+    from grserve.cluster.core.front_end import Instance
+    from grserve.cluster.wire import StateChange
+    from grserve.config import ClusterConfig, HRCSConfig
+    from grserve.engine.ranking_runner import RankingStats
     from grserve.engine.types import RankingRequest
+    from grserve.ranking.registry import RankingRegistry
 
 log = logging.getLogger("grserve.cluster")
 CHUNK = 256  # items per compute call (an instance holds one chunk's KV at a time)
@@ -43,8 +46,30 @@ class KVWorker:
     stats: dict[str, float] = field(default_factory=dict)
 
 
+class RankingStatsSource(Protocol):
+    @property
+    def stats(self) -> RankingStats: ...
+
+
+class RankingFrontEnd(Protocol):
+    """What the meta service reads of the front end it lives in (``modes.ClusterRankingEngine``): the cluster
+    config, the instances, the state lock, broadcasts, the item registry and the ranking stats."""
+
+    cc: ClusterConfig
+    instances: list[Instance]
+    _state_lock: threading.RLock
+
+    @property
+    def registry(self) -> RankingRegistry: ...
+
+    @property
+    def runner(self) -> RankingStatsSource: ...
+
+    def broadcast(self, change: StateChange) -> list[int]: ...
+
+
 class ItemKVMetaService:
-    def __init__(self, engine: ClusterRankingEngine, cfg: HRCSConfig, workers: int, page_size: int,
+    def __init__(self, engine: RankingFrontEnd, cfg: HRCSConfig, workers: int, page_size: int,
                  window_s: float):
         self.engine, self.cfg, self.n, self.page_size = engine, cfg, workers, page_size
         self.hotness = CacheMetaService(item_window_s=window_s)

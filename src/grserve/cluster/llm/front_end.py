@@ -100,8 +100,9 @@ class ClusterLLMEngine(FrontEndLifecycle):
         eng.serve_cfg = cfg
         if pd is not None and pd.pd:
             from grserve.cluster.llm.pd_disagg import attach_pd
+            from grserve.cluster.llm.pd_roles import RoleMonitor
 
-            attach_pd(eng, pd, cfg.slo)
+            attach_pd(eng, pd, cfg.slo, RoleMonitor)
         return eng
 
     def describe(self) -> list[str]:

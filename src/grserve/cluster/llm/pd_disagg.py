@@ -39,7 +39,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -56,12 +56,14 @@ from grserve.cluster.llm.pd_policy import (
 from grserve.cluster.wire import Attempt
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from ray.actor import ActorHandle
 
-    from grserve.cluster.llm.front_end import ClusterLLMEngine
+    from grserve.cluster.core.front_end import Instance
+    from grserve.cluster.core.router import Router
     from grserve.cluster.llm.instance import EngineInstance
     from grserve.cluster.llm.journal import RequestRecord
-    from grserve.cluster.llm.pd_roles import RoleMonitor
     from grserve.config import ClusterConfig, PDConfig, SLOConfig
     from grserve.engine.protocol import RequestHandle
     from grserve.engine.sampling import SamplingParams
@@ -81,8 +83,26 @@ class PDRequest:
     queued_before: int  # booked prefill tokens on the instance when it was routed (0: an uncontended TTFT)
 
 
+class PDFrontEnd(Protocol):
+    """What the coordinator reads of the front end (``front_end.ClusterLLMEngine``): its instances and router;
+    ``attach_pd`` sets its ``pd``."""
+
+    instances: list[Instance]
+    router: Router
+    pd: PDCoordinator | None
+
+
+class PDMonitor(Protocol):
+    """What the front end drives of the role monitor (``pd_roles.RoleMonitor``): ``tick`` after each poll; ``log``:
+    every flip."""
+
+    log: list[dict]
+
+    def tick(self, now: float | None = None) -> tuple[int, Role] | None: ...
+
+
 class PDCoordinator:
-    def __init__(self, engine: ClusterLLMEngine, cfg: PDConfig, slo: SLOConfig, cost: PDCostModel,
+    def __init__(self, engine: PDFrontEnd, cfg: PDConfig, slo: SLOConfig, cost: PDCostModel,
                  ttft: TTFTPredictor):
         self.engine, self.cfg, self.slo, self.cost, self.ttft = engine, cfg, slo, cost, ttft
         self.pools = RolePools(len(engine.instances), cfg.prefill_instances, cfg, time.monotonic())
@@ -94,7 +114,7 @@ class PDCoordinator:
         self.hold_handoff = False  # tests: keep split requests between their phases
         self.recent_input = 0  # uncached tokens of the latest split request (the flip rule's TTFT probe) …
         self.recent_input_at = 0.0  # … and when it was routed (monotonic)
-        self.monitor: RoleMonitor | None = None
+        self.monitor: PDMonitor | None = None
         self.measured_s = 0.0  # seconds the start-up cost model measurement took
 
     # ---- signals ------------------------------------------------------------------------------------------
@@ -368,10 +388,10 @@ def measure_cost_model(instances: list[ActorHandle], lengths: tuple[int, ...] = 
     return cost, list(zip(lengths, best))
 
 
-def attach_pd(engine: ClusterLLMEngine, cfg: PDConfig, slo: SLOConfig) -> PDCoordinator:
-    """Measure the cost model, build the coordinator and its role monitor, and hook them into ``engine``."""
-    from grserve.cluster.llm.pd_roles import RoleMonitor
-
+def attach_pd(engine: PDFrontEnd, cfg: PDConfig, slo: SLOConfig,
+              monitor: Callable[[PDCoordinator], PDMonitor]) -> PDCoordinator:
+    """Measure the cost model, build the coordinator and its role monitor (``monitor``: ``pd_roles.RoleMonitor``),
+    and hook them into ``engine``."""
     live = [inst.actor for inst in engine.instances if inst.up]
     t0 = time.perf_counter()
     cost, samples = measure_cost_model(live)
@@ -382,7 +402,7 @@ def attach_pd(engine: ClusterLLMEngine, cfg: PDConfig, slo: SLOConfig) -> PDCoor
         ttft.observe(n, t)
     coord = PDCoordinator(engine, cfg, slo, cost, ttft)
     coord.measured_s = measured_s
-    coord.monitor = RoleMonitor(coord)
+    coord.monitor = monitor(coord)
     engine.pd = coord
     return coord
 
