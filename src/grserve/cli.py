@@ -5,6 +5,7 @@
     grserve serve [retrieval] | ranking | llm        server/retrieval_main.py, ranking_main.py, llm_main.py
     grserve bench retrieval | cache | ranking | serve | quality | cluster | pd | peers     the lab package, grserve_bench
     grserve catalog generate | validate | convert | build
+    grserve recommend                                recommend_main.py (offline, JSONL in and out)
 
 Each command module has ``add_command(sub)``: it adds its subcommand to a group with flags generated from config
 dataclasses (:mod:`grserve.flags`: every flag, its default and its check are defined once, in a dataclass field) and
@@ -42,6 +43,7 @@ from grserve.flags import (
 )
 from grserve.movielens import build as movielens_build
 from grserve.server import llm_main, ranking_main, retrieval_main
+from grserve import recommend_main
 
 CATALOG_EXTENSIONS = (".jsonl", ".csv", ".grcat", ".json")
 DEFAULT_SERVE_MODE = "retrieval"
@@ -226,6 +228,7 @@ def build_parser(commands: Mapping[str, Register] | None = None) -> argparse.Arg
                      "LC-Rec / MiniOneRec index) and the compact binary .grcat (docs/serving-gr-models.md).", "ACTION")
     _add_catalog_commands(catalog)
     movielens_build.add_command(catalog)
+    recommend_main.add_command(sub)
     return parser
 
 

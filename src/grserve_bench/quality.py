@@ -152,10 +152,12 @@ def _unconstrained_beam_search(model, prompt: np.ndarray, layout, beam_width: in
 class QualityBenchConfig(Checked):
     """``grserve bench quality``: which model, and how it is evaluated."""
 
+    dataset: str = flag("movielens", "movielens: MovieLens-100k (this module); beauty: Amazon Beauty against the "
+                                     "published table (grserve_bench.beauty)", choices=("movielens", "beauty"))
     model: str | None = flag(None, "evaluate this model directory instead of the cached one (needs --catalog)",
                              metavar="DIR")
     catalog: str | None = flag(None, "the catalog --model was trained with", metavar="FILE")
-    beam_width: int = flag(50, "served beam width", check=positive_int)
+    beam_width: int | None = flag(None, "served beam width (default: 50 movielens, 100 beauty)", check=positive_int)
     k: int = flag(10, "cut-off K of Recall@K / NDCG@K", check=positive_int)
     batch: int = flag(32, "users per RetrievalRunner batch", check=positive_int)
     split: str = flag("test", "valid: predict the validation item from the training history",
@@ -170,7 +172,7 @@ class QualityBenchConfig(Checked):
     def check(self) -> None:
         if (self.model is None) != (self.catalog is None):
             raise ConfigError("catalog" if self.catalog is None else "model", "--model and --catalog go together")
-        if self.beam_width < self.k:
+        if self.beam_width is not None and self.beam_width < self.k:
             raise ConfigError("beam_width", f"{self.beam_width} must be >= --k {self.k}")
 
 
@@ -183,11 +185,23 @@ def add_command(sub) -> None:
                                    "model.")
     add_flags(p, QualityBenchConfig, title="evaluation")
     add_flags(p, ArtifactsConfig, title="artifacts (MovieLens data, catalog, model)")
+    from grserve.beauty.artifacts import BeautyArtifactsConfig
+    from grserve_bench.beauty import BeautyBenchConfig
+
+    add_flags(p, BeautyBenchConfig, title="--dataset beauty (its cache: $GRSERVE_CACHE_DIR/beauty or "
+                                          ".grserve-cache/beauty)")
+    add_flags(p, BeautyArtifactsConfig)
     p.set_defaults(handler=_main)
 
 
 def _main(ns) -> int:
-    return run(from_args(QualityBenchConfig, ns, artifacts=from_args(ArtifactsConfig, ns)))
+    cfg = from_args(QualityBenchConfig, ns, artifacts=from_args(ArtifactsConfig, ns))
+    if cfg.dataset == "beauty":
+        from grserve.beauty.artifacts import BeautyArtifactsConfig
+        from grserve_bench import beauty
+
+        return beauty.run(cfg, from_args(beauty.BeautyBenchConfig, ns), from_args(BeautyArtifactsConfig, ns))
+    return run(cfg)
 
 
 def evaluate(model, catalog, split, *, max_items: int, beam_width: int = 50, k: int = 10, batch: int = 32,
@@ -197,7 +211,7 @@ def evaluate(model, catalog, split, *, max_items: int, beam_width: int = 50, k: 
 
     from grserve.config import SearchConfig
     from grserve.engine.retrieval import RetrievalRunner
-    from grserve.movielens.train import history_tokens
+    from grserve.recipe.train import history_tokens
 
     n_users = len(split.users) if max_users is None else min(max_users, len(split.users))
     if split_name == "test":
@@ -337,7 +351,7 @@ def run(cfg: QualityBenchConfig) -> int:
     model = load_model(model_dir)
     console.print(f"model {model_dir} ({model.spec.num_parameters():,} parameters), catalog {catalog_path} "
                   f"({len(catalog)} items, codebooks {list(catalog.codebook_sizes)}), prompt = last {max_items} items")
-    r = evaluate(model, catalog, split, max_items=max_items, beam_width=cfg.beam_width, k=cfg.k, batch=cfg.batch,
+    r = evaluate(model, catalog, split, max_items=max_items, beam_width=cfg.beam_width or 50, k=cfg.k, batch=cfg.batch,
                  split_name=cfg.split, max_users=cfg.max_users, seed=cfg.seed, progress=cfg.progress)
     print_report(r, console)
     print(json.dumps(report_json(r)), flush=True)

@@ -92,6 +92,11 @@ class RetrievalEngine(BatchedEngine):
         return self._core.peak_inflight
 
     # ---- one batch ---------------------------------------------------------------------------------------
+    def run_batch(self, requests: list[RetrievalRequest]) -> list[RetrievalResult]:
+        """Run one batch now, in the caller's thread (the offline API, ``grserve.recommender``); requests of one
+        beam width."""
+        return self._execute(requests)
+
     def _execute(self, requests: list[RetrievalRequest]) -> list[RetrievalResult]:
         catalog = self.catalogs.current()
         start = time.perf_counter()

@@ -2,7 +2,7 @@
 
     ``<cache>/data/``          the MovieLens-100k files (``grserve.movielens.data``)
     ``<cache>/catalog.jsonl``  the SID catalog (``grserve catalog build``, ``grserve.movielens.build``)
-    ``<cache>/model/``         the HF-format GR decoder trained on the leave-one-out split (``grserve.movielens.train``)
+    ``<cache>/model/``         the HF-format GR decoder trained on the leave-one-out split (``grserve.recipe.train``)
     ``<cache>/popularity.json`` interaction counts of every item but the held-out test items: the cold-start answer
                                (``--popularity``, ``grserve.catalog.popularity``)
 
@@ -24,6 +24,7 @@ from typing import Callable
 
 from grserve.flags import Checked, HelpFormatter, add_flags, flag, from_args, positive
 from grserve.movielens.data import default_cache_dir, file_sha256, load_movielens
+from grserve.recipe.config import TrainConfig
 
 
 @dataclass(frozen=True)
@@ -75,8 +76,11 @@ def model_is_current(art: Artifacts, settings: dict | None = None, complete: boo
         return False
     if meta.get("catalog_sha256") != file_sha256(art.catalog):
         return False
-    if settings is not None and any(meta.get("config", {}).get(k) != v for k, v in settings.items()):
-        return False
+    if settings is not None:
+        # a setting the recorded config lacks was added to the trainer later; its default is the old behaviour
+        recorded = {**TrainConfig().settings(), **meta.get("config", {})}
+        if any(recorded.get(k) != v for k, v in settings.items()):
+            return False
     return not (complete and meta.get("stopped_by_budget"))
 
 
@@ -85,7 +89,7 @@ def ensure_artifacts(cfg: ArtifactsConfig = ArtifactsConfig(), *, log: Callable[
     """Build whatever is missing or stale (catalog, then model) under ``cfg.root``; reuse the rest."""
     from grserve.movielens.build import BuildConfig, build_catalog_file
     from grserve.movielens.split import leave_one_out
-    from grserve.movielens.train import TrainConfig, save_trained, train_gr
+    from grserve.recipe.train import save_trained, train_gr
 
     art = Artifacts(cfg.root)
     art.root.mkdir(parents=True, exist_ok=True)

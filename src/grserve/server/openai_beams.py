@@ -35,6 +35,7 @@ from grserve.engine.protocol import RetrievalService
 from grserve.engine.think import ThinkSpec
 from grserve.engine.types import RetrievalRequest, RetrievalResult
 from grserve.server.errors import ApiError
+from grserve.server.item_filters import excluded_items
 from grserve.server.lifecycle import finish, submit
 from grserve.server.metrics import Metrics
 from grserve.server.offload import off_loop
@@ -138,7 +139,6 @@ def beam_knobs(ctx: BeamContext, body: BeamRequest, catalog: Any) -> BeamKnobs:
                        "out_of_range")
     spec = think_spec(ctx, body.max_think_tokens, catalog.layout, body.temperature, body.top_p, body.top_k,
                       body.seed)
-    from grserve.server.retrieval_app import excluded_items
 
     return BeamKnobs(bw, spec, excluded_items(body, ctx.server))
 

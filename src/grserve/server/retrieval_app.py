@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 from fastapi import FastAPI, Request
 
-from grserve.catalog.allowlist import Allow, allowed_rows
+from grserve.catalog.allowlist import allowed_rows
 from grserve.catalog.popularity import Popularity
 from grserve.config import BeamApiConfig, CatalogReloadConfig, EdgeConfig, ServerConfig
 from grserve.engine.protocol import RetrievalService
@@ -37,6 +37,7 @@ from grserve.server.app import new_app
 from grserve.server.bodies import MAX_BRACKETS, Precheck
 from grserve.server.catalog_reload import CatalogReloader
 from grserve.server.errors import ApiError
+from grserve.server.item_filters import allowed, check_excluded, check_included, excluded_items
 from grserve.server.lifecycle import finish, submit
 from grserve.server.metrics import Metrics
 from grserve.server.offload import off_loop
@@ -181,54 +182,15 @@ def _item_tokens(catalog: Any) -> int:
     return int(catalog.depth) + (layout.sid_begin is not None) + (layout.sid_end is not None)
 
 
+def items_out(result: RetrievalResult) -> list[ItemOut]:
+    """The answer's items (a non-finite score, which JSON cannot carry, as -1e30)."""
+    return [ItemOut(item_id=int(it.item_id), sid=[int(c) for c in it.sid],
+                    score=float(it.score) if math.isfinite(float(it.score)) else -1e30) for it in result.items]
+
+
 def catalog_info(catalog: Any) -> CatalogInfo:
     return CatalogInfo(num_items=len(catalog), version=int(catalog.version), depth=int(catalog.depth),
                        codebook_sizes=[int(c) for c in catalog.codebook_sizes])
-
-
-def _check_excluded(n: int, server_cfg: ServerConfig) -> None:
-    limit = int(server_cfg.max_exclude_items)
-    if n > limit:
-        raise ApiError(413, f"exclude_items: {n} items, more than the limit of {limit}", "exclude_items",
-                       "too_many_excluded")
-
-
-def excluded_items(body: RecommendRequest, server_cfg: ServerConfig) -> np.ndarray | None:
-    """``exclude_items`` as int64 ids (413 over ``--max-exclude-items``). Ids the catalog does not know — and ids
-    beyond int64, which no catalog can hold — exclude nothing and are dropped (decided: docs/security.md)."""
-    if not body.exclude_items:
-        return None
-    _check_excluded(len(body.exclude_items), server_cfg)
-    return np.asarray([v for v in body.exclude_items if INT64_MIN <= v <= INT64_MAX], dtype=np.int64)
-
-
-def allowed(body: RecommendRequest, catalog: Any, server_cfg: ServerConfig) -> Allow | None:
-    """The request's allowlist (``include_items``, ``include_sid_prefix``) or None: 413 over
-    ``--max-include-items``; a prefix longer than the catalog depth or a code outside its level's codebook is a 400.
-    Unknown ids allow nothing and are dropped, like ``exclude_items``'."""
-    items, prefix = body.include_items, body.include_sid_prefix
-    if items is None and prefix is None:
-        return None
-    if items is not None:
-        _check_included(len(items), server_cfg)
-    if prefix is not None:
-        depth, sizes = int(catalog.depth), [int(c) for c in catalog.codebook_sizes]
-        if len(prefix) > depth:
-            raise ApiError(400, f"include_sid_prefix: {len(prefix)} codes, more than the catalog depth {depth}",
-                           "include_sid_prefix", "wrong_depth")
-        bad = next((j for j, c in enumerate(prefix) if not 0 <= c < sizes[j]), None)
-        if bad is not None:
-            raise ApiError(400, f"include_sid_prefix[{bad}]: code {prefix[bad]} is out of range for level {bad} "
-                                f"[0, {sizes[bad]})", f"include_sid_prefix[{bad}]", "out_of_range")
-    ids = None if items is None else np.asarray([v for v in items if INT64_MIN <= v <= INT64_MAX], dtype=np.int64)
-    return Allow(ids, None if prefix is None else tuple(int(c) for c in prefix))
-
-
-def _check_included(n: int, server_cfg: ServerConfig) -> None:
-    limit = int(server_cfg.max_include_items)
-    if n > limit:
-        raise ApiError(413, f"include_items: {n} items, more than the limit of {limit}", "include_items",
-                       "too_many_included")
 
 
 def _history_precheck(raw: dict, name: str, tokens_each: int, server_cfg: ServerConfig) -> None:
@@ -264,9 +226,9 @@ def max_brackets(server_cfg: ServerConfig, limits: PromptLimits) -> int:
 
 def _excluded_precheck(raw: dict, server_cfg: ServerConfig) -> None:
     if isinstance(raw.get("exclude_items"), list):
-        _check_excluded(len(raw["exclude_items"]), server_cfg)
+        check_excluded(len(raw["exclude_items"]), server_cfg)
     if isinstance(raw.get("include_items"), list):
-        _check_included(len(raw["include_items"]), server_cfg)
+        check_included(len(raw["include_items"]), server_cfg)
 
 
 def recommend_precheck(engine: RetrievalService, server_cfg: ServerConfig,
@@ -311,22 +273,31 @@ def beam_prechecks(limits: PromptLimits, server_cfg: ServerConfig) -> dict[str, 
 # ----------------------------------------------------------------------------------------------------------
 # the app
 # ----------------------------------------------------------------------------------------------------------
-async def recommend_request(body: RecommendRequest, catalog: Any, engine: RetrievalService, server_cfg: ServerConfig,
-                            beam_ctx: Any, beam_width: int) -> tuple[RetrievalRequest, int]:
+def retrieval_request(body: RecommendRequest, catalog: Any, engine: RetrievalService, server_cfg: ServerConfig,
+                      beam_ctx: Any, beam_width: int | None = None) -> tuple[RetrievalRequest, int]:
     """The engine request of a ``/v1/recommend`` body against one catalog snapshot, and the number of history
-    entries ``truncate`` cut."""
+    entries ``truncate`` cut (``ApiError`` naming the field otherwise). Also the offline API's conversion
+    (``grserve.recommender``), so both take exactly the same inputs."""
+    if beam_width is None:
+        beam_width = _search_knobs(body, engine.search, server_cfg)
     think, excluded = recommend_think(body, catalog, beam_ctx), excluded_items(body, server_cfg)  # cheap first
     include = allowed(body, catalog, server_cfg)
-    args = (body, catalog, int(engine.vocab_size), int(server_cfg.max_prompt_tokens), beam_ctx,
-            body.truncate or server_cfg.truncate)
-    # a text history's chat template and tokenizer run on a heavy-work thread, never on the event loop
-    prompt, dropped = await off_loop(history_tokens, *args) if body.history_kind in TEXT_HISTORIES \
-        else history_tokens(*args)
+    prompt, dropped = history_tokens(body, catalog, int(engine.vocab_size), int(server_cfg.max_prompt_tokens),
+                                     beam_ctx, body.truncate or server_cfg.truncate)
     # the engine's key (its cancel key) is the server's own: a client's request_id is only echoed, so a client
     # that reuses another's id and disconnects cancels nothing but its own request
     req = RetrievalRequest(prompt_tokens=prompt, beam_width=beam_width, top_n=body.top_n, exclude_items=excluded,
                            include=include, think=think)
     return req, dropped
+
+
+async def recommend_request(body: RecommendRequest, catalog: Any, engine: RetrievalService, server_cfg: ServerConfig,
+                            beam_ctx: Any, beam_width: int) -> tuple[RetrievalRequest, int]:
+    """``retrieval_request`` for the server: a text history's chat template and tokenizer run on a heavy-work
+    thread, never on the event loop."""
+    if body.history_kind in TEXT_HISTORIES:
+        return await off_loop(retrieval_request, body, catalog, engine, server_cfg, beam_ctx, beam_width)
+    return retrieval_request(body, catalog, engine, server_cfg, beam_ctx, beam_width)
 
 
 def cold_start(req: RetrievalRequest, catalog: Any, popular: Popularity) -> RetrievalResult:
@@ -384,9 +355,7 @@ def create_app(engine: RetrievalService, server_cfg: ServerConfig, metrics: Metr
             result, source = cold_start(req, catalog, popular), "popularity"
         else:
             result, source = await finish(request, engine, submit(engine, req)), "model"
-        items = [ItemOut(item_id=int(it.item_id), sid=[int(c) for c in it.sid],
-                         score=float(it.score) if math.isfinite(float(it.score)) else -1e30)
-                 for it in result.items]
+        items = items_out(result)
         metrics.observe_items(len(items))
         return RecommendResponse(
             request_id=body.request_id or req.request_id, items=items, source=source, history_dropped=dropped,

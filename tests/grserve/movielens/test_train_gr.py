@@ -15,7 +15,7 @@ from grserve.config import SearchConfig
 from grserve.engine.retrieval import RetrievalRunner
 from grserve.model import Decoder, load_model
 from grserve_bench.quality import unconstrained_beam_search
-from grserve.movielens.train import (
+from grserve.recipe.train import (
     CausalBatchContext, TrainConfig, history_tokens, init_weights, model_spec, next_item_nll, save_trained, train_gr,
     windows,
 )
@@ -108,7 +108,7 @@ def test_budget_stops_training(catalog):
 def test_default_training_runs_its_epochs_however_slow_the_machine(catalog, monkeypatch):
     """The cap is epochs, not wall-clock seconds (issue 26: a 540 s budget stopped the demo at 9 of 12 epochs on a
     loaded machine): with the clock advancing 1000 s per reading, the default config still trains every step."""
-    import grserve.movielens.train as train_mod
+    import grserve.recipe.train as train_mod
 
     clock = itertools.count(0.0, 1000.0)
     monkeypatch.setattr(train_mod.time, "perf_counter", lambda: next(clock))
