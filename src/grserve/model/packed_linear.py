@@ -55,6 +55,15 @@ class PackedLinears:
             self.weights = {lin: torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), batch_hint)
                             for lin in projections(model)}
 
+    @classmethod
+    def of(cls, linears: list[nn.Linear], batch_hint: int = 32) -> "PackedLinears":
+        """Packed copies of just ``linears`` (a start-up probe times one layer without packing the model)."""
+        self = cls.__new__(cls)
+        with torch.inference_mode():
+            self.weights = {lin: torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), batch_hint)
+                            for lin in linears}
+        return self
+
     def __len__(self) -> int:
         return len(self.weights)
 

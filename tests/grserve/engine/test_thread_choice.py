@@ -1,0 +1,96 @@
+"""``--threads 0``: the engine's torch thread count is measured at start-up (engine/thread_choice.py) -- more
+threads only when they are faster by more than the margin; an explicit count is kept; the probe runs the model's
+own layer; ``serve llm`` builds its engine that way and names the choice."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grserve.engine.thread_choice import ThreadChoice, candidates, choose_threads, engine_threads, layer_probe
+
+
+@pytest.fixture(autouse=True)
+def keep_threads():
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+class FakeClock:
+    """A probe whose duration depends on the thread count torch is set to; the timer reads this clock."""
+
+    def __init__(self, cost: dict[int, float]):
+        self.cost, self.now, self.seen = cost, 0.0, []
+
+    def probe(self) -> None:
+        n = torch.get_num_threads()
+        self.seen.append(n)
+        self.now += self.cost[n]
+
+    def timer(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize("cost,expected", [
+    ({1: 1.0, 2: 0.5}, 2),    # twice as fast: worth its core
+    ({1: 1.0, 2: 0.95}, 1),   # within the 10 % margin: the front end keeps its core
+    ({1: 1.0, 2: 6.0}, 1),    # a loaded machine: the barrier waits for a descheduled thread
+])
+def test_more_threads_must_earn_their_core(cost, expected):
+    clock = FakeClock(cost)
+    choice = choose_threads(clock.probe, [2, 1], timer=clock.timer)
+    assert choice.threads == expected
+    assert torch.get_num_threads() == expected
+    assert choice.probe_ms == pytest.approx({n: 1e3 * c for n, c in cost.items()})
+    assert f"{expected} torch threads (measured" in choice.describe()
+
+
+def test_candidates_are_timed_interleaved_and_alike():
+    clock = FakeClock({1: 0.004, 2: 0.003})
+    choose_threads(clock.probe, [1, 2], rounds=3, sample_s=0.012, timer=clock.timer)
+    timed = clock.seen[4:]  # after the warm-up: 2 calls per count
+    assert clock.seen[:4] == [1, 1, 2, 2]
+    # one sample repeats the probe ~sample_s / fastest call (4 calls), the counts alternate round by round
+    assert timed == ([1] * 4 + [2] * 4) * 3
+
+
+def test_one_candidate_is_not_timed():
+    clock = FakeClock({1: 1.0})
+    assert choose_threads(clock.probe, [1, 1], timer=clock.timer) == ThreadChoice(1, {}, "one candidate")
+    assert clock.seen == []
+    assert candidates(1) == [1] and candidates(2) == [1, 2] and candidates(16) == [15, 16]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from grserve.model import load_model
+
+    return load_model("tiny")
+
+
+def test_an_explicit_count_is_kept(tiny):
+    choice = engine_threads(3, tiny, cores=2)
+    assert choice.threads == 3 and torch.get_num_threads() == 3 and not choice.probe_ms
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_the_probe_runs_the_models_first_layer(tiny, packed):
+    assert layer_probe(tiny, packed, rows=5)().shape == (5, tiny.spec.hidden_size)  # the down projection's rows
+    choice = engine_threads(0, tiny, packed, cores=2)
+    assert choice.threads in (1, 2) and set(choice.probe_ms) == {1, 2}
+    assert torch.get_num_threads() == choice.threads
+    assert engine_threads(0, tiny, packed, cores=1).threads == 1
+
+
+def test_serve_builds_its_engine_with_the_measured_count(monkeypatch):
+    from grserve.config import LLMServeConfig, ModelConfig
+    from grserve.engine.async_llm import AsyncLLMEngine
+
+    cfg = LLMServeConfig(model=ModelConfig(source="tiny"))
+    torch.set_num_threads(1)
+    plain = AsyncLLMEngine.build(cfg)
+    assert plain.thread_choice is None and torch.get_num_threads() == 1  # the caller's count stays
+    monkeypatch.setattr("grserve.engine.thread_choice.usable_cores", lambda: 2)
+    picked = AsyncLLMEngine.build(cfg, pick_threads=True)
+    assert picked.thread_choice.threads == torch.get_num_threads() and set(picked.thread_choice.probe_ms) == {1, 2}
