@@ -25,7 +25,6 @@ are read ahead of the oldest unfinished one; results come back in input order (`
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
@@ -33,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from grserve.config import CatalogConfig, ModelConfig, SchedulerConfig, SearchConfig, ServeConfig, ServerConfig
+from grserve.engine.types import json_score
 
 
 class RecommendInputError(ValueError):
@@ -66,7 +66,7 @@ class Recommendation:
         """The items as ``/v1/recommend`` answers them (a non-finite score as -1e30)."""
         return {"request_id": self.request_id,
                 "items": [{"item_id": it.item_id, "sid": list(it.sid),
-                           "score": it.score if math.isfinite(it.score) else -1e30} for it in self.items],
+                           "score": json_score(it.score)} for it in self.items],
                 "source": self.source, "history_dropped": self.history_dropped, "thinking": self.thinking}
 
 

@@ -6,6 +6,7 @@ so the engine can assume valid requests.
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -37,6 +38,12 @@ class RetrievalRequest:
     @property
     def num_tokens(self) -> int:
         return int(self.prompt_tokens.shape[0])
+
+
+def json_score(score: float) -> float:
+    """A score as the APIs write it: JSON cannot carry a non-finite number, so -inf (or nan) is -1e30."""
+    score = float(score)
+    return score if math.isfinite(score) else -1e30
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,6 @@ a request from the edge on (both paths are queued routes); the engine's key is t
 
 from __future__ import annotations
 
-import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -33,7 +32,7 @@ from fastapi.routing import APIRoute
 from grserve.config import BeamApiConfig, ServerConfig
 from grserve.engine.protocol import RetrievalService
 from grserve.engine.think import ThinkSpec
-from grserve.engine.types import RetrievalRequest, RetrievalResult
+from grserve.engine.types import RetrievalRequest, RetrievalResult, json_score
 from grserve.server.errors import ApiError
 from grserve.server.item_filters import excluded_items
 from grserve.server.lifecycle import finish, submit
@@ -155,7 +154,7 @@ def retrieval_request(ctx: BeamContext, body: BeamRequest, ids: list[int], catal
 
 def _items(result: RetrievalResult, catalog: Any) -> list[dict]:
     return [{"index": i, "item_id": int(it.item_id), "sid": [int(c) for c in it.sid],
-             "cumulative_logprob": float(it.score) if math.isfinite(float(it.score)) else -1e30,
+             "cumulative_logprob": json_score(it.score),
              "text": item_text(catalog, it.sid)} for i, it in enumerate(result.items)]
 
 

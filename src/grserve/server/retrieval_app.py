@@ -21,7 +21,6 @@ thread; the engine's key is the server's own (a client's ``request_id`` is only 
 from __future__ import annotations
 
 import logging
-import math
 import time
 from typing import Any
 
@@ -32,7 +31,7 @@ from grserve.catalog.allowlist import allowed_rows
 from grserve.catalog.popularity import Popularity
 from grserve.config import BeamApiConfig, CatalogReloadConfig, EdgeConfig, ServerConfig
 from grserve.engine.protocol import RetrievalService
-from grserve.engine.types import RetrievalRequest, RetrievalResult, RetrievedItem
+from grserve.engine.types import RetrievalRequest, RetrievalResult, RetrievedItem, json_score
 from grserve.server.app import new_app
 from grserve.server.bodies import MAX_BRACKETS, Precheck
 from grserve.server.catalog_reload import CatalogReloader
@@ -185,7 +184,7 @@ def _item_tokens(catalog: Any) -> int:
 def items_out(result: RetrievalResult) -> list[ItemOut]:
     """The answer's items (a non-finite score, which JSON cannot carry, as -1e30)."""
     return [ItemOut(item_id=int(it.item_id), sid=[int(c) for c in it.sid],
-                    score=float(it.score) if math.isfinite(float(it.score)) else -1e30) for it in result.items]
+                    score=json_score(it.score)) for it in result.items]
 
 
 def catalog_info(catalog: Any) -> CatalogInfo:
