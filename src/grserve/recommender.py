@@ -155,7 +155,7 @@ class Recommender:
         if total is None and isinstance(requests, Sequence):
             total = len(requests)
         batches = OfflineBatches(sched, self.engine.run_batch, window)
-        meta: dict[int, tuple[int, bool]] = {}  # id(request) -> (history entries dropped, cold start)
+        dropped_by: dict[int, int] = {}  # id(request) -> history entries truncate cut
         with _progress(progress, total) as bar:
             for index, item in enumerate(requests):
                 try:
@@ -165,27 +165,26 @@ class Recommender:
                         raise
                     on_error(index, exc)
                     continue
-                cold = req.prompt_tokens.size == 0
-                meta[id(req)] = (dropped, cold)
-                if cold:  # a new user: the popularity order, as the server answers it
+                dropped_by[id(req)] = dropped
+                if _cold(req):  # a new user: the popularity order, as the server answers it
                     from grserve.server.retrieval_app import cold_start
 
                     done = batches.add_result(req, cold_start(req, self.catalog, self.popularity))
                 else:
                     done = batches.add(req)
-                yield from self._done(done, bar, meta)
-            yield from self._done(batches.flush(), bar, meta)
+                yield from self._done(done, bar, dropped_by)
+            yield from self._done(batches.flush(), bar, dropped_by)
 
-    def _done(self, results, bar, meta: dict) -> Iterator[Recommendation]:
+    def _done(self, results, bar, dropped_by: dict[int, int]) -> Iterator[Recommendation]:
         for req, res in results:
-            dropped, cold = meta.pop(id(req))
+            dropped = dropped_by.pop(id(req))
             bar.update(1)
             thinking = None
             if res.thought is not None:
                 thinking = self._beams.tokenizer.decode(res.thought[:-1], skip_special_tokens=False)
             yield Recommendation(res.request_id, [RecommendedItem(int(i.item_id), tuple(int(c) for c in i.sid),
                                                                   float(i.score)) for i in res.items],
-                                 source="popularity" if cold else "model", history_dropped=dropped,
+                                 source="popularity" if _cold(req) else "model", history_dropped=dropped,
                                  thinking=thinking)
 
     def _request(self, item: Any, index: int, defaults: dict):
@@ -235,21 +234,13 @@ def _validation_error(exc):
     return house_validation_error(RequestValidationError(exc.errors()), ("history",))
 
 
-class _NoBar:
-    def update(self, n: int) -> None:
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        pass
+def _cold(req) -> bool:
+    """A history with no prompt token: answered from the popularity order (the server's cold start)."""
+    return req.prompt_tokens.size == 0
 
 
 def _progress(show: bool, total: int | None):
-    if not show:
-        return _NoBar()
     from tqdm import tqdm
 
-    return tqdm(total=total, desc="recommend", unit="user", dynamic_ncols=True, smoothing=0.1)
+    return tqdm(total=total, desc="recommend", unit="user", dynamic_ncols=True, smoothing=0.1, disable=not show)
 

@@ -15,11 +15,18 @@ from grserve.server.schemas import RecommendRequest
 from grserve.server.validators import INT64_MAX, INT64_MIN
 
 
-def check_excluded(n: int, server_cfg: ServerConfig) -> None:
-    limit = int(server_cfg.max_exclude_items)
+def _at_most(n: int, limit: int, field: str, kind: str) -> None:
     if n > limit:
-        raise ApiError(413, f"exclude_items: {n} items, more than the limit of {limit}", "exclude_items",
-                       "too_many_excluded")
+        raise ApiError(413, f"{field}: {n} items, more than the limit of {limit}", field, kind)
+
+
+def _int64_ids(values: list[int]) -> np.ndarray:
+    """Item ids as int64, those beyond int64 (which no catalog can hold) dropped."""
+    return np.asarray([v for v in values if INT64_MIN <= v <= INT64_MAX], dtype=np.int64)
+
+
+def check_excluded(n: int, server_cfg: ServerConfig) -> None:
+    _at_most(n, int(server_cfg.max_exclude_items), "exclude_items", "too_many_excluded")
 
 
 def excluded_items(body: RecommendRequest, server_cfg: ServerConfig) -> np.ndarray | None:
@@ -28,7 +35,7 @@ def excluded_items(body: RecommendRequest, server_cfg: ServerConfig) -> np.ndarr
     if not body.exclude_items:
         return None
     check_excluded(len(body.exclude_items), server_cfg)
-    return np.asarray([v for v in body.exclude_items if INT64_MIN <= v <= INT64_MAX], dtype=np.int64)
+    return _int64_ids(body.exclude_items)
 
 
 def allowed(body: RecommendRequest, catalog: Any, server_cfg: ServerConfig) -> Allow | None:
@@ -49,12 +56,9 @@ def allowed(body: RecommendRequest, catalog: Any, server_cfg: ServerConfig) -> A
         if bad is not None:
             raise ApiError(400, f"include_sid_prefix[{bad}]: code {prefix[bad]} is out of range for level {bad} "
                                 f"[0, {sizes[bad]})", f"include_sid_prefix[{bad}]", "out_of_range")
-    ids = None if items is None else np.asarray([v for v in items if INT64_MIN <= v <= INT64_MAX], dtype=np.int64)
+    ids = None if items is None else _int64_ids(items)
     return Allow(ids, None if prefix is None else tuple(int(c) for c in prefix))
 
 
 def check_included(n: int, server_cfg: ServerConfig) -> None:
-    limit = int(server_cfg.max_include_items)
-    if n > limit:
-        raise ApiError(413, f"include_items: {n} items, more than the limit of {limit}", "include_items",
-                       "too_many_included")
+    _at_most(n, int(server_cfg.max_include_items), "include_items", "too_many_included")
