@@ -1,6 +1,8 @@
 """Model directories shaped like the GR checkpoints the field publishes, built offline (no downloads) with
 ``tokenizers`` / ``transformers`` and seeded random weights.
 
+- ``grid_catalog``: a small arithmetic-layout catalog, ``n`` seeded random SIDs of depth 3 with 4 codes per level
+  (tries with 1..4 children per node), for the engine and recipe tests.
 - ``build_onerec_like``: OneRec-style (Qwen3, tied embeddings). The tokenizer adds ``<|im_start|>``, ``<|im_end|>``,
   ``<think>``, ``</think>``, ``<|sid_begin|>``, ``<|sid_end|>`` and the SID tokens ``<s_a_N>``, ``<s_b_N>``,
   ``<s_c_N>`` (N < ``codes``, added level after level, so each level's ids are contiguous); a Qwen-style chat
@@ -17,6 +19,7 @@ two SID tokens tie.
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +40,20 @@ INSTRUCTION = ("Below is an instruction that describes a task. Write a response 
                "request.\n\n### Instruction:\nThe user has interacted with items {history} in chronological order. "
                "Can you predict the next possible item that the user may expect?\n\n### Response:\n")
 ONEREC_TEMPLATES = ("<s_a_{}>", "<s_b_{}>", "<s_c_{}>")
+
+
+def sid_grid() -> np.ndarray:
+    """All 64 SIDs of depth 3 with 4 codes per level, in lexicographic order: int [64, 3]."""
+    return np.array(list(itertools.product(range(4), range(4), range(4))))
+
+
+def grid_catalog(n: int, seed: int, first_id: int):
+    """``n`` of the grid's SIDs drawn without replacement (seeded), kept in SID order, as items ``first_id`` ..
+    ``first_id + n - 1``."""
+    from grserve.catalog import Catalog
+
+    rows = np.sort(np.random.default_rng(seed).choice(64, n, replace=False))
+    return Catalog.from_arrays(np.arange(first_id, first_id + n), sid_grid()[rows], codebook_sizes=(4, 4, 4))
 
 
 @dataclass(frozen=True)

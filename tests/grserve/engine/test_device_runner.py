@@ -6,7 +6,6 @@ with padded requests, buffers reused across batches, dead beams, and the Triton 
 
 from __future__ import annotations
 
-import itertools
 import subprocess
 import sys
 
@@ -14,12 +13,14 @@ import numpy as np
 import pytest
 import torch
 
-from grserve.catalog import Catalog, CatalogStore, generate_catalog
+from grserve.catalog import CatalogStore, generate_catalog
 from grserve.config import AccelConfig, SchedulerConfig, SearchConfig
 from grserve.engine.device_runner import DeviceRetrievalRunner
 from grserve.engine.retrieval import RetrievalRunner
 from grserve.engine.retrieval_engine import RetrievalEngine
 from grserve.engine.types import RetrievalRequest
+
+from gr_fixtures import grid_catalog
 
 
 @pytest.fixture(scope="module")
@@ -34,10 +35,7 @@ def catalog():
 
 @pytest.fixture(scope="module")
 def small_catalog():
-    rng = np.random.default_rng(0)
-    sids = np.array(list(itertools.product(range(4), range(4), range(4))))
-    rows = np.sort(rng.choice(len(sids), 40, replace=False))
-    return Catalog.from_arrays(np.arange(100, 140), sids[rows], codebook_sizes=(4, 4, 4))
+    return grid_catalog(40, seed=0, first_id=100)
 
 
 def prompts(lens, seed=0):

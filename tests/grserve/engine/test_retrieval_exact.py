@@ -1,6 +1,5 @@
 """End-to-end exactness of GR retrieval on the tiny model: exhaustive scoring, HF generate, naive per-beam KV."""
 
-import itertools
 
 import numpy as np
 import pytest
@@ -16,6 +15,8 @@ from grserve.search.beam_search import BeamSearch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from gr_fixtures import grid_catalog
+
 
 @pytest.fixture(scope="module")
 def model(tiny_model):
@@ -25,10 +26,7 @@ def model(tiny_model):
 @pytest.fixture(scope="module")
 def small_catalog():
     # depth 3, 4 codes per level: at most 4 / 16 / 64 prefixes, 40 items
-    rng = np.random.default_rng(0)
-    sids = np.array(list(itertools.product(range(4), range(4), range(4))))
-    rows = np.sort(rng.choice(len(sids), 40, replace=False))
-    return Catalog.from_arrays(np.arange(100, 140), sids[rows], codebook_sizes=(4, 4, 4))
+    return grid_catalog(40, seed=0, first_id=100)
 
 
 def prompt(n, seed=0, vocab=2000):

@@ -20,6 +20,8 @@ from grserve.recipe.train import (
     windows,
 )
 
+from gr_fixtures import grid_catalog, sid_grid
+
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
             head_dim=16, max_items=6, batch_size=8, warmup_steps=2, lr=1e-2,
             threads=1)  # tiny matrices: one thread is fastest, and immune to a busy machine
@@ -27,10 +29,7 @@ TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_atten
 
 @pytest.fixture(scope="module")
 def catalog():
-    rng = np.random.default_rng(0)
-    grid = np.array(list(itertools.product(range(4), range(4), range(4))))
-    rows = np.sort(rng.choice(len(grid), 24, replace=False))
-    return Catalog.from_arrays(np.arange(1, 25), grid[rows], codebook_sizes=(4, 4, 4))
+    return grid_catalog(24, seed=0, first_id=1)
 
 
 def cyclic_sequences(n_users=24, length=10, seed=0):
@@ -143,7 +142,7 @@ def test_training_learns_the_next_item_rule(catalog):
 
 
 def test_unmasked_search_equals_served_search_on_the_full_grid():
-    full = Catalog.from_arrays(np.arange(64), np.array(list(itertools.product(range(4), range(4), range(4)))),
+    full = Catalog.from_arrays(np.arange(64), sid_grid(),
                                codebook_sizes=(4, 4, 4))
     spec = model_spec(TrainConfig(**TINY), full)
     model = Decoder(spec)

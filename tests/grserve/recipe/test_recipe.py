@@ -1,19 +1,19 @@
 """The generalized GR trainer (grserve.recipe): the dropout forward is the served forward, the catalog loss is the
 served (renormalized) score, overlapping windows, and the SID tokenizer's ids are the catalog layout's."""
 
-import itertools
 
 import numpy as np
 import pytest
 import torch
 
-from grserve.catalog import Catalog
 from grserve.config import SearchConfig
 from grserve.engine.retrieval import RetrievalRunner
 from grserve.model import Decoder
 from grserve.recipe.forward import train_forward
 from grserve.recipe.losses import IGNORE, SidTargets, next_token_loss
 from grserve.recipe.train import CausalBatchContext, TrainConfig, init_weights, model_spec, train_gr, windows
+
+from gr_fixtures import grid_catalog
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
             head_dim=16, max_items=6, batch_size=8, warmup_steps=2, lr=1e-2, threads=1)
@@ -22,10 +22,7 @@ TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_atten
 @pytest.fixture(scope="module")
 def catalog():
     """Depth 3, 4 codes per level, 30 of the 64 SIDs: tries with 1..4 children per node."""
-    rng = np.random.default_rng(3)
-    grid = np.array(list(itertools.product(range(4), range(4), range(4))))
-    rows = np.sort(rng.choice(len(grid), 30, replace=False))
-    return Catalog.from_arrays(np.arange(100, 130), grid[rows], codebook_sizes=(4, 4, 4))
+    return grid_catalog(30, seed=3, first_id=100)
 
 
 @pytest.fixture(scope="module")
