@@ -21,9 +21,29 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m grserve.demo
 
+# The CPU fallback lanes (docs/llm.md, "Every CPU"): the tests of the LLM engine, its server, the cluster and the
+# offline API again, once with oneDNN/ATen/MKL held to AVX2 (a CPU without AVX-512 or fast bf16, on any x86 machine)
+# and once with every CPU fast path off (GRSERVE_CPU_ISA=reference, model/cpu_support.py).
+CPU_LANE_TESTS := tests/grserve/model tests/grserve/engine/test_engine_contract.py \
+	tests/grserve/engine/test_engine_inbox.py tests/grserve/engine/test_greedy_head.py \
+	tests/grserve/engine/test_llm_handover.py tests/grserve/engine/test_sampling.py \
+	tests/grserve/engine/test_thread_choice.py tests/grserve/engine/test_tokenizer.py \
+	tests/grserve/attention/test_decode_staging.py \
+	tests/grserve/attention/test_hidden_path.py tests/grserve/kvcache/test_prefix_kv.py \
+	tests/grserve/kvcache/test_shared_prefix.py tests/grserve/scheduler/test_colocation.py \
+	tests/grserve/scheduler/test_llm_trace.py tests/grserve/server/test_openai_api.py \
+	tests/grserve/server/test_openai_edge.py tests/grserve/server/test_security_limits.py \
+	tests/grserve/server/test_server.py tests/grserve/cluster/test_cluster_front_end.py \
+	tests/grserve/cluster/test_cluster_pd.py tests/grserve/cluster/test_cluster_ray.py tests/grserve/test_offline_api.py
+AVX2_ENV := ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2
+
 test: $(STAMP)
 	$(VENV)/bin/ruff check src tests
 	$(PY) -m pytest tests
+	@echo "== CPU lane: oneDNN/ATen/MKL held to AVX2 (no AVX-512, no fast bf16) =="
+	$(AVX2_ENV) $(PY) -m pytest $(CPU_LANE_TESTS)
+	@echo "== CPU lane: GRSERVE_CPU_ISA=reference (every CPU fast path off) =="
+	GRSERVE_CPU_ISA=reference $(PY) -m pytest $(CPU_LANE_TESTS)
 
 bench: $(STAMP)
 	$(VENV)/bin/grserve bench retrieval

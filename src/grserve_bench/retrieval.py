@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from grserve.config import DTYPES
+from grserve.model.cpu_support import cpu_support
 from grserve.flags import (
     Checked,
     UsageError,
@@ -243,6 +244,7 @@ def _summary(cfg: RetrievalBenchConfig, sweep: list[dict], headline: int, catalo
         "benchmark": "retrieval",
         "model": cfg.model,
         "device": cfg.device,
+        "machine": cpu_support().to_dict(),
         "prompt_len": cfg.prompt_len,
         "beam_width": headline,
         "sid_tokens": cfg.depth,

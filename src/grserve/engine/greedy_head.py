@@ -18,6 +18,17 @@ and bf16 GEMMs run ≈ 3× faster. So:
 The result is the fp32 argmax up to the rounding of the fp32 dot products themselves, the same caveat as between
 any two fp32 GEMM kernels (HF's and ours). Used by ``ModelExecutor`` when every sampled row of a pass is greedy;
 sampling with temperature > 0 computes the full fp32 logits as before.
+
+Which GEMMs run is chosen by what the CPU can do (``model/cpu_support.py``), since bf16 is fast only on some:
+
+* fast bf16 (AVX-512 BW/VL/DQ, AVX-NE-CONVERT): the screen on a oneDNN-packed bf16 copy, at every row count;
+* no fast bf16 (AVX2 x86, most laptops, AMD before Zen 4): oneDNN refuses a bf16 reorder, and torch's own bf16
+  GEMM is 1.5-4x *slower* than fp32 from 4 rows up, but it reads half the bytes, so the memory-bound 1-2-row
+  products still gain. The screen (``F.linear`` in bf16, fp32 accumulation: the same bound) runs up to
+  ``screen_max_rows`` = 2 rows; larger passes take the exact fp32 argmax on a oneDNN-packed fp32 copy of the
+  head (1.4-2.2x ``F.linear`` at 4-32 rows; measured in docs/llm.md, "On CPUs without fast bf16");
+* no oneDNN, or a GPU: the screen through ``F.linear``.
+``GRSERVE_CPU_ISA=reference`` turns the head off (``ModelExecutor`` then takes the full logits' argmax).
 """
 
 from __future__ import annotations
@@ -28,27 +39,62 @@ import torch.nn.functional as F
 from grserve.model.packed_linear import available
 
 U_BF16 = 2.0 ** -8
+SLOW_BF16_SCREEN_ROWS = 2  # without fast bf16: the screen only up to this many rows (docs/llm.md)
+ALL_ROWS = 2 ** 62
 
 
 class ScreenedGreedyHead:
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, screen_max_rows: int | None = None):
+        """``screen_max_rows``: passes of more rows take the exact fp32 argmax instead of the screen (None: by
+        what the CPU can do, see the module docstring)."""
         if weight.dtype != torch.float32:
             raise ValueError("the screened greedy head is for fp32 weights")
         if weight.shape[1] > 2 ** 15:
             raise ValueError("hidden size too large for the accumulation bound")
         self.weight = weight
         self.weight_lo = weight.detach().to(torch.bfloat16).contiguous()
-        # the screen's GEMM on a oneDNN-packed copy where the CPU build has one (1.1-4x faster at 1-32 rows;
+        cpu = weight.device.type == "cpu"
+        # the screen's GEMM on a oneDNN-packed copy where the CPU has fast bf16 (1.1-4x faster at 1-32 rows;
         # the same bf16 products accumulated in fp32, so the bound below is unchanged); F.linear otherwise
         self.weight_lo_packed = None
-        if weight.device.type == "cpu" and available():
-            self.weight_lo_packed = torch.ops.mkldnn._reorder_linear_weight(self.weight_lo, 32)
+        self.weight_packed = None  # oneDNN-packed fp32 copy: the exact path of larger passes without fast bf16
+        with torch.inference_mode():
+            if cpu and available(torch.bfloat16):
+                self.weight_lo_packed = torch.ops.mkldnn._reorder_linear_weight(self.weight_lo, 32)
+            elif cpu and available(torch.float32):
+                self.weight_packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32)
+        if screen_max_rows is None:
+            screen_max_rows = SLOW_BF16_SCREEN_ROWS if cpu and self.weight_lo_packed is None else ALL_ROWS
+        self.screen_max_rows = screen_max_rows
         self.max_row_norm = float(weight.detach().norm(dim=1).max())
-        self.stats = {"rows": 0, "candidates": 0}  # candidates recomputed exactly (≥ 1 per row)
+        # rows screened; candidates recomputed exactly (≥ 1 per screened row); rows of the exact fp32 path
+        self.stats = {"rows": 0, "candidates": 0, "exact_rows": 0}
+
+    def describe(self) -> str:
+        """For the start line: which GEMMs pick the greedy token on this machine."""
+        exact = "fp32 (oneDNN-packed)" if self.weight_packed is not None else "fp32"
+        if self.weight_lo_packed is not None:
+            return "bf16 screen (oneDNN-packed) + exact fp32 check"
+        if self.screen_max_rows >= ALL_ROWS:
+            return "bf16 screen (F.linear) + exact fp32 check"
+        if self.screen_max_rows <= 0:
+            return exact
+        return f"bf16 screen up to {self.screen_max_rows} rows, else {exact} (no fast bf16 on this CPU)"
+
+    def exact_argmax(self, h: torch.Tensor) -> torch.Tensor:
+        """The fp32 argmax of ``h · Wᵀ`` without a screen (ties: the lowest index, as ``torch.argmax``)."""
+        self.stats["exact_rows"] += h.shape[0]
+        if self.weight_packed is not None:
+            logits = torch.ops.mkldnn._linear_pointwise(h, self.weight_packed, None, "none", [], "")
+        else:
+            logits = F.linear(h, self.weight)
+        return logits.argmax(dim=1)
 
     def argmax(self, hidden: torch.Tensor, k: int = 8) -> torch.Tensor:
         """hidden fp32 [B, d] → int64 [B], the argmax over the vocabulary of ``hidden · Wᵀ``."""
         h = hidden.float()
+        if h.shape[0] > self.screen_max_rows:
+            return self.exact_argmax(h)
         hb = h.to(torch.bfloat16)
         if self.weight_lo_packed is not None:
             lo = torch.ops.mkldnn._linear_pointwise(hb, self.weight_lo_packed, None, "none", [], "")  # [B, V] bf16

@@ -37,6 +37,7 @@ from grserve.config import Priority
 from grserve.kvcache.blocks import BlockPool, BlockTable, CacheKind, HybridCacheStorage
 from grserve.engine.sampling import SampleOutput, SampleRow, SamplingParams, TokenLogprobs, sample
 from grserve.engine.types import Handover, LLMFit
+from grserve.model.cpu_support import cpu_support
 from grserve.scheduler.llm_types import LLMScheduler, PoolView, SchedulerInput, SchedulerOutput, SeqView
 
 log = logging.getLogger("grserve.engine")
@@ -144,14 +145,30 @@ class ModelExecutor:
         # oneDNN-prepacked projections on a CPU (model/packed_linear.py; the model is not changed); else F.linear
         self.packed = maybe_pack(model, packed_linears)
         # pure decode steps read K/V from a persistent head-major copy (attention/decode_staging.py); None: gather
+        # GRSERVE_CPU_ISA=reference (model/cpu_support.py): every fast path off, the reference paths run
+        fast = cpu_support().fast_paths or storage.data.device.type != "cpu"
         self.staging = DecodeStaging(spec.num_hidden_layers, self.hkv, self.d, dtype=storage.data.dtype,
-                                     device=storage.data.device) if decode_staging else None
-        # exact greedy argmax through a bf16 screen of the LM head (engine/greedy_head.py), fp32 models only
+                                     device=storage.data.device) if decode_staging and fast else None
+        # exact greedy argmax through a bf16 screen of the LM head (engine/greedy_head.py), fp32 models only; its
+        # GEMMs chosen by what the CPU can do
         self.greedy_head = None
-        if screened_greedy and model.lm_head.weight.dtype == torch.float32:
+        if screened_greedy and fast and model.lm_head.weight.dtype == torch.float32:
             from grserve.engine.greedy_head import ScreenedGreedyHead
 
             self.greedy_head = ScreenedGreedyHead(model.lm_head.weight)
+
+    def describe(self) -> str:
+        """Which paths this executor runs on this machine, and why (the start line of ``serve llm``)."""
+        sup = cpu_support()
+        if self.storage.data.device.type != "cpu":
+            lin = "F.linear"
+        elif self.packed is not None:
+            lin = f"oneDNN-packed {str(self.model.dtype).removeprefix('torch.')}"
+        else:
+            lin = "F.linear" + (f" ({sup.reason})" if sup.reason else "")
+        head = self.greedy_head.describe() if self.greedy_head is not None else "full logits + argmax"
+        return (f"CPU {sup.label()}: projections {lin}; greedy head {head}; "
+                f"decode staging {'on' if self.staging is not None else 'off'}")
 
     def execute(self, items: list[ExecItem], pool: BlockPool) -> tuple[torch.Tensor | list[int] | None, None]:
         ids: list[int] = []

@@ -12,6 +12,9 @@ any two GEMM kernels, HF's included): ``tests/grserve/model/test_packed_linear.p
 decoder's logits against the unpacked model and HF, and greedy tokens through the engine equal to HF ``generate``.
 Memory: the packed copy doubles the projection weights (the originals stay: ``save_pretrained``, the reference
 path); embeddings and the LM head are not packed.
+
+Chosen by capability (``available``): fp32 packing wherever oneDNN's fp32 matmul works, bf16 only where the CPU has
+fast bf16 (on others oneDNN refuses the reorder); ``F.linear`` everywhere else, and under ``GRSERVE_CPU_ISA=reference``.
 """
 
 from __future__ import annotations
@@ -20,14 +23,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from grserve.model.cpu_support import cpu_support
+
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def available() -> bool:
-    """oneDNN matmuls are in this torch build (every x86/ARM CPU wheel has them)."""
-    mk = getattr(torch.ops, "mkldnn", None)
-    return (torch.backends.mkldnn.is_available() and mk is not None
-            and hasattr(mk, "_reorder_linear_weight") and hasattr(mk, "_linear_pointwise"))
+def available(dtype: torch.dtype = torch.float32) -> bool:
+    """oneDNN prepacked matmuls in ``dtype`` work on this CPU and torch build (``model/cpu_support.py``: fp32 in
+    nearly every x86/ARM wheel, bf16 only on CPUs with fast bf16; both off under ``GRSERVE_CPU_ISA=reference``)."""
+    s = cpu_support()
+    if dtype == torch.bfloat16:
+        return s.onednn_bf16
+    return s.onednn and dtype == torch.float32
 
 
 def projections(model: nn.Module) -> list[nn.Linear]:
@@ -41,7 +48,7 @@ def projections(model: nn.Module) -> list[nn.Linear]:
 
 def can_pack(model: nn.Module) -> bool:
     w = model.model.layers[0].self_attn.q_proj.weight
-    return available() and w.device.type == "cpu" and w.dtype in PACKABLE_DTYPES
+    return w.device.type == "cpu" and w.dtype in PACKABLE_DTYPES and available(w.dtype)
 
 
 class PackedLinears:
@@ -50,7 +57,8 @@ class PackedLinears:
 
     def __init__(self, model: nn.Module, batch_hint: int = 32):
         if not can_pack(model):
-            raise ValueError("packed linears need a CPU fp32/bf16 model and a torch build with oneDNN")
+            raise ValueError("packed linears need a CPU fp32 model (bf16: a CPU with fast bf16) and a torch build "
+                             "with oneDNN")
         with torch.inference_mode():  # layout chosen for batch_hint rows; any row count is correct
             self.weights = {lin: torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), batch_hint)
                             for lin in projections(model)}

@@ -77,6 +77,9 @@ def run(cfg: LLMServeConfig) -> int:
     print(f"grserve: LLM {name} ({cfg.model.dtype}), scheduler {c.scheduler}, {c.num_blocks} blocks x "
           f"{c.block_size} tokens{prefix}, {engine.thread_choice.describe()} -> http://{s.host}:{s.port}/v1",
           flush=True)
+    describe = getattr(engine.core.executor, "describe", None)
+    if describe is not None:  # the CPU fast paths chosen on this machine, and why (model/cpu_support.py)
+        print(f"grserve: {describe()}", flush=True)
     if getattr(tok, "message", None):  # NoTokenizer: a model directory without tokenizer files
         print(f"grserve: {tok.message}", flush=True)
     else:

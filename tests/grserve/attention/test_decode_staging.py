@@ -18,6 +18,7 @@ from grserve.engine.sampling import SamplingParams
 from grserve.kvcache.blocks import BlockPool, HybridCacheStorage
 from grserve.scheduler.llm_factory import make_llm_scheduler
 from grserve.scheduler.llm_types import SchedulerOutput
+from grserve.model.cpu_support import cpu_support
 
 VOCAB = 300
 
@@ -127,7 +128,11 @@ def test_engine_tokens_staged_equal_gather_and_hf(hf_qwen3, sched):
               for m in torch.randint(3, 15, (7,), generator=gen)]  # finishing at different steps
     staged, staging = _run(ours, sched, True, prompts, params)
     plain, none = _run(ours, sched, False, prompts, params)
-    assert none is None and staging.stats["append"] > 0 and staging.stats["rebuild"] > 0
+    assert none is None
+    if cpu_support().fast_paths:
+        assert staging.stats["append"] > 0 and staging.stats["rebuild"] > 0
+    else:  # GRSERVE_CPU_ISA=reference (the make test lane): staging is off, both runs gather; HF below still holds
+        assert staging is None
     assert staged == plain
     for p, sp, got in zip(prompts, params, staged):
         with torch.no_grad():

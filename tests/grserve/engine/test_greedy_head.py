@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from grserve.engine.greedy_head import ScreenedGreedyHead
+from grserve.engine.greedy_head import ALL_ROWS, ScreenedGreedyHead
+from grserve.model import cpu_support as cs
 
 
 def _ref(h, w):
@@ -24,7 +25,7 @@ def test_matches_fp32_argmax_random(seed, scale, packed):
     v, d = 3000, 64
     w = torch.randn(v, d, generator=g) * 0.05 * scale
     h = torch.randn(17, d, generator=g) * scale
-    head = ScreenedGreedyHead(w)
+    head = ScreenedGreedyHead(w, screen_max_rows=ALL_ROWS)
     if not packed:
         head.weight_lo_packed = None
     elif head.weight_lo_packed is None:
@@ -42,7 +43,7 @@ def test_near_ties_below_bf16_resolution():
         best = int(_ref(h[r:r + 1], w))
         j = (best + 1 + r) % v
         w[j] = w[best] * (1 + (1e-6 if r % 2 else -1e-6))
-    head = ScreenedGreedyHead(w)
+    head = ScreenedGreedyHead(w, screen_max_rows=ALL_ROWS)
     got, want = head.argmax(h), _ref(h, w)
     assert torch.equal(got, want)
     assert head.stats["candidates"] > head.stats["rows"]  # the near-ties did go to the exact pass
@@ -54,7 +55,7 @@ def test_exact_ties_take_the_lowest_index_and_wide_bands_scan_the_row():
     w[:, 0] = 1.0  # 40 identical rows: every logit equal, a band far wider than the top k
     h = torch.randn(3, d)
     h[:, 0] = 2.0
-    head = ScreenedGreedyHead(w)
+    head = ScreenedGreedyHead(w, screen_max_rows=ALL_ROWS)
     assert head.argmax(h).tolist() == [0, 0, 0] == _ref(h, w).tolist()
     assert head.stats["candidates"] == 3 * 40
 
@@ -65,6 +66,8 @@ def test_rejects_non_fp32_weights():
 
 
 def test_engine_uses_it_only_for_all_greedy_passes(random_decoder):
+    if not cs.cpu_support().fast_paths:
+        pytest.skip("GRSERVE_CPU_ISA=reference: the engine runs without the head (tested below)")
     from grserve.engine.llm import build_model_engine
     from grserve.engine.sampling import SamplingParams
     from grserve.model import ModelSpec
@@ -95,7 +98,7 @@ def test_screen_order_flips_are_caught_by_the_bound():
     """Built so that bf16 rounding reverses the order of the top two: exact A = 1 + 0.51ε > B = 1 + 0.505ε, but
     A's weight rounds down (→ 1.0) and B's sum rounds up (→ 1 + ε), ε = 2⁻⁷ the bf16 spacing at 1. Only the
     error bound keeps A among the candidates (with a zero bound the screen alone would answer B)."""
-    eps = 2.0 ** -7
+    eps = 2.0 ** -7  # (one row: the screen runs on every CPU)
     w = torch.zeros(50, 2)
     w[:, 0] = -1.0  # everything else far below
     w[7] = torch.tensor([1 + 0.49 * eps, 0.02 * eps])  # A
@@ -105,3 +108,71 @@ def test_screen_order_flips_are_caught_by_the_bound():
     assert int(lo.argmax()) == 3  # the screen alone is wrong
     head = ScreenedGreedyHead(w)
     assert int(head.argmax(h)) == 7 == int(_ref(h, w))
+
+
+@pytest.fixture
+def forced(monkeypatch):
+    def force(level):
+        monkeypatch.setenv(cs.ENV, level)
+        return cs.refresh()
+
+    yield force
+    monkeypatch.undo()
+    cs.refresh()
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_exact_path_matches_fp32_argmax(packed):
+    """Passes over ``screen_max_rows`` skip the screen: the fp32 argmax on a oneDNN-packed fp32 copy (CPUs
+    without fast bf16) or ``F.linear``; ties to the lowest index as ``torch.argmax``."""
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(3000, 64, generator=g) * 0.05
+    h = torch.randn(33, 64, generator=g)
+    head = ScreenedGreedyHead(w, screen_max_rows=0)
+    if packed and head.weight_packed is None:
+        if not cs.cpu_support().onednn:
+            pytest.skip("no oneDNN fp32 matmul here")
+        head.weight_packed = torch.ops.mkldnn._reorder_linear_weight(w, 32)
+    if not packed:
+        head.weight_packed = None
+    assert torch.equal(head.argmax(h), _ref(h, w))
+    assert head.stats["exact_rows"] == 33 and head.stats["rows"] == 0
+    w2 = torch.zeros(40, 8)
+    w2[:, 0] = 1.0
+    assert ScreenedGreedyHead(w2, screen_max_rows=0).argmax(torch.ones(3, 8)).tolist() == [0, 0, 0]
+
+
+def test_without_fast_bf16_small_passes_screen_and_large_ones_go_exact(forced):
+    s = forced("avx2")
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(2000, 48, generator=g) * 0.05
+    head = ScreenedGreedyHead(w)
+    assert head.weight_lo_packed is None  # no bf16 reorder: it would raise on such a CPU
+    assert (head.weight_packed is not None) == s.onednn and head.screen_max_rows == 2
+    assert "no fast bf16" in head.describe()
+    for rows in (1, 2, 3, 32):
+        h = torch.randn(rows, 48, generator=g)
+        assert torch.equal(head.argmax(h), _ref(h, w))
+    assert head.stats["rows"] == 1 + 2 and head.stats["exact_rows"] == 3 + 32
+
+
+def test_reference_level_runs_full_logits_and_gives_the_same_tokens(forced, random_decoder):
+    from grserve.engine.llm import build_model_engine
+    from grserve.engine.sampling import SamplingParams
+    from grserve.model import ModelSpec
+    from grserve.scheduler.fcfs import FCFSScheduler
+
+    spec = ModelSpec(family="qwen3", vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                     num_attention_heads=2, num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6, rope_theta=1e4,
+                     tie_word_embeddings=True, attention_bias=False, qk_norm=True, max_position_embeddings=256)
+    model = random_decoder(spec, seed=3, std=0.3)
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    fast = build_model_engine(model, FCFSScheduler(), num_blocks=32, block_size=4)
+    want = fast.generate(prompts, sp)
+    forced("reference")
+    ref = build_model_engine(model, FCFSScheduler(), num_blocks=32, block_size=4)
+    ex = ref.executor
+    assert ex.greedy_head is None and ex.staging is None and ex.packed is None
+    assert "full logits" in ex.describe() and "reference" in ex.describe()
+    assert ref.generate(prompts, sp) == want
