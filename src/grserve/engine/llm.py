@@ -166,6 +166,8 @@ class ModelExecutor:
             lin = f"oneDNN-packed {str(self.model.dtype).removeprefix('torch.')}"
         else:
             lin = "F.linear" + (f" ({sup.reason})" if sup.reason else "")
+            if self.model.dtype == torch.bfloat16 and not sup.onednn_bf16:
+                lin += "; bf16 weights without fast bf16 run slower than fp32 here (--dtype float32)"
         head = self.greedy_head.describe() if self.greedy_head is not None else "full logits + argmax"
         return (f"CPU {sup.label()}: projections {lin}; greedy head {head}; "
                 f"decode staging {'on' if self.staging is not None else 'off'}")

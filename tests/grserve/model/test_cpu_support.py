@@ -87,5 +87,6 @@ def test_bf16_models_are_packed_only_with_fast_bf16(forced):
     assert not can_pack(model) and maybe_pack(model) is None
     eng = build_model_engine(model, FCFSScheduler(), num_blocks=16, block_size=4)  # no oneDNN bf16 reorder here
     assert eng.executor.packed is None and "F.linear" in eng.executor.describe()
+    assert "slower than fp32" in eng.executor.describe()
     out = eng.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     assert len(out[0]) == 3
