@@ -247,3 +247,26 @@ def test_llm_generate_equals_the_servers_completions():
         by_ids = llm.generate([{"prompt_token_ids": outs[0].prompt_token_ids}],
                               SamplingParams(max_tokens=6, temperature=0.0), use_tqdm=False)
         assert by_ids[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+
+
+def test_llm_chat_equals_the_servers_chat_completions():
+    """``LLM.chat`` renders each conversation with the chat template as ``/v1/chat/completions`` does: the same
+    greedy text, one conversation or several."""
+    from grserve import LLM, SamplingParams
+    from grserve.server.llm_app import create_llm_app
+
+    convs = [[{"role": "user", "content": "Hello there"}],
+             [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a b c"}]]
+    with LLM("tiny-mha", scheduler="fcfs", num_blocks=256) as llm:
+        outs = llm.chat(convs, SamplingParams(max_tokens=5, temperature=0.0), use_tqdm=False)
+        one = llm.chat(convs[0], SamplingParams(max_tokens=5, temperature=0.0), use_tqdm=False)
+        eng = llm.engine
+        spec = eng.model.spec
+        client = TestClient(create_llm_app(eng, eng.tokenizer, "m", spec.max_position_embeddings, spec.vocab_size))
+        for conv, o in zip(convs, outs, strict=True):
+            r = client.post("/v1/chat/completions", json={"model": "m", "messages": conv, "max_tokens": 5,
+                                                           "temperature": 0})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["message"]["content"] == o.outputs[0].text
+            assert len(o.outputs[0].token_ids) == 5 and o.prompt == eng.tokenizer.apply_chat_template(conv)
+        assert len(one) == 1 and one[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
