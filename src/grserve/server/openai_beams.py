@@ -29,12 +29,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from fastapi.routing import APIRoute
 
+from grserve.catalog.allowlist import Allow
 from grserve.config import BeamApiConfig, ServerConfig
 from grserve.engine.protocol import RetrievalService
 from grserve.engine.think import ThinkSpec
 from grserve.engine.types import RetrievalRequest, RetrievalResult, json_score
 from grserve.server.errors import ApiError
-from grserve.server.item_filters import excluded_items
+from grserve.server.item_filters import allowed, excluded_items
 from grserve.server.lifecycle import finish, submit
 from grserve.server.metrics import Metrics
 from grserve.server.offload import off_loop
@@ -125,11 +126,12 @@ class BeamKnobs:
     beam_width: int
     think: ThinkSpec | None
     exclude_items: np.ndarray | None
+    include: Allow | None = None
 
 
 def beam_knobs(ctx: BeamContext, body: BeamRequest, catalog: Any) -> BeamKnobs:
     """The cheap checks of a request (400 naming the field): beam width and n, max_tokens vs one item, thinking,
-    ``exclude_items`` (413 past ``--max-exclude-items``)."""
+    ``exclude_items`` (413 past ``--max-exclude-items``), the allowlist (``include_items``, ``include_sid_prefix``)."""
     bw = _beam_width(ctx, body)
     max_tokens = body.requested_max_tokens()
     if max_tokens is not None and max_tokens < catalog.depth:
@@ -139,7 +141,7 @@ def beam_knobs(ctx: BeamContext, body: BeamRequest, catalog: Any) -> BeamKnobs:
     spec = think_spec(ctx, body.max_think_tokens, catalog.layout, body.temperature, body.top_p, body.top_k,
                       body.seed)
 
-    return BeamKnobs(bw, spec, excluded_items(body, ctx.server))
+    return BeamKnobs(bw, spec, excluded_items(body, ctx.server), allowed(body, catalog, ctx.server))
 
 
 def retrieval_request(ctx: BeamContext, body: BeamRequest, ids: list[int], catalog: Any, knobs: BeamKnobs,
@@ -149,7 +151,7 @@ def retrieval_request(ctx: BeamContext, body: BeamRequest, ids: list[int], catal
     prompt = beam_start(ids, catalog.layout, knobs.think is not None)
     check_length(int(prompt.size), int(ctx.server.max_prompt_tokens), field_name, "the prompt", "prompt_too_long")
     return RetrievalRequest(prompt_tokens=prompt, beam_width=knobs.beam_width, top_n=body.n, think=knobs.think,
-                            exclude_items=knobs.exclude_items)
+                            exclude_items=knobs.exclude_items, include=knobs.include)
 
 
 def _items(result: RetrievalResult, catalog: Any) -> list[dict]:
@@ -207,7 +209,7 @@ def create_beam_router(ctx: BeamContext, route_class: type[APIRoute] = APIRoute)
         ids = await off_loop(chat_ids, ctx.tokenizer, catalog, body.messages, body.chat_template_kwargs)
         req = retrieval_request(ctx, body, ids, catalog, knobs, "messages")
         result, items, use = await _run(ctx, request, req, catalog)
-        head = dict(id=f"chatcmpl-{uuid.uuid4().hex[:24]}", created=ctx.created, model=ctx.model_name,
+        head = dict(id=f"chatcmpl-{uuid.uuid4().hex[:24]}", created=int(time.time()), model=ctx.model_name,
                     thinking=await _thinking(ctx, result), beam_width=req.beam_width,
                     catalog_version=int(result.catalog_version))
         if body.stream:
@@ -228,7 +230,7 @@ def create_beam_router(ctx: BeamContext, route_class: type[APIRoute] = APIRoute)
             ids = token_ids(body.prompt, int(ctx.engine.vocab_size), "prompt").tolist()
         req = retrieval_request(ctx, body, ids, catalog, knobs, "prompt")
         result, items, use = await _run(ctx, request, req, catalog)
-        head = dict(id=f"cmpl-{uuid.uuid4().hex[:24]}", created=ctx.created, model=ctx.model_name,
+        head = dict(id=f"cmpl-{uuid.uuid4().hex[:24]}", created=int(time.time()), model=ctx.model_name,
                     thinking=await _thinking(ctx, result), beam_width=req.beam_width,
                     catalog_version=int(result.catalog_version))
         choices = [BeamCompletionChoice(**it) for it in items]

@@ -363,3 +363,75 @@ def test_a_request_level_error_never_names_a_field_none(onerec):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] is None and "None" not in err["message"] and err["message"], err
+
+
+# ---- client defaults: a parameter at its default (or null) asks for nothing and is accepted -----------------------
+CHAT_DEFAULTS = {"logprobs": False, "top_logprobs": None, "stop": None, "frequency_penalty": 0,
+                 "presence_penalty": 0.0, "response_format": {"type": "text"}, "logit_bias": None, "temperature": None,
+                 "top_p": None, "seed": None, "tools": None, "tool_choice": None, "parallel_tool_calls": None,
+                 "user": None, "stream": False, "stream_options": None, "max_tokens": None, "n": None}
+COMPLETION_DEFAULTS = {"logprobs": None, "echo": False, "stop": None, "frequency_penalty": 0, "presence_penalty": 0,
+                       "suffix": None, "best_of": None, "logit_bias": {}, "temperature": None}
+
+
+def test_client_defaults_are_accepted_and_change_nothing(onerec):
+    d, _, client, _ = onerec
+    messages = [{"role": "user", "content": f"I liked {_history(d, [2, 5])}."}]
+    plain = client.post("/v1/chat/completions", json={"model": "gr", "messages": messages, "n": 4}).json()
+    r = client.post("/v1/chat/completions", json={"model": "gr", "messages": messages, **CHAT_DEFAULTS, "n": 4})
+    assert r.status_code == 200, r.text
+    assert [c["item_id"] for c in r.json()["choices"]] == [c["item_id"] for c in plain["choices"]]
+    prompt = f"I liked {_history(d, [2, 5])}. Next: "
+    plain = client.post("/v1/completions", json={"model": "gr", "prompt": prompt, "n": 3}).json()
+    r = client.post("/v1/completions", json={"model": "gr", "prompt": prompt, "n": 3, **COMPLETION_DEFAULTS})
+    assert r.status_code == 200, r.text
+    assert [c["item_id"] for c in r.json()["choices"]] == [c["item_id"] for c in plain["choices"]]
+
+
+@pytest.mark.parametrize("path,change,param", [
+    ("/v1/chat/completions", {"frequency_penalty": 0.5}, "frequency_penalty"),
+    ("/v1/chat/completions", {"frequency_penalty": False}, "frequency_penalty"),  # a bool is not 0
+    ("/v1/chat/completions", {"stop": ["\n"]}, "stop"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+    ("/v1/completions", {"logprobs": 0}, "logprobs"),  # completions' 0 asks for the chosen tokens' logprobs
+    ("/v1/completions", {"echo": True}, "echo"),
+])
+def test_a_value_the_beam_routes_cannot_honour_is_a_400_naming_it(onerec, path, change, param):
+    _, _, client, _ = onerec
+    body = {"model": "gr", "n": 2, **change}
+    body.update({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"})
+    r = client.post(path, json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and r.json()["error"]["code"] == "unsupported_parameter"
+
+
+def test_allowlist_on_the_openai_routes(onerec):
+    d, engine, client, _ = onerec
+    catalog = engine.catalogs.current()
+    messages = [{"role": "user", "content": f"I liked {_history(d, [2])}."}]
+    allow = [int(i) for i in catalog.item_ids[::7][:9]]
+    r = client.post("/v1/chat/completions", json={"model": "gr", "messages": messages, "n": 5,
+                                                  "include_items": allow})
+    assert r.status_code == 200, r.text
+    got = [c["item_id"] for c in r.json()["choices"]]
+    assert len(got) == 5 and set(got) <= set(allow)
+    prefix = [int(catalog.sids[0][0])]
+    r = client.post("/v1/completions", json={"model": "gr", "prompt": "x", "n": 3, "include_sid_prefix": prefix})
+    assert r.status_code == 200, r.text
+    assert all(c["sid"][:1] == prefix for c in r.json()["choices"])
+    rec = client.post("/v1/recommend", json={"messages": messages, "top_n": 5, "include_items": allow}).json()
+    assert [it["item_id"] for it in rec["items"]] == got  # the same search as /v1/recommend's
+
+
+def test_created_is_the_answers_time_not_the_servers_start(onerec, monkeypatch):
+    import time
+    from types import SimpleNamespace
+
+    from grserve.server import openai_beams
+
+    _, _, client, _ = onerec
+    later = time.time() + 1000
+    monkeypatch.setattr(openai_beams, "time", SimpleNamespace(time=lambda: later))
+    r = client.post("/v1/chat/completions", json={"model": "gr", "messages": [{"role": "user", "content": "hi"}]})
+    assert r.json()["created"] == int(later)
