@@ -53,7 +53,8 @@ class ModelConfig(Checked):
 
 @dataclass(frozen=True)
 class CatalogConfig(Checked):
-    path: str | None = flag(None, "item catalog file (.jsonl, .csv or .grcat; see 'grserve catalog'); default: "
+    path: str | None = flag(None, "item catalog file (.jsonl, .csv, .grcat, or an LC-Rec / MiniOneRec index .json; "
+                                  "see 'grserve catalog'); default: "
                                   "generate one with --num-items/--depth/--codebook-size", name="catalog",
                             metavar="FILE")
     num_items: int = flag(20_000, "items in the generated catalog", check=positive_int)

@@ -154,4 +154,5 @@ def _params_per_prompt(sampling_params, n: int) -> list[SamplingParams]:
 def _bar(show: bool, total: int):
     from tqdm import tqdm
 
-    return tqdm(total=total, desc="generate", unit="prompt", disable=not show, dynamic_ncols=True)
+    return tqdm(total=total, desc="generate", unit="prompt", disable=None if show else True,
+                dynamic_ncols=True)  # disable=None: no bar when stderr is not a terminal

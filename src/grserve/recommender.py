@@ -240,7 +240,10 @@ def _cold(req) -> bool:
 
 
 def _progress(show: bool, total: int | None):
+    """The users/s bar on stderr: shown when asked and stderr is a terminal (tqdm's ``disable=None``), so logs and
+    pipes get no bar lines."""
     from tqdm import tqdm
 
-    return tqdm(total=total, desc="recommend", unit="user", dynamic_ncols=True, smoothing=0.1, disable=not show)
+    return tqdm(total=total, desc="recommend", unit="user", dynamic_ncols=True, smoothing=0.1,
+                disable=None if show else True)
 

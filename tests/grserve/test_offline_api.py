@@ -270,3 +270,19 @@ def test_llm_chat_equals_the_servers_chat_completions():
             assert r.json()["choices"][0]["message"]["content"] == o.outputs[0].text
             assert len(o.outputs[0].token_ids) == 5 and o.prompt == eng.tokenizer.apply_chat_template(conv)
         assert len(one) == 1 and one[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+
+
+def test_progress_bars_are_off_when_stderr_is_not_a_terminal(monkeypatch):
+    import io
+
+    from grserve import llm_api, recommender
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr(sys, "stderr", io.StringIO())  # a pipe or a log file
+    assert recommender._progress(True, 10).disable and llm_api._bar(True, 10).disable
+    monkeypatch.setattr(sys, "stderr", Tty())
+    assert not recommender._progress(True, 10).disable and not llm_api._bar(True, 10).disable
+    assert recommender._progress(False, 10).disable
