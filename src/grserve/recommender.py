@@ -57,6 +57,7 @@ class Recommendation:
     source: str = "model"  # "popularity": an empty history, answered from the popularity order (cold start)
     history_dropped: int = 0  # oldest history entries cut by truncate "left"
     thinking: str | None = None  # max_think_tokens > 0: the text the model wrote before its first SID token
+    user_id: Any = None  # the input's ``user_id``, echoed (offline only: any JSON value)
 
     @property
     def item_ids(self) -> list[int]:
@@ -64,10 +65,11 @@ class Recommendation:
 
     def to_dict(self) -> dict:
         """The items as ``/v1/recommend`` answers them (a non-finite score as -1e30)."""
-        return {"request_id": self.request_id,
-                "items": [{"item_id": it.item_id, "sid": list(it.sid),
-                           "score": json_score(it.score)} for it in self.items],
-                "source": self.source, "history_dropped": self.history_dropped, "thinking": self.thinking}
+        out = {"request_id": self.request_id,
+               "items": [{"item_id": it.item_id, "sid": list(it.sid),
+                          "score": json_score(it.score)} for it in self.items],
+               "source": self.source, "history_dropped": self.history_dropped, "thinking": self.thinking}
+        return out if self.user_id is None else {"user_id": self.user_id, **out}
 
 
 _FLAT = {"model": (ModelConfig, "source"), "dtype": (ModelConfig, "dtype"), "device": (ModelConfig, "device"),
@@ -115,6 +117,12 @@ class Recommender:
         self.popularity = Popularity.load(pop) if pop else Popularity()  # the cold-start order, as the server's
         # what the server's conversion needs besides the engine (thinking's limit, the tokenizer); no HTTP metrics
         self._beams = BeamContext(self.engine, self.config.server, self.config.beams, "grserve", None)
+        from grserve.server.retrieval_app import recommend_precheck, text_limits
+
+        # the server's cheap checks of a raw body (history lengths: --max-history-entries, 413 with truncate none;
+        # exclude_items / include_items counts; a text prompt's characters)
+        self._precheck = recommend_precheck(self.engine, self.config.server,
+                                            text_limits(self.engine, self.config.server, self.config.beams))
 
     @classmethod
     def from_config(cls, config: ServeConfig) -> "Recommender":
@@ -155,17 +163,17 @@ class Recommender:
         if total is None and isinstance(requests, Sequence):
             total = len(requests)
         batches = OfflineBatches(sched, self.engine.run_batch, window)
-        dropped_by: dict[int, int] = {}  # id(request) -> history entries truncate cut
+        dropped_by: dict[int, tuple[int, Any]] = {}  # id(request) -> (history entries truncate cut, user_id)
         with _progress(progress, total) as bar:
             for index, item in enumerate(requests):
                 try:
-                    req, dropped = self._request(item, index, defaults)
+                    req, dropped, user = self._request(item, index, defaults)
                 except RecommendInputError as exc:
                     if on_error is None:
                         raise
                     on_error(index, exc)
                     continue
-                dropped_by[id(req)] = dropped
+                dropped_by[id(req)] = dropped, user
                 if _cold(req):  # a new user: the popularity order, as the server answers it
                     from grserve.server.retrieval_app import cold_start
 
@@ -175,9 +183,9 @@ class Recommender:
                 yield from self._done(done, bar, dropped_by)
             yield from self._done(batches.flush(), bar, dropped_by)
 
-    def _done(self, results, bar, dropped_by: dict[int, int]) -> Iterator[Recommendation]:
+    def _done(self, results, bar, dropped_by: dict[int, tuple[int, Any]]) -> Iterator[Recommendation]:
         for req, res in results:
-            dropped = dropped_by.pop(id(req))
+            dropped, user = dropped_by.pop(id(req))
             bar.update(1)
             thinking = None
             if res.thought is not None:
@@ -185,7 +193,7 @@ class Recommender:
             yield Recommendation(res.request_id, [RecommendedItem(int(i.item_id), tuple(int(c) for c in i.sid),
                                                                   float(i.score)) for i in res.items],
                                  source="popularity" if _cold(req) else "model", history_dropped=dropped,
-                                 thinking=thinking)
+                                 thinking=thinking, user_id=user)
 
     def _request(self, item: Any, index: int, defaults: dict):
         """One input → the engine's request, through the server's own schema and conversion."""
@@ -194,14 +202,19 @@ class Recommender:
         from grserve.server.errors import ApiError
         from grserve.server.schemas import RecommendRequest
 
+        user = None
         try:
             if isinstance(item, RecommendRequest):
                 body = item
+                self._precheck(item.model_dump(exclude_none=True))
             else:
-                body = RecommendRequest.model_validate({**defaults, **as_body(item)})
+                raw = {**defaults, **as_body(item)}
+                user = raw.pop("user_id", None)
+                self._precheck(raw)
+                body = RecommendRequest.model_validate(raw)
             from grserve.server.retrieval_app import retrieval_request
 
-            return retrieval_request(body, self.catalog, self.engine, self.config.server, self._beams)
+            return (*retrieval_request(body, self.catalog, self.engine, self.config.server, self._beams), user)
         except ValidationError as exc:
             err = _validation_error(exc)
             raise RecommendInputError(index, err.message, err.field, err.type) from None
@@ -216,6 +229,9 @@ def as_body(item: Any) -> dict:
     if isinstance(item, dict):
         return item
     if isinstance(item, str):
+        if _json_container(item):
+            raise TypeError("a str input is a text prompt, and this one is a JSON object or array (a raw JSONL "
+                            "line?): pass json.loads(line) instead, or {\"prompt\": text} for such a prompt")
         return {"prompt": item}
     if isinstance(item, np.ndarray):
         return {"history_items": item.tolist()}
@@ -224,6 +240,19 @@ def as_body(item: Any) -> dict:
     if isinstance(item, Sequence):
         return {"history_items": list(item)}
     raise TypeError(f"an input is a dict, a list of item ids, a prompt or chat messages; got a {type(item).__name__}")
+
+
+def _json_container(text: str) -> bool:
+    """``text`` parses as a JSON object or array."""
+    import json
+
+    stripped = text.strip()
+    if not stripped or stripped[0] not in "[{":
+        return False
+    try:
+        return isinstance(json.loads(stripped), (dict, list))
+    except ValueError:
+        return False
 
 
 def _validation_error(exc):

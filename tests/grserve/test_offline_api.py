@@ -89,7 +89,9 @@ def test_api_refuses_what_the_server_refuses_with_its_message(cfg, rec):
 
     bad = [{"history_items": [1, 2, 10**9]}, {"history_sids": [[1, 2]]}, {"history_item": [1]},
            {"history_items": [1], "history_tokens": [20]}, {"history_items": [1], "top_n": BW + 1},
-           {"history_tokens": [1] * 121, "truncate": "none"}]
+           {"history_tokens": [1] * 121, "truncate": "none"},
+           {"history_items": [1] * 16_385}, {"history_sids": [[0, 0, 0]] * 16_385, "truncate": "left"},
+           {"history_items": [1], "exclude_items": list(range(4097))}]  # --max-history-entries, --max-exclude-items
     engine = RetrievalEngine.build(cfg)
     client = TestClient(create_app(engine, cfg.server))
     for i, body in enumerate(bad):
@@ -286,3 +288,33 @@ def test_progress_bars_are_off_when_stderr_is_not_a_terminal(monkeypatch):
     monkeypatch.setattr(sys, "stderr", Tty())
     assert not recommender._progress(True, 10).disable and not llm_api._bar(True, 10).disable
     assert recommender._progress(False, 10).disable
+
+
+def test_the_offline_path_takes_what_the_command_takes_and_says_where_answers_come_from(cfg, rec, tmp_path,
+                                                                                        catalog_file, capsys):
+    """``user_id`` is echoed by the API as by the command; a raw JSONL line given as a ``str`` is refused, not
+    taken as a text prompt; ``grserve recommend`` writes ``source`` (a cold start says so) and applies
+    ``--max-history-entries`` as the server does."""
+    from grserve.cli import main
+
+    ids = rec.catalog.item_ids[:3].tolist()
+    out = rec.recommend([{"user_id": "u1", "history_items": ids}, ids], top_n=2, progress=False)
+    assert out[0].user_id == "u1" and out[0].to_dict()["user_id"] == "u1" and out[1].user_id is None
+    assert out[0].item_ids == out[1].item_ids
+    for raw in (json.dumps({"history_items": ids}), json.dumps(ids), " [1, 2]\n"):
+        with pytest.raises(RecommendInputError) as exc:
+            rec.recommend([raw], progress=False)
+        assert "JSON object or array" in exc.value.message and exc.value.index == 0
+    inp = tmp_path / "u.jsonl"
+    inp.write_text(json.dumps({"user_id": 1, "history_items": []}) + "\n" + json.dumps(ids) + "\n"
+                   + json.dumps({"history_items": ids * 3}) + "\n")
+    res = tmp_path / "r.jsonl"
+    args = ["recommend", "--model", "tiny", "--catalog", str(catalog_file), "--input", str(inp), "--output",
+            str(res), "--beam-width", str(BW), "--top-n", "4", "--no-progress"]
+    assert main(args) == 0
+    rows = [json.loads(x) for x in res.read_text().splitlines()]
+    assert [r["source"] for r in rows] == ["popularity", "model", "model"] and rows[0]["user_id"] == 1
+    assert [r["history_dropped"] for r in rows] == [0, 0, 0]
+    capsys.readouterr()
+    assert main(args + ["--max-history-entries", "5"]) == 1  # line 3 has 9 entries: the server's 413
+    assert "line 3: history_items: 9 entries, more than the limit of 5" in capsys.readouterr().err
