@@ -47,6 +47,7 @@ class BeamRequest(BaseModel):
     exclude_items: list[StrictInt] | None = None
     include_items: list[StrictInt] | None = None  # an allowlist: only these catalog items
     include_sid_prefix: Annotated[list[StrictInt], Field(min_length=1)] | None = None  # only items under this prefix
+    exclude_history: Bool = False  # never return an item whose whole SID the prompt writes
     max_think_tokens: Annotated[int, Strict(), Field(ge=0)] = 0
     temperature: Annotated[Float, Field(ge=0.0, le=2.0)] = 0.0
     top_p: Annotated[Float, Field(gt=0.0, le=1.0)] = 1.0

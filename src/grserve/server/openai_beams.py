@@ -35,7 +35,7 @@ from grserve.engine.protocol import RetrievalService
 from grserve.engine.think import ThinkSpec
 from grserve.engine.types import RetrievalRequest, RetrievalResult, json_score
 from grserve.server.errors import ApiError
-from grserve.server.item_filters import allowed, excluded_items
+from grserve.server.item_filters import allowed, excluded_items, history_exclusion
 from grserve.server.lifecycle import finish, submit
 from grserve.server.metrics import Metrics
 from grserve.server.offload import off_loop
@@ -151,7 +151,8 @@ def retrieval_request(ctx: BeamContext, body: BeamRequest, ids: list[int], catal
     prompt = beam_start(ids, catalog.layout, knobs.think is not None)
     check_length(int(prompt.size), int(ctx.server.max_prompt_tokens), field_name, "the prompt", "prompt_too_long")
     return RetrievalRequest(prompt_tokens=prompt, beam_width=knobs.beam_width, top_n=body.n, think=knobs.think,
-                            exclude_items=knobs.exclude_items, include=knobs.include)
+                            exclude_items=history_exclusion(body, catalog, prompt, knobs.exclude_items),
+                            include=knobs.include)
 
 
 def _items(result: RetrievalResult, catalog: Any) -> list[dict]:

@@ -36,7 +36,8 @@ from grserve.server.app import new_app
 from grserve.server.bodies import MAX_BRACKETS, Precheck
 from grserve.server.catalog_reload import CatalogReloader
 from grserve.server.errors import ApiError
-from grserve.server.item_filters import allowed, check_excluded, check_included, excluded_items
+from grserve.server.item_filters import allowed, check_excluded, check_included, excluded_items, \
+    history_exclusion
 from grserve.server.lifecycle import finish, submit
 from grserve.server.metrics import Metrics
 from grserve.server.offload import off_loop
@@ -285,6 +286,7 @@ def retrieval_request(body: RecommendRequest, catalog: Any, engine: RetrievalSer
                                      beam_ctx, body.truncate or server_cfg.truncate)
     # the engine's key (its cancel key) is the server's own: a client's request_id is only echoed, so a client
     # that reuses another's id and disconnects cancels nothing but its own request
+    excluded = history_exclusion(body, catalog, prompt, excluded)
     req = RetrievalRequest(prompt_tokens=prompt, beam_width=beam_width, top_n=body.top_n, exclude_items=excluded,
                            include=include, think=think)
     return req, dropped

@@ -435,3 +435,18 @@ def test_created_is_the_answers_time_not_the_servers_start(onerec, monkeypatch):
     monkeypatch.setattr(openai_beams, "time", SimpleNamespace(time=lambda: later))
     r = client.post("/v1/chat/completions", json={"model": "gr", "messages": [{"role": "user", "content": "hi"}]})
     assert r.json()["created"] == int(later)
+
+
+def test_exclude_history_on_the_openai_routes(onerec):
+    """The items whose SIDs the prompt writes never come back: the same search as ``exclude_items`` listing them."""
+    d, _, client, _ = onerec
+    history = [2, 5, 9, 11, 40, 41, 42, 77]
+    messages = [{"role": "user", "content": f"I liked {_history(d, history)}."}]
+    body = {"model": "gr", "messages": messages, "n": 16, "beam_width": 16}
+    got = client.post("/v1/chat/completions", json={**body, "exclude_history": True}).json()["choices"]
+    ref = client.post("/v1/chat/completions", json={**body, "exclude_items": history}).json()["choices"]
+    assert [c["item_id"] for c in got] == [c["item_id"] for c in ref] and not {c["item_id"] for c in got} & set(history)
+    r = client.post("/v1/completions", json={"model": "gr", "prompt": _history(d, history), "n": 16,
+                                             "beam_width": 16, "exclude_history": True})
+    assert r.status_code == 200, r.text
+    assert not {c["item_id"] for c in r.json()["choices"]} & set(history)
