@@ -65,6 +65,10 @@ class CatalogConfig(Checked):
     popularity: str | None = flag(None, "item popularity, JSON {\"<item id>\": count}: the answer to a history "
                                         "with no items (cold start); default: every item counts 0 (item-id order)",
                                   metavar="FILE")
+    duplicate_sids: str = flag("refuse", "several items with one SID in --catalog: refuse (the catalog does not load, "
+                                         "naming both items), or popularity: serve every item of a SID, ranked by "
+                                         "--popularity within it, each answer naming its own item",
+                               choices=("refuse", "popularity"))
 
     def check(self) -> None:
         if self.path is None and self.num_items > self.codebook_size ** self.depth:

@@ -19,7 +19,7 @@ def items_of_sids(catalog: Catalog, sids: np.ndarray) -> np.ndarray:
     if sids.shape[0] == 0:
         return np.zeros(0, dtype=np.int64)
     rows = catalog.leaves_of_sids(sids)
-    return catalog.items_of_leaves(rows[rows >= 0])
+    return catalog.items_of_rows(rows[rows >= 0])
 
 
 def items_in_tokens(catalog: Catalog, tokens: np.ndarray) -> np.ndarray:

@@ -145,7 +145,8 @@ def load_for_serving(catalog_dir: str, name: str, served: Any, vocab_size: int, 
     try:
         with io.BufferedReader(raw, 1 << 16) as f:
             catalog = read_catalog(f, os.path.splitext(name)[1], name, size,
-                                   token_offset=int(served.layout.token_offset), check=check)
+                                   token_offset=int(served.layout.token_offset), check=check,
+                                   duplicate_sids=getattr(served, "duplicate_sids", "refuse"))
         if bind is not None:
             catalog = bind(catalog)  # SID token text → the served tokenizer's ids (as at start-up)
     except SidTokenError as exc:  # the token is quoted only when it is shaped like a SID token (never other text)

@@ -28,6 +28,7 @@ import numpy as np
 from fastapi import FastAPI, Request
 
 from grserve.catalog.allowlist import allowed_rows
+from grserve.catalog.duplicates import expand
 from grserve.catalog.popularity import Popularity
 from grserve.config import BeamApiConfig, CatalogReloadConfig, EdgeConfig, ServerConfig
 from grserve.engine.protocol import RetrievalService
@@ -189,7 +190,7 @@ def items_out(result: RetrievalResult) -> list[ItemOut]:
 
 
 def catalog_info(catalog: Any) -> CatalogInfo:
-    return CatalogInfo(num_items=len(catalog), version=int(catalog.version), depth=int(catalog.depth),
+    return CatalogInfo(num_items=catalog.num_items, version=int(catalog.version), depth=int(catalog.depth),
                        codebook_sizes=[int(c) for c in catalog.codebook_sizes])
 
 
@@ -311,8 +312,10 @@ def cold_start(req: RetrievalRequest, catalog: Any, popular: Popularity) -> Retr
                                                                                     req.exclude_items)])
     else:
         top = popular.top(catalog, req.top_n, req.exclude_items)
-    items = [RetrievedItem(int(i), tuple(int(c) for c in sid), float(score))
-             for i, sid, score in zip(top.item_ids, top.sids, top.scores)]
+    ranked = [(int(i), tuple(int(c) for c in sid), float(score)) for i, sid, score in zip(top.item_ids, top.sids,
+                                                                                          top.scores)]
+    include = req.include.items if req.include is not None else None
+    items = [RetrievedItem(*it) for it in expand(catalog, ranked, req.top_n, req.exclude_items, include)]
     return RetrievalResult(req.request_id, items, compute_ms=(time.perf_counter() - t0) * 1e3, batch_size=0,
                            catalog_version=int(catalog.version))
 
