@@ -171,6 +171,14 @@ class BeamApiConfig(Checked):
     max_chat_messages: int = flag(2048, "most messages (and content parts) a chat may have (these routes and "
                                         "/v1/recommend's messages); at most --max-prompt-tokens too (400 "
                                         "too_many_messages, before the chat template)", check=positive_int, metavar="N")
+    prompt_template: str | None = flag(None, "a Jinja template file: history_items / history_sids are written into "
+                                             "it as the model's own prompt ({{ history }}: the items' SID text "
+                                             "joined by ', '; {{ items }}, {{ item_ids }}; "
+                                             "server/prompt_template.py); default: the bare SID tokens",
+                                       metavar="FILE")
+    prompt_format: str = flag("text", "how the rendered --prompt-template is encoded: text (as /v1/completions "
+                                      "encodes a prompt) or chat (one user message in the model's chat template)",
+                              choices=("text", "chat"))
 
 
 # ---- ranking (BAT) -------------------------------------------------------------------------------------------

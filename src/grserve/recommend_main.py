@@ -22,12 +22,13 @@ from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from grserve.config import AccelConfig, CatalogConfig, ModelConfig, SchedulerConfig, SearchConfig, ServeConfig, \
-    ServerConfig
+from grserve.config import AccelConfig, BeamApiConfig, CatalogConfig, ModelConfig, SchedulerConfig, SearchConfig, \
+    ServeConfig, ServerConfig
 from grserve.flags import Checked, UsageError, add_flags, command_parser, flag, from_args, positive_int
 
 CATALOG_SKIP = ("num_items", "depth", "codebook_size", "seed")
 SERVER_SKIP = ("host", "port", "log_level")
+BEAMS_SKIP = ("served_model_name",)
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ def add_command(sub) -> None:
     add_flags(p, d.scheduler, title="batching")
     add_flags(p, d.server, title="request limits (as the server's)", skip=SERVER_SKIP)
     add_flags(p, d.accel, title="accelerator (docs/gpu.md)")
+    add_flags(p, d.beams, title="prompts (as the server's)", skip=BEAMS_SKIP)
     p.set_defaults(handler=lambda ns: run(config_from_args(ns), from_args(RecommendIO, ns)))
 
 
@@ -57,7 +59,7 @@ def config_from_args(ns) -> ServeConfig:
     return ServeConfig(model=from_args(ModelConfig, ns), catalog=from_args(CatalogConfig, ns),
                        search=from_args(SearchConfig, ns, max_beam_width=max(ns.max_beam_width, ns.beam_width)),
                        scheduler=from_args(SchedulerConfig, ns), server=from_args(ServerConfig, ns),
-                       accel=from_args(AccelConfig, ns))
+                       accel=from_args(AccelConfig, ns), beams=from_args(BeamApiConfig, ns))
 
 
 class BadLine(Exception):

@@ -31,7 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from grserve.config import CatalogConfig, ModelConfig, SchedulerConfig, SearchConfig, ServeConfig, ServerConfig
+from grserve.config import BeamApiConfig, CatalogConfig, ModelConfig, SchedulerConfig, SearchConfig, ServeConfig, \
+    ServerConfig
 from grserve.engine.types import json_score
 
 
@@ -80,8 +81,8 @@ def serve_config(**kwargs: Any) -> ServeConfig:
     """A ``ServeConfig`` from flat keyword arguments named like ``grserve serve``'s flags (``model``, ``catalog``,
     ``beam_width``, ``scoring``, ``token_capacity``, ``max_prompt_tokens``, ...); checked like the flags."""
     parts: dict[type, dict] = {ModelConfig: {}, CatalogConfig: {}, SearchConfig: {}, SchedulerConfig: {},
-                               ServerConfig: {}}
-    names = {f.name: cls for cls in (SearchConfig, SchedulerConfig, ServerConfig, CatalogConfig)
+                               ServerConfig: {}, BeamApiConfig: {}}
+    names = {f.name: cls for cls in (SearchConfig, SchedulerConfig, ServerConfig, CatalogConfig, BeamApiConfig)
              for f in fields(cls)}
     for key, value in kwargs.items():
         if key in _FLAT:
@@ -97,7 +98,7 @@ def serve_config(**kwargs: Any) -> ServeConfig:
         search.setdefault("max_beam_width", max(SearchConfig().max_beam_width, int(search["beam_width"])))
     return ServeConfig(model=ModelConfig(**parts[ModelConfig]), catalog=CatalogConfig(**parts[CatalogConfig]),
                        search=SearchConfig(**search), scheduler=SchedulerConfig(**parts[SchedulerConfig]),
-                       server=ServerConfig(**parts[ServerConfig]))
+                       server=ServerConfig(**parts[ServerConfig]), beams=BeamApiConfig(**parts[BeamApiConfig]))
 
 
 class Recommender:

@@ -56,6 +56,7 @@ from grserve.server.openai_beam_schemas import (
     Thinking,
 )
 from grserve.server.openai_schemas import ModelCard, ModelList
+from grserve.server.prompt_template import PromptTemplate, PromptTemplateError
 from grserve.server.sid_prompts import beam_start, chat_text, check_sid_text, item_text
 from grserve.server.validators import check_length, token_ids
 
@@ -73,6 +74,18 @@ class BeamContext:
     model_name: str
     metrics: Metrics
     created: int = field(default_factory=lambda: int(time.time()))
+    prompt_template: PromptTemplate | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        """``--prompt-template``, loaded and tried once at start-up (a bad file or variable fails here, not later)."""
+        path = getattr(self.beams, "prompt_template", None)
+        if path is None:
+            return
+        if getattr(self.engine, "tokenizer", None) is None:
+            raise PromptTemplateError(f"--prompt-template {path}: the model has no tokenizer to encode its text")
+        template = PromptTemplate.load(path, self.beams.prompt_format)
+        template.render(["<item>"], [0])
+        self.prompt_template = template
 
     @property
     def tokenizer(self) -> Any:
