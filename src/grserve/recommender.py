@@ -190,7 +190,10 @@ class Recommender:
             bar.update(1)
             thinking = None
             if res.thought is not None:
-                thinking = self._beams.tokenizer.decode(res.thought[:-1], skip_special_tokens=False)
+                from grserve.engine.think import text_tokens
+
+                ids = text_tokens(res.thought, self.catalog.layout.sid_begin)
+                thinking = self._beams.tokenizer.decode(ids, skip_special_tokens=False)
             yield Recommendation(res.request_id, [RecommendedItem(int(i.item_id), tuple(int(c) for c in i.sid),
                                                                   float(i.score)) for i in res.items],
                                  source="popularity" if _cold(req) else "model", history_dropped=dropped,

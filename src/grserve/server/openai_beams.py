@@ -32,7 +32,7 @@ from fastapi.routing import APIRoute
 from grserve.catalog.allowlist import Allow
 from grserve.config import BeamApiConfig, ServerConfig
 from grserve.engine.protocol import RetrievalService
-from grserve.engine.think import ThinkSpec
+from grserve.engine.think import ThinkSpec, text_tokens
 from grserve.engine.types import RetrievalRequest, RetrievalResult, json_score
 from grserve.server.errors import ApiError
 from grserve.server.item_filters import allowed, excluded_items, history_exclusion
@@ -118,17 +118,18 @@ def _beam_width(ctx: BeamContext, body: BeamRequest) -> int:
 
 def think_spec(ctx: BeamContext, max_think_tokens: int, layout: Any, temperature: float = 0.0, top_p: float = 1.0,
                top_k: int = 0, seed: int | None = None) -> ThinkSpec | None:
-    """The request's ``ThinkSpec``, None without thinking; 400 over ``--max-think-tokens`` or for a layout without
-    ``sid_begin`` (nothing would end the thought)."""
+    """The request's ``ThinkSpec``, None without thinking; 400 over ``--max-think-tokens``. A layout without
+    ``sid_begin`` ends the thought at the model's first SID token (``engine/think.py``)."""
     if max_think_tokens == 0:
         return None
     limit = int(ctx.beams.max_think_tokens)
     if max_think_tokens > limit:
         raise ApiError(400, f"max_think_tokens: {max_think_tokens} is more than the server limit {limit} "
                             "(--max-think-tokens)", "max_think_tokens", "out_of_range")
-    if layout.sid_begin is None:
-        raise ApiError(400, "max_think_tokens: the served catalog's SIDs have no sid_begin token that would end a "
-                            "thought", "max_think_tokens", "invalid_value")
+    if layout.sid_begin is None:  # the model's own first SID token ends the thought (engine/think.py)
+        first = layout.code_tokens(0)
+        return ThinkSpec(max_think_tokens, None, temperature, top_p, top_k, seed,
+                         frozenset(int(t) for t in first[first >= 0].tolist()))
     return ThinkSpec(max_think_tokens, int(layout.sid_begin), temperature, top_p, top_k, seed)
 
 
@@ -179,7 +180,7 @@ async def thought_text(ctx: BeamContext, result: RetrievalResult) -> str | None:
     without one."""
     if result.thought is None:
         return None
-    tok, ids = ctx.tokenizer, result.thought[:-1]
+    tok, ids = ctx.tokenizer, text_tokens(result.thought, ctx.engine.catalogs.current().layout.sid_begin)
     return await off_loop(lambda: tok.decode(ids, skip_special_tokens=False))
 
 

@@ -190,6 +190,42 @@ def test_think_then_recommend_equals_the_two_hf_stages(thinking_onerec_dir):
         engine.stop()
 
 
+def test_think_without_sid_begin_ends_at_the_models_first_sid_token(minionerec_dir):
+    """An LC-Rec layout has no sid_begin: the thought ends where the model writes its first level-0 SID token (not
+    kept), or at the limit; the beams search that position. Equal to HF ``generate(eos_token_id=<level-0 SID
+    tokens>)`` without that last token, then the constrained beams on prompt + thought."""
+    d = minionerec_dir
+    engine = _engine(d)
+    ref = HFReference(d)
+    firsts = sorted({ref.tok.convert_tokens_to_ids(row[0]) for row in d.strings})
+    natural_seen = forced_seen = False
+    try:
+        with _client(engine, max_think_tokens=64) as client:
+            for k, limit, sample in ((0, 12, None), *((k, 24, dict(temperature=1.5, top_p=1.0, top_k=0, seed=k))
+                                                      for k in range(1, 7))):
+                prompt = f"question {k}: what next?"
+                extra = {} if sample is None else {"temperature": 1.5, "seed": k}
+                r = client.post("/v1/completions", json={"model": "gr", "prompt": prompt, "n": 4, "beam_width": 4,
+                                                         "max_think_tokens": limit, **extra})
+                assert r.status_code == 200, r.text
+                body = r.json()
+                ids = ref.tok.encode(prompt)
+                gen = ref.think(ids, limit, firsts, sample)[:-1]  # the appended "sid_begin" stand-in dropped
+                natural = bool(gen) and gen[-1] in firsts
+                thought = gen[:-1] if natural else gen
+                assert body["thinking"]["tokens"] == len(thought) and body["thinking"]["sid_begin_forced"] == (
+                    not natural)
+                assert body["thinking"]["text"] == ref.tok.decode(thought)
+                natural_seen |= natural
+                forced_seen |= not natural
+                want = ref.beams(ids + thought, 4)
+                assert [c["item_id"] for c in body["choices"]] == [i for i, _ in want]
+                assert max(abs(c["cumulative_logprob"] - s) for c, (_, s) in zip(body["choices"], want)) <= 1e-4
+        assert natural_seen and forced_seen
+    finally:
+        engine.stop()
+
+
 # ---- streaming, /v1/recommend, the openai client -----------------------------------------------------------------
 def test_stream_sends_the_finished_beam_set_once(onerec):
     d, engine, client, _ = onerec
