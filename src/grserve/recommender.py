@@ -17,15 +17,17 @@ dicts ``{"messages": m}`` here, with no change to this module.
 
 Batching is the server's: requests join ``GRBatcher`` queues (one per beam width) and leave them as batches by
 token capacity and request cap (``SchedulerConfig``); each batch runs through the engine's own batch execution
-(``RetrievalEngine.run_batch``: the runner the server uses, the device fast path where configured). It is driven
-in the calling thread and never by the clock (no waiting quota, no idle dispatch), so the batches — and hence the
-results — depend only on the inputs and their order: deterministic. Memory is bounded: at most ``window`` inputs
+(``RetrievalEngine.run_batch``: the runner the server uses, the device fast path where configured), up to
+``--max-inflight-batches`` at once on executor threads as on the server, while the calling thread converts the next
+inputs. Batches are formed by the inputs and never by the clock (no waiting quota, no idle dispatch), so the batches
+— and hence the results — depend only on the inputs and their order: deterministic. Memory is bounded: at most ``window`` inputs
 are read ahead of the oldest unfinished one; results come back in input order (``stream`` yields them one by one).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
+from contextlib import closing
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -163,9 +165,9 @@ class Recommender:
         window = window or 4 * sched.max_batch_requests
         if total is None and isinstance(requests, Sequence):
             total = len(requests)
-        batches = OfflineBatches(sched, self.engine.run_batch, window)
+        batches = OfflineBatches(sched, self.engine.run_batch, window, inflight=sched.max_inflight_batches)
         dropped_by: dict[int, tuple[int, Any]] = {}  # id(request) -> (history entries truncate cut, user_id)
-        with _progress(progress, total) as bar:
+        with _progress(progress, total) as bar, closing(batches):
             for index, item in enumerate(requests):
                 try:
                     req, dropped, user = self._request(item, index, defaults)

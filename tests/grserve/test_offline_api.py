@@ -318,3 +318,49 @@ def test_the_offline_path_takes_what_the_command_takes_and_says_where_answers_co
     capsys.readouterr()
     assert main(args + ["--max-history-entries", "5"]) == 1  # line 3 has 9 entries: the server's 413
     assert "line 3: history_items: 9 entries, more than the limit of 5" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("window", [1, 7, 50])
+def test_batches_in_flight_are_the_batches_run_one_at_a_time(window):
+    """Up to ``inflight`` batches on executor threads (the server's concurrency) form exactly the batches of the
+    one-at-a-time path, whatever the threads' timing, and give every result once, in input order."""
+    import random
+    import time as time_mod
+
+    rng = np.random.default_rng(window)
+    reqs = [Req(int(rng.integers(1, 40)), int(rng.choice([4, 8]))) for _ in range(80)]
+    cfg = SchedulerConfig(token_capacity=64, max_batch_requests=5)
+    formed: dict[int, list] = {1: [], 3: []}
+    jitter = random.Random(window)
+
+    def runner(inflight):
+        def run(batch):
+            formed[inflight].append([id(r) for r in batch])
+            if inflight > 1:
+                time_mod.sleep(jitter.random() * 0.003)  # batches finish out of order
+            return [id(r) for r in batch]
+        return run
+
+    outs = {}
+    for inflight in (1, 3):
+        ob = OfflineBatches(cfg, runner(inflight), window, inflight=inflight)
+        got = []
+        for k, r in enumerate(reqs):
+            got += ob.add_result(r, id(r)) if k % 9 == 4 else ob.add(r)  # cold starts keep their place
+        got += ob.flush()
+        ob.close()
+        outs[inflight] = got
+        assert [req for req, _ in got] == reqs and [res for _, res in got] == [id(r) for r in reqs]
+    assert sorted(map(tuple, formed[3])) == sorted(map(tuple, formed[1]))  # the same batches
+
+
+def test_recommendations_do_not_depend_on_batches_in_flight(cfg):
+    from dataclasses import replace
+
+    with Recommender(replace(cfg, scheduler=replace(cfg.scheduler, max_inflight_batches=1))) as one:
+        reqs = requests_of(one.catalog, n=21, seed=5)
+        a = one.recommend(reqs, top_n=BW, progress=False)
+    with Recommender(replace(cfg, scheduler=replace(cfg.scheduler, max_inflight_batches=3))) as three:
+        b = three.recommend(reqs, top_n=BW, progress=False)
+    assert [x.item_ids for x in a] == [x.item_ids for x in b]
+    assert np.allclose([s.score for x in a for s in x.items], [s.score for x in b for s in x.items], atol=1e-5)
