@@ -69,22 +69,21 @@ def rows_fully_excluded(catalog: "Catalog", item_ids: np.ndarray) -> np.ndarray:
     return uniq[hit == catalog.groups.sizes(uniq)]
 
 
-def expand(catalog: "Catalog", ranked: list[tuple[int, tuple[int, ...], float]], top_n: int,
-           exclude: np.ndarray | None = None, include: np.ndarray | None = None
-           ) -> list[tuple[int, tuple[int, ...], float]]:
-    """``(item_id, sid, score)`` of ranked SIDs (each named by the item the search reports) → every item of each
-    SID in group order, minus ``exclude``, only ``include`` ids when given, at most ``top_n``. A catalog without
-    duplicate SIDs returns ``ranked`` as is."""
+def expand(catalog: "Catalog", ranked: list[tuple[int, Any]], top_n: int, exclude: np.ndarray | None = None,
+           include: np.ndarray | None = None) -> list[tuple[int, Any]]:
+    """``(item_id, answer)`` of ranked SIDs (each named by the item the search reports; ``answer``: its SID, score,
+    ...) → ``(item_id, answer)`` for every item of each SID in group order, minus ``exclude``, only ``include`` ids
+    when given, at most ``top_n``. A catalog without duplicate SIDs returns ``ranked`` as is."""
     if catalog.groups is None:
         return ranked
-    out: list[tuple[int, tuple[int, ...], float]] = []
+    out: list[tuple[int, Any]] = []
     ex = None if exclude is None or not len(exclude) else set(np.asarray(exclude, dtype=np.int64).tolist())
     inc = None if include is None else set(np.asarray(include, dtype=np.int64).tolist())
-    for item_id, sid, score in ranked:
+    for item_id, answer in ranked:
         rows, _ = catalog._rows_of_items(np.asarray([item_id], dtype=np.int64))
         for other in catalog.groups.of(int(rows[0])).tolist():
             if (ex is None or other not in ex) and (inc is None or other in inc):
-                out.append((int(other), sid, score))
+                out.append((int(other), answer))
                 if len(out) == top_n:
                     return out
     return out

@@ -106,7 +106,7 @@ class RetrievalEngine(BatchedEngine):
         think = [r.think for r in requests]
         prompts, top_n = [r.prompt_tokens for r in requests], [r.top_n for r in requests]
         if any(e is not None and len(e) for e in exclude) or any(a is not None for a in include) \
-                or any(t is not None for t in think):
+                or any(t is not None for t in think) or any(r.logprobs for r in requests):
             out = self._reference_runner().run(prompts, requests[0].beam_width, top_n, catalog, exclude=exclude,
                                                include=include, think=think)
         else:
@@ -135,11 +135,11 @@ class RetrievalEngine(BatchedEngine):
 
 def _items(catalog: Catalog, req: RetrievalRequest, hits) -> list[RetrievedItem]:
     """A request's answer from its SID hits: each SID's items where several share it (``catalog/duplicates.py``)."""
-    ranked = [(h.item_id, h.sid, h.score) for h in hits]
+    ranked = [(h.item_id, h) for h in hits]
     if catalog.groups is not None:
         include = req.include.items if req.include is not None else None
         ranked = expand(catalog, ranked, req.top_n, req.exclude_items, include)
-    return [RetrievedItem(i, sid, score) for i, sid, score in ranked]
+    return [RetrievedItem(i, h.sid, h.score, h.token_logprobs) for i, h in ranked]
 
 
 def make_runner(model: Decoder, search: SearchConfig, accel: AccelConfig | None = None):

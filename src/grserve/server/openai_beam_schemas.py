@@ -19,7 +19,9 @@ fields a 400 naming them. The accepted parameters are what GR clients send:
   value they are a 400 naming them.
 
 An answer choice carries the item's SID text as its content and three extension fields: ``item_id``, ``sid`` (the
-codes) and ``cumulative_logprob`` (the summed log-probability of the SID tokens under the server's scoring).
+codes) and ``cumulative_logprob`` (the summed log-probability of the SID tokens under the server's scoring); asked
+(chat ``logprobs: true``, completions ``logprobs: 0``), its ``logprobs`` in OpenAI's shape give each SID token's own
+log-probability under that scoring (they sum to ``cumulative_logprob``; no alternatives).
 """
 
 from __future__ import annotations
@@ -29,7 +31,19 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, Strict, StrictInt, field_validator, model_validator
 
 from grserve.server.openai_defaults import neutral_body
-from grserve.server.openai_schemas import Bool, ChatMessage, Float, Seed, StreamOptions, Text, TokenId, Usage
+from grserve.server.openai_schemas import (
+    Bool,
+    ChatLogprobs,
+    ChatMessage,
+    CompletionLogprobs,
+    Float,
+    Seed,
+    StreamOptions,
+    Text,
+    TokenId,
+    Usage,
+    unsupported,
+)
 
 PosInt = Annotated[int, Strict(), Field(ge=1)]
 
@@ -88,6 +102,17 @@ class BeamRequest(BaseModel):
 
 class BeamCompletionRequest(BeamRequest):
     prompt: Text | list[TokenId]  # text (rendered as is), or token ids
+    logprobs: Annotated[int, Strict(), Field(ge=0)] | None = None  # 0: each SID token's logprob (no alternatives)
+
+    @model_validator(mode="after")
+    def _logprobs(self) -> "BeamCompletionRequest":
+        if self.logprobs:
+            raise unsupported("logprobs", "a beam's SID tokens come with their own log-probabilities only "
+                                          "(logprobs: 0); alternatives are not returned")
+        return self
+
+    def wants_logprobs(self) -> bool:
+        return self.logprobs is not None
 
     @field_validator("prompt")
     @classmethod
@@ -107,9 +132,17 @@ class BeamChatRequest(BeamRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: PosInt | None = None
     chat_template_kwargs: dict[Text, Any] | None = None
+    logprobs: Bool = False  # true: each SID token's log-probability in the choice's logprobs.content
+    top_logprobs: Annotated[int, Strict(), Field(ge=0)] | None = None  # only 0 (no alternatives)
+
+    def wants_logprobs(self) -> bool:
+        return self.logprobs
 
     @model_validator(mode="after")
     def _template_kwargs(self) -> "BeamChatRequest":
+        if self.top_logprobs:
+            raise unsupported("top_logprobs", "a beam's SID tokens come with their own log-probabilities only; "
+                                              "alternatives are not returned (top_logprobs: 0)")
         for key in self.chat_template_kwargs or {}:
             if not key.isidentifier() or key in _TEMPLATE_CALL_ARGS:
                 raise ValueError(f"chat_template_kwargs: {key!r} is not a template variable this server passes on")
@@ -143,12 +176,12 @@ class BeamMessage(BaseModel):
 
 class BeamChatChoice(_Item):
     message: BeamMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None  # logprobs: true — one entry per SID token
 
 
 class BeamCompletionChoice(_Item):
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None  # logprobs: 0 — one entry per SID token
 
 
 class _BeamAnswer(BaseModel):
@@ -178,6 +211,7 @@ class BeamChatDelta(BaseModel):
 
 class BeamChatChunkChoice(_Item):
     delta: BeamChatDelta
+    logprobs: ChatLogprobs | None = None
 
 
 class BeamChatChunk(_BeamAnswer):

@@ -55,7 +55,7 @@ from grserve.server.openai_beam_schemas import (
     BeamRequest,
     Thinking,
 )
-from grserve.server.openai_schemas import ModelCard, ModelList
+from grserve.server.openai_schemas import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, ModelCard, ModelList
 from grserve.server.prompt_template import PromptTemplate, PromptTemplateError
 from grserve.server.sid_prompts import beam_start, chat_text, check_sid_text, item_text
 from grserve.server.validators import check_length, token_ids
@@ -166,13 +166,38 @@ def retrieval_request(ctx: BeamContext, body: BeamRequest, ids: list[int], catal
     check_length(int(prompt.size), int(ctx.server.max_prompt_tokens), field_name, "the prompt", "prompt_too_long")
     return RetrievalRequest(prompt_tokens=prompt, beam_width=knobs.beam_width, top_n=body.n, think=knobs.think,
                             exclude_items=history_exclusion(body, catalog, prompt, knobs.exclude_items),
-                            include=knobs.include)
+                            include=knobs.include, logprobs=body.wants_logprobs())
 
 
 def _items(result: RetrievalResult, catalog: Any) -> list[dict]:
     return [{"index": i, "item_id": int(it.item_id), "sid": [int(c) for c in it.sid],
              "cumulative_logprob": json_score(it.score),
              "text": item_text(catalog, it.sid)} for i, it in enumerate(result.items)]
+
+
+def _sid_tokens(catalog: Any, sid: tuple[int, ...]) -> list[str]:
+    """Each SID token as text: the catalog's token strings, or the level's code where SIDs have no text."""
+    if catalog.text is not None:
+        return [catalog.text.strings(level, [c])[0] for level, c in enumerate(sid)]
+    return [str(int(c)) for c in sid]
+
+
+def chat_logprobs(catalog: Any, item: Any) -> ChatLogprobs:
+    """A choice's ``logprobs``: one entry per SID token, its own log-probability, no alternatives."""
+    return ChatLogprobs(content=[ChatTokenLogprob(token=t, logprob=json_score(lp), bytes=list(t.encode()),
+                                                 top_logprobs=[])
+                                 for t, lp in zip(_sid_tokens(catalog, item.sid), item.token_logprobs)])
+
+
+def completion_logprobs(catalog: Any, item: Any) -> CompletionLogprobs:
+    """A completion choice's ``logprobs``: the SID tokens, their log-probabilities, their offsets in its text."""
+    tokens, text, offsets, pos = _sid_tokens(catalog, item.sid), item_text(catalog, item.sid), [], 0
+    for t in tokens:
+        at = text.find(t, pos)
+        offsets.append(at if at >= 0 else pos)
+        pos = offsets[-1] + len(t)
+    return CompletionLogprobs(tokens=tokens, token_logprobs=[json_score(x) for x in item.token_logprobs],
+                              top_logprobs=[{} for _ in tokens], text_offset=offsets)
 
 
 async def thought_text(ctx: BeamContext, result: RetrievalResult) -> str | None:
@@ -227,6 +252,9 @@ def create_beam_router(ctx: BeamContext, route_class: type[APIRoute] = APIRoute)
         head = dict(id=f"chatcmpl-{uuid.uuid4().hex[:24]}", created=int(time.time()), model=ctx.model_name,
                     thinking=await _thinking(ctx, result), beam_width=req.beam_width,
                     catalog_version=int(result.catalog_version))
+        if body.logprobs:
+            for it, got in zip(items, result.items):
+                it["logprobs"] = chat_logprobs(catalog, got)
         if body.stream:
             choices = [BeamChatChunkChoice(delta=BeamChatDelta(content=it.pop("text")), **it) for it in items]
             return _stream([BeamChatChunk(choices=choices, **head)], body.include_usage,
@@ -248,6 +276,9 @@ def create_beam_router(ctx: BeamContext, route_class: type[APIRoute] = APIRoute)
         head = dict(id=f"cmpl-{uuid.uuid4().hex[:24]}", created=int(time.time()), model=ctx.model_name,
                     thinking=await _thinking(ctx, result), beam_width=req.beam_width,
                     catalog_version=int(result.catalog_version))
+        if body.wants_logprobs():
+            for it, got in zip(items, result.items):
+                it["logprobs"] = completion_logprobs(catalog, got)
         choices = [BeamCompletionChoice(**it) for it in items]
         if body.stream:
             return _stream([BeamCompletionChunk(choices=choices, **head)], body.include_usage,

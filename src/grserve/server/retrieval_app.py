@@ -353,10 +353,11 @@ def cold_start(req: RetrievalRequest, catalog: Any, popular: Popularity) -> Retr
                                                                                     req.exclude_items)])
     else:
         top = popular.top(catalog, req.top_n, req.exclude_items)
-    ranked = [(int(i), tuple(int(c) for c in sid), float(score)) for i, sid, score in zip(top.item_ids, top.sids,
-                                                                                          top.scores)]
+    ranked = [(int(i), (tuple(int(c) for c in sid), float(score))) for i, sid, score in zip(top.item_ids, top.sids,
+                                                                                            top.scores)]
     include = req.include.items if req.include is not None else None
-    items = [RetrievedItem(*it) for it in expand(catalog, ranked, req.top_n, req.exclude_items, include)]
+    items = [RetrievedItem(i, sid, score)
+             for i, (sid, score) in expand(catalog, ranked, req.top_n, req.exclude_items, include)]
     return RetrievalResult(req.request_id, items, compute_ms=(time.perf_counter() - t0) * 1e3, batch_size=0,
                            catalog_version=int(catalog.version))
 

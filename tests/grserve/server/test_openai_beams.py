@@ -291,7 +291,7 @@ BAD = [
     ({"use_beam_search": False}, 400, None),
     ({"best_of": 4, "beam_width": 8}, 400, None),
     ({"beam_width": 10_000}, 400, "beam_width"),
-    ({"logprobs": True}, 400, "logprobs"),
+    ({"top_logprobs": 3, "logprobs": True}, 400, "top_logprobs"),
     ({"chat_template_kwargs": {"tokenize": True}}, 400, None),
     ({"messages": [{"role": "user", "content": "I liked <s_a_12>"}]}, 400, "messages[0].content"),  # code 12 ≥ 12
     ({"messages": [{"role": "user", "content": "I liked <s_b_007>"}]}, 400, "messages[0].content"),
@@ -401,6 +401,36 @@ def test_a_request_level_error_never_names_a_field_none(onerec):
     assert err["param"] is None and "None" not in err["message"] and err["message"], err
 
 
+def test_per_token_logprobs_of_each_beam_equal_hf(onerec):
+    """Asked, every choice carries its SID tokens' own log-probabilities (OpenAI's shape, no alternatives): under
+    ``--scoring hf`` each equals HF's full-vocabulary log-softmax at that position of prompt + the item's tokens,
+    and they sum to ``cumulative_logprob``."""
+    d, engine, client, ref = onerec
+    messages = [{"role": "user", "content": f"I liked {_history(d, [3, 8])}."}]
+    r = client.post("/v1/chat/completions", json={"model": "gr", "messages": messages, "n": 4, "beam_width": 8,
+                                                  "logprobs": True, "top_logprobs": 0})
+    assert r.status_code == 200, r.text
+    ids = ref.chat_ids(messages) + [ref.tok.convert_tokens_to_ids("<|sid_begin|>")]
+    for c in r.json()["choices"]:
+        content = c["logprobs"]["content"]
+        tokens = [e["token"] for e in content]
+        assert tokens == d.strings[c["item_id"]] and all(e["top_logprobs"] == [] for e in content)
+        sid_ids = [ref.tok.convert_tokens_to_ids(t) for t in tokens]
+        with torch.inference_mode():
+            logits = ref.hf(torch.tensor([ids + sid_ids])).logits[0].float()
+        want = [float(torch.log_softmax(logits[len(ids) - 1 + k], -1)[t]) for k, t in enumerate(sid_ids)]
+        assert max(abs(e["logprob"] - w) for e, w in zip(content, want)) <= 1e-4
+        assert abs(sum(e["logprob"] for e in content) - c["cumulative_logprob"]) <= 1e-4
+    plain = client.post("/v1/chat/completions", json={"model": "gr", "messages": messages, "n": 4, "beam_width": 8})
+    assert [c["item_id"] for c in plain.json()["choices"]] == [c["item_id"] for c in r.json()["choices"]]
+    assert all(c["logprobs"] is None for c in plain.json()["choices"])
+    r = client.post("/v1/completions", json={"model": "gr", "prompt": "x", "n": 2, "logprobs": 0})
+    for c in r.json()["choices"]:
+        lp = c["logprobs"]
+        assert [c["text"][o:o + len(t)] for o, t in zip(lp["text_offset"], lp["tokens"])] == lp["tokens"]
+        assert abs(sum(lp["token_logprobs"]) - c["cumulative_logprob"]) <= 1e-4
+
+
 # ---- client defaults: a parameter at its default (or null) asks for nothing and is accepted -----------------------
 CHAT_DEFAULTS = {"logprobs": False, "top_logprobs": None, "stop": None, "frequency_penalty": 0,
                  "presence_penalty": 0.0, "response_format": {"type": "text"}, "logit_bias": None, "temperature": None,
@@ -430,7 +460,7 @@ def test_client_defaults_are_accepted_and_change_nothing(onerec):
     ("/v1/chat/completions", {"stop": ["\n"]}, "stop"),
     ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
     ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
-    ("/v1/completions", {"logprobs": 0}, "logprobs"),  # completions' 0 asks for the chosen tokens' logprobs
+    ("/v1/completions", {"logprobs": 2}, "logprobs"),  # alternatives are not returned (0: the tokens' own)
     ("/v1/completions", {"echo": True}, "echo"),
 ])
 def test_a_value_the_beam_routes_cannot_honour_is_a_400_naming_it(onerec, path, change, param):
