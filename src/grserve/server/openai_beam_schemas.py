@@ -77,7 +77,7 @@ class BeamRequest(BaseModel):
     def _defaults(cls, data: Any) -> Any:
         """A ``null`` is the parameter left out; OpenAI parameters these routes do not implement are accepted at their
         default and a 400 naming them otherwise (``openai_defaults.py``)."""
-        return neutral_body(data, cls.model_fields, completions=issubclass(cls, BeamCompletionRequest))
+        return neutral_body(data, cls.model_fields)
 
     @model_validator(mode="after")
     def _beam_switch(self) -> "BeamRequest":

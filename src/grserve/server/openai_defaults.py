@@ -30,7 +30,6 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "stop": ([],),
     "stop_token_ids": ([],),
     "logit_bias": ({},),
-    "logprobs": (False, 0),  # chat: false; completions: 0 would ask for the chosen tokens' logprobs (see below)
     "top_logprobs": (0,),
     "echo": (False,),
     "ignore_eos": (False,),
@@ -46,8 +45,6 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "suffix": ("",),
     "priority": ("online",),
 }
-# where 0 is not neutral: completions' ``logprobs: 0`` asks for each chosen token's logprob
-NOT_NEUTRAL_ZERO = frozenset({"logprobs"})
 
 
 def same(a: Any, b: Any) -> bool:
@@ -63,20 +60,17 @@ def same(a: Any, b: Any) -> bool:
     return isinstance(a, (int, float)) and isinstance(b, (int, float)) and a == b
 
 
-def is_neutral(name: str, value: Any, completions: bool = False) -> bool:
+def is_neutral(name: str, value: Any) -> bool:
     """``value`` asks for nothing: ``null``, or the parameter's OpenAI default."""
     if value is None:
         return True
-    if completions and name in NOT_NEUTRAL_ZERO:
-        return value is False
     return any(same(value, d) for d in NEUTRAL.get(name, ()))
 
 
-def neutral_body(raw: Any, fields: Collection[str], completions: bool = False) -> Any:
+def neutral_body(raw: Any, fields: Collection[str]) -> Any:
     """``raw`` without its top-level ``null`` values and without the parameters outside ``fields`` (the route's own)
     that are at their default; a parameter of ``NEUTRAL`` outside ``fields`` at another value is a 400 naming it.
-    Anything else (an unknown name) is left for the model to refuse. ``completions``: the completions route, where
-    ``logprobs`` is a count."""
+    Anything else (an unknown name) is left for the model to refuse."""
     if not isinstance(raw, dict):
         return raw
     out = {}
@@ -84,7 +78,7 @@ def neutral_body(raw: Any, fields: Collection[str], completions: bool = False) -
         if value is None:
             continue
         if name not in fields and name in NEUTRAL:
-            if is_neutral(name, value, completions):
+            if is_neutral(name, value):
                 continue
             raise ApiError(400, f"'{name}' is not supported on this route: it accepts only its default "
                                 f"({_shown(NEUTRAL[name])}) or null", name, "unsupported_parameter")

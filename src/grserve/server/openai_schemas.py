@@ -95,7 +95,7 @@ class SamplingRequest(BaseModel):
     def _defaults(cls, data: Any) -> Any:
         """A ``null`` is the parameter left out; an OpenAI parameter not implemented here is accepted at its default
         (``openai_defaults.py``)."""
-        return neutral_body(data, cls.model_fields, completions=issubclass(cls, CompletionRequest))
+        return neutral_body(data, cls.model_fields)
 
     @field_validator("stop")
     @classmethod
