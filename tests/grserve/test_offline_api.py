@@ -272,6 +272,17 @@ def test_llm_chat_equals_the_servers_chat_completions():
             assert r.json()["choices"][0]["message"]["content"] == o.outputs[0].text
             assert len(o.outputs[0].token_ids) == 5 and o.prompt == eng.tokenizer.apply_chat_template(conv)
         assert len(one) == 1 and one[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+        from types import SimpleNamespace
+
+        from grserve.server import openai_routes
+
+        later = openai_routes.time.time() + 1000  # created is the answer's time, not the server's start
+        real, openai_routes.time = openai_routes.time, SimpleNamespace(time=lambda: later)
+        try:
+            r = client.post("/v1/chat/completions", json={"model": "m", "messages": convs[0], "max_tokens": 2})
+        finally:
+            openai_routes.time = real
+        assert r.json()["created"] == int(later)
 
 
 def test_progress_bars_are_off_when_stderr_is_not_a_terminal(monkeypatch):
