@@ -82,13 +82,13 @@ def catalog_generate(cat: CatalogConfig, out: str) -> int:
     return 0
 
 
-def _load_bound(path: str, model: str | None):
+def _load_bound(path: str, model: str | None, duplicate_sids: str = "refuse"):
     """The catalog at ``path``, bound to ``model``'s tokenizer when given (SID token text resolved, or inferred)."""
     from grserve.catalog import load_catalog
     from grserve.catalog.sid_text import bind_catalog
     from grserve.engine.tokenizer import model_tokenizer
 
-    cat = load_catalog(path)
+    cat = load_catalog(path, duplicate_sids=duplicate_sids)
     if model is None:
         return cat, None
     if not os.path.isdir(model):
@@ -96,17 +96,26 @@ def _load_bound(path: str, model: str | None):
     return bind_catalog(cat, model_tokenizer(model))
 
 
-def catalog_validate(path: str, model: str | None = None) -> int:
+def _catalog_error(message: str) -> int:
+    """A catalog file that is missing or invalid: one line on stderr, exit 1 (validate and convert alike)."""
+    print(f"invalid catalog: {message}", file=sys.stderr)
+    return 1
+
+
+def _counts(cat) -> str:
+    sids = f" ({len(cat):,} SIDs)" if cat.num_items != len(cat) else ""
+    return f"{cat.num_items:,} items{sids}, depth {cat.depth}, codebook sizes {list(cat.codebook_sizes)}"
+
+
+def catalog_validate(path: str, model: str | None = None, duplicate_sids: str = "refuse") -> int:
     if not os.path.isfile(path):
-        print(f"grserve: error: catalog file not found: {path}", file=sys.stderr)
-        return 1
+        return _catalog_error(f"file not found: {path}")
     try:
-        cat, note = _load_bound(path, model)
+        cat, note = _load_bound(path, model, duplicate_sids)
     except (ValueError, OSError) as exc:  # CatalogError is a ValueError
-        print(f"invalid catalog: {exc}", file=sys.stderr)
-        return 1
+        return _catalog_error(str(exc))
     text = f", SID text {cat.text.describe()}" if cat.text is not None else ""
-    print(f"{path}: ok: {len(cat):,} items, depth {cat.depth}, codebook sizes {list(cat.codebook_sizes)}{text}")
+    print(f"{path}: ok: {_counts(cat)}{text}")
     if note:
         print(note)
     if model is not None:
@@ -114,18 +123,21 @@ def catalog_validate(path: str, model: str | None = None) -> int:
     return 0
 
 
-def catalog_convert(path: str, out: str) -> int:
+def catalog_convert(path: str, out: str, duplicate_sids: str = "refuse") -> int:
     """Any catalog format to any other (the layout and SID text carried over; .grcat for million-item catalogs)."""
-    from grserve.catalog import CatalogError, load_catalog, save_catalog
+    from grserve.catalog import load_catalog, save_catalog
 
     if not os.path.isfile(path):
-        raise UsageError(f"catalog file not found: {path}")
+        return _catalog_error(f"file not found: {path}")
     try:
-        cat = load_catalog(path)
+        cat = load_catalog(path, duplicate_sids=duplicate_sids)
+    except (ValueError, OSError) as exc:  # CatalogError is a ValueError
+        return _catalog_error(str(exc))
+    try:
         save_catalog(cat, out)
-    except (CatalogError, ValueError, OSError) as exc:
+    except (ValueError, OSError) as exc:  # an output the format cannot hold, or cannot be written: a usage error
         raise UsageError(str(exc)) from None
-    print(f"wrote {out}: {len(cat):,} items, depth {cat.depth}, codebook sizes {list(cat.codebook_sizes)}")
+    print(f"wrote {out}: {_counts(cat)}")
     return 0
 
 
@@ -143,14 +155,22 @@ def _add_catalog_commands(sub: Any) -> None:
     p.add_argument("--model", metavar="DIR", default=None,
                    help="also resolve the catalog's SID tokens against this model directory's tokenizer (default: "
                         "none)")
-    p.set_defaults(handler=lambda ns: catalog_validate(ns.file, ns.model))
+    _duplicate_flag(p)
+    p.set_defaults(handler=lambda ns: catalog_validate(ns.file, ns.model, ns.duplicate_sids))
     p = command_parser(sub, "convert", help="rewrite a catalog in another format",
                        description="Read a catalog (.jsonl, .csv, .json: an LC-Rec / MiniOneRec index, .grcat) and write "
                                    "it in the format of --out's extension, its layout and SID token text carried "
                                    "over (.csv cannot carry SID token text).")
     p.add_argument("file", metavar="FILE", help="catalog file to read")
     add_flags(p, CatalogOut)
-    p.set_defaults(handler=lambda ns: catalog_convert(ns.file, from_args(CatalogOut, ns).out))
+    _duplicate_flag(p)
+    p.set_defaults(handler=lambda ns: catalog_convert(ns.file, from_args(CatalogOut, ns).out, ns.duplicate_sids))
+
+
+def _duplicate_flag(p: Any) -> None:
+    p.add_argument("--duplicate-sids", choices=("refuse", "popularity"), default="refuse",
+                   help="several items with one SID: refuse (exit 1 naming both), or popularity: keep them all, as "
+                        "'grserve serve --duplicate-sids popularity' serves them (default: refuse)")
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -53,7 +53,8 @@ class ModelConfig(Checked):
 
 @dataclass(frozen=True)
 class CatalogConfig(Checked):
-    path: str | None = flag(None, "item catalog file (.jsonl, .csv or .grcat; see 'grserve catalog'); default: "
+    path: str | None = flag(None, "item catalog file (.jsonl, .csv, .grcat, or an LC-Rec / MiniOneRec index .json; "
+                                  "see 'grserve catalog'); default: "
                                   "generate one with --num-items/--depth/--codebook-size", name="catalog",
                             metavar="FILE")
     num_items: int = flag(20_000, "items in the generated catalog", check=positive_int)
@@ -64,6 +65,10 @@ class CatalogConfig(Checked):
     popularity: str | None = flag(None, "item popularity, JSON {\"<item id>\": count}: the answer to a history "
                                         "with no items (cold start); default: every item counts 0 (item-id order)",
                                   metavar="FILE")
+    duplicate_sids: str = flag("refuse", "several items with one SID in --catalog: refuse (the catalog does not load, "
+                                         "naming both items), or popularity: serve every item of a SID, ranked by "
+                                         "--popularity within it, each answer naming its own item",
+                               choices=("refuse", "popularity"))
 
     def check(self) -> None:
         if self.path is None and self.num_items > self.codebook_size ** self.depth:
@@ -166,6 +171,14 @@ class BeamApiConfig(Checked):
     max_chat_messages: int = flag(2048, "most messages (and content parts) a chat may have (these routes and "
                                         "/v1/recommend's messages); at most --max-prompt-tokens too (400 "
                                         "too_many_messages, before the chat template)", check=positive_int, metavar="N")
+    prompt_template: str | None = flag(None, "a Jinja template file: history_items / history_sids are written into "
+                                             "it as the model's own prompt ({{ history }}: the items' SID text "
+                                             "joined by ', '; {{ items }}, {{ item_ids }}; "
+                                             "server/prompt_template.py); default: the bare SID tokens",
+                                       metavar="FILE")
+    prompt_format: str = flag("text", "how the rendered --prompt-template is encoded: text (as /v1/completions "
+                                      "encodes a prompt) or chat (one user message in the model's chat template)",
+                              choices=("text", "chat"))
 
 
 # ---- ranking (BAT) -------------------------------------------------------------------------------------------

@@ -88,7 +88,7 @@ class LLM:
              use_tqdm: bool = True) -> list[RequestOutput]:
         """One conversation (a list of ``{"role", "content"}``) or several; rendered with the chat template."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        texts = [self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in convs]
+        texts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in convs]
         ids = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
         return self.generate([{"prompt_token_ids": i, "prompt": t} for i, t in zip(ids, texts)], sampling_params,
                              use_tqdm=use_tqdm)
@@ -154,4 +154,5 @@ def _params_per_prompt(sampling_params, n: int) -> list[SamplingParams]:
 def _bar(show: bool, total: int):
     from tqdm import tqdm
 
-    return tqdm(total=total, desc="generate", unit="prompt", disable=not show, dynamic_ncols=True)
+    return tqdm(total=total, desc="generate", unit="prompt", disable=None if show else True,
+                dynamic_ncols=True)  # disable=None: no bar when stderr is not a terminal

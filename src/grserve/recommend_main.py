@@ -5,8 +5,9 @@
 Each input line is a ``/v1/recommend`` body (``{"history_items": [...]}``, ``history_sids``, ``history_tokens``,
 ``top_n``, ``beam_width``, ``exclude_items``, ``request_id``), optionally with a ``user_id`` (any JSON value, echoed),
 or a bare JSON array of item ids. Blank lines are skipped. Each output line, in input order:
-``{"line": N, "user_id": ..., "request_id": ..., "items": [{"item_id", "sid", "score"}, ...]}`` (``user_id`` and
-``request_id`` only when the input gave them). The run streams: inputs are read as the engine needs them and
+``{"line": N, "user_id": ..., "request_id": ..., "items": [{"item_id", "sid", "score"}, ...], "source": "model",
+"history_dropped": 0}`` (``user_id`` and ``request_id`` only when the input gave them; ``source`` "popularity": a
+cold start, answered from the popularity order; ``thinking`` when the request thought). The run streams: inputs are read as the engine needs them and
 outputs written as they finish (memory bounded by the read-ahead window, not the file). A bad line (not JSON, or a
 request the server would refuse) stops the run with its line number and the reason, or with ``--skip-bad-lines``
 is reported, counted and left out. Batching, scoring and results are those of ``grserve serve`` with the same
@@ -21,12 +22,13 @@ from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from grserve.config import AccelConfig, CatalogConfig, ModelConfig, SchedulerConfig, SearchConfig, ServeConfig, \
-    ServerConfig
+from grserve.config import AccelConfig, BeamApiConfig, CatalogConfig, ModelConfig, SchedulerConfig, SearchConfig, \
+    ServeConfig, ServerConfig
 from grserve.flags import Checked, UsageError, add_flags, command_parser, flag, from_args, positive_int
 
 CATALOG_SKIP = ("num_items", "depth", "codebook_size", "seed")
 SERVER_SKIP = ("host", "port", "log_level")
+BEAMS_SKIP = ("served_model_name",)
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,7 @@ def add_command(sub) -> None:
     add_flags(p, d.scheduler, title="batching")
     add_flags(p, d.server, title="request limits (as the server's)", skip=SERVER_SKIP)
     add_flags(p, d.accel, title="accelerator (docs/gpu.md)")
+    add_flags(p, d.beams, title="prompts (as the server's)", skip=BEAMS_SKIP)
     p.set_defaults(handler=lambda ns: run(config_from_args(ns), from_args(RecommendIO, ns)))
 
 
@@ -56,7 +59,7 @@ def config_from_args(ns) -> ServeConfig:
     return ServeConfig(model=from_args(ModelConfig, ns), catalog=from_args(CatalogConfig, ns),
                        search=from_args(SearchConfig, ns, max_beam_width=max(ns.max_beam_width, ns.beam_width)),
                        scheduler=from_args(SchedulerConfig, ns), server=from_args(ServerConfig, ns),
-                       accel=from_args(AccelConfig, ns))
+                       accel=from_args(AccelConfig, ns), beams=from_args(BeamApiConfig, ns))
 
 
 class BadLine(Exception):
@@ -104,6 +107,18 @@ class _Lines:
         self.refuse(line, exc.message)
 
 
+def output_line(line: int, echo: dict, rec) -> dict:
+    """One output line: the input's line number and echoed ids, the items, where they came from (``source``:
+    "model", or "popularity" for a cold start), the history entries ``truncate`` cut, the thought if any."""
+    out = {"line": line, **echo, **{k: v for k, v in rec.to_dict().items() if k in ANSWER_FIELDS}}
+    if rec.thinking is None:
+        del out["thinking"]
+    return out
+
+
+ANSWER_FIELDS = ("items", "source", "history_dropped", "thinking")
+
+
 @contextmanager
 def _open(path: str, mode: str):
     if path == "-":
@@ -134,7 +149,7 @@ def run(cfg: ServeConfig, io: RecommendIO) -> int:
         try:
             for r in rec.stream(lines, top_n=io.top_n, progress=io.progress, on_error=lines.on_error):
                 line, echo = lines.pending.popleft()
-                fout.write(json.dumps({"line": line, **echo, "items": r.to_dict()["items"]}) + "\n")
+                fout.write(json.dumps(output_line(line, echo, r)) + "\n")
                 written += 1
         except BadLine as exc:
             report(f"{io.input}: {exc} (--skip-bad-lines skips such lines)")

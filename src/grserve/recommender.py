@@ -17,21 +17,24 @@ dicts ``{"messages": m}`` here, with no change to this module.
 
 Batching is the server's: requests join ``GRBatcher`` queues (one per beam width) and leave them as batches by
 token capacity and request cap (``SchedulerConfig``); each batch runs through the engine's own batch execution
-(``RetrievalEngine.run_batch``: the runner the server uses, the device fast path where configured). It is driven
-in the calling thread and never by the clock (no waiting quota, no idle dispatch), so the batches — and hence the
-results — depend only on the inputs and their order: deterministic. Memory is bounded: at most ``window`` inputs
+(``RetrievalEngine.run_batch``: the runner the server uses, the device fast path where configured), up to
+``--max-inflight-batches`` at once on executor threads as on the server, while the calling thread converts the next
+inputs. Batches are formed by the inputs and never by the clock (no waiting quota, no idle dispatch), so the batches
+— and hence the results — depend only on the inputs and their order: deterministic. Memory is bounded: at most ``window`` inputs
 are read ahead of the oldest unfinished one; results come back in input order (``stream`` yields them one by one).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
+from contextlib import closing
 from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
 
-from grserve.config import CatalogConfig, ModelConfig, SchedulerConfig, SearchConfig, ServeConfig, ServerConfig
+from grserve.config import BeamApiConfig, CatalogConfig, ModelConfig, SchedulerConfig, SearchConfig, ServeConfig, \
+    ServerConfig
 from grserve.engine.types import json_score
 
 
@@ -57,6 +60,7 @@ class Recommendation:
     source: str = "model"  # "popularity": an empty history, answered from the popularity order (cold start)
     history_dropped: int = 0  # oldest history entries cut by truncate "left"
     thinking: str | None = None  # max_think_tokens > 0: the text the model wrote before its first SID token
+    user_id: Any = None  # the input's ``user_id``, echoed (offline only: any JSON value)
 
     @property
     def item_ids(self) -> list[int]:
@@ -64,10 +68,11 @@ class Recommendation:
 
     def to_dict(self) -> dict:
         """The items as ``/v1/recommend`` answers them (a non-finite score as -1e30)."""
-        return {"request_id": self.request_id,
-                "items": [{"item_id": it.item_id, "sid": list(it.sid),
-                           "score": json_score(it.score)} for it in self.items],
-                "source": self.source, "history_dropped": self.history_dropped, "thinking": self.thinking}
+        out = {"request_id": self.request_id,
+               "items": [{"item_id": it.item_id, "sid": list(it.sid),
+                          "score": json_score(it.score)} for it in self.items],
+               "source": self.source, "history_dropped": self.history_dropped, "thinking": self.thinking}
+        return out if self.user_id is None else {"user_id": self.user_id, **out}
 
 
 _FLAT = {"model": (ModelConfig, "source"), "dtype": (ModelConfig, "dtype"), "device": (ModelConfig, "device"),
@@ -78,8 +83,8 @@ def serve_config(**kwargs: Any) -> ServeConfig:
     """A ``ServeConfig`` from flat keyword arguments named like ``grserve serve``'s flags (``model``, ``catalog``,
     ``beam_width``, ``scoring``, ``token_capacity``, ``max_prompt_tokens``, ...); checked like the flags."""
     parts: dict[type, dict] = {ModelConfig: {}, CatalogConfig: {}, SearchConfig: {}, SchedulerConfig: {},
-                               ServerConfig: {}}
-    names = {f.name: cls for cls in (SearchConfig, SchedulerConfig, ServerConfig, CatalogConfig)
+                               ServerConfig: {}, BeamApiConfig: {}}
+    names = {f.name: cls for cls in (SearchConfig, SchedulerConfig, ServerConfig, CatalogConfig, BeamApiConfig)
              for f in fields(cls)}
     for key, value in kwargs.items():
         if key in _FLAT:
@@ -95,7 +100,7 @@ def serve_config(**kwargs: Any) -> ServeConfig:
         search.setdefault("max_beam_width", max(SearchConfig().max_beam_width, int(search["beam_width"])))
     return ServeConfig(model=ModelConfig(**parts[ModelConfig]), catalog=CatalogConfig(**parts[CatalogConfig]),
                        search=SearchConfig(**search), scheduler=SchedulerConfig(**parts[SchedulerConfig]),
-                       server=ServerConfig(**parts[ServerConfig]))
+                       server=ServerConfig(**parts[ServerConfig]), beams=BeamApiConfig(**parts[BeamApiConfig]))
 
 
 class Recommender:
@@ -115,6 +120,12 @@ class Recommender:
         self.popularity = Popularity.load(pop) if pop else Popularity()  # the cold-start order, as the server's
         # what the server's conversion needs besides the engine (thinking's limit, the tokenizer); no HTTP metrics
         self._beams = BeamContext(self.engine, self.config.server, self.config.beams, "grserve", None)
+        from grserve.server.retrieval_app import recommend_precheck, text_limits
+
+        # the server's cheap checks of a raw body (history lengths: --max-history-entries, 413 with truncate none;
+        # exclude_items / include_items counts; a text prompt's characters)
+        self._precheck = recommend_precheck(self.engine, self.config.server,
+                                            text_limits(self.engine, self.config.server, self.config.beams))
 
     @classmethod
     def from_config(cls, config: ServeConfig) -> "Recommender":
@@ -154,18 +165,18 @@ class Recommender:
         window = window or 4 * sched.max_batch_requests
         if total is None and isinstance(requests, Sequence):
             total = len(requests)
-        batches = OfflineBatches(sched, self.engine.run_batch, window)
-        dropped_by: dict[int, int] = {}  # id(request) -> history entries truncate cut
-        with _progress(progress, total) as bar:
+        batches = OfflineBatches(sched, self.engine.run_batch, window, inflight=sched.max_inflight_batches)
+        dropped_by: dict[int, tuple[int, Any]] = {}  # id(request) -> (history entries truncate cut, user_id)
+        with _progress(progress, total) as bar, closing(batches):
             for index, item in enumerate(requests):
                 try:
-                    req, dropped = self._request(item, index, defaults)
+                    req, dropped, user = self._request(item, index, defaults)
                 except RecommendInputError as exc:
                     if on_error is None:
                         raise
                     on_error(index, exc)
                     continue
-                dropped_by[id(req)] = dropped
+                dropped_by[id(req)] = dropped, user
                 if _cold(req):  # a new user: the popularity order, as the server answers it
                     from grserve.server.retrieval_app import cold_start
 
@@ -175,17 +186,20 @@ class Recommender:
                 yield from self._done(done, bar, dropped_by)
             yield from self._done(batches.flush(), bar, dropped_by)
 
-    def _done(self, results, bar, dropped_by: dict[int, int]) -> Iterator[Recommendation]:
+    def _done(self, results, bar, dropped_by: dict[int, tuple[int, Any]]) -> Iterator[Recommendation]:
         for req, res in results:
-            dropped = dropped_by.pop(id(req))
+            dropped, user = dropped_by.pop(id(req))
             bar.update(1)
             thinking = None
             if res.thought is not None:
-                thinking = self._beams.tokenizer.decode(res.thought[:-1], skip_special_tokens=False)
+                from grserve.engine.think import text_tokens
+
+                ids = text_tokens(res.thought, self.catalog.layout.sid_begin)
+                thinking = self._beams.tokenizer.decode(ids, skip_special_tokens=False)
             yield Recommendation(res.request_id, [RecommendedItem(int(i.item_id), tuple(int(c) for c in i.sid),
                                                                   float(i.score)) for i in res.items],
                                  source="popularity" if _cold(req) else "model", history_dropped=dropped,
-                                 thinking=thinking)
+                                 thinking=thinking, user_id=user)
 
     def _request(self, item: Any, index: int, defaults: dict):
         """One input → the engine's request, through the server's own schema and conversion."""
@@ -194,14 +208,19 @@ class Recommender:
         from grserve.server.errors import ApiError
         from grserve.server.schemas import RecommendRequest
 
+        user = None
         try:
             if isinstance(item, RecommendRequest):
                 body = item
+                self._precheck(item.model_dump(exclude_none=True))
             else:
-                body = RecommendRequest.model_validate({**defaults, **as_body(item)})
+                raw = {**defaults, **as_body(item)}
+                user = raw.pop("user_id", None)
+                self._precheck(raw)
+                body = RecommendRequest.model_validate(raw)
             from grserve.server.retrieval_app import retrieval_request
 
-            return retrieval_request(body, self.catalog, self.engine, self.config.server, self._beams)
+            return (*retrieval_request(body, self.catalog, self.engine, self.config.server, self._beams), user)
         except ValidationError as exc:
             err = _validation_error(exc)
             raise RecommendInputError(index, err.message, err.field, err.type) from None
@@ -216,6 +235,9 @@ def as_body(item: Any) -> dict:
     if isinstance(item, dict):
         return item
     if isinstance(item, str):
+        if _json_container(item):
+            raise TypeError("a str input is a text prompt, and this one is a JSON object or array (a raw JSONL "
+                            "line?): pass json.loads(line) instead, or {\"prompt\": text} for such a prompt")
         return {"prompt": item}
     if isinstance(item, np.ndarray):
         return {"history_items": item.tolist()}
@@ -224,6 +246,19 @@ def as_body(item: Any) -> dict:
     if isinstance(item, Sequence):
         return {"history_items": list(item)}
     raise TypeError(f"an input is a dict, a list of item ids, a prompt or chat messages; got a {type(item).__name__}")
+
+
+def _json_container(text: str) -> bool:
+    """``text`` parses as a JSON object or array."""
+    import json
+
+    stripped = text.strip()
+    if not stripped or stripped[0] not in "[{":
+        return False
+    try:
+        return isinstance(json.loads(stripped), (dict, list))
+    except ValueError:
+        return False
 
 
 def _validation_error(exc):
@@ -240,7 +275,10 @@ def _cold(req) -> bool:
 
 
 def _progress(show: bool, total: int | None):
+    """The users/s bar on stderr: shown when asked and stderr is a terminal (tqdm's ``disable=None``), so logs and
+    pipes get no bar lines."""
     from tqdm import tqdm
 
-    return tqdm(total=total, desc="recommend", unit="user", dynamic_ncols=True, smoothing=0.1, disable=not show)
+    return tqdm(total=total, desc="recommend", unit="user", dynamic_ncols=True, smoothing=0.1,
+                disable=None if show else True)
 

@@ -9,6 +9,7 @@ import argparse
 import ast
 import inspect
 import json
+import re
 import subprocess
 import sys
 import tomllib
@@ -97,6 +98,16 @@ def test_serve_help_lists_the_modes_and_the_default(capsys):
     out = capsys.readouterr().out
     assert "retrieval" in out and "ranking" in out and "llm" in out
     assert "the default" in out and "'grserve serve [FLAGS]' is 'grserve serve retrieval [FLAGS]'" in out
+
+
+@pytest.mark.parametrize("command", [["serve", "retrieval"], ["recommend"]])
+def test_catalog_help_names_every_format_the_loader_reads(command, capsys):
+    from grserve.catalog.io import EXTENSIONS
+
+    assert cli.main([*command, "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    help_text = out[out.index("--catalog FILE item catalog"):][:300]
+    assert all(re.search(re.escape(ext) + "(?![a-z])", help_text) for ext in EXTENSIONS), help_text  # .json ≠ .jsonl
 
 
 @pytest.mark.parametrize("argv, expected", [

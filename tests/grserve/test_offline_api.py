@@ -89,7 +89,9 @@ def test_api_refuses_what_the_server_refuses_with_its_message(cfg, rec):
 
     bad = [{"history_items": [1, 2, 10**9]}, {"history_sids": [[1, 2]]}, {"history_item": [1]},
            {"history_items": [1], "history_tokens": [20]}, {"history_items": [1], "top_n": BW + 1},
-           {"history_tokens": [1] * 121, "truncate": "none"}]
+           {"history_tokens": [1] * 121, "truncate": "none"},
+           {"history_items": [1] * 16_385}, {"history_sids": [[0, 0, 0]] * 16_385, "truncate": "left"},
+           {"history_items": [1], "exclude_items": list(range(4097))}]  # --max-history-entries, --max-exclude-items
     engine = RetrievalEngine.build(cfg)
     client = TestClient(create_app(engine, cfg.server))
     for i, body in enumerate(bad):
@@ -247,3 +249,129 @@ def test_llm_generate_equals_the_servers_completions():
         by_ids = llm.generate([{"prompt_token_ids": outs[0].prompt_token_ids}],
                               SamplingParams(max_tokens=6, temperature=0.0), use_tqdm=False)
         assert by_ids[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+
+
+def test_llm_chat_equals_the_servers_chat_completions():
+    """``LLM.chat`` renders each conversation with the chat template as ``/v1/chat/completions`` does: the same
+    greedy text, one conversation or several."""
+    from grserve import LLM, SamplingParams
+    from grserve.server.llm_app import create_llm_app
+
+    convs = [[{"role": "user", "content": "Hello there"}],
+             [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a b c"}]]
+    with LLM("tiny-mha", scheduler="fcfs", num_blocks=256) as llm:
+        outs = llm.chat(convs, SamplingParams(max_tokens=5, temperature=0.0), use_tqdm=False)
+        one = llm.chat(convs[0], SamplingParams(max_tokens=5, temperature=0.0), use_tqdm=False)
+        eng = llm.engine
+        spec = eng.model.spec
+        client = TestClient(create_llm_app(eng, eng.tokenizer, "m", spec.max_position_embeddings, spec.vocab_size))
+        for conv, o in zip(convs, outs, strict=True):
+            r = client.post("/v1/chat/completions", json={"model": "m", "messages": conv, "max_tokens": 5,
+                                                           "temperature": 0})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["message"]["content"] == o.outputs[0].text
+            assert len(o.outputs[0].token_ids) == 5 and o.prompt == eng.tokenizer.apply_chat_template(conv)
+        assert len(one) == 1 and one[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+        from types import SimpleNamespace
+
+        from grserve.server import openai_routes
+
+        later = openai_routes.time.time() + 1000  # created is the answer's time, not the server's start
+        real, openai_routes.time = openai_routes.time, SimpleNamespace(time=lambda: later)
+        try:
+            r = client.post("/v1/chat/completions", json={"model": "m", "messages": convs[0], "max_tokens": 2})
+        finally:
+            openai_routes.time = real
+        assert r.json()["created"] == int(later)
+
+
+def test_progress_bars_are_off_when_stderr_is_not_a_terminal(monkeypatch):
+    import io
+
+    from grserve import llm_api, recommender
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr(sys, "stderr", io.StringIO())  # a pipe or a log file
+    assert recommender._progress(True, 10).disable and llm_api._bar(True, 10).disable
+    monkeypatch.setattr(sys, "stderr", Tty())
+    assert not recommender._progress(True, 10).disable and not llm_api._bar(True, 10).disable
+    assert recommender._progress(False, 10).disable
+
+
+def test_the_offline_path_takes_what_the_command_takes_and_says_where_answers_come_from(cfg, rec, tmp_path,
+                                                                                        catalog_file, capsys):
+    """``user_id`` is echoed by the API as by the command; a raw JSONL line given as a ``str`` is refused, not
+    taken as a text prompt; ``grserve recommend`` writes ``source`` (a cold start says so) and applies
+    ``--max-history-entries`` as the server does."""
+    from grserve.cli import main
+
+    ids = rec.catalog.item_ids[:3].tolist()
+    out = rec.recommend([{"user_id": "u1", "history_items": ids}, ids], top_n=2, progress=False)
+    assert out[0].user_id == "u1" and out[0].to_dict()["user_id"] == "u1" and out[1].user_id is None
+    assert out[0].item_ids == out[1].item_ids
+    for raw in (json.dumps({"history_items": ids}), json.dumps(ids), " [1, 2]\n"):
+        with pytest.raises(RecommendInputError) as exc:
+            rec.recommend([raw], progress=False)
+        assert "JSON object or array" in exc.value.message and exc.value.index == 0
+    inp = tmp_path / "u.jsonl"
+    inp.write_text(json.dumps({"user_id": 1, "history_items": []}) + "\n" + json.dumps(ids) + "\n"
+                   + json.dumps({"history_items": ids * 3}) + "\n")
+    res = tmp_path / "r.jsonl"
+    args = ["recommend", "--model", "tiny", "--catalog", str(catalog_file), "--input", str(inp), "--output",
+            str(res), "--beam-width", str(BW), "--top-n", "4", "--no-progress"]
+    assert main(args) == 0
+    rows = [json.loads(x) for x in res.read_text().splitlines()]
+    assert [r["source"] for r in rows] == ["popularity", "model", "model"] and rows[0]["user_id"] == 1
+    assert [r["history_dropped"] for r in rows] == [0, 0, 0]
+    capsys.readouterr()
+    assert main(args + ["--max-history-entries", "5"]) == 1  # line 3 has 9 entries: the server's 413
+    assert "line 3: history_items: 9 entries, more than the limit of 5" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("window", [1, 7, 50])
+def test_batches_in_flight_are_the_batches_run_one_at_a_time(window):
+    """Up to ``inflight`` batches on executor threads (the server's concurrency) form exactly the batches of the
+    one-at-a-time path, whatever the threads' timing, and give every result once, in input order."""
+    import random
+    import time as time_mod
+
+    rng = np.random.default_rng(window)
+    reqs = [Req(int(rng.integers(1, 40)), int(rng.choice([4, 8]))) for _ in range(80)]
+    cfg = SchedulerConfig(token_capacity=64, max_batch_requests=5)
+    formed: dict[int, list] = {1: [], 3: []}
+    jitter = random.Random(window)
+
+    def runner(inflight):
+        def run(batch):
+            formed[inflight].append([id(r) for r in batch])
+            if inflight > 1:
+                time_mod.sleep(jitter.random() * 0.003)  # batches finish out of order
+            return [id(r) for r in batch]
+        return run
+
+    outs = {}
+    for inflight in (1, 3):
+        ob = OfflineBatches(cfg, runner(inflight), window, inflight=inflight)
+        got = []
+        for k, r in enumerate(reqs):
+            got += ob.add_result(r, id(r)) if k % 9 == 4 else ob.add(r)  # cold starts keep their place
+        got += ob.flush()
+        ob.close()
+        outs[inflight] = got
+        assert [req for req, _ in got] == reqs and [res for _, res in got] == [id(r) for r in reqs]
+    assert sorted(map(tuple, formed[3])) == sorted(map(tuple, formed[1]))  # the same batches
+
+
+def test_recommendations_do_not_depend_on_batches_in_flight(cfg):
+    from dataclasses import replace
+
+    with Recommender(replace(cfg, scheduler=replace(cfg.scheduler, max_inflight_batches=1))) as one:
+        reqs = requests_of(one.catalog, n=21, seed=5)
+        a = one.recommend(reqs, top_n=BW, progress=False)
+    with Recommender(replace(cfg, scheduler=replace(cfg.scheduler, max_inflight_batches=3))) as three:
+        b = three.recommend(reqs, top_n=BW, progress=False)
+    assert [x.item_ids for x in a] == [x.item_ids for x in b]
+    assert np.allclose([s.score for x in a for s in x.items], [s.score for x in b for s in x.items], atol=1e-5)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .catalog import Catalog
+from .duplicates import rows_fully_excluded
 from .exclusion import ItemExclusion
 
 
@@ -54,8 +55,7 @@ def allowed_rows(catalog: Catalog, allow: Allow, exclude: np.ndarray | None = No
         lo, hi = prefix_rows(catalog, allow.sid_prefix)
         rows = rows[(rows >= lo) & (rows < hi)]
     if exclude is not None and len(exclude):
-        ex_rows, found = catalog._rows_of_items(np.asarray(exclude, dtype=np.int64).reshape(-1))
-        rows = rows[~np.isin(rows, ex_rows[found])]
+        rows = rows[~np.isin(rows, rows_fully_excluded(catalog, exclude))]
     return rows
 
 

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .duplicates import POLICIES, SidGroups
 from .errors import CatalogError
 from .layout import SidLayout
 from .masks import ItemMask
@@ -81,7 +82,12 @@ class Catalog:
     layout (a token offset or SID text), so none is inferred from the tokenizer."""
 
     def __init__(self, item_ids: np.ndarray, sids: np.ndarray, layout: SidLayout, source: str = "<arrays>",
-                 text: SidText | None = None, declared: bool = False, id_order: np.ndarray | None = None):
+                 text: SidText | None = None, declared: bool = False, id_order: np.ndarray | None = None,
+                 groups: SidGroups | None = None, duplicate_sids: str = "refuse"):
+        self.groups = groups  # several items per SID (``duplicates.py``); None: one item per SID
+        self.duplicate_sids = duplicate_sids  # the policy it was loaded with (a reload keeps it)
+        if groups is not None:  # every item's id maps to its SID's row; the row's first item is the one reported
+            item_ids = groups.items[groups.ptr[:-1]]
         self.item_ids = item_ids
         self.sids = sids
         self.layout = layout
@@ -91,8 +97,12 @@ class Catalog:
         self.version = 0
         self.trie = PrefixTrie(sids, layout.codebook_sizes)
         self.mask = ItemMask(self.trie)
-        self._id_order = np.argsort(item_ids, kind="stable") if id_order is None else id_order
-        self._ids_sorted = item_ids[self._id_order]
+        if groups is not None:
+            order = np.argsort(groups.items, kind="stable")
+            self._id_order, self._ids_sorted = groups.row_of[order], groups.items[order]
+        else:
+            self._id_order = np.argsort(item_ids, kind="stable") if id_order is None else id_order
+            self._ids_sorted = item_ids[self._id_order]
 
     def with_layout(self, layout: SidLayout, text: SidText | None = None) -> "Catalog":
         """The same items (arrays, trie and masks shared, not copied) under another layout of the same shape."""
@@ -114,7 +124,37 @@ class Catalog:
         return self.layout.codebook_sizes
 
     def __len__(self) -> int:
+        """The number of SIDs (trie leaves, rows); ``num_items`` counts the items."""
         return int(self.item_ids.size)
+
+    @property
+    def num_items(self) -> int:
+        return int(self.groups.items.size) if self.groups is not None else len(self)
+
+    def all_items(self) -> tuple[np.ndarray, np.ndarray]:
+        """(every item id, its SID), in SID order (a SID's items in group order)."""
+        if self.groups is None:
+            return self.item_ids, self.sids
+        return self.groups.items, self.sids[self.groups.row_of]
+
+    def items_of_rows(self, rows) -> np.ndarray:
+        """Every item id of these rows (each SID's items in group order)."""
+        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+        if self.groups is None:
+            return self.item_ids[rows]
+        if rows.size == 0:
+            return np.zeros(0, dtype=np.int64)
+        return np.concatenate([self.groups.of(int(r)) for r in rows])
+
+    def with_group_order(self, counts_of) -> "Catalog":
+        """The same catalog with each SID's items ordered by ``counts_of(item ids)`` descending, then item id
+        (itself when every SID has one item)."""
+        if self.groups is None:
+            return self
+        new = copy.copy(self)
+        new.groups = self.groups.ordered(counts_of)
+        new.item_ids = new.groups.items[new.groups.ptr[:-1]]
+        return new
 
     def __repr__(self) -> str:
         return (f"Catalog({len(self)} items, depth={self.depth}, codebook_sizes={self.codebook_sizes}, "
@@ -123,14 +163,19 @@ class Catalog:
     @classmethod
     def from_arrays(cls, item_ids, sids, codebook_sizes=None, token_offset: int = 16, source: str = "<arrays>",
                     lines: Sequence[int] | np.ndarray | None = None, text: SidText | None = None,
-                    declared: bool = False, presorted: bool = False) -> "Catalog":
-        """Validate, sort by SID and build. ``lines`` gives each row's line number for messages (default 1..N).
+                    declared: bool = False, presorted: bool = False, duplicate_sids: str = "refuse",
+                    unit: str = "line") -> "Catalog":
+        """Validate, sort by SID and build. ``lines`` gives each row's line number for messages (default 1..N),
+        ``unit`` what messages call it ("entry" for an LC-Rec index, whose entries share one line).
         ``presorted``: the rows claim SID order (a ``.grcat`` written by ``save_catalog``); the claim is checked in
-        one pass and the sort skipped when it holds (a million-item catalog loads in a few seconds)."""
+        one pass and the sort skipped when it holds (a million-item catalog loads in a few seconds).
+        ``duplicate_sids``: "refuse" several items with one SID, or "popularity": group them (``duplicates.py``)."""
         line_of = (lambda r: int(lines[r])) if lines is not None else (lambda r: r + 1)
+        if duplicate_sids not in POLICIES:
+            raise CatalogError(f"{source}: duplicate_sids must be one of {', '.join(POLICIES)}")
 
         def fail(row: int, msg: str):
-            raise CatalogError(f"{source}: line {line_of(row)}: {msg}")
+            raise CatalogError(f"{source}: {unit} {line_of(row)}: {msg}")
 
         ids, arr = _as_arrays(item_ids, sids, source, fail)
         sizes = _checked_sizes(arr, codebook_sizes, source, fail)
@@ -143,16 +188,23 @@ class Catalog:
         if dup:
             fail(dup[0], f"duplicate item_id {int(ids[dup[0]])} (also on line {line_of(dup[1])})")
         if presorted and lex_increasing(arr):
-            return cls(ids, arr.astype(np.int32, copy=False), layout, source, text, declared, id_order)
+            return cls(ids, arr.astype(np.int32, copy=False), layout, source, text, declared, id_order,
+                       duplicate_sids=duplicate_sids)
         order = np.lexsort(arr.T[::-1])  # stable, sorts by SID
         s = arr[order]
         dup = _first_dup((s[1:] == s[:-1]).all(axis=1), order)
+        if dup and duplicate_sids == "refuse":
+            fail(dup[0], f"duplicate SID {tuple(arr[dup[0]].tolist())} of item {int(ids[dup[0]])} "
+                         f"(also item {int(ids[dup[1]])} on {unit} {line_of(dup[1])}; --duplicate-sids popularity "
+                         "serves every item of a SID)")
         if dup:
-            fail(dup[0], f"duplicate SID {tuple(arr[dup[0]].tolist())} "
-                         f"(also item {int(ids[dup[1]])} on line {line_of(dup[1])})")
+            unique, groups = SidGroups.of_sorted(s, ids[order])
+            return cls(groups.items[groups.ptr[:-1]], unique.astype(np.int32, copy=False), layout, source, text,
+                       declared, groups=groups, duplicate_sids=duplicate_sids)
         rank = np.empty_like(order)
         rank[order] = np.arange(order.size)  # row of each input row in SID order: the id order follows it
-        return cls(ids[order], s.astype(np.int32, copy=False), layout, source, text, declared, rank[id_order])
+        return cls(ids[order], s.astype(np.int32, copy=False), layout, source, text, declared, rank[id_order],
+                   duplicate_sids=duplicate_sids)
 
     # --- lookups -------------------------------------------------------------------------------------------
 

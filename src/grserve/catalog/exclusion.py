@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from .catalog import Catalog
+from .duplicates import rows_fully_excluded
 
 
 class ItemExclusion:
@@ -21,8 +22,7 @@ class ItemExclusion:
     def __init__(self, catalog: Catalog, item_ids: np.ndarray) -> None:
         trie = catalog.trie
         self.codebook_sizes = trie.codebook_sizes
-        rows, found = catalog._rows_of_items(np.asarray(item_ids, dtype=np.int64).reshape(-1))
-        rows = np.unique(rows[found])  # leaf node ids (= rows in SID order) of the known excluded items
+        rows = rows_fully_excluded(catalog, item_ids)  # leaf nodes (= rows in SID order) with no item left
         self.num_excluded = int(rows.size)
         self.dead_keys: list[np.ndarray] = []  # level l: keys of the dead level-(l+1) nodes (sorted)
         nodes = np.zeros(rows.size, dtype=np.int64)

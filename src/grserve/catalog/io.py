@@ -318,7 +318,8 @@ def _grcat_header(f: BinaryIO, source: str, size: int) -> tuple[int, int, dict, 
     return depth, count, declared, body
 
 
-def _load_grcat(f: BinaryIO, source: str, size: int, codebook_sizes, token_offset: int | None) -> Catalog:
+def _load_grcat(f: BinaryIO, source: str, size: int, codebook_sizes, token_offset: int | None,
+                duplicate_sids: str = "refuse") -> Catalog:
     depth, count, declared, _ = _grcat_header(f, source, size)
     sizes, offset = _resolve_layout(source, declared, codebook_sizes, token_offset)
     ids = np.empty(count, dtype="<i8")
@@ -328,7 +329,7 @@ def _load_grcat(f: BinaryIO, source: str, size: int, codebook_sizes, token_offse
             raise CatalogError(f"{source}: truncated payload")
     text = text_from_header(declared.get("text", {}), depth, source)
     return Catalog.from_arrays(ids, sids, sizes, offset, source, text=text, declared=_declares(declared),
-                               presorted=declared["sorted"])
+                               presorted=declared["sorted"], duplicate_sids=duplicate_sids)
 
 
 def _declares(declared: dict) -> bool:
@@ -337,14 +338,15 @@ def _declares(declared: dict) -> bool:
 
 
 def read_catalog(f: BinaryIO, ext: str, source: str, size: int, *, codebook_sizes=None,
-                 token_offset: int | None = None, check: Callable[[], None] | None = None) -> Catalog:
+                 token_offset: int | None = None, check: Callable[[], None] | None = None,
+                 duplicate_sids: str = "refuse") -> Catalog:
     """Parse an open binary catalog file of format ``ext`` (``.jsonl``, ``.csv``, ``.json``, ``.grcat``) while
     reading it: text formats line by line into compact arrays, ``.grcat`` straight into its arrays (``size``: the
     file's size). Messages name ``source`` and the line, never quote the file's text. ``check()`` is called every
-    few thousand lines and may raise to abandon the parse (a deadline)."""
+    few thousand lines and may raise to abandon the parse (a deadline). ``duplicate_sids``: ``catalog/duplicates.py``."""
     ext = ext.lower()
     if ext == ".grcat":
-        return _load_grcat(f, source, size, codebook_sizes, token_offset)
+        return _load_grcat(f, source, size, codebook_sizes, token_offset, duplicate_sids)
     if ext not in EXTENSIONS:
         raise CatalogError(f"{source}: unknown catalog extension {ext!r} (use {', '.join(EXTENSIONS)})")
     text = io.TextIOWrapper(f, encoding="utf-8", newline="" if ext == ".csv" else None)
@@ -358,10 +360,12 @@ def read_catalog(f: BinaryIO, ext: str, source: str, size: int, *, codebook_size
         raise CatalogError(f"{source}: catalog is empty")
     ids, sids, lines, sid_text = rows.arrays(declared, source)
     return Catalog.from_arrays(ids, sids, sizes, offset, source, lines=lines, text=sid_text,
-                               declared=_declares(declared) or sid_text is not None)
+                               declared=_declares(declared) or sid_text is not None, duplicate_sids=duplicate_sids,
+                               unit="entry" if ext == ".json" else "line")
 
 
-def load_catalog(path, *, codebook_sizes=None, token_offset: int | None = None) -> Catalog:
+def load_catalog(path, *, codebook_sizes=None, token_offset: int | None = None,
+                 duplicate_sids: str = "refuse") -> Catalog:
     """Load a catalog from .jsonl, .csv, .json (an LC-Rec index) or .grcat (chosen by extension); the layout is
     resolved as the module docstring says (caller's values, else the file's declaration, else inferred codebook
     sizes / offset 16). A catalog with SID text is bound to a tokenizer later (``sid_text.bind_catalog``)."""
@@ -371,7 +375,7 @@ def load_catalog(path, *, codebook_sizes=None, token_offset: int | None = None) 
         raise CatalogError(f"{path}: unknown catalog extension {ext!r} (use {', '.join(EXTENSIONS)})")
     with open(path, "rb") as f:
         return read_catalog(f, ext, str(path), os.fstat(f.fileno()).st_size, codebook_sizes=codebook_sizes,
-                            token_offset=token_offset)
+                            token_offset=token_offset, duplicate_sids=duplicate_sids)
 
 
 def _header(catalog: Catalog) -> dict:
@@ -385,10 +389,11 @@ def _header(catalog: Catalog) -> dict:
 
 def write_grcat(catalog: Catalog, f: BinaryIO) -> None:
     """A catalog as ``.grcat`` bytes (its layout and SID text declared; rows in SID order) into ``f``."""
-    head = json.dumps({"depth": catalog.depth, "count": len(catalog), "sorted": True, **_header(catalog)}).encode()
+    ids, sids = catalog.all_items()
+    head = json.dumps({"depth": catalog.depth, "count": int(ids.size), "sorted": True, **_header(catalog)}).encode()
     f.write(MAGIC + _HLEN.pack(len(head)) + head)
-    f.write(catalog.item_ids.astype("<i8").tobytes())
-    f.write(catalog.sids.astype("<i4").tobytes())
+    f.write(ids.astype("<i8").tobytes())
+    f.write(sids.astype("<i4").tobytes())
 
 
 def save_catalog(catalog: Catalog, path) -> None:
@@ -407,12 +412,14 @@ def save_catalog(catalog: Catalog, path) -> None:
         with open(tmp, "wb") as f:
             write_grcat(catalog, f)
     elif ext == ".json":
-        strings = [catalog.text.strings(level, catalog.sids[:, level]) for level in range(catalog.depth)]
-        index = {str(i): [col[r] for col in strings] for r, i in enumerate(catalog.item_ids.tolist())}
+        all_ids, all_sids = catalog.all_items()
+        strings = [catalog.text.strings(level, all_sids[:, level]) for level in range(catalog.depth)]
+        index = {str(i): [col[r] for col in strings] for r, i in enumerate(all_ids.tolist())}
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(index, f)
     else:
-        ids, sids = catalog.item_ids.tolist(), catalog.sids.tolist()
+        all_ids, all_sids = catalog.all_items()
+        ids, sids = all_ids.tolist(), all_sids.tolist()
         with open(tmp, "w", encoding="utf-8") as f:
             if ext == ".jsonl":
                 f.write(json.dumps(header) + "\n")

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from .catalog import Catalog
+from .duplicates import rows_fully_excluded
 from .errors import CatalogError
 
 
@@ -123,8 +124,16 @@ class Popularity:
             extra = 0 if exclude is None else int(np.asarray(exclude).size)
             candidates = r.order[: n + extra]
         if exclude is not None and len(exclude):
-            rows, found = catalog._rows_of_items(np.asarray(exclude, dtype=np.int64))
-            candidates = candidates[~np.isin(candidates, rows[found])]
+            candidates = candidates[~np.isin(candidates, rows_fully_excluded(catalog, exclude))]
         rows = candidates[:n]
         return PopularItems(catalog.item_ids[rows], catalog.sids[rows], r.scores[rows])
+
+    def counts_of(self, item_ids: np.ndarray) -> np.ndarray:
+        """The count of each id (0 for ids the file does not list)."""
+        q = np.asarray(item_ids, dtype=np.int64)
+        if self.item_ids.size == 0:
+            return np.zeros(q.shape, dtype=np.int64)
+        order = np.argsort(self.item_ids)
+        pos = np.minimum(np.searchsorted(self.item_ids[order], q), order.size - 1)
+        return np.where(self.item_ids[order][pos] == q, self.counts[order][pos], 0)
 

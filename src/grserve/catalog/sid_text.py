@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -45,10 +45,18 @@ class TokenVocab(Protocol):
 class SidTokenError(CatalogError):
     """A SID token string is not exactly one token of the model's tokenizer."""
 
-    def __init__(self, source: str, what: str, text: str, n_tokens: int):
-        self.what, self.text, self.n_tokens = what, text, n_tokens
-        super().__init__(f"{source}: {what} {text!r} is not exactly one token of the model's tokenizer (it encodes "
-                         f"to {n_tokens} tokens); the catalog's SID tokens must be added tokens of the tokenizer")
+    def __init__(self, source: str, what: str, text: str, n_tokens: int, index: int = 0,
+                 item_id: int | None = None):
+        self.source, self.what, self.text, self.n_tokens = source, what, text, n_tokens
+        self.index = index  # position of the string among those resolved together
+        self.item_id = item_id  # an item whose SID holds it, when known
+        held = f" (held by item {item_id})" if item_id is not None else ""
+        super().__init__(f"{source}: {what} {text!r}{held} is not exactly one token of the model's tokenizer (it "
+                         f"encodes to {n_tokens} tokens); the catalog's SID tokens must be added tokens of the "
+                         "tokenizer")
+
+    def held_by(self, item_id: int) -> "SidTokenError":
+        return SidTokenError(self.source, self.what, self.text, self.n_tokens, self.index, int(item_id))
 
 
 @dataclass(frozen=True)
@@ -192,22 +200,28 @@ def _as_template(uniq: np.ndarray) -> tuple[str | None, np.ndarray | None]:
 # ---- text → token ids ------------------------------------------------------------------------------------------
 def _one_token_each(vocab: TokenVocab, strings: list[str], what: str, source: str) -> np.ndarray:
     ids = vocab.encode_each(strings)
-    for s, got in zip(strings, ids):
+    for k, (s, got) in enumerate(zip(strings, ids)):
         if len(got) != 1:
-            raise SidTokenError(source, what, s, len(got))
+            raise SidTokenError(source, what, s, len(got), k)
     return np.array([got[0] for got in ids], dtype=np.int64)
 
 
 def resolve_layout(text: SidText, codebook_sizes: Sequence[int], used: Sequence[np.ndarray], vocab: TokenVocab,
-                   source: str) -> SidLayout:
+                   source: str, item_of_code: Any = None) -> SidLayout:
     """The tokenizer-native layout of ``text``. ``used[l]``: the codes the catalog's items use at level l (each
-    must be one token); the other codes of a templated level get their token if the tokenizer has one, else −1."""
+    must be one token); the other codes of a templated level get their token if the tokenizer has one, else −1.
+    ``item_of_code(level, code)``: an item holding that code, named when its string is not one token."""
     tables = []
     for level, size in enumerate(codebook_sizes):
         ids = np.full(int(size), -1, dtype=np.int64)
         needed = np.unique(np.asarray(used[level], dtype=np.int64))
         what = f"level-{level} SID token"
-        ids[needed] = _one_token_each(vocab, text.strings(level, needed), what, source)
+        try:
+            ids[needed] = _one_token_each(vocab, text.strings(level, needed), what, source)
+        except SidTokenError as exc:  # name an item that holds the string (its code is needed[exc.index])
+            if item_of_code is None:
+                raise
+            raise exc.held_by(item_of_code(level, int(needed[exc.index]))) from None
         if text.templates[level] is not None:  # the codes no item uses: their token where one exists
             rest = np.setdiff1d(np.arange(int(size)), needed)
             if rest.size:
@@ -277,7 +291,8 @@ def bind_catalog(catalog, vocab: TokenVocab | None):
         if vocab is None:
             raise CatalogError(f"{catalog.source}: the catalog writes SIDs as tokenizer tokens "
                                f"({catalog.text.describe()}) but the model has no tokenizer files")
-        layout = resolve_layout(catalog.text, catalog.codebook_sizes, used, vocab, catalog.source)
+        layout = resolve_layout(catalog.text, catalog.codebook_sizes, used, vocab, catalog.source,
+                                lambda level, code: _item_of_code(catalog, level, code))
         return catalog.with_layout(layout), None
     if catalog.declared or vocab is None:
         return catalog, None
@@ -285,7 +300,13 @@ def bind_catalog(catalog, vocab: TokenVocab | None):
     if found is None:
         return catalog, None
     text, sizes = found
-    layout = resolve_layout(text, catalog.codebook_sizes, used, vocab, catalog.source)
+    layout = resolve_layout(text, catalog.codebook_sizes, used, vocab, catalog.source,
+                            lambda level, code: _item_of_code(catalog, level, code))
     note = (f"{catalog.source} declares no SID layout; inferred from the tokenizer's added tokens: {text.describe()} "
             f"(the tokenizer has {list(sizes)} codes per level)")
     return catalog.with_layout(layout, text), note
+
+
+def _item_of_code(catalog, level: int, code: int) -> int:
+    """The first item (in SID order) whose SID has ``code`` at ``level``."""
+    return int(catalog.item_ids[int(np.flatnonzero(catalog.sids[:, level] == code)[0])])

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 
 from grserve.catalog import Catalog, CatalogStore, generate_catalog, load_catalog
+from grserve.catalog.duplicates import expand
 from grserve.catalog.sid_text import bind_catalog
 from grserve.config import AccelConfig, EdgeConfig, SchedulerConfig, SearchConfig, ServeConfig
 from grserve.engine.batching import BatchedEngine, BatchingCore, admission
@@ -55,8 +56,9 @@ class RetrievalEngine(BatchedEngine):
         model = load_model(m.source, dtype=m.dtype, device=m.device, seed=m.seed)
         tokenizer = model_tokenizer(m.source)
         catalog, note = bind_catalog(build_catalog(cfg), tokenizer)  # SID token strings → the tokenizer's ids
+        order = group_order(cfg.catalog)
         store = CatalogStore(catalog, vocab_size=model.spec.vocab_size,
-                             bind=lambda c: bind_catalog(c, tokenizer)[0])
+                             bind=lambda c: bind_catalog(c.with_group_order(order), tokenizer)[0])
         engine = cls(model, store, cfg.search, cfg.scheduler, on_batch, cfg.edge, cfg.accel, warm=cfg.search.warmup)
         engine.tokenizer, engine.layout_note = tokenizer, note
         return engine
@@ -104,14 +106,14 @@ class RetrievalEngine(BatchedEngine):
         think = [r.think for r in requests]
         prompts, top_n = [r.prompt_tokens for r in requests], [r.top_n for r in requests]
         if any(e is not None and len(e) for e in exclude) or any(a is not None for a in include) \
-                or any(t is not None for t in think):
+                or any(t is not None for t in think) or any(r.logprobs for r in requests):
             out = self._reference_runner().run(prompts, requests[0].beam_width, top_n, catalog, exclude=exclude,
                                                include=include, think=think)
         else:
             out = self.runner.run(prompts, requests[0].beam_width, top_n, catalog)
         done = time.perf_counter()
         thoughts = out.thoughts or [None] * len(requests)
-        return [RetrievalResult(request_id=r.request_id, items=[RetrievedItem(h.item_id, h.sid, h.score) for h in hits],
+        return [RetrievalResult(request_id=r.request_id, items=_items(catalog, r, hits),
                                 queue_ms=(start - r.arrival) * 1e3, compute_ms=(done - start) * 1e3,
                                 batch_size=len(requests), candidates_visited=out.candidates_visited,
                                 catalog_version=catalog.version, kv_bytes=kv_bytes,
@@ -131,6 +133,15 @@ class RetrievalEngine(BatchedEngine):
         return self._reference
 
 
+def _items(catalog: Catalog, req: RetrievalRequest, hits) -> list[RetrievedItem]:
+    """A request's answer from its SID hits: each SID's items where several share it (``catalog/duplicates.py``)."""
+    ranked = [(h.item_id, h) for h in hits]
+    if catalog.groups is not None:
+        include = req.include.items if req.include is not None else None
+        ranked = expand(catalog, ranked, req.top_n, req.exclude_items, include)
+    return [RetrievedItem(i, h.sid, h.score, h.token_logprobs) for i, h in ranked]
+
+
 def make_runner(model: Decoder, search: SearchConfig, accel: AccelConfig | None = None):
     """The backend switch: the device fast path (``engine/device_runner.py``) when ``accel`` asks for it on this
     device, else the host-driven ``RetrievalRunner`` (the reference; the CPU default)."""
@@ -144,5 +155,14 @@ def make_runner(model: Decoder, search: SearchConfig, accel: AccelConfig | None 
 def build_catalog(cfg: ServeConfig) -> Catalog:
     c = cfg.catalog
     if c.path:
-        return load_catalog(c.path, token_offset=c.token_offset)
+        catalog = load_catalog(c.path, token_offset=c.token_offset, duplicate_sids=c.duplicate_sids)
+        return catalog.with_group_order(group_order(c))
     return generate_catalog(c.num_items, c.depth, c.codebook_size, c.seed, c.token_offset)
+
+
+def group_order(c) -> Callable:
+    """``counts_of(item ids)``: the order of the items of one SID (``--popularity``; without it, all count 0: by
+    item id)."""
+    from grserve.catalog.popularity import Popularity
+
+    return (Popularity.load(c.popularity) if c.popularity else Popularity()).counts_of

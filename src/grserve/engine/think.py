@@ -6,6 +6,11 @@ then the constrained SID beam search continues from that prefix on the same KV, 
     the thought's KV (prompt + thought + sid_begin) becomes the request's ``shared_kv``; the beams start from the
     hidden state at ``sid_begin`` (``engine/retrieval.py``)
 
+A layout without ``sid_begin`` (an LC-Rec index: bare ``<a_N><b_N><c_N>``) ends the thought at the model's own first
+SID token instead: the first level-0 SID token it writes is not kept; the beams search that position, from the
+hidden state that chose it (``max_think_tokens`` reached: from the last token written). That stage is HF
+``generate(eos_token_id=<the level-0 SID tokens>)`` with the final SID token left out.
+
 The text stage is exactly HF ``generate(prompt, max_new_tokens=max_think_tokens, eos_token_id=sid_begin, …)``:
 greedy (``temperature`` 0: argmax, lowest id on ties) or sampled with HF's own order of warpers (temperature, top-k,
 top-p with ``min_tokens_to_keep`` 1) and one ``torch.multinomial`` draw per token from a generator seeded with
@@ -29,13 +34,16 @@ class ThinkSpec:
     """How a request thinks before its beams (``RetrievalRequest.think``)."""
 
     max_think_tokens: int  # ≥ 1: tokens the model may write before sid_begin is forced
-    sid_begin: int  # the layout's sid_begin token: writing it ends the thought
+    sid_begin: int | None  # the layout's sid_begin token: writing it ends the thought
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0
     top_k: int = 0  # 0: off
     seed: int | None = None  # sampling only; None: a fresh seed
+    first_sid_tokens: frozenset[int] = frozenset()  # no sid_begin: the level-0 SID tokens, whose first ends it
 
     def __post_init__(self) -> None:
+        if self.sid_begin is None and not self.first_sid_tokens:
+            raise ValueError("a thought needs sid_begin or the first level's SID tokens to end it")
         if self.max_think_tokens < 1:
             raise ValueError(f"max_think_tokens must be >= 1, got {self.max_think_tokens}")
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
@@ -44,18 +52,20 @@ class ThinkSpec:
 
 @dataclass
 class Thought:
-    """A finished thought: the tokens written (ending in sid_begin, forced or not), the KV of prompt + thought as a
-    sequence cache, and the final hidden state (at sid_begin) from which the beams start."""
+    """A finished thought: the tokens written (ending in sid_begin, forced or not, where the layout has one), the KV
+    of prompt + thought as a sequence cache, and the final hidden state (at sid_begin; without one, at the last
+    token written) from which the beams start."""
 
     tokens: list[int]
     forced: bool  # sid_begin was appended at the limit, not written by the model
     kv: SequenceKVContext
     last_hidden: torch.Tensor  # [1, H]
 
-    @property
-    def text_tokens(self) -> list[int]:
-        """The free-text part (without the final sid_begin)."""
-        return self.tokens[:-1]
+
+
+def text_tokens(thought: list[int], sid_begin: int | None) -> list[int]:
+    """The free-text part of a thought's tokens (without its closing sid_begin, where the layout has one)."""
+    return thought[:-1] if sid_begin is not None and thought and thought[-1] == sid_begin else list(thought)
 
 
 def _warp(logits: torch.Tensor, spec: ThinkSpec) -> torch.Tensor:
@@ -96,9 +106,13 @@ def think(model: Decoder, prompt: np.ndarray, spec: ThinkSpec) -> Thought:
     forced = False
     while True:
         if len(tokens) == spec.max_think_tokens:
+            if spec.sid_begin is None:  # nothing to append: the beams start after the last token written
+                return Thought(tokens, True, kv, h)
             token, forced = spec.sid_begin, True
         else:
             token = _next_token(model.logits(h).float().cpu(), spec, gen)
+            if spec.sid_begin is None and token in spec.first_sid_tokens:
+                return Thought(tokens, False, kv, h)  # its first SID token: the beams search that position
         tokens.append(token)
         pos = torch.tensor([ids.shape[0] + len(tokens) - 1], device=dev)
         h = model(torch.tensor([token], device=dev), pos, kv)

@@ -34,6 +34,7 @@ class RetrievalRequest:
     exclude_items: np.ndarray | None = None  # int64 item ids masked out inside the search (unknown ids: no-op)
     include: "Allow | None" = None  # the only items it may get (include_items / include_sid_prefix), masked alike
     think: "ThinkSpec | None" = None  # write free text until sid_begin first (think-then-recommend)
+    logprobs: bool = False  # each item's per-token log-probabilities wanted (the host-driven search gives them)
 
     @property
     def num_tokens(self) -> int:
@@ -51,6 +52,7 @@ class RetrievedItem:
     item_id: int
     sid: tuple[int, ...]
     score: float  # summed log-probability of the SID tokens under the configured scoring convention
+    token_logprobs: tuple[float, ...] = ()  # per SID token (the host-driven search; empty from the device path)
 
 
 @dataclass

@@ -36,6 +36,7 @@ class Hit:
     item_id: int
     sid: tuple[int, ...]
     score: float
+    token_logprobs: tuple[float, ...] = ()  # each SID token's log-probability (they sum to ``score``)
 
 
 class BeamSearch:
@@ -59,6 +60,8 @@ class BeamSearch:
         f32, i64 = torch.float32, torch.int64
         self.codes = torch.zeros(rows, self.depth, dtype=i64, device=device)  # SID codes chosen so far
         self.scores = torch.full((num_requests, beam_width), float("-inf"), dtype=f32, device=device)
+        self.level_scores = torch.zeros(rows, self.depth, dtype=f32, device=device)  # score after each level
+        self._level_ws = torch.empty_like(self.level_scores)
         self.parents = torch.zeros(rows, dtype=i64, device=device)  # flat parent row of each new beam
         self.next_tokens = torch.zeros(rows, dtype=i64, device=device)  # model token ids to feed next
         self.nodes = np.zeros(rows, dtype=np.int64)  # trie node of each beam's prefix (−1: dead)
@@ -105,6 +108,7 @@ class BeamSearch:
         k = self.ks[0]
         torch.topk(logits, k, dim=1, out=(self.topk_v[0], self.topk_i[0]))
         self.scores[:, :k] = self.topk_v[0]
+        self.level_scores[:, 0].copy_(self.scores.view(-1))
         codes0 = self.codes[:, 0].view(self.r, self.bw)
         codes0[:, :k] = self.topk_i[0]
         self.candidates_visited += self.r * k
@@ -145,6 +149,9 @@ class BeamSearch:
         self._flat_rank.add_(ranks.view(-1))
         torch.take(self.topk_i[level], self._flat_rank, out=self._new_codes)
         self.codes[:, level].copy_(self._new_codes)
+        torch.index_select(self.level_scores, 0, self.parents, out=self._level_ws)
+        self.level_scores.copy_(self._level_ws)
+        self.level_scores[:, level].copy_(self.scores.view(-1))
         parent_nodes = self.nodes[self.parents.cpu().numpy()]
         self._advance_nodes(level, parent_nodes)
         return self.parents
@@ -176,11 +183,15 @@ class BeamSearch:
         scores = self.scores.cpu().numpy()
         codes = self.codes.cpu().numpy().reshape(self.r, self.bw, self.depth)
         leaves = self.nodes.reshape(self.r, self.bw)
+        cum = self.level_scores.cpu().numpy().reshape(self.r, self.bw, self.depth)
+        with np.errstate(invalid="ignore"):  # dead beams (-inf - -inf) are dropped below
+            per_token = np.diff(cum, axis=2, prepend=0.0)  # score after level l minus after level l-1
         out: list[list[Hit]] = []
         for i in range(self.r):
             alive = np.flatnonzero((leaves[i] >= 0) & np.isfinite(scores[i]))[: top_n[i]]
             items = self.catalog.items_of_leaves(leaves[i, alive])
             out.append(
-                [Hit(int(it), tuple(int(c) for c in codes[i, j]), float(scores[i, j])) for it, j in zip(items, alive)]
+                [Hit(int(it), tuple(int(c) for c in codes[i, j]), float(scores[i, j]),
+                     tuple(float(x) for x in per_token[i, j])) for it, j in zip(items, alive)]
             )
         return out

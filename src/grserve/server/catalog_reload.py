@@ -145,12 +145,16 @@ def load_for_serving(catalog_dir: str, name: str, served: Any, vocab_size: int, 
     try:
         with io.BufferedReader(raw, 1 << 16) as f:
             catalog = read_catalog(f, os.path.splitext(name)[1], name, size,
-                                   token_offset=int(served.layout.token_offset), check=check)
+                                   token_offset=int(served.layout.token_offset), check=check,
+                                   duplicate_sids=getattr(served, "duplicate_sids", "refuse"))
         if bind is not None:
             catalog = bind(catalog)  # SID token text → the served tokenizer's ids (as at start-up)
-    except SidTokenError as exc:  # the message would quote the file: name the level only
-        raise ApiError(400, f"cannot load catalog: a {exc.what} is not exactly one token of the model's tokenizer",
-                       "name", "catalog_load_failed") from None
+    except SidTokenError as exc:  # the token is quoted only when it is shaped like a SID token (never other text)
+        shown = f" {exc.text!r}" if SID_TOKEN_SHAPE.fullmatch(exc.text) else " (not shaped like a SID token: not shown)"
+        held = f" of item {exc.item_id}" if exc.item_id is not None else ""
+        raise ApiError(400, f"cannot load catalog: the {exc.what}{shown}{held} is not exactly one token of the "
+                            f"model's tokenizer (it encodes to {exc.n_tokens} tokens)", "name",
+                       "catalog_load_failed") from None
     except (CatalogError, KeyError) as exc:  # CatalogError is a ValueError
         message = exc.args[0] if exc.args else type(exc).__name__
         raise ApiError(400, f"cannot load catalog: {message}", "name", "catalog_load_failed") from None
@@ -166,6 +170,9 @@ def load_for_serving(catalog_dir: str, name: str, served: Any, vocab_size: int, 
         raise ApiError(400, f"catalog {name} needs {new.num_tokens} SID tokens but the model vocabulary has "
                             f"{vocab_size}", "name", "catalog_incompatible")
     return catalog
+
+
+SID_TOKEN_SHAPE = re.compile(r"<\|?[A-Za-z0-9_]{1,60}\|?>")  # a token such as <a_47> or <|sid_begin|>
 
 
 class CatalogReloader:

@@ -62,3 +62,24 @@ def allowed(body: RecommendRequest, catalog: Any, server_cfg: ServerConfig) -> A
 
 def check_included(n: int, server_cfg: ServerConfig) -> None:
     _at_most(n, int(server_cfg.max_include_items), "include_items", "too_many_included")
+
+
+def history_exclusion(body: Any, catalog: Any, prompt: np.ndarray, excluded: np.ndarray | None) -> np.ndarray | None:
+    """``excluded`` with, when the request sets ``exclude_history``, the items its history names
+    (``catalog/history.py``: ``history_items`` as given, the cut ones too; every item of ``history_sids``; the items
+    whose SIDs ``prompt`` — the history as prompt tokens — writes). Not counted against ``--max-exclude-items``: a
+    history is bounded by ``--max-history-entries`` and ``--max-prompt-tokens``."""
+    if not getattr(body, "exclude_history", False):
+        return excluded
+    from grserve.catalog.history import items_in_tokens, items_of_sids
+
+    kind = getattr(body, "history_kind", None)
+    if kind == "history_items":
+        named = _int64_ids(body.history_items)
+    elif kind == "history_sids":
+        named = items_of_sids(catalog, np.asarray(body.history_sids, dtype=np.int64).reshape(-1, catalog.depth))
+    else:
+        named = items_in_tokens(catalog, prompt)
+    if named.size == 0:
+        return excluded
+    return named if excluded is None else np.concatenate([excluded, named])

@@ -8,14 +8,20 @@ fields a 400 naming them. The accepted parameters are what GR clients send:
 - the beam width: ``beam_width`` (grserve), or vLLM's ``use_beam_search: true`` with ``best_of`` (both given: they
   must agree); default: the server's ``--beam-width``;
 - ``max_tokens`` / ``max_completion_tokens``: at least the tokens of one item (the SID depth), if given;
-- ``exclude_items``: catalog item ids never returned;
+- ``exclude_items``: catalog item ids never returned; ``include_items`` / ``include_sid_prefix``: the only items
+  that may be (as on ``/v1/recommend``);
 - think-then-recommend: ``max_think_tokens`` (0: none) and the text stage's ``temperature`` (0: greedy), ``top_p``,
   ``top_k``, ``seed``; beams are exact search and use none of these;
 - ``stream`` (+ ``stream_options.include_usage``): the finished beam set as one chunk;
-- chat only: ``chat_template_kwargs`` (passed to the model's chat template, e.g. ``{"enable_thinking": false}``).
+- chat only: ``chat_template_kwargs`` (passed to the model's chat template, e.g. ``{"enable_thinking": false}``);
+- any parameter as ``null``, and OpenAI's other parameters at their defaults (``"logprobs": false``,
+  ``"frequency_penalty": 0``, ``"response_format": {"type": "text"}``, ...: ``openai_defaults.py``); at another
+  value they are a 400 naming them.
 
 An answer choice carries the item's SID text as its content and three extension fields: ``item_id``, ``sid`` (the
-codes) and ``cumulative_logprob`` (the summed log-probability of the SID tokens under the server's scoring).
+codes) and ``cumulative_logprob`` (the summed log-probability of the SID tokens under the server's scoring); asked
+(chat ``logprobs: true``, completions ``logprobs: 0``), its ``logprobs`` in OpenAI's shape give each SID token's own
+log-probability under that scoring (they sum to ``cumulative_logprob``; no alternatives).
 """
 
 from __future__ import annotations
@@ -24,7 +30,20 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, StrictInt, field_validator, model_validator
 
-from grserve.server.openai_schemas import Bool, ChatMessage, Float, Seed, StreamOptions, Text, TokenId, Usage
+from grserve.server.openai_defaults import neutral_body
+from grserve.server.openai_schemas import (
+    Bool,
+    ChatLogprobs,
+    ChatMessage,
+    CompletionLogprobs,
+    Float,
+    Seed,
+    StreamOptions,
+    Text,
+    TokenId,
+    Usage,
+    unsupported,
+)
 
 PosInt = Annotated[int, Strict(), Field(ge=1)]
 
@@ -40,6 +59,9 @@ class BeamRequest(BaseModel):
     best_of: PosInt | None = None  # vLLM's beam width when use_beam_search
     max_tokens: PosInt | None = None
     exclude_items: list[StrictInt] | None = None
+    include_items: list[StrictInt] | None = None  # an allowlist: only these catalog items
+    include_sid_prefix: Annotated[list[StrictInt], Field(min_length=1)] | None = None  # only items under this prefix
+    exclude_history: Bool = False  # never return an item whose whole SID the prompt writes
     max_think_tokens: Annotated[int, Strict(), Field(ge=0)] = 0
     temperature: Annotated[Float, Field(ge=0.0, le=2.0)] = 0.0
     top_p: Annotated[Float, Field(gt=0.0, le=1.0)] = 1.0
@@ -49,6 +71,13 @@ class BeamRequest(BaseModel):
     stream_options: StreamOptions | None = None
     user: Text | None = None  # accepted, no effect (OpenAI's abuse-monitoring id)
     metadata: dict[Text, Text] | None = None  # accepted, no effect
+
+    @model_validator(mode="before")
+    @classmethod
+    def _defaults(cls, data: Any) -> Any:
+        """A ``null`` is the parameter left out; OpenAI parameters these routes do not implement are accepted at their
+        default and a 400 naming them otherwise (``openai_defaults.py``)."""
+        return neutral_body(data, cls.model_fields)
 
     @model_validator(mode="after")
     def _beam_switch(self) -> "BeamRequest":
@@ -73,6 +102,17 @@ class BeamRequest(BaseModel):
 
 class BeamCompletionRequest(BeamRequest):
     prompt: Text | list[TokenId]  # text (rendered as is), or token ids
+    logprobs: Annotated[int, Strict(), Field(ge=0)] | None = None  # 0: each SID token's logprob (no alternatives)
+
+    @model_validator(mode="after")
+    def _logprobs(self) -> "BeamCompletionRequest":
+        if self.logprobs:
+            raise unsupported("logprobs", "a beam's SID tokens come with their own log-probabilities only "
+                                          "(logprobs: 0); alternatives are not returned")
+        return self
+
+    def wants_logprobs(self) -> bool:
+        return self.logprobs is not None
 
     @field_validator("prompt")
     @classmethod
@@ -92,9 +132,17 @@ class BeamChatRequest(BeamRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: PosInt | None = None
     chat_template_kwargs: dict[Text, Any] | None = None
+    logprobs: Bool = False  # true: each SID token's log-probability in the choice's logprobs.content
+    top_logprobs: Annotated[int, Strict(), Field(ge=0)] | None = None  # only 0 (no alternatives)
+
+    def wants_logprobs(self) -> bool:
+        return self.logprobs
 
     @model_validator(mode="after")
     def _template_kwargs(self) -> "BeamChatRequest":
+        if self.top_logprobs:
+            raise unsupported("top_logprobs", "a beam's SID tokens come with their own log-probabilities only; "
+                                              "alternatives are not returned (top_logprobs: 0)")
         for key in self.chat_template_kwargs or {}:
             if not key.isidentifier() or key in _TEMPLATE_CALL_ARGS:
                 raise ValueError(f"chat_template_kwargs: {key!r} is not a template variable this server passes on")
@@ -128,12 +176,12 @@ class BeamMessage(BaseModel):
 
 class BeamChatChoice(_Item):
     message: BeamMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None  # logprobs: true — one entry per SID token
 
 
 class BeamCompletionChoice(_Item):
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None  # logprobs: 0 — one entry per SID token
 
 
 class _BeamAnswer(BaseModel):
@@ -163,6 +211,7 @@ class BeamChatDelta(BaseModel):
 
 class BeamChatChunkChoice(_Item):
     delta: BeamChatDelta
+    logprobs: ChatLogprobs | None = None
 
 
 class BeamChatChunk(_BeamAnswer):

@@ -29,12 +29,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from fastapi.routing import APIRoute
 
+from grserve.catalog.allowlist import Allow
 from grserve.config import BeamApiConfig, ServerConfig
 from grserve.engine.protocol import RetrievalService
-from grserve.engine.think import ThinkSpec
+from grserve.engine.think import ThinkSpec, text_tokens
 from grserve.engine.types import RetrievalRequest, RetrievalResult, json_score
 from grserve.server.errors import ApiError
-from grserve.server.item_filters import excluded_items
+from grserve.server.item_filters import allowed, excluded_items, history_exclusion
 from grserve.server.lifecycle import finish, submit
 from grserve.server.metrics import Metrics
 from grserve.server.offload import off_loop
@@ -54,7 +55,8 @@ from grserve.server.openai_beam_schemas import (
     BeamRequest,
     Thinking,
 )
-from grserve.server.openai_schemas import ModelCard, ModelList
+from grserve.server.openai_schemas import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, ModelCard, ModelList
+from grserve.server.prompt_template import PromptTemplate, PromptTemplateError
 from grserve.server.sid_prompts import beam_start, chat_text, check_sid_text, item_text
 from grserve.server.validators import check_length, token_ids
 
@@ -72,6 +74,18 @@ class BeamContext:
     model_name: str
     metrics: Metrics
     created: int = field(default_factory=lambda: int(time.time()))
+    prompt_template: PromptTemplate | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        """``--prompt-template``, loaded and tried once at start-up (a bad file or variable fails here, not later)."""
+        path = getattr(self.beams, "prompt_template", None)
+        if path is None:
+            return
+        if getattr(self.engine, "tokenizer", None) is None:
+            raise PromptTemplateError(f"--prompt-template {path}: the model has no tokenizer to encode its text")
+        template = PromptTemplate.load(path, self.beams.prompt_format)
+        template.render(["<item>"], [0])
+        self.prompt_template = template
 
     @property
     def tokenizer(self) -> Any:
@@ -104,17 +118,18 @@ def _beam_width(ctx: BeamContext, body: BeamRequest) -> int:
 
 def think_spec(ctx: BeamContext, max_think_tokens: int, layout: Any, temperature: float = 0.0, top_p: float = 1.0,
                top_k: int = 0, seed: int | None = None) -> ThinkSpec | None:
-    """The request's ``ThinkSpec``, None without thinking; 400 over ``--max-think-tokens`` or for a layout without
-    ``sid_begin`` (nothing would end the thought)."""
+    """The request's ``ThinkSpec``, None without thinking; 400 over ``--max-think-tokens``. A layout without
+    ``sid_begin`` ends the thought at the model's first SID token (``engine/think.py``)."""
     if max_think_tokens == 0:
         return None
     limit = int(ctx.beams.max_think_tokens)
     if max_think_tokens > limit:
         raise ApiError(400, f"max_think_tokens: {max_think_tokens} is more than the server limit {limit} "
                             "(--max-think-tokens)", "max_think_tokens", "out_of_range")
-    if layout.sid_begin is None:
-        raise ApiError(400, "max_think_tokens: the served catalog's SIDs have no sid_begin token that would end a "
-                            "thought", "max_think_tokens", "invalid_value")
+    if layout.sid_begin is None:  # the model's own first SID token ends the thought (engine/think.py)
+        first = layout.code_tokens(0)
+        return ThinkSpec(max_think_tokens, None, temperature, top_p, top_k, seed,
+                         frozenset(int(t) for t in first[first >= 0].tolist()))
     return ThinkSpec(max_think_tokens, int(layout.sid_begin), temperature, top_p, top_k, seed)
 
 
@@ -125,11 +140,12 @@ class BeamKnobs:
     beam_width: int
     think: ThinkSpec | None
     exclude_items: np.ndarray | None
+    include: Allow | None = None
 
 
 def beam_knobs(ctx: BeamContext, body: BeamRequest, catalog: Any) -> BeamKnobs:
     """The cheap checks of a request (400 naming the field): beam width and n, max_tokens vs one item, thinking,
-    ``exclude_items`` (413 past ``--max-exclude-items``)."""
+    ``exclude_items`` (413 past ``--max-exclude-items``), the allowlist (``include_items``, ``include_sid_prefix``)."""
     bw = _beam_width(ctx, body)
     max_tokens = body.requested_max_tokens()
     if max_tokens is not None and max_tokens < catalog.depth:
@@ -139,7 +155,7 @@ def beam_knobs(ctx: BeamContext, body: BeamRequest, catalog: Any) -> BeamKnobs:
     spec = think_spec(ctx, body.max_think_tokens, catalog.layout, body.temperature, body.top_p, body.top_k,
                       body.seed)
 
-    return BeamKnobs(bw, spec, excluded_items(body, ctx.server))
+    return BeamKnobs(bw, spec, excluded_items(body, ctx.server), allowed(body, catalog, ctx.server))
 
 
 def retrieval_request(ctx: BeamContext, body: BeamRequest, ids: list[int], catalog: Any, knobs: BeamKnobs,
@@ -149,7 +165,8 @@ def retrieval_request(ctx: BeamContext, body: BeamRequest, ids: list[int], catal
     prompt = beam_start(ids, catalog.layout, knobs.think is not None)
     check_length(int(prompt.size), int(ctx.server.max_prompt_tokens), field_name, "the prompt", "prompt_too_long")
     return RetrievalRequest(prompt_tokens=prompt, beam_width=knobs.beam_width, top_n=body.n, think=knobs.think,
-                            exclude_items=knobs.exclude_items)
+                            exclude_items=history_exclusion(body, catalog, prompt, knobs.exclude_items),
+                            include=knobs.include, logprobs=body.wants_logprobs())
 
 
 def _items(result: RetrievalResult, catalog: Any) -> list[dict]:
@@ -158,12 +175,37 @@ def _items(result: RetrievalResult, catalog: Any) -> list[dict]:
              "text": item_text(catalog, it.sid)} for i, it in enumerate(result.items)]
 
 
+def _sid_tokens(catalog: Any, sid: tuple[int, ...]) -> list[str]:
+    """Each SID token as text: the catalog's token strings, or the level's code where SIDs have no text."""
+    if catalog.text is not None:
+        return [catalog.text.strings(level, [c])[0] for level, c in enumerate(sid)]
+    return [str(int(c)) for c in sid]
+
+
+def chat_logprobs(catalog: Any, item: Any) -> ChatLogprobs:
+    """A choice's ``logprobs``: one entry per SID token, its own log-probability, no alternatives."""
+    return ChatLogprobs(content=[ChatTokenLogprob(token=t, logprob=json_score(lp), bytes=list(t.encode()),
+                                                 top_logprobs=[])
+                                 for t, lp in zip(_sid_tokens(catalog, item.sid), item.token_logprobs)])
+
+
+def completion_logprobs(catalog: Any, item: Any) -> CompletionLogprobs:
+    """A completion choice's ``logprobs``: the SID tokens, their log-probabilities, their offsets in its text."""
+    tokens, text, offsets, pos = _sid_tokens(catalog, item.sid), item_text(catalog, item.sid), [], 0
+    for t in tokens:
+        at = text.find(t, pos)
+        offsets.append(at if at >= 0 else pos)
+        pos = offsets[-1] + len(t)
+    return CompletionLogprobs(tokens=tokens, token_logprobs=[json_score(x) for x in item.token_logprobs],
+                              top_logprobs=[{} for _ in tokens], text_offset=offsets)
+
+
 async def thought_text(ctx: BeamContext, result: RetrievalResult) -> str | None:
     """The text of the result's thought (its closing ``sid_begin`` left out), decoded on a heavy-work thread; None
     without one."""
     if result.thought is None:
         return None
-    tok, ids = ctx.tokenizer, result.thought[:-1]
+    tok, ids = ctx.tokenizer, text_tokens(result.thought, ctx.engine.catalogs.current().layout.sid_begin)
     return await off_loop(lambda: tok.decode(ids, skip_special_tokens=False))
 
 
@@ -207,9 +249,12 @@ def create_beam_router(ctx: BeamContext, route_class: type[APIRoute] = APIRoute)
         ids = await off_loop(chat_ids, ctx.tokenizer, catalog, body.messages, body.chat_template_kwargs)
         req = retrieval_request(ctx, body, ids, catalog, knobs, "messages")
         result, items, use = await _run(ctx, request, req, catalog)
-        head = dict(id=f"chatcmpl-{uuid.uuid4().hex[:24]}", created=ctx.created, model=ctx.model_name,
+        head = dict(id=f"chatcmpl-{uuid.uuid4().hex[:24]}", created=int(time.time()), model=ctx.model_name,
                     thinking=await _thinking(ctx, result), beam_width=req.beam_width,
                     catalog_version=int(result.catalog_version))
+        if body.logprobs:
+            for it, got in zip(items, result.items):
+                it["logprobs"] = chat_logprobs(catalog, got)
         if body.stream:
             choices = [BeamChatChunkChoice(delta=BeamChatDelta(content=it.pop("text")), **it) for it in items]
             return _stream([BeamChatChunk(choices=choices, **head)], body.include_usage,
@@ -228,9 +273,12 @@ def create_beam_router(ctx: BeamContext, route_class: type[APIRoute] = APIRoute)
             ids = token_ids(body.prompt, int(ctx.engine.vocab_size), "prompt").tolist()
         req = retrieval_request(ctx, body, ids, catalog, knobs, "prompt")
         result, items, use = await _run(ctx, request, req, catalog)
-        head = dict(id=f"cmpl-{uuid.uuid4().hex[:24]}", created=ctx.created, model=ctx.model_name,
+        head = dict(id=f"cmpl-{uuid.uuid4().hex[:24]}", created=int(time.time()), model=ctx.model_name,
                     thinking=await _thinking(ctx, result), beam_width=req.beam_width,
                     catalog_version=int(result.catalog_version))
+        if body.wants_logprobs():
+            for it, got in zip(items, result.items):
+                it["logprobs"] = completion_logprobs(catalog, got)
         choices = [BeamCompletionChoice(**it) for it in items]
         if body.stream:
             return _stream([BeamCompletionChunk(choices=choices, **head)], body.include_usage,

@@ -363,7 +363,7 @@ def create_openai_router(engine: Engine, tokenizer: Any, model_name: str, max_mo
         else:
             text = p[0] if isinstance(p, list) else p
             ids = await ctx.encode(text, "prompt")
-        shape = CompletionShape(f"cmpl-{uuid.uuid4().hex[:24]}", ctx.created, model_name, tokenizer,
+        shape = CompletionShape(f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time()), model_name, tokenizer,
                                 text if body.echo else "")
         return await generate(ctx, request, body, ids, body.requested_max_tokens() or DEFAULT_MAX_TOKENS, shape)
 
@@ -372,7 +372,7 @@ def create_openai_router(engine: Engine, tokenizer: Any, model_name: str, max_mo
         ctx.check_model(body.model)
         ctx.check_limits(body)
         ids = await off_loop(ctx.chat_ids, body.messages, body.tools or None)
-        shape = ChatShape(f"chatcmpl-{uuid.uuid4().hex[:24]}", ctx.created, model_name, tokenizer)
+        shape = ChatShape(f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), model_name, tokenizer)
         return await generate(ctx, request, body, ids, body.requested_max_tokens(), shape)
 
     add_utility_routes(router, ctx)

@@ -6,8 +6,9 @@ Requests are strict and closed:
   not a bool or a string; NaN/Infinity are refused; ``seed`` must fit 64 bits (``[-2**63, 2**64)``);
 - **every string must be valid UTF-8** (a lone surrogate ``"\\ud800"`` is a 400 naming the field);
 - **unknown fields are a 400 naming them** (``extra="forbid"``), and fields OpenAI defines that this server does
-  not implement are a 400 naming the parameter (``UNSUPPORTED``; ``unsupported()`` raises): nothing is silently
-  ignored. The one accepted no-op is ``user`` / ``metadata`` (OpenAI's own bookkeeping fields).
+  not implement are a 400 naming the parameter (``unsupported()`` raises): nothing is silently ignored. Accepted
+  no-ops: ``user`` / ``metadata`` (OpenAI's own bookkeeping fields), any parameter sent as ``null`` (its default
+  applies) and OpenAI parameters sent at their default (``openai_defaults.py``).
 
 Fields that are ``None`` in a streamed delta or a chunk's ``usage`` are left out of the JSON, as OpenAI does.
 """
@@ -20,6 +21,7 @@ from pydantic import AfterValidator, AllowInfNan, BaseModel, ConfigDict, Field, 
     model_validator
 
 from grserve.server.errors import ApiError
+from grserve.server.openai_defaults import neutral_body
 
 FinishReason = Literal["stop", "length"]
 MAX_TOKEN_ID_DIGITS = 19  # a token id fits int64
@@ -87,6 +89,13 @@ class SamplingRequest(BaseModel):
     stop_token_ids: list[TokenId] | None = None
     # grserve's extra: co-location class (docs/llm.md "Online/offline co-location"); online work preempts offline
     priority: Literal["online", "offline"] = "online"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _defaults(cls, data: Any) -> Any:
+        """A ``null`` is the parameter left out; an OpenAI parameter not implemented here is accepted at its default
+        (``openai_defaults.py``)."""
+        return neutral_body(data, cls.model_fields)
 
     @field_validator("stop")
     @classmethod
@@ -316,7 +325,8 @@ class CompletionChoice(BaseModel):
 
 
 class _Answer(BaseModel):
-    """What every answer and chunk carries: the request's id, when the server started, the served model."""
+    """What every answer and chunk carries: the request's id, when it was answered (Unix seconds), the served
+    model."""
 
     id: str
     created: int

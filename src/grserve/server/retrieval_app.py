@@ -28,6 +28,7 @@ import numpy as np
 from fastapi import FastAPI, Request
 
 from grserve.catalog.allowlist import allowed_rows
+from grserve.catalog.duplicates import expand
 from grserve.catalog.popularity import Popularity
 from grserve.config import BeamApiConfig, CatalogReloadConfig, EdgeConfig, ServerConfig
 from grserve.engine.protocol import RetrievalService
@@ -36,7 +37,8 @@ from grserve.server.app import new_app
 from grserve.server.bodies import MAX_BRACKETS, Precheck
 from grserve.server.catalog_reload import CatalogReloader
 from grserve.server.errors import ApiError
-from grserve.server.item_filters import allowed, check_excluded, check_included, excluded_items
+from grserve.server.item_filters import allowed, check_excluded, check_included, excluded_items, \
+    history_exclusion
 from grserve.server.lifecycle import finish, submit
 from grserve.server.metrics import Metrics
 from grserve.server.offload import off_loop
@@ -134,7 +136,10 @@ def history_tokens(body: RecommendRequest, catalog: Any, vocab_size: int, max_to
     from grserve.server.sid_prompts import beam_start
 
     kind, dropped = body.history_kind, 0
-    if kind in ("prompt", "messages"):
+    template = getattr(beams, "prompt_template", None)
+    if template is not None and kind in ("history_items", "history_sids") and getattr(body, kind):
+        prompt, dropped = templated_tokens(body, catalog, template, beams.tokenizer, max_tokens, truncate)
+    elif kind in ("prompt", "messages"):
         prompt = prompt_tokens(beams, catalog, body.prompt, body.messages)
         _too_long(int(prompt.size), max_tokens, kind)
     elif kind == "history_items":
@@ -152,6 +157,44 @@ def history_tokens(body: RecommendRequest, catalog: Any, vocab_size: int, max_to
         raise ApiError(400, f"{kind}: the history maps to token {int(prompt.max())}, outside the model "
                             f"vocabulary of {vocab_size}", kind, "out_of_range")
     return prompt, dropped
+
+
+def templated_tokens(body: RecommendRequest, catalog: Any, template: Any, tokenizer: Any, max_tokens: int,
+                     truncate: str) -> tuple[np.ndarray, int]:
+    """A ``history_items`` / ``history_sids`` written into ``--prompt-template`` and encoded
+    (``server/prompt_template.py``), and the number of its oldest entries cut: first as the bare layout would
+    cut them (every entry checked as there), then more while the rendered prompt is over ``max_tokens``
+    (``truncate`` "none": 413)."""
+    from grserve.server.sid_prompts import item_text
+
+    kind = body.history_kind
+    if kind == "history_items":
+        ids: list[int] | None = body.history_items
+        _, dropped = items_to_tokens(catalog, ids, max_tokens, truncate)  # type: ignore[arg-type]
+        sids = catalog.sids_of_items(np.asarray(ids[dropped:], dtype=np.int64))  # type: ignore[index]
+    else:
+        ids = None
+        _, dropped = sids_to_tokens(catalog, body.history_sids, max_tokens, truncate)  # type: ignore[arg-type]
+        sids = np.asarray(body.history_sids, dtype=np.int64).reshape(-1, int(catalog.depth))[dropped:]
+    texts = [item_text(catalog, tuple(int(c) for c in s)) for s in sids]
+    first = dropped
+
+    def render(k: int) -> list[int]:  # the prompt of the entries from k on
+        return template.token_ids(tokenizer, texts[k - first:], None if ids is None else ids[k:])
+
+    prompt = render(dropped)
+    if len(prompt) > max_tokens:
+        if truncate == "none":
+            _too_long(len(prompt), max_tokens, kind)
+        base = len(render(first + len(texts)))  # the template without items
+        _too_long(base, max_tokens, kind)  # the template alone is longer than the limit
+        while len(prompt) > max_tokens:  # cut by the items' measured cost, then take back what still fits
+            per_item = max(1.0, (len(prompt) - base) / max(1, first + len(texts) - dropped))
+            dropped = min(first + len(texts), dropped + max(1, int(-(-(len(prompt) - max_tokens) // per_item))))
+            prompt = render(dropped)
+        while dropped > first and len(again := render(dropped - 1)) <= max_tokens:
+            dropped, prompt = dropped - 1, again
+    return np.asarray(prompt, dtype=np.int64), dropped
 
 
 def _search_knobs(body: RecommendRequest, search: Any, server_cfg: ServerConfig) -> int:
@@ -188,7 +231,7 @@ def items_out(result: RetrievalResult) -> list[ItemOut]:
 
 
 def catalog_info(catalog: Any) -> CatalogInfo:
-    return CatalogInfo(num_items=len(catalog), version=int(catalog.version), depth=int(catalog.depth),
+    return CatalogInfo(num_items=catalog.num_items, version=int(catalog.version), depth=int(catalog.depth),
                        codebook_sizes=[int(c) for c in catalog.codebook_sizes])
 
 
@@ -285,6 +328,7 @@ def retrieval_request(body: RecommendRequest, catalog: Any, engine: RetrievalSer
                                      beam_ctx, body.truncate or server_cfg.truncate)
     # the engine's key (its cancel key) is the server's own: a client's request_id is only echoed, so a client
     # that reuses another's id and disconnects cancels nothing but its own request
+    excluded = history_exclusion(body, catalog, prompt, excluded)
     req = RetrievalRequest(prompt_tokens=prompt, beam_width=beam_width, top_n=body.top_n, exclude_items=excluded,
                            include=include, think=think)
     return req, dropped
@@ -309,8 +353,11 @@ def cold_start(req: RetrievalRequest, catalog: Any, popular: Popularity) -> Retr
                                                                                     req.exclude_items)])
     else:
         top = popular.top(catalog, req.top_n, req.exclude_items)
-    items = [RetrievedItem(int(i), tuple(int(c) for c in sid), float(score))
-             for i, sid, score in zip(top.item_ids, top.sids, top.scores)]
+    ranked = [(int(i), (tuple(int(c) for c in sid), float(score))) for i, sid, score in zip(top.item_ids, top.sids,
+                                                                                            top.scores)]
+    include = req.include.items if req.include is not None else None
+    items = [RetrievedItem(i, sid, score)
+             for i, (sid, score) in expand(catalog, ranked, req.top_n, req.exclude_items, include)]
     return RetrievalResult(req.request_id, items, compute_ms=(time.perf_counter() - t0) * 1e3, batch_size=0,
                            catalog_version=int(catalog.version))
 

@@ -91,9 +91,9 @@ def run(cfg: ServeConfig) -> int:
         popularity = load_popularity(cfg)
         engine = RetrievalEngine.build(cfg, on_batch=metrics.on_batch)
         restore_catalog(engine.catalogs, stored.catalog)
+        app = create_app_for(engine, cfg, metrics, store, popularity)  # a bad --prompt-template fails here
     except (ValueError, KeyError, OSError) as exc:  # CatalogError is a ValueError: bad file, vocab mismatch...
         raise _usage_error(exc) from None
-    app = create_app_for(engine, cfg, metrics, store, popularity)
     print(f"grserve: {state_line(store, stored)}", flush=True)
     cat = engine.catalogs.current()
     print_layout(engine)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import unicodedata
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
 from pydantic_core import PydanticCustomError
 
 from grserve.server.openai_schemas import ChatMessage
@@ -50,7 +50,8 @@ class RecommendRequest(BaseModel):
     ``max_think_tokens`` > 0: the model first writes free text (greedy) until ``sid_begin``
     (think-then-recommend, ``engine/think.py``); the text comes back in ``thinking``.
 
-    ``exclude_items`` are never returned; with ``include_items`` and/or ``include_sid_prefix`` only the items they
+    ``exclude_items`` are never returned, nor with ``exclude_history`` the items the history names (its item ids;
+    every item of its SIDs; the items whose whole SID its tokens or prompt write); with ``include_items`` and/or ``include_sid_prefix`` only the items they
     allow are (both inside the beam search, equal to a search over the catalog restricted to them).
     An empty history (``history_*``) is a new user (cold start): where it lays out to no prompt token, it is answered
     from the popularity order (``catalog/popularity.py``).
@@ -71,6 +72,7 @@ class RecommendRequest(BaseModel):
     exclude_items: list[StrictInt] | None = None  # catalog item ids never returned (masked inside the search)
     include_items: list[StrictInt] | None = None  # an allowlist: only these catalog items (masked alike)
     include_sid_prefix: Annotated[list[StrictInt], Field(min_length=1)] | None = None  # only items under this prefix
+    exclude_history: StrictBool = False  # never return an item the history names (catalog/history.py)
     truncate: Truncate | None = None  # None → the server's ServerConfig.truncate
     request_id: RequestId | None = None
 

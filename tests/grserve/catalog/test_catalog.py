@@ -153,7 +153,7 @@ def _write(tmp_path, name, text):
 JSONL_CASES = [
     # (lines, expected message fragment)
     (['{"item_id": 1, "sid": [3, 1, 4]}', '', '{"item_id": 2, "sid": [3, 1, 4]}'],
-     "line 3: duplicate SID (3, 1, 4) (also item 1 on line 1)"),
+     "line 3: duplicate SID (3, 1, 4) of item 2 (also item 1 on line 1;"),
     (['{"item_id": 1, "sid": [3, 1, 4]}', '{"item_id": 1, "sid": [3, 1, 5]}'], "line 2: duplicate item_id 1"),
     (['{"item_id": 1, "sid": [3, 1, 4]}', '{"item_id": 2, "sid": [3, 1, 300]}'], "line 2: code 300"),
     (['{"item_id": 1, "sid": [3, 1, 4]}', '{"item_id": 2, "sid": [3, -1, 4]}'], "line 2: code -1"),
@@ -173,7 +173,7 @@ def test_jsonl_errors_name_line(tmp_path, lines, fragment):
 
 
 CSV_CASES = [
-    ("item_id,sid\n1,3-1-4\n2,3-1-4\n", "line 3: duplicate SID (3, 1, 4) (also item 1 on line 2)"),
+    ("item_id,sid\n1,3-1-4\n2,3-1-4\n", "line 3: duplicate SID (3, 1, 4) of item 2 (also item 1 on line 2;"),
     ("item_id,sid\n1,3-1-4\n\n1,3-1-5\n", "line 4: duplicate item_id 1 (also on line 2)"),
     ("item_id,c1,c2,c3\n1,3,1,4\n2,3,999,4\n", "line 3: code 999 at level 1"),
     ("item_id,c1,c2,c3\n1,3,1,4\n2,3,1\n", "line 3: SID (3, 1) has depth 2"),

@@ -207,3 +207,33 @@ def test_reload_is_off_without_a_catalog_dir():
     app = create_app(CatalogOnlyEngine(), ServerConfig(), edge=EdgeConfig(admin_api_key="adm"))
     r = TestClient(app, headers=ADMIN).post("/v1/catalog", json={"name": "x.jsonl"})
     assert r.status_code == 403 and r.json()["error"]["type"] == "reload_disabled"
+
+
+def test_a_reload_names_the_bad_sid_token_and_the_item_holding_it(minionerec_dir, tmp_path):
+    """A reloaded index whose SID token is not one token of the tokenizer: the error names the token (it is shaped
+    like one) and an item that holds it; a string of any other shape is not quoted."""
+    import json
+
+    from grserve.catalog import load_catalog
+    from grserve.catalog.sid_text import SidTokenError, bind_catalog
+    from grserve.config import CatalogConfig, ModelConfig, ServeConfig
+    from grserve.engine.retrieval_engine import RetrievalEngine
+
+    cfg = ServeConfig(model=ModelConfig(source=str(minionerec_dir.path)),
+                      catalog=CatalogConfig(path=str(minionerec_dir.catalog)))
+    engine = RetrievalEngine.build(cfg)
+    index = {str(i): row for i, row in enumerate(minionerec_dir.strings)}
+    index["7"] = [index["7"][0], "<b_999>", index["7"][2]]
+    (tmp_path / "bad.json").write_text(json.dumps(index))
+    index["7"] = [index["7"][0], "SECRET text", index["7"][2]]
+    (tmp_path / "odd.json").write_text(json.dumps(index))
+    app = create_app(engine, ServerConfig(), edge=EdgeConfig(admin_api_key="adm"),
+                     reload=CatalogReloadConfig(catalog_dir=str(tmp_path)))
+    client = TestClient(app, raise_server_exceptions=False, headers=ADMIN)
+    err = _reload(client, "bad.json").json()["error"]
+    assert err["type"] == "catalog_load_failed" and "'<b_999>'" in err["message"] and "item 7" in err["message"]
+    err = _reload(client, "odd.json").json()["error"]
+    assert "SECRET" not in err["message"] and "item 7" in err["message"]
+    with pytest.raises(SidTokenError) as exc:  # start-up and `grserve catalog validate` name them alike
+        bind_catalog(load_catalog(tmp_path / "bad.json"), engine.tokenizer)
+    assert exc.value.item_id == 7 and "'<b_999>' (held by item 7)" in str(exc.value)

@@ -117,6 +117,27 @@ def test_bad_parameters_are_400_naming_the_param(client, kw, param):
     assert err["param"] == param and err["message"] and err["type"] == "invalid_request_error"
 
 
+def test_nulls_and_client_defaults_are_accepted_and_change_nothing(server):
+    """What OpenAI clients send unasked (``null``s, defaults, parameters of other APIs at their defaults) is
+    accepted and changes nothing; another value of an unimplemented parameter is a 400 naming it."""
+    url, _ = server
+    msgs = [{"role": "user", "content": "hi"}]
+    base = {"model": "test-model", "messages": msgs, "max_tokens": 5, "temperature": 0}
+    plain = httpx.post(url + "/v1/chat/completions", json=base).json()["choices"][0]["message"]["content"]
+    nulls = {"logprobs": None, "top_logprobs": None, "stop": None, "n": None, "top_p": None, "seed": None,
+             "frequency_penalty": None, "response_format": None, "tools": None, "store": False,
+             "service_tier": "auto", "modalities": ["text"], "parallel_tool_calls": True}
+    r = httpx.post(url + "/v1/chat/completions", json={**base, **nulls})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == plain
+    r = httpx.post(url + "/v1/completions", json={"model": "test-model", "prompt": "x", "max_tokens": 3,
+                                                  "response_format": {"type": "text"}, "logprobs": None,
+                                                  "temperature": None, "best_of": None})
+    assert r.status_code == 200, r.text
+    r = httpx.post(url + "/v1/chat/completions", json={**base, "store": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "store"
+
+
 def test_unknown_model_and_bad_json(server, client):
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="x", max_tokens=2)

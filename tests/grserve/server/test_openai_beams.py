@@ -190,6 +190,42 @@ def test_think_then_recommend_equals_the_two_hf_stages(thinking_onerec_dir):
         engine.stop()
 
 
+def test_think_without_sid_begin_ends_at_the_models_first_sid_token(minionerec_dir):
+    """An LC-Rec layout has no sid_begin: the thought ends where the model writes its first level-0 SID token (not
+    kept), or at the limit; the beams search that position. Equal to HF ``generate(eos_token_id=<level-0 SID
+    tokens>)`` without that last token, then the constrained beams on prompt + thought."""
+    d = minionerec_dir
+    engine = _engine(d)
+    ref = HFReference(d)
+    firsts = sorted({ref.tok.convert_tokens_to_ids(row[0]) for row in d.strings})
+    natural_seen = forced_seen = False
+    try:
+        with _client(engine, max_think_tokens=64) as client:
+            for k, limit, sample in ((0, 12, None), *((k, 24, dict(temperature=1.5, top_p=1.0, top_k=0, seed=k))
+                                                      for k in range(1, 7))):
+                prompt = f"question {k}: what next?"
+                extra = {} if sample is None else {"temperature": 1.5, "seed": k}
+                r = client.post("/v1/completions", json={"model": "gr", "prompt": prompt, "n": 4, "beam_width": 4,
+                                                         "max_think_tokens": limit, **extra})
+                assert r.status_code == 200, r.text
+                body = r.json()
+                ids = ref.tok.encode(prompt)
+                gen = ref.think(ids, limit, firsts, sample)[:-1]  # the appended "sid_begin" stand-in dropped
+                natural = bool(gen) and gen[-1] in firsts
+                thought = gen[:-1] if natural else gen
+                assert body["thinking"]["tokens"] == len(thought) and body["thinking"]["sid_begin_forced"] == (
+                    not natural)
+                assert body["thinking"]["text"] == ref.tok.decode(thought)
+                natural_seen |= natural
+                forced_seen |= not natural
+                want = ref.beams(ids + thought, 4)
+                assert [c["item_id"] for c in body["choices"]] == [i for i, _ in want]
+                assert max(abs(c["cumulative_logprob"] - s) for c, (_, s) in zip(body["choices"], want)) <= 1e-4
+        assert natural_seen and forced_seen
+    finally:
+        engine.stop()
+
+
 # ---- streaming, /v1/recommend, the openai client -----------------------------------------------------------------
 def test_stream_sends_the_finished_beam_set_once(onerec):
     d, engine, client, _ = onerec
@@ -255,7 +291,7 @@ BAD = [
     ({"use_beam_search": False}, 400, None),
     ({"best_of": 4, "beam_width": 8}, 400, None),
     ({"beam_width": 10_000}, 400, "beam_width"),
-    ({"logprobs": True}, 400, "logprobs"),
+    ({"top_logprobs": 3, "logprobs": True}, 400, "top_logprobs"),
     ({"chat_template_kwargs": {"tokenize": True}}, 400, None),
     ({"messages": [{"role": "user", "content": "I liked <s_a_12>"}]}, 400, "messages[0].content"),  # code 12 ≥ 12
     ({"messages": [{"role": "user", "content": "I liked <s_b_007>"}]}, 400, "messages[0].content"),
@@ -363,3 +399,120 @@ def test_a_request_level_error_never_names_a_field_none(onerec):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] is None and "None" not in err["message"] and err["message"], err
+
+
+def test_per_token_logprobs_of_each_beam_equal_hf(onerec):
+    """Asked, every choice carries its SID tokens' own log-probabilities (OpenAI's shape, no alternatives): under
+    ``--scoring hf`` each equals HF's full-vocabulary log-softmax at that position of prompt + the item's tokens,
+    and they sum to ``cumulative_logprob``."""
+    d, engine, client, ref = onerec
+    messages = [{"role": "user", "content": f"I liked {_history(d, [3, 8])}."}]
+    r = client.post("/v1/chat/completions", json={"model": "gr", "messages": messages, "n": 4, "beam_width": 8,
+                                                  "logprobs": True, "top_logprobs": 0})
+    assert r.status_code == 200, r.text
+    ids = ref.chat_ids(messages) + [ref.tok.convert_tokens_to_ids("<|sid_begin|>")]
+    for c in r.json()["choices"]:
+        content = c["logprobs"]["content"]
+        tokens = [e["token"] for e in content]
+        assert tokens == d.strings[c["item_id"]] and all(e["top_logprobs"] == [] for e in content)
+        sid_ids = [ref.tok.convert_tokens_to_ids(t) for t in tokens]
+        with torch.inference_mode():
+            logits = ref.hf(torch.tensor([ids + sid_ids])).logits[0].float()
+        want = [float(torch.log_softmax(logits[len(ids) - 1 + k], -1)[t]) for k, t in enumerate(sid_ids)]
+        assert max(abs(e["logprob"] - w) for e, w in zip(content, want)) <= 1e-4
+        assert abs(sum(e["logprob"] for e in content) - c["cumulative_logprob"]) <= 1e-4
+    plain = client.post("/v1/chat/completions", json={"model": "gr", "messages": messages, "n": 4, "beam_width": 8})
+    assert [c["item_id"] for c in plain.json()["choices"]] == [c["item_id"] for c in r.json()["choices"]]
+    assert all(c["logprobs"] is None for c in plain.json()["choices"])
+    r = client.post("/v1/completions", json={"model": "gr", "prompt": "x", "n": 2, "logprobs": 0})
+    for c in r.json()["choices"]:
+        lp = c["logprobs"]
+        assert [c["text"][o:o + len(t)] for o, t in zip(lp["text_offset"], lp["tokens"])] == lp["tokens"]
+        assert abs(sum(lp["token_logprobs"]) - c["cumulative_logprob"]) <= 1e-4
+
+
+# ---- client defaults: a parameter at its default (or null) asks for nothing and is accepted -----------------------
+CHAT_DEFAULTS = {"logprobs": False, "top_logprobs": None, "stop": None, "frequency_penalty": 0,
+                 "presence_penalty": 0.0, "response_format": {"type": "text"}, "logit_bias": None, "temperature": None,
+                 "top_p": None, "seed": None, "tools": None, "tool_choice": None, "parallel_tool_calls": None,
+                 "user": None, "stream": False, "stream_options": None, "max_tokens": None, "n": None}
+COMPLETION_DEFAULTS = {"logprobs": None, "echo": False, "stop": None, "frequency_penalty": 0, "presence_penalty": 0,
+                       "suffix": None, "best_of": None, "logit_bias": {}, "temperature": None}
+
+
+def test_client_defaults_are_accepted_and_change_nothing(onerec):
+    d, _, client, _ = onerec
+    messages = [{"role": "user", "content": f"I liked {_history(d, [2, 5])}."}]
+    plain = client.post("/v1/chat/completions", json={"model": "gr", "messages": messages, "n": 4}).json()
+    r = client.post("/v1/chat/completions", json={"model": "gr", "messages": messages, **CHAT_DEFAULTS, "n": 4})
+    assert r.status_code == 200, r.text
+    assert [c["item_id"] for c in r.json()["choices"]] == [c["item_id"] for c in plain["choices"]]
+    prompt = f"I liked {_history(d, [2, 5])}. Next: "
+    plain = client.post("/v1/completions", json={"model": "gr", "prompt": prompt, "n": 3}).json()
+    r = client.post("/v1/completions", json={"model": "gr", "prompt": prompt, "n": 3, **COMPLETION_DEFAULTS})
+    assert r.status_code == 200, r.text
+    assert [c["item_id"] for c in r.json()["choices"]] == [c["item_id"] for c in plain["choices"]]
+
+
+@pytest.mark.parametrize("path,change,param", [
+    ("/v1/chat/completions", {"frequency_penalty": 0.5}, "frequency_penalty"),
+    ("/v1/chat/completions", {"frequency_penalty": False}, "frequency_penalty"),  # a bool is not 0
+    ("/v1/chat/completions", {"stop": ["\n"]}, "stop"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+    ("/v1/completions", {"logprobs": 2}, "logprobs"),  # alternatives are not returned (0: the tokens' own)
+    ("/v1/completions", {"echo": True}, "echo"),
+])
+def test_a_value_the_beam_routes_cannot_honour_is_a_400_naming_it(onerec, path, change, param):
+    _, _, client, _ = onerec
+    body = {"model": "gr", "n": 2, **change}
+    body.update({"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"})
+    r = client.post(path, json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and r.json()["error"]["code"] == "unsupported_parameter"
+
+
+def test_allowlist_on_the_openai_routes(onerec):
+    d, engine, client, _ = onerec
+    catalog = engine.catalogs.current()
+    messages = [{"role": "user", "content": f"I liked {_history(d, [2])}."}]
+    allow = [int(i) for i in catalog.item_ids[::7][:9]]
+    r = client.post("/v1/chat/completions", json={"model": "gr", "messages": messages, "n": 5,
+                                                  "include_items": allow})
+    assert r.status_code == 200, r.text
+    got = [c["item_id"] for c in r.json()["choices"]]
+    assert len(got) == 5 and set(got) <= set(allow)
+    prefix = [int(catalog.sids[0][0])]
+    r = client.post("/v1/completions", json={"model": "gr", "prompt": "x", "n": 3, "include_sid_prefix": prefix})
+    assert r.status_code == 200, r.text
+    assert all(c["sid"][:1] == prefix for c in r.json()["choices"])
+    rec = client.post("/v1/recommend", json={"messages": messages, "top_n": 5, "include_items": allow}).json()
+    assert [it["item_id"] for it in rec["items"]] == got  # the same search as /v1/recommend's
+
+
+def test_created_is_the_answers_time_not_the_servers_start(onerec, monkeypatch):
+    import time
+    from types import SimpleNamespace
+
+    from grserve.server import openai_beams
+
+    _, _, client, _ = onerec
+    later = time.time() + 1000
+    monkeypatch.setattr(openai_beams, "time", SimpleNamespace(time=lambda: later))
+    r = client.post("/v1/chat/completions", json={"model": "gr", "messages": [{"role": "user", "content": "hi"}]})
+    assert r.json()["created"] == int(later)
+
+
+def test_exclude_history_on_the_openai_routes(onerec):
+    """The items whose SIDs the prompt writes never come back: the same search as ``exclude_items`` listing them."""
+    d, _, client, _ = onerec
+    history = [2, 5, 9, 11, 40, 41, 42, 77]
+    messages = [{"role": "user", "content": f"I liked {_history(d, history)}."}]
+    body = {"model": "gr", "messages": messages, "n": 16, "beam_width": 16}
+    got = client.post("/v1/chat/completions", json={**body, "exclude_history": True}).json()["choices"]
+    ref = client.post("/v1/chat/completions", json={**body, "exclude_items": history}).json()["choices"]
+    assert [c["item_id"] for c in got] == [c["item_id"] for c in ref] and not {c["item_id"] for c in got} & set(history)
+    r = client.post("/v1/completions", json={"model": "gr", "prompt": _history(d, history), "n": 16,
+                                             "beam_width": 16, "exclude_history": True})
+    assert r.status_code == 200, r.text
+    assert not {c["item_id"] for c in r.json()["choices"]} & set(history)
