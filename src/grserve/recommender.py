@@ -31,7 +31,15 @@ from typing import Any
 
 import numpy as np
 
-from grserve.config import CatalogConfig, ModelConfig, SchedulerConfig, SearchConfig, ServeConfig, ServerConfig
+from grserve.config import (
+    CatalogConfig,
+    ModelConfig,
+    PrefixCacheConfig,
+    SchedulerConfig,
+    SearchConfig,
+    ServeConfig,
+    ServerConfig,
+)
 from grserve.engine.types import json_score
 
 
@@ -57,6 +65,7 @@ class Recommendation:
     source: str = "model"  # "popularity": an empty history, answered from the popularity order (cold start)
     history_dropped: int = 0  # oldest history entries cut by truncate "left"
     thinking: str | None = None  # max_think_tokens > 0: the text the model wrote before its first SID token
+    cached_tokens: int = 0  # prompt tokens reused from the prefix cache (``prefix_cache_tokens``), not computed
 
     @property
     def item_ids(self) -> list[int]:
@@ -78,8 +87,8 @@ def serve_config(**kwargs: Any) -> ServeConfig:
     """A ``ServeConfig`` from flat keyword arguments named like ``grserve serve``'s flags (``model``, ``catalog``,
     ``beam_width``, ``scoring``, ``token_capacity``, ``max_prompt_tokens``, ...); checked like the flags."""
     parts: dict[type, dict] = {ModelConfig: {}, CatalogConfig: {}, SearchConfig: {}, SchedulerConfig: {},
-                               ServerConfig: {}}
-    names = {f.name: cls for cls in (SearchConfig, SchedulerConfig, ServerConfig, CatalogConfig)
+                               ServerConfig: {}, PrefixCacheConfig: {}}
+    names = {f.name: cls for cls in (SearchConfig, SchedulerConfig, ServerConfig, CatalogConfig, PrefixCacheConfig)
              for f in fields(cls)}
     for key, value in kwargs.items():
         if key in _FLAT:
@@ -95,7 +104,7 @@ def serve_config(**kwargs: Any) -> ServeConfig:
         search.setdefault("max_beam_width", max(SearchConfig().max_beam_width, int(search["beam_width"])))
     return ServeConfig(model=ModelConfig(**parts[ModelConfig]), catalog=CatalogConfig(**parts[CatalogConfig]),
                        search=SearchConfig(**search), scheduler=SchedulerConfig(**parts[SchedulerConfig]),
-                       server=ServerConfig(**parts[ServerConfig]))
+                       server=ServerConfig(**parts[ServerConfig]), prefix=PrefixCacheConfig(**parts[PrefixCacheConfig]))
 
 
 class Recommender:
@@ -185,7 +194,7 @@ class Recommender:
             yield Recommendation(res.request_id, [RecommendedItem(int(i.item_id), tuple(int(c) for c in i.sid),
                                                                   float(i.score)) for i in res.items],
                                  source="popularity" if _cold(req) else "model", history_dropped=dropped,
-                                 thinking=thinking)
+                                 thinking=thinking, cached_tokens=int(res.cached_tokens))
 
     def _request(self, item: Any, index: int, defaults: dict):
         """One input → the engine's request, through the server's own schema and conversion."""

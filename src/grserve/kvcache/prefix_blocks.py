@@ -13,7 +13,8 @@ request computed (docs/architecture.md, "Prefix reuse in retrieval"):
   at most ``⌊(L − 1) / B⌋`` blocks are loaded. Copy, not share: ``shared_kv`` is one contiguous tensor per batch,
   and a copied block needs no pin: an entry can be evicted the moment the copy is done.
 * **Store** (``store``, after the prefill): every full block of the prompt not cached yet is copied out of
-  ``shared_kv``. The partial last block is never stored.
+  ``shared_kv``, in order, while room can be made without evicting the prompt's own blocks (an ancestor evicted
+  for its descendant would leave both unreachable). The partial last block is never stored.
 * **Eviction**: one ``EvictionPolicy`` per tier (``eviction/``: LRU, LARU, leader, …), keys = block hashes; the
   policy sees ``on_path`` (the request's hash path, for ``leader`` / ``density``), a hit per matched block and a
   miss at the first block that is not cached (LARU's prediction-induced-miss test). Evicting an inner block leaves
@@ -173,17 +174,28 @@ class PrefixBlockCache:
         with self._lock:
             now = self._tick()
             dev = self.tiers[0]
-            for g, h in enumerate(match.hashes):
-                if self._find(h) is not None:
-                    continue
-                if not self._make_room(dev, 1):
-                    self.stats["store_skipped_blocks"] += len(match.hashes) - g
-                    break
-                k = k_src[:, :, g * B:(g + 1) * B].clone(memory_format=torch.contiguous_format)
-                v = v_src[:, :, g * B:(g + 1) * B].clone(memory_format=torch.contiguous_format)
-                dev.blocks[h] = Block(k, v, match.hashes[g - 1] if g else None)
-                dev.policy.on_insert(h, now)
-                added.append((h, g * B, (g + 1) * B))
+            locked: list[int] = []  # the prompt's own blocks on the device: room is never made by evicting them
+            try:
+                for g, h in enumerate(match.hashes):
+                    if h in dev.blocks:
+                        dev.policy.set_evictable(h, False)
+                        locked.append(h)
+                        continue
+                    if self._find(h) is not None:
+                        continue
+                    if not self._make_room(dev, 1):
+                        self.stats["store_skipped_blocks"] += len(match.hashes) - g
+                        break
+                    k = k_src[:, :, g * B:(g + 1) * B].clone(memory_format=torch.contiguous_format)
+                    v = v_src[:, :, g * B:(g + 1) * B].clone(memory_format=torch.contiguous_format)
+                    dev.blocks[h] = Block(k, v, match.hashes[g - 1] if g else None)
+                    dev.policy.on_insert(h, now)
+                    dev.policy.set_evictable(h, False)
+                    locked.append(h)
+                    added.append((h, g * B, (g + 1) * B))
+            finally:
+                for h in locked:
+                    dev.policy.set_evictable(h, True)
             self.stats["stored_blocks"] += len(added)
         if self.listener is not None and added:
             self.listener.stored_blocks(np.asarray(tokens), added)
@@ -197,7 +209,7 @@ class PrefixBlockCache:
             if room is None:
                 return 0
             dev, moved = self.tiers[0], 0
-            while dev.blocks and len(dev.blocks) * self.block_bytes > room:
+            while dev.policy.n_evictable and len(dev.blocks) * self.block_bytes > room:
                 self._evict_one(dev)
                 moved += 1
             self.stats["gave_way_blocks"] += moved
@@ -254,7 +266,7 @@ class PrefixBlockCache:
     def _make_room(self, tier: _Tier, n: int) -> bool:
         """Evict (spill) from ``tier`` by its policy until ``n`` more blocks fit; False if they cannot."""
         while not self._fits(tier, n):
-            if not tier.blocks:
+            if tier.policy.n_evictable == 0:
                 return False
             self._evict_one(tier)
         return True
