@@ -3,7 +3,9 @@ app reads from an engine:
 
 - ``ClusterRetrievalEngine``: ``catalogs`` (the front end's own ``CatalogStore``, used to lay histories out as
   tokens; a reload — ``POST /v1/catalog`` — replaces it here, then on every instance: ``BroadcastCatalogStore``),
-  ``vocab_size``, ``search``. Routing: load alone (``core/router.py`` reads a ``RetrievalRequest``'s tokens).
+  ``vocab_size``, ``search``. Routing: the prompt's prefix blocks cached on each instance (the instances' prefix
+  caches publish their blocks to the global KV index; none without ``--prefix-cache-tokens``) plus load
+  (``core/router.py`` reads a ``RetrievalRequest``'s tokens).
 - ``ClusterRankingEngine``: ``registry`` (the front end's own ``RankingRegistry``, built from the same flags as the
   instances'; a fingerprint check at start-up), ``runner`` (``FrontRunner``: the policy name, the instances' summed
   ranking stats, ``add_items`` → every instance). Routing: the user's cached KV (the global index's
@@ -96,6 +98,7 @@ class ClusterRetrievalEngine(_Launch, ClusterGREngine):
 
         super().__init__(actors, infos, cluster, owns_ray, max_waiting=cfg.edge.max_waiting)
         self.serve_cfg = cfg
+        self.router.block_size = cfg.prefix.prefix_block_size  # the instances' prefix blocks are the index's keys
         self.vocab_size = int(infos[0].vocab_size)
         self.search = cfg.search
         self.tokenizer = model_tokenizer(cfg.model.source)  # the OpenAI routes encode prompts here, as one engine
