@@ -13,6 +13,9 @@ them alike), and a third that measures the cache's cost where it cannot help:
   Users with at least ``--min-items`` items, ``--users`` of them drawn with a seed; they arrive in a heavy-tailed
   order (each arrival picks a user by Zipf(``--zipf``) over a random ranking; a user whose sequence is used up is
   not picked again).
+* **routing** (``--instances``, no model): the returning trace through ``--instances`` prefix caches behind the
+  cluster's ``Router`` and ``GlobalKVIndex`` (the wiring of ``serve --instances N``), ``kv`` routing vs
+  ``round_robin``; each window of 2 × ``--batch`` requests is routed together, then served, then released.
 * **cold**: new users only (first visits of histories of the returning workload's lengths, no shared prefix), sent
   to an engine whose cache is already full: the cache's overhead (a lookup, a store, its copies) with no hit.
 
@@ -77,6 +80,9 @@ class PrefixBenchConfig(Checked):
     max_prompt_tokens: int = flag(1024, "longest prompt (a returning user's oldest items are dropped beyond it)",
                                   check=positive_int)
     cold_batches: int = flag(6, "cold workload: batches", check=positive_int)
+    instances: int = flag(2, "returning workload: instances of the routing replay (1: none)", check=positive_int)
+    routing_policy: str = flag("leader", "eviction policy of the routing replay's caches", check=comma_list(
+        str.lower, allowed=POLICIES))
     threads: int = flag(1, "torch threads (1: steadier on a shared machine)", check=positive_int)
     seed: int = flag(0, "seed of every draw")
     out: str | None = flag(None, "also write the JSON here", metavar="FILE")
@@ -241,6 +247,52 @@ def block_mode_rates(trace: Trace, sizes_blocks: list[int], policies: list[str])
     return rows
 
 
+def routing_hit_rate(trace: Trace, capacity_tokens: int, policy: str, routing: str, instances: int,
+                     window: int) -> tuple[float, list[int]]:
+    """(token hit rate, requests per instance) of ``instances`` prefix caches behind the cluster's ``Router`` and
+    ``GlobalKVIndex`` (each cache's blocks published by a ``KVEventPublisher``, as ``serve --instances N`` wires
+    them): ``window`` requests are routed (booked) together, then served, then released."""
+    import torch
+
+    from grserve.cluster.core.kv_index import GlobalKVIndex, KVEventPublisher
+    from grserve.cluster.core.router import Router
+    from grserve.engine.types import RetrievalRequest
+    from grserve.kvcache.prefix_blocks import PrefixBlockCache
+
+    index = GlobalKVIndex()
+    caches, pubs = [], []
+    for i in range(instances):
+        index.register(i, f"bench{i}")
+        pub = KVEventPublisher(i, f"bench{i}", trace.block_size, "hbm")
+        cache = PrefixBlockCache(capacity_tokens, block_size=trace.block_size, num_layers=1, num_kv_heads=1,
+                                 head_dim=1, policy=policy)
+        cache.listener = pub
+        index.apply_snapshot(pub.snapshot())
+        caches.append(cache)
+        pubs.append(pub)
+    router = Router(instances, routing, block_size=trace.block_size, index=index, decode_weight=0.0,
+                    cache_weight=2.0)
+    per = [0] * instances
+    for s in range(0, len(trace.prompts), window):
+        group = [(f"r{s + j}", p) for j, p in enumerate(trace.prompts[s:s + window])]
+        chosen = [(rid, p, router.route(RetrievalRequest(prompt_tokens=p, beam_width=1, top_n=1,
+                                                         request_id=rid)).instance) for rid, p in group]
+        for i in range(instances):  # each instance runs its share as one batch: loads, then stores
+            mine = [p for _, p, k in chosen if k == i]
+            per[i] += len(mine)
+            kvs = [(torch.zeros(1, 1, len(p), 1), torch.zeros(1, 1, len(p), 1)) for p in mine]
+            loaded = [caches[i].load(p, *kv) for p, kv in zip(mine, kvs)]
+            for p, m, kv in zip(mine, loaded, kvs):
+                caches[i].store(p, m, *kv)
+            index.apply(i, *pubs[i].take_events())
+        for rid, _, _ in chosen:
+            router.release(rid)
+    hits = sum(c.stats["hit_tokens"] for c in caches)
+    for c in caches:
+        c.tiers[0].policy.close()
+    return hits / max(trace.prompt_tokens, 1), per
+
+
 # ---- engines ---------------------------------------------------------------------------------------------------------
 def _engine(model, catalog, cfg: PrefixBenchConfig, tokens: int, policy: str):
     from grserve.catalog import CatalogStore
@@ -333,6 +385,17 @@ def run(cfg: PrefixBenchConfig) -> int:
             for r in block_mode_rates(trace, [max(1, int(frac * distinct) // cfg.block_size)], policies):
                 rows.append(dict(kind="block_mode", workload=name, size_fraction=frac, **r))
 
+    # --instances N: prefix routing vs round-robin (each instance's cache as large as the one engine's)
+    if "returning" in traces and cfg.instances > 1:
+        trace = traces["returning"]
+        for frac in sizes:
+            cap = max(cfg.block_size, int(frac * trace.distinct_prefix_tokens) // cfg.block_size * cfg.block_size)
+            for routing in ("kv", "round_robin"):
+                hr, per = routing_hit_rate(trace, cap, cfg.routing_policy, routing, cfg.instances, 2 * cfg.batch)
+                rows.append(dict(kind="routing", workload="returning", size_fraction=frac, cache_tokens=cap,
+                                 policy=cfg.routing_policy, routing=routing, instances=cfg.instances,
+                                 hit_rate=round(hr, 4), requests_per_instance=per))
+
     # engines in lockstep: the cache off and each listed cache-on setting
     for name, trace in traces.items():
         prompts = trace.prompts
@@ -411,8 +474,15 @@ def goals(rows: list[dict], sizes: list[float], policies: list[str]) -> dict:
                 block_mode_leader=learned.get("leader"),
                 engine_lru=rep.get("lru"), engine_laru=rep.get("laru"), engine_leader=rep.get("leader"))
     identical = all(r.get("beams_identical", True) for r in eng)
+    routing = {}
+    for frac in sizes:
+        rr = {r["routing"]: r["hit_rate"] for r in rows if r["kind"] == "routing" and r["size_fraction"] == frac}
+        if "kv" in rr and "round_robin" in rr:
+            routing[f"{frac:g}"] = dict(kv=rr["kv"], round_robin=rr["round_robin"],
+                                        ratio=round(rr["kv"] / rr["round_robin"], 3) if rr["round_robin"] else None)
     return dict(instruction_speedup=best_speedup("instruction"), returning_speedup_at_10pct=best_speedup(
-        "returning", 0.1), cold_speedup=best_speedup("cold"), hit_rates_by_size=margins, beams_identical=identical)
+        "returning", 0.1), cold_speedup=best_speedup("cold"), hit_rates_by_size=margins, routing_hit_rates=routing,
+        beams_identical=identical)
 
 
 def _cpu_name() -> str:
