@@ -246,7 +246,10 @@ def test_a_host_tier_on_a_cpu_is_refused(model):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_host_tier_spills_to_pinned_memory_and_stays_exact(tiny_model):
+@pytest.mark.parametrize("fast", [False, True])
+def test_cuda_host_tier_spills_to_pinned_memory_and_stays_exact(fast):
+    """On a GPU: the host-driven path and the GPU fast path (CUDA graphs) with a device tier too small for the
+    workload and a pinned host tier = the host path without a cache."""
     from grserve.model import load_model
 
     gpu_model = load_model("tiny", seed=3, device="cuda")
@@ -255,7 +258,9 @@ def test_cuda_host_tier_spills_to_pinned_memory_and_stays_exact(tiny_model):
     off = _run(_engine(gpu_model, catalog), prompts)
     prefix = PrefixCacheConfig(prefix_cache_tokens=64, prefix_block_size=8, prefix_cache_host_tokens=4096,
                                prefix_cache_policy="lru")
-    on_engine = RetrievalEngine(gpu_model, CatalogStore(catalog), SearchConfig(), SchedulerConfig(), prefix=prefix)
+    accel = AccelConfig(fast_path="on", batch_buckets="1,2,4,8", prompt_bucket=64) if fast else None
+    on_engine = RetrievalEngine(gpu_model, CatalogStore(catalog), SearchConfig(), SchedulerConfig(), accel=accel,
+                                prefix=prefix)
     on = _run(on_engine, prompts)
     for a, b in zip(off, on):
         _same(a, b)
