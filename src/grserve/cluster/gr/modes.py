@@ -120,6 +120,19 @@ class ClusterRetrievalEngine(_Launch, ClusterGREngine):
     def health_detail(self) -> dict[str, int | str]:
         return {"catalog_version": self.catalogs.current().version}
 
+    def stats(self) -> dict[str, float]:
+        """The cluster's totals; with prefix caches, their counters and bytes summed over the live instances and
+        the hit rate of the sums (``/metrics`` as one engine's)."""
+        out = super().stats()
+        if self.serve_cfg is not None and self.serve_cfg.prefix.enabled:
+            keys = {k for inst in self.instances if inst.up for k in inst.stats
+                    if k.startswith("prefix_") and k != "prefix_hit_rate"}
+            for k in keys:
+                out[k] = float(sum(inst.stats.get(k, 0) for inst in self.instances if inst.up))
+            looked = out.get("prefix_prompt_tokens", 0.0)
+            out["prefix_hit_rate"] = out.get("prefix_reused_tokens", 0.0) / looked if looked else 0.0
+        return out
+
     def _instance_facts(self, info: GRInstanceInfo) -> str:
         return f"catalog {info.catalog_items:,} items (version {info.catalog_version})"
 
