@@ -65,21 +65,22 @@ class PrefixBenchConfig(Checked):
                       check=comma_list(float, each=fraction))
     policies: str = flag("lru,laru,leader", "grserve policies replayed for hit rates (libcachesim's are added)",
                          check=comma_list(str.lower, allowed=POLICIES))
-    engine_runs: str = flag("returning:0.1:lru,returning:0.1:laru,returning:0.1:leader,returning:0.25:leader,"
-                            "instruction:0.1:lru,instruction:0.1:leader",
+    engine_runs: str = flag("returning:0.01:leader,returning:0.05:leader,returning:0.1:lru,returning:0.1:laru,"
+                            "returning:0.1:leader,returning:0.25:leader,instruction:0.1:lru,instruction:0.1:laru,"
+                            "instruction:0.1:leader",
                             "the cache-on engines run for throughput and latency: WORKLOAD:SIZE:POLICY,... (the "
                             "cache-off engine always runs; cold: the best returning engine's settings)")
     instruction_tokens: int = flag(256, "instruction workload: tokens of the shared system prompt + instruction",
                                    check=positive_int)
-    instruction_requests: int = flag(64, "instruction workload: requests (each a new user)", check=positive_int)
-    visits: int = flag(800, "returning workload: visits (the hit-rate replay and the engines replay the same ones)",
+    instruction_requests: int = flag(96, "instruction workload: requests (each a new user)", check=positive_int)
+    visits: int = flag(1200, "returning workload: visits (the hit-rate replay and the engines replay the same ones)",
                        check=positive_int)
     users: int = flag(400, "returning workload: users drawn", check=positive_int)
     min_items: int = flag(20, "returning workload: only users with at least this many items", check=positive_int)
     zipf: float = flag(1.0, "returning workload: Zipf exponent of the arrival order", check=positive)
     max_prompt_tokens: int = flag(1024, "longest prompt (a returning user's oldest items are dropped beyond it)",
                                   check=positive_int)
-    cold_batches: int = flag(6, "cold workload: batches", check=positive_int)
+    cold_batches: int = flag(16, "cold workload: batches", check=positive_int)
     instances: int = flag(2, "returning workload: instances of the routing replay (1: none)", check=positive_int)
     routing_policy: str = flag("leader", "eviction policy of the routing replay's caches", check=comma_list(
         str.lower, allowed=POLICIES))
