@@ -233,8 +233,8 @@ class PrefixBlockCache:
         return self._find(h) is not None
 
     def check(self) -> None:
-        """Invariants (tests): each block in one tier; each tier within its capacity and in its policy; the device
-        tier within the budget's room whenever a store or a give-way last ran."""
+        """Invariants (tests): each block in exactly one tier, on that tier's device; each tier within its capacity
+        and holding exactly its policy's keys."""
         seen: set[int] = set()
         for t in self.tiers:
             assert len(t.blocks) <= t.capacity, f"{t.name} tier over capacity"
