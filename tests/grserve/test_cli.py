@@ -52,7 +52,7 @@ LEAVES = dict(_leaves(cli.build_parser()))
 def test_the_command_list():
     expected = {("serve", "retrieval"), ("serve", "ranking"), ("serve", "llm"), ("bench", "retrieval"),
                 ("bench", "cache"), ("bench", "ranking"), ("bench", "serve"), ("bench", "quality"), ("bench", "cluster"),
-                ("bench", "pd"), ("bench", "peers"),
+                ("bench", "pd"), ("bench", "peers"), ("bench", "prefix"),
                 ("catalog", "generate"), ("catalog", "validate"), ("catalog", "convert"), ("catalog", "build"),
                 ("recommend",)}
     assert expected == set(LEAVES)
