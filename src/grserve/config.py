@@ -124,6 +124,33 @@ class SchedulerConfig(Checked):
 
 
 @dataclass(frozen=True)
+class PrefixCacheConfig(Checked):
+    """Prompt-prefix KV reuse across GR retrieval requests (``kvcache/prefix_blocks.py``; docs/architecture.md)."""
+
+    prefix_cache_tokens: int = flag(0, "prompt-prefix KV cache size in tokens (0 = off): a request loads the "
+                                       "longest cached block-aligned prefix of its prompt and prefills only the "
+                                       "rest; the beams are the same", check=non_negative)
+    prefix_cache_policy: str = flag("leader", "eviction policy of the prefix cache (as serve llm's; docs/eviction.md)",
+                                    choices=PREFIX_CACHE_POLICIES)
+    prefix_block_size: int = flag(16, "tokens per cached prefix block (only full blocks are cached)",
+                                  check=positive_int)
+    prefix_cache_host_tokens: int = flag(0, "CUDA only: a host tier of this many tokens (pinned memory) that "
+                                            "blocks evicted from the device tier spill to", check=non_negative)
+    kv_budget_bytes: int = flag(0, "device bytes for the beam KV of running batches plus the prefix cache "
+                                   "(0: no bound but --prefix-cache-tokens); the cache gives way to a batch, "
+                                   "never a request", check=non_negative)
+
+    @property
+    def enabled(self) -> bool:
+        return self.prefix_cache_tokens > 0
+
+    def check(self) -> None:
+        if self.enabled and self.prefix_cache_tokens < self.prefix_block_size:
+            raise ConfigError("prefix_cache_tokens", f"{self.prefix_cache_tokens} tokens do not hold one block of "
+                                                     f"--prefix-block-size {self.prefix_block_size}")
+
+
+@dataclass(frozen=True)
 class ServerConfig(Checked):
     host: str = flag("127.0.0.1", "address to listen on (0.0.0.0: all)")
     port: int = flag(8000, "TCP port to listen on", check=port_number)
@@ -158,6 +185,7 @@ class ServeConfig:
     cluster: "ClusterConfig" = field(default_factory=lambda: ClusterConfig())  # --instances N (end of file)
     state: "StateConfig" = field(default_factory=lambda: StateConfig())  # --state-dir (after the edge)
     beams: "BeamApiConfig" = field(default_factory=lambda: BeamApiConfig())  # the OpenAI beam routes
+    prefix: PrefixCacheConfig = field(default_factory=PrefixCacheConfig)  # prompt-prefix KV reuse (off by default)
 
 
 @dataclass(frozen=True)

@@ -33,8 +33,16 @@ from typing import Any
 
 import numpy as np
 
-from grserve.config import BeamApiConfig, CatalogConfig, ModelConfig, SchedulerConfig, SearchConfig, ServeConfig, \
-    ServerConfig
+from grserve.config import (
+    BeamApiConfig,
+    CatalogConfig,
+    ModelConfig,
+    PrefixCacheConfig,
+    SchedulerConfig,
+    SearchConfig,
+    ServeConfig,
+    ServerConfig,
+)
 from grserve.engine.types import json_score
 
 
@@ -61,6 +69,7 @@ class Recommendation:
     history_dropped: int = 0  # oldest history entries cut by truncate "left"
     thinking: str | None = None  # max_think_tokens > 0: the text the model wrote before its first SID token
     user_id: Any = None  # the input's ``user_id``, echoed (offline only: any JSON value)
+    cached_tokens: int = 0  # prompt tokens reused from the prefix cache (``prefix_cache_tokens``), not computed
 
     @property
     def item_ids(self) -> list[int]:
@@ -83,8 +92,9 @@ def serve_config(**kwargs: Any) -> ServeConfig:
     """A ``ServeConfig`` from flat keyword arguments named like ``grserve serve``'s flags (``model``, ``catalog``,
     ``beam_width``, ``scoring``, ``token_capacity``, ``max_prompt_tokens``, ...); checked like the flags."""
     parts: dict[type, dict] = {ModelConfig: {}, CatalogConfig: {}, SearchConfig: {}, SchedulerConfig: {},
-                               ServerConfig: {}, BeamApiConfig: {}}
-    names = {f.name: cls for cls in (SearchConfig, SchedulerConfig, ServerConfig, CatalogConfig, BeamApiConfig)
+                               ServerConfig: {}, BeamApiConfig: {}, PrefixCacheConfig: {}}
+    names = {f.name: cls for cls in (SearchConfig, SchedulerConfig, ServerConfig, CatalogConfig, BeamApiConfig,
+                                     PrefixCacheConfig)
              for f in fields(cls)}
     for key, value in kwargs.items():
         if key in _FLAT:
@@ -100,7 +110,8 @@ def serve_config(**kwargs: Any) -> ServeConfig:
         search.setdefault("max_beam_width", max(SearchConfig().max_beam_width, int(search["beam_width"])))
     return ServeConfig(model=ModelConfig(**parts[ModelConfig]), catalog=CatalogConfig(**parts[CatalogConfig]),
                        search=SearchConfig(**search), scheduler=SchedulerConfig(**parts[SchedulerConfig]),
-                       server=ServerConfig(**parts[ServerConfig]), beams=BeamApiConfig(**parts[BeamApiConfig]))
+                       server=ServerConfig(**parts[ServerConfig]), beams=BeamApiConfig(**parts[BeamApiConfig]),
+                       prefix=PrefixCacheConfig(**parts[PrefixCacheConfig]))
 
 
 class Recommender:
@@ -199,7 +210,7 @@ class Recommender:
             yield Recommendation(res.request_id, [RecommendedItem(int(i.item_id), tuple(int(c) for c in i.sid),
                                                                   float(i.score)) for i in res.items],
                                  source="popularity" if _cold(req) else "model", history_dropped=dropped,
-                                 thinking=thinking, user_id=user)
+                                 thinking=thinking, user_id=user, cached_tokens=int(res.cached_tokens))
 
     def _request(self, item: Any, index: int, defaults: dict):
         """One input → the engine's request, through the server's own schema and conversion."""

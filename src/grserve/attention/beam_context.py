@@ -2,7 +2,10 @@
 
 ``PrefillContext``: the prompts of R requests packed into one token stream; each request attends causally to its
 own tokens only, and its K/V are written once into the batch's ``shared_kv``. With ``requests`` it prefills only
-those (in that order): the others' ``shared_kv`` came from elsewhere (a thought, ``engine/think.py``).
+those (in that order): the others' ``shared_kv`` came from elsewhere (a thought, ``engine/think.py``). With
+``cached`` a request's stream holds only the tokens after its first ``cached[r]``, whose K/V were loaded into its
+``shared_kv`` from the prefix cache (``kvcache/prefix_blocks.py``); its queries attend to the loaded K/V and,
+causally, to their own.
 
 ``BeamDecodeContext``: one new token per beam (R·BW rows). Its K/V are written into unshared slot ``step`` and
 it attends to shared + its own unshared tokens with the staged computation (shared stage per request, one
@@ -12,35 +15,35 @@ unshared stage for all beams, log-sum-exp merge).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from grserve.attention.prefix_prefill import prefix_causal_attention
 from grserve.attention.staged import merge_states, shared_stage, unshared_stage
 from grserve.kvcache.beam import BeamKV
 
 
 class PrefillContext:
-    def __init__(self, kv: BeamKV, requests: list[int] | None = None):
+    def __init__(self, kv: BeamKV, requests: list[int] | None = None, cached: list[int] | None = None):
         self.kv = kv
         self.requests = requests  # None: every request of the batch, packed in order
+        self.cached = cached  # per request of the batch: its first cached[r] tokens' K/V are in shared_kv already
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kv = self.kv
-        if self.requests is None:
+        if self.requests is None and not any(self.cached or ()):
             kv.write_shared(layer, k, v)
             spans = [(r, kv.offsets[r], kv.offsets[r + 1]) for r in range(kv.num_requests)]
         else:
             spans, a = [], 0
-            for r in self.requests:
-                b = a + kv.prompt_lens[r]
-                kv.write_shared_request(layer, r, k[a:b], v[a:b])
+            for r in self.requests if self.requests is not None else range(kv.num_requests):
+                m = self.cached[r] if self.cached else 0
+                b = a + kv.prompt_lens[r] - m
+                kv.write_shared_request(layer, r, k[a:b], v[a:b], start=m)
                 spans.append((r, a, b))
                 a = b
         out = torch.empty_like(q)
         for r, a, b in spans:
             sk, sv = kv.shared(layer, r)
-            qr = q[a:b].transpose(0, 1).unsqueeze(0)  # [1, Hq, L, D]
-            o = F.scaled_dot_product_attention(qr, sk.unsqueeze(0), sv.unsqueeze(0), is_causal=True, enable_gqa=True)
-            out[a:b] = o[0].transpose(0, 1)
+            out[a:b] = prefix_causal_attention(q[a:b], sk, sv)
         return out
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from grserve.attention.prefix_prefill import prefix_causal_attention
 from grserve.attention.staged import merge_states
 from grserve.kvcache.padded_beam import PaddedBeamKV
 
@@ -39,15 +40,22 @@ def shared_stage_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_b
 
 
 class PaddedPrefillContext:
-    def __init__(self, kv: PaddedBeamKV, offsets: list[int]):
+    def __init__(self, kv: PaddedBeamKV, offsets: list[int], cached: list[int] | None = None):
         self.kv = kv
         self.offsets = offsets  # packed prompt r = tokens [offsets[r], offsets[r+1])
+        self.cached = cached  # request r's first cached[r] tokens' K/V are in its shared slot (the prefix cache)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(q)
         for r in range(len(self.offsets) - 1):
             a, b = self.offsets[r], self.offsets[r + 1]
-            self.kv.write_shared(layer, r, k[a:b], v[a:b])
+            m = self.cached[r] if self.cached else 0
+            self.kv.write_shared(layer, r, k[a:b], v[a:b], start=m)
+            if m:  # the rest of a prompt whose prefix came from the prefix cache: the same rule as the host path
+                n = m + b - a
+                out[a:b] = prefix_causal_attention(q[a:b], self.kv.shared_k[layer, r, :, :n],
+                                                   self.kv.shared_v[layer, r, :, :n])
+                continue
             qr, kr, vr = (t[a:b].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
             if q.device.type == "cuda" and kr.shape[1] != qr.shape[1]:
                 # repeat the KV heads: CUDA's flash kernel then applies for sure (enable_gqa may fall back to

@@ -30,6 +30,7 @@ from grserve.config import AccelConfig, SearchConfig
 from grserve.engine.retrieval import BatchOutput
 from grserve.flags import split_commas
 from grserve.kvcache.padded_beam import PaddedBeamKV
+from grserve.kvcache.prefix_blocks import PrefixBlockCache
 from grserve.model import Decoder
 from grserve.search.device_beams import DeviceBeamState
 from grserve.search.device_trie import DeviceTrie
@@ -65,6 +66,7 @@ class DeviceRetrievalRunner:
 
     def __init__(self, model: Decoder, search: SearchConfig, accel: AccelConfig | None = None):
         self.model, self.search = model, search
+        self.prefix: PrefixBlockCache | None = None  # the engine's prefix cache (kvcache/prefix_blocks.py), if on
         self.accel = accel or AccelConfig(fast_path="on")
         self.backend = get_backend(self.accel.attention_backend, model.device.type)
         self.topk_fn = masked_topk_expand_backend(self.accel.attention_backend)
@@ -115,7 +117,7 @@ class DeviceRetrievalRunner:
             sync = torch.cuda.synchronize if trace and self.model.device.type == "cuda" else (lambda: None)
             t0 = time.perf_counter()
             b.load(lens)
-            self._prefill(b, prompts, lens, catalog)
+            cached = self._prefill(b, prompts, lens, catalog)
             sync()  # only when tracing: the events then time the device work, not the launches
             events.append(("prefill", t0, time.perf_counter()))
             for level in range(1, catalog.depth):
@@ -127,14 +129,19 @@ class DeviceRetrievalRunner:
             formula = [(n + beam_width * catalog.depth) * b.kv.bytes_per_token for n in lens]
             return BatchOutput(hits=hits, candidates_visited=int(b.state.visited),
                                kv_bytes_per_request=[b.kv.request_nbytes()] * len(lens),
-                               kv_bytes_formula=formula, trace=events if trace else [])
+                               kv_bytes_formula=formula, trace=events if trace else [], cached_tokens=cached)
 
-    def _prefill(self, b: _Bucket, prompts, lens: list[int], catalog: Catalog) -> None:
-        model, dev = self.model, self.model.device
-        offsets = np.concatenate([[0], np.cumsum(lens)]).tolist()
-        tokens = torch.from_numpy(np.concatenate(prompts).astype(np.int64)).to(dev)
-        positions = torch.cat([torch.arange(n) for n in lens]).to(dev)
-        hidden = model(tokens, positions, PaddedPrefillContext(b.kv, offsets))
+    def _prefill(self, b: _Bucket, prompts, lens: list[int], catalog: Catalog) -> list[int]:
+        """Returns each prompt's tokens loaded from the prefix cache (``self.prefix``; the rest is prefilled)."""
+        model, dev, prefix = self.model, self.model.device, self.prefix
+        matches = [prefix.load(p, *b.kv.shared_request(r)) for r, p in enumerate(prompts)] if prefix else []
+        cached = [mt.tokens for mt in matches] or [0] * len(lens)
+        offsets = np.concatenate([[0], np.cumsum([n - m for n, m in zip(lens, cached)])]).tolist()
+        tokens = torch.from_numpy(np.concatenate([p[m:] for p, m in zip(prompts, cached)]).astype(np.int64)).to(dev)
+        positions = torch.cat([torch.arange(m, n) for n, m in zip(lens, cached)]).to(dev)
+        hidden = model(tokens, positions, PaddedPrefillContext(b.kv, offsets, cached if any(cached) else None))
+        for r, (p, mt) in enumerate(zip(prompts, matches)):
+            prefix.store(p, mt, *b.kv.shared_request(r))
         last = hidden[torch.tensor(offsets[1:], device=dev) - 1]
         c0 = catalog.codebook_sizes[0]
         logits = torch.zeros(b.r, c0, dtype=torch.float32, device=dev)
@@ -144,6 +151,7 @@ class DeviceRetrievalRunner:
             full = torch.zeros(b.r, dtype=torch.float32, device=dev)
             full[: len(lens)] = torch.logsumexp(model.logits(last).float(), dim=-1)
         b.state.first(logits, len(lens), full)
+        return cached
 
     def _run_level(self, b: _Bucket, level: int, catalog: Catalog) -> None:
         if not self.use_graphs:

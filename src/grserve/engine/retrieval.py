@@ -14,6 +14,10 @@ the last token's K/V is never needed).
 A request with a ``ThinkSpec`` first writes its thought (``engine/think.py``); its prompt + thought + sid_begin K/V
 is copied into its ``shared_kv`` slot (not recomputed) and its beams start from the hidden state at sid_begin; the
 other requests of the batch are prefilled packed as usual.
+
+With a prefix cache (``self.prefix``, ``kvcache/prefix_blocks.py``) each prompt's longest cached block-aligned
+prefix is copied into its ``shared_kv`` slot first and only the rest is prefilled (a thinking request's text stage
+starts from it too); after the prefill the prompts' new full blocks are stored. The beam search is unchanged.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from grserve.catalog.allowlist import Allow, item_filter
 from grserve.config import SearchConfig
 from grserve.engine.think import ThinkSpec, Thought, think
 from grserve.kvcache.beam import BeamKV
+from grserve.kvcache.prefix_blocks import PrefixBlockCache, PrefixMatch
 from grserve.model import Decoder
 from grserve.search.beam_search import BeamSearch, Hit
 
@@ -43,12 +48,14 @@ class BatchOutput:
     kv_bytes_formula: list[int]
     trace: list[tuple[str, float, float]] = field(default_factory=list)  # (event, start, end), perf_counter
     thoughts: list[Thought | None] = field(default_factory=list)  # per request: its thought, if it thought
+    cached_tokens: list[int] = field(default_factory=list)  # per request: prompt tokens loaded from the prefix cache
 
 
 class RetrievalRunner:
     def __init__(self, model: Decoder, search: SearchConfig):
         self.model = model
         self.search = search
+        self.prefix: PrefixBlockCache | None = None  # the engine's prefix cache (kvcache/prefix_blocks.py), if on
         self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="grserve-mask") if search.overlap_masks else None
 
     def close(self) -> None:
@@ -73,7 +80,7 @@ class RetrievalRunner:
         hf = self.search.scoring == "hf"
 
         t0 = time.perf_counter()
-        kv, last, thoughts = self._prefill(prompts, beam_width, depth, think or [None] * r)
+        kv, last, thoughts, cached = self._prefill(prompts, beam_width, depth, think or [None] * r)
         lens = kv.prompt_lens
         self._level_logits(last, catalog, 0, beams)
         beams.select_first(self._full_lse(last) if hf else None)
@@ -102,31 +109,45 @@ class RetrievalRunner:
             kv_bytes_formula=[(n + beam_width * depth) * kv.bytes_per_token for n in lens],
             trace=events if trace else [],
             thoughts=thoughts,
+            cached_tokens=cached,
         )
 
     def _prefill(self, prompts: list[np.ndarray], beam_width: int, depth: int, specs: list[ThinkSpec | None]
-                 ) -> tuple[BeamKV, torch.Tensor, list[Thought | None]]:
-        """The batch's ``BeamKV`` with every request's prompt (+ thought) in ``shared_kv``, and the hidden state
-        [R, H] each request's beams start from: thoughts first, then one packed prefill of the other prompts."""
-        model, spec, dev = self.model, self.model.spec, self.model.device
-        thoughts = [think(model, p, s) if s is not None else None for p, s in zip(prompts, specs)]
+                 ) -> tuple[BeamKV, torch.Tensor, list[Thought | None], list[int]]:
+        """The batch's ``BeamKV`` with every request's prompt (+ thought) in ``shared_kv``, the hidden state
+        [R, H] each request's beams start from, the thoughts and each prompt's tokens loaded from the prefix cache:
+        thoughts first, then one packed prefill of the other prompts (of what the prefix cache did not have)."""
+        model, spec, dev, prefix = self.model, self.model.spec, self.model.device, self.prefix
+        thoughts = [think(model, p, s, prefix) if s is not None else None for p, s in zip(prompts, specs)]
         lens = [int(p.shape[0]) + (len(t.tokens) if t is not None else 0) for p, t in zip(prompts, thoughts)]
         kv = BeamKV(num_layers=spec.num_hidden_layers, num_kv_heads=spec.num_key_value_heads, head_dim=spec.head_dim,
                     prompt_lens=lens, beam_width=beam_width, decode_steps=depth, dtype=model.dtype, device=dev)
         fresh = [i for i, t in enumerate(thoughts) if t is None]
+        cached = [t.cached_tokens if t is not None else 0 for t in thoughts]
+        matches: list[PrefixMatch | None] = [None] * len(prompts)
+        if prefix is not None:
+            for i in fresh:
+                matches[i] = prefix.load(prompts[i], *kv.shared_request(i))
+                cached[i] = matches[i].tokens
         last = torch.empty(len(prompts), spec.hidden_size, dtype=model.dtype, device=dev)
         if fresh:
-            tokens = torch.from_numpy(np.concatenate([prompts[i] for i in fresh]).astype(np.int64)).to(dev)
-            positions = torch.cat([torch.arange(lens[i]) for i in fresh]).to(dev)
-            hidden = model(tokens, positions, PrefillContext(kv, None if len(fresh) == len(prompts) else fresh))
-            ends = np.cumsum([lens[i] for i in fresh])
+            tokens = torch.from_numpy(np.concatenate([prompts[i][cached[i]:] for i in fresh]).astype(np.int64)).to(dev)
+            positions = torch.cat([torch.arange(cached[i], lens[i]) for i in fresh]).to(dev)
+            hidden = model(tokens, positions, PrefillContext(kv, None if len(fresh) == len(prompts) else fresh,
+                                                             cached if any(cached) else None))
+            ends = np.cumsum([lens[i] - cached[i] for i in fresh])
             last[fresh] = hidden[torch.from_numpy(ends - 1).to(dev)]
         for i, t in enumerate(thoughts):
             if t is not None:
                 for layer in range(spec.num_hidden_layers):
                     kv.write_shared_request(layer, i, t.kv.k[layer], t.kv.v[layer])
                 last[i] = t.last_hidden[0]
-        return kv, last, thoughts
+                matches[i] = t.prefix_match
+        if prefix is not None:  # the prompts' new full blocks (a thought's tokens are not part of its prompt's)
+            for i, mt in enumerate(matches):
+                if mt is not None:
+                    prefix.store(prompts[i], mt, *kv.shared_request(i))
+        return kv, last, thoughts, cached
 
     def _submit_mask(self, beams: BeamSearch, level: int, events: list):
         def build():

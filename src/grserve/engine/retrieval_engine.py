@@ -5,6 +5,10 @@ scheduler (``GRBatcher``: which requests form the next batch) → batching core 
 each on its own thread (torch ops release the GIL; on a GPU each executor would own a stream). Every batch takes
 the catalog snapshot current at its start, so replacing the catalog never disturbs requests already running. A
 failing batch fails only its own requests; the engine keeps serving. Implements ``engine.protocol.Engine``.
+
+With ``--prefix-cache-tokens`` (``PrefixCacheConfig``) both runners share one prompt-prefix cache
+(``kvcache/prefix_blocks.py``); each batch reserves its beam KV in the engine's ``KVBudget`` first and the cache
+gives way to it. Each result says how many of its prompt tokens were loaded (``cached_tokens``).
 """
 
 from __future__ import annotations
@@ -15,12 +19,21 @@ from collections.abc import Callable
 from grserve.catalog import Catalog, CatalogStore, generate_catalog, load_catalog
 from grserve.catalog.duplicates import expand
 from grserve.catalog.sid_text import bind_catalog
-from grserve.config import AccelConfig, EdgeConfig, SchedulerConfig, SearchConfig, ServeConfig
+from grserve.config import (
+    AccelConfig,
+    ConfigError,
+    EdgeConfig,
+    PrefixCacheConfig,
+    SchedulerConfig,
+    SearchConfig,
+    ServeConfig,
+)
 from grserve.engine.batching import BatchedEngine, BatchingCore, admission
 from grserve.engine.retrieval import RetrievalRunner
 from grserve.engine.tokenizer import model_tokenizer
 from grserve.engine.types import RetrievalRequest, RetrievalResult, RetrievedItem
 from grserve.engine.warmup import WarmupRun, warm_up, warmup_plan
+from grserve.kvcache.prefix_blocks import KVBudget, PrefixBlockCache
 from grserve.model import Decoder, load_model
 
 
@@ -35,6 +48,7 @@ class RetrievalEngine(BatchedEngine):
         edge: EdgeConfig | None = None,
         accel: AccelConfig | None = None,
         warm: bool = False,
+        prefix: PrefixCacheConfig | None = None,
     ):
         self.model = model
         self.catalogs = catalogs
@@ -44,6 +58,10 @@ class RetrievalEngine(BatchedEngine):
         self.scheduler = scheduler or SchedulerConfig()
         self.vocab_size = model.spec.vocab_size
         self.runner = make_runner(model, self.search, accel)
+        self.prefix_cfg = prefix or PrefixCacheConfig()
+        self.kv_budget = KVBudget(self.prefix_cfg.kv_budget_bytes or None)
+        self.prefix = make_prefix_cache(model, self.prefix_cfg, self.kv_budget)  # None when off
+        self.runner.prefix = self.prefix
         self.warm = warm  # start() warms up first (engine/warmup.py); build() sets it from --warmup
         self.warmup_runs: list[WarmupRun] | None = None  # None until warmed up
         self._reference: RetrievalRunner | None = None  # made on the first batch with exclude_items (fast path)
@@ -59,7 +77,8 @@ class RetrievalEngine(BatchedEngine):
         order = group_order(cfg.catalog)
         store = CatalogStore(catalog, vocab_size=model.spec.vocab_size,
                              bind=lambda c: bind_catalog(c.with_group_order(order), tokenizer)[0])
-        engine = cls(model, store, cfg.search, cfg.scheduler, on_batch, cfg.edge, cfg.accel, warm=cfg.search.warmup)
+        engine = cls(model, store, cfg.search, cfg.scheduler, on_batch, cfg.edge, cfg.accel, warm=cfg.search.warmup,
+                     prefix=cfg.prefix)
         engine.tokenizer, engine.layout_note = tokenizer, note
         return engine
 
@@ -75,12 +94,31 @@ class RetrievalEngine(BatchedEngine):
         catalog (``engine/warmup.py``); ``log`` gets a line per batch."""
         catalog = self.catalogs.current()
         plan = warmup_plan(self.runner, self.search, self.scheduler, catalog)
-        self.warmup_runs = warm_up(self.runner, catalog, plan, log)
+        self.runner.prefix = None  # warm-up prompts are no one's prefix: they neither load nor store
+        try:
+            self.warmup_runs = warm_up(self.runner, catalog, plan, log)
+        finally:
+            self.runner.prefix = self.prefix
         return self.warmup_runs
 
     def stop(self) -> None:
         super().stop()
         self.runner.close()
+
+    def stats(self) -> dict[str, float]:
+        """The batching core's totals, and with a prefix cache its counters (``prefix_*``): prompt tokens looked
+        up and reused, blocks stored / spilled / evicted / given way, bytes per tier, the hit rate."""
+        out = dict(self._core.stats())
+        if self.prefix is not None:
+            s = self.prefix.stats
+            out.update(prefix_prompt_tokens=s["lookup_tokens"], prefix_reused_tokens=s["hit_tokens"],
+                       prefix_computed_tokens=s["lookup_tokens"] - s["hit_tokens"],
+                       prefix_hit_rate=self.prefix.hit_rate, prefix_stored_blocks=s["stored_blocks"],
+                       prefix_evicted_blocks=s["evicted_blocks"], prefix_spilled_blocks=s["spilled_blocks"],
+                       prefix_gave_way_blocks=s["gave_way_blocks"])
+            for tier, n in self.prefix.tier_bytes().items():
+                out[f"prefix_bytes_{tier}"] = n
+        return out
 
     def health_detail(self) -> dict:
         return {"catalog_version": self.catalogs.current().version}
@@ -105,21 +143,37 @@ class RetrievalEngine(BatchedEngine):
         exclude, include = [r.exclude_items for r in requests], [r.include for r in requests]
         think = [r.think for r in requests]
         prompts, top_n = [r.prompt_tokens for r in requests], [r.top_n for r in requests]
-        if any(e is not None and len(e) for e in exclude) or any(a is not None for a in include) \
-                or any(t is not None for t in think) or any(r.logprobs for r in requests):
-            out = self._reference_runner().run(prompts, requests[0].beam_width, top_n, catalog, exclude=exclude,
-                                               include=include, think=think)
-        else:
-            out = self.runner.run(prompts, requests[0].beam_width, top_n, catalog)
+        beam_width = requests[0].beam_width
+        beam_bytes = self._beam_kv_bytes(prompts, beam_width, catalog.depth)
+        self.kv_budget.reserve(beam_bytes)  # the prefix cache gives way to the batch's beam KV
+        try:
+            if self.prefix is not None:
+                self.prefix.give_way()
+            if any(e is not None and len(e) for e in exclude) or any(a is not None for a in include) \
+                    or any(t is not None for t in think) or any(r.logprobs for r in requests):
+                out = self._reference_runner().run(prompts, beam_width, top_n, catalog, exclude=exclude,
+                                                   include=include, think=think)
+            else:
+                out = self.runner.run(prompts, beam_width, top_n, catalog)
+        finally:
+            self.kv_budget.release(beam_bytes)
         done = time.perf_counter()
         thoughts = out.thoughts or [None] * len(requests)
+        cached = out.cached_tokens or [0] * len(requests)
         return [RetrievalResult(request_id=r.request_id, items=_items(catalog, r, hits),
                                 queue_ms=(start - r.arrival) * 1e3, compute_ms=(done - start) * 1e3,
                                 batch_size=len(requests), candidates_visited=out.candidates_visited,
                                 catalog_version=catalog.version, kv_bytes=kv_bytes,
                                 thought=t.tokens if t is not None else None,
-                                thought_forced=bool(t is not None and t.forced))
-                for r, hits, kv_bytes, t in zip(requests, out.hits, out.kv_bytes_per_request, thoughts)]
+                                thought_forced=bool(t is not None and t.forced), cached_tokens=int(c))
+                for r, hits, kv_bytes, t, c in zip(requests, out.hits, out.kv_bytes_per_request, thoughts, cached)]
+
+    def _beam_kv_bytes(self, prompts, beam_width: int, depth: int) -> int:
+        """The batch's beam KV, (Σ L_r + R·BW·ND) · bytes per token (``kvcache/beam.py``; thoughts not counted)."""
+        spec = self.model.spec
+        per_token = 2 * spec.num_hidden_layers * spec.num_key_value_heads * spec.head_dim * \
+            self.model.dtype.itemsize
+        return (sum(int(p.shape[0]) for p in prompts) + len(prompts) * beam_width * depth) * per_token
 
 
     def _reference_runner(self) -> RetrievalRunner:
@@ -130,6 +184,7 @@ class RetrievalEngine(BatchedEngine):
             return self.runner
         if self._reference is None:
             self._reference = RetrievalRunner(self.model, self.search)
+            self._reference.prefix = self.prefix
         return self._reference
 
 
@@ -150,6 +205,21 @@ def make_runner(model: Decoder, search: SearchConfig, accel: AccelConfig | None 
 
         return DeviceRetrievalRunner(model, search, accel)
     return RetrievalRunner(model, search)
+
+
+def make_prefix_cache(model: Decoder, cfg: PrefixCacheConfig, budget: KVBudget) -> PrefixBlockCache | None:
+    """The retrieval engine's prompt-prefix cache (``kvcache/prefix_blocks.py``), None when ``cfg`` leaves it off;
+    its K/V in the model's dtype on the model's device (a host tier only on CUDA)."""
+    if not cfg.enabled:
+        return None
+    if cfg.prefix_cache_host_tokens and model.device.type != "cuda":
+        raise ConfigError("prefix_cache_host_tokens", f"a host tier needs a CUDA device (the model is on "
+                                                      f"{model.device}: one tier is all the memory there is)")
+    spec = model.spec
+    return PrefixBlockCache(cfg.prefix_cache_tokens, block_size=cfg.prefix_block_size,
+                            num_layers=spec.num_hidden_layers, num_kv_heads=spec.num_key_value_heads,
+                            head_dim=spec.head_dim, dtype=model.dtype, device=model.device,
+                            policy=cfg.prefix_cache_policy, host_tokens=cfg.prefix_cache_host_tokens, budget=budget)
 
 
 def build_catalog(cfg: ServeConfig) -> Catalog:

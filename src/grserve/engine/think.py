@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from grserve.attention.context import SequenceKVContext
+from grserve.kvcache.prefix_blocks import PrefixBlockCache, PrefixMatch
 from grserve.model import Decoder
 
 
@@ -60,6 +61,8 @@ class Thought:
     forced: bool  # sid_begin was appended at the limit, not written by the model
     kv: SequenceKVContext
     last_hidden: torch.Tensor  # [1, H]
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
+    prefix_match: PrefixMatch | None = None  # the prompt's lookup in the prefix cache (None: no cache)
 
 
 
@@ -92,12 +95,23 @@ def _next_token(logits: torch.Tensor, spec: ThinkSpec, gen: torch.Generator | No
 
 
 @torch.inference_mode()
-def think(model: Decoder, prompt: np.ndarray, spec: ThinkSpec) -> Thought:
-    """Run the text stage of one request (see the module docstring)."""
-    dev = model.device
-    kv = SequenceKVContext(model.spec.num_hidden_layers)
+def think(model: Decoder, prompt: np.ndarray, spec: ThinkSpec, prefix: PrefixBlockCache | None = None) -> Thought:
+    """Run the text stage of one request (see the module docstring); with ``prefix`` (the engine's prefix cache)
+    the prompt's cached block-aligned prefix is loaded and only the rest is prefilled."""
+    dev, ms = model.device, model.spec
+    kv = SequenceKVContext(ms.num_hidden_layers)
     ids = torch.from_numpy(np.asarray(prompt, dtype=np.int64)).to(dev)
-    h = model(ids, torch.arange(ids.shape[0], device=dev), kv)[-1:]
+    match, m = None, 0
+    if prefix is not None:
+        shape = (ms.num_hidden_layers, ms.num_key_value_heads, ids.shape[0], ms.head_dim)
+        pk = torch.empty(shape, dtype=model.dtype, device=dev)
+        pv = torch.empty_like(pk)
+        match = prefix.load(np.asarray(prompt), pk, pv)
+        m = match.tokens
+        if m:
+            kv.k = [pk[layer, :, :m].transpose(0, 1) for layer in range(ms.num_hidden_layers)]
+            kv.v = [pv[layer, :, :m].transpose(0, 1) for layer in range(ms.num_hidden_layers)]
+    h = model(ids[m:], torch.arange(m, ids.shape[0], device=dev), kv)[-1:]
     gen = None
     if spec.temperature > 0:
         gen = torch.Generator(device="cpu")
@@ -117,4 +131,4 @@ def think(model: Decoder, prompt: np.ndarray, spec: ThinkSpec) -> Thought:
         pos = torch.tensor([ids.shape[0] + len(tokens) - 1], device=dev)
         h = model(torch.tensor([token], device=dev), pos, kv)
         if token == spec.sid_begin:
-            return Thought(tokens, forced, kv, h)
+            return Thought(tokens, forced, kv, h, m, match)

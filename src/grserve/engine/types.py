@@ -67,6 +67,7 @@ class RetrievalResult:
     kv_bytes: int = 0  # KV cache bytes this request held: (L + BW·ND) · bytes_per_token
     thought: list[int] | None = None  # think-then-recommend: the tokens written, ending in sid_begin
     thought_forced: bool = False  # sid_begin was appended at max_think_tokens
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (not computed)
 
 
 @dataclass(frozen=True)

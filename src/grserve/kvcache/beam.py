@@ -54,15 +54,21 @@ class BeamKV:
         self.shared_k[layer].copy_(k.transpose(0, 1))
         self.shared_v[layer].copy_(v.transpose(0, 1))
 
-    def write_shared_request(self, layer: int, r: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k/v [L_r, Hkv, D]: request ``r``'s prompt alone."""
-        a, b = self.offsets[r], self.offsets[r + 1]
+    def write_shared_request(self, layer: int, r: int, k: torch.Tensor, v: torch.Tensor, start: int = 0) -> None:
+        """k/v [L_r − start, Hkv, D]: request ``r``'s prompt alone, from token ``start`` on (the tokens before came
+        from the prefix cache)."""
+        a, b = self.offsets[r] + start, self.offsets[r + 1]
         self.shared_k[layer, :, a:b].copy_(k.transpose(0, 1))
         self.shared_v[layer, :, a:b].copy_(v.transpose(0, 1))
 
     def shared(self, layer: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:
         a, b = self.offsets[r], self.offsets[r + 1]
         return self.shared_k[layer, :, a:b], self.shared_v[layer, :, a:b]
+
+    def shared_request(self, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Request ``r``'s ``shared_kv`` in every layer: [layers, Hkv, L_r, D] views (the prefix cache's view)."""
+        a, b = self.offsets[r], self.offsets[r + 1]
+        return self.shared_k[:, :, a:b], self.shared_v[:, :, a:b]
 
     # ---- unshared_kv ---------------------------------------------------------------------------------------
     def write_unshared(self, layer: int, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -43,11 +43,16 @@ class PaddedBeamKV:
         valid = self._positions[None, :] < self.lens[:, None]
         self.key_bias.copy_(torch.where(valid, 0.0, float("-inf"))[:, None, None, :])
 
-    def write_shared(self, layer: int, r: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k/v [L_r, Hkv, D]: request r's prompt K/V of one layer."""
-        n = k.shape[0]
-        self.shared_k[layer, r, :, :n].copy_(k.transpose(0, 1))
-        self.shared_v[layer, r, :, :n].copy_(v.transpose(0, 1))
+    def write_shared(self, layer: int, r: int, k: torch.Tensor, v: torch.Tensor, start: int = 0) -> None:
+        """k/v [L_r − start, Hkv, D]: request r's prompt K/V of one layer from token ``start`` on (the tokens
+        before came from the prefix cache)."""
+        n = start + k.shape[0]
+        self.shared_k[layer, r, :, start:n].copy_(k.transpose(0, 1))
+        self.shared_v[layer, r, :, start:n].copy_(v.transpose(0, 1))
+
+    def shared_request(self, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Request slot r's shared K/V in every layer: [layers, Hkv, L_cap, D] views (the prefix cache's view)."""
+        return self.shared_k[:, r], self.shared_v[:, r]
 
     def write_unshared(self, layer: int, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self.unshared_k[layer, :, slot].copy_(k)

@@ -47,6 +47,22 @@ class Entry:
     parent: int | None
 
 
+def block_policy(policy: EvictionPolicy | str, capacity_blocks: int, **policy_kw: Any) -> EvictionPolicy:
+    """The eviction policy of a cache of prefix blocks (keys: chained block hashes): ``policy`` itself when it is
+    an instance, else built by name; a learned one (LARU, FPB, HF) gets the online LightGBM next-access predictor
+    unless ``predictor=`` is given. Shared by this cache and the retrieval engine's (``kvcache/prefix_blocks.py``)."""
+    if not isinstance(policy, str):
+        return policy
+    kw = dict(policy_kw)
+    if policy in LEARNED and "predictor" not in kw:
+        from grserve.eviction.config import PredictorConfig
+        from grserve.eviction.predictor import LearnedPredictor
+
+        kw["predictor"] = LearnedPredictor(PredictorConfig(horizon=4096, window=16_384, retrain_every=2048,
+                                                           min_train=256))
+    return make_policy(policy, capacity_blocks, **kw)
+
+
 class SharedPrefixCache:
     shares_blocks = True
 
@@ -74,16 +90,7 @@ class SharedPrefixCache:
 
     def _new_policy(self) -> EvictionPolicy:
         policy, policy_kw = self._policy_spec
-        if not isinstance(policy, str):
-            return policy
-        kw = dict(policy_kw)
-        if policy in LEARNED and "predictor" not in kw:
-            from grserve.eviction.config import PredictorConfig
-            from grserve.eviction.predictor import LearnedPredictor
-
-            kw["predictor"] = LearnedPredictor(PredictorConfig(horizon=4096, window=16_384, retrain_every=2048,
-                                                               min_train=256))
-        return make_policy(policy, self.capacity_groups, **kw)
+        return block_policy(policy, self.capacity_groups, **policy_kw)
 
     def clear(self) -> None:
         """Empty the cache — every group back to the pool, the policy (when built by name) and the counters new.

@@ -10,7 +10,10 @@ vLLM's where vLLM has one (``kv_cache_usage_perc`` is a fraction in [0, 1], as v
   ``grserve_batches_failed_total``, ``grserve_requests_expired_total``; ranking adds its caches
   (``grserve_ranking_user_cache_lookups_total`` / ``_hits_total``, ``grserve_ranking_item_kv_tokens_total`` /
   ``_hit_tokens_total``, prompt / computed / cached token totals) and their hit rates since start as gauges. GR
-  retrieval keeps no cache between requests: it has no hit rate.
+  retrieval with ``--prefix-cache-tokens`` adds its prefix cache: counters ``grserve_retrieval_prompt_tokens_total``,
+  ``_prompt_tokens_computed_total``, ``_prompt_tokens_reused_total``, ``_prefix_cache_stored_blocks_total``,
+  ``_prefix_cache_evictions_total``, ``_prefix_cache_spills_total``, ``_prefix_cache_gave_way_blocks_total``; gauges
+  ``grserve_retrieval_prefix_cache_hit_rate`` and ``grserve_retrieval_prefix_cache_bytes{tier}``.
 
 A key the engine does not report (a cluster front end sums fewer) is left out; a scrape never fails because the
 engine is shutting down (the family is left out).
@@ -44,6 +47,16 @@ GR_COUNTERS = (
     ("batches_run", "batches_run", "Engine batches executed."),
     ("batches_failed", "batches_failed", "Engine batches that failed (their requests failed)."),
     ("requests_expired", "requests_expired", "Requests dropped uncomputed at their queue deadline."),
+)
+PREFIX_COUNTERS = (  # RetrievalEngine.stats() prefix_* key → (name, help); exported as grserve_retrieval_<name>_total
+    ("prefix_prompt_tokens", "prompt_tokens", "Prompt tokens of retrieval requests looked up in the prefix cache."),
+    ("prefix_computed_tokens", "prompt_tokens_computed", "Prompt tokens that entered a prefill."),
+    ("prefix_reused_tokens", "prompt_tokens_reused", "Prompt tokens whose K/V came from the prefix cache."),
+    ("prefix_stored_blocks", "prefix_cache_stored_blocks", "Prompt blocks stored in the prefix cache."),
+    ("prefix_evicted_blocks", "prefix_cache_evictions", "Prefix blocks evicted from the cache's last tier."),
+    ("prefix_spilled_blocks", "prefix_cache_spills", "Prefix blocks moved from the device tier to the host tier."),
+    ("prefix_gave_way_blocks", "prefix_cache_gave_way_blocks", "Prefix blocks that left the device tier to make "
+                                                                "room for a batch's beam KV (the KV budget)."),
 )
 RANKING_COUNTERS = (  # RankingStats.summary() key → (name, help); exported as grserve_ranking_<name>_total
     ("user_lookups", "user_cache_lookups", "User-as-prefix requests that looked the user's KV up."),
@@ -105,7 +118,18 @@ class GRStatsCollector:
         return []
 
     def collect(self) -> Iterator[Metric]:
-        yield from _counters("grserve_", GR_COUNTERS, _safe(self.stats))
+        s = _safe(self.stats)
+        yield from _counters("grserve_", GR_COUNTERS, s)
+        yield from _counters("grserve_retrieval_", PREFIX_COUNTERS, s)
+        if "prefix_hit_rate" in s:
+            yield GaugeMetricFamily("grserve_retrieval_prefix_cache_hit_rate", "Prompt tokens reused / prompt tokens "
+                                    "looked up since start.", value=float(s["prefix_hit_rate"]))
+            tiers = GaugeMetricFamily("grserve_retrieval_prefix_cache_bytes", "Bytes of K/V held by the prefix "
+                                      "cache, per tier (device counts against --kv-budget-bytes).", labels=["tier"])
+            for key, value in s.items():
+                if key.startswith("prefix_bytes_"):
+                    tiers.add_metric([key.removeprefix("prefix_bytes_")], float(value))
+            yield tiers
         if self.ranking is None:
             return
         r = _safe(self.ranking)

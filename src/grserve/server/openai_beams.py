@@ -221,7 +221,7 @@ async def _run(ctx: BeamContext, request: Request, req: RetrievalRequest, catalo
     items = _items(result, catalog)
     ctx.metrics.observe_items(len(items))
     n_out = (len(result.thought) if result.thought else 0) + catalog.depth * len(items)
-    return result, items, usage(int(req.prompt_tokens.size), n_out)
+    return result, items, usage(int(req.prompt_tokens.size), n_out, int(result.cached_tokens))
 
 
 def _stream(chunks: list[Any], include_usage: bool, use: Any) -> StreamingResponse:

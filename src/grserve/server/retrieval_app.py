@@ -48,6 +48,7 @@ from grserve.server.schemas import (
     CatalogReloadRequest,
     CatalogReloadResponse,
     ItemOut,
+    PromptUsage,
     RecommendRequest,
     RecommendResponse,
     Timing,
@@ -409,7 +410,8 @@ def create_app(engine: RetrievalService, server_cfg: ServerConfig, metrics: Metr
             catalog_version=int(result.catalog_version),
             timing=Timing(queue_ms=float(result.queue_ms), compute_ms=float(result.compute_ms),
                           total_ms=(time.perf_counter() - t0) * 1000.0),
-            batch_size=int(result.batch_size))
+            batch_size=int(result.batch_size),
+            usage=PromptUsage(prompt_tokens=int(req.prompt_tokens.size), cached_tokens=int(result.cached_tokens)))
 
     @app.post("/v1/catalog", response_model=CatalogReloadResponse, responses=_RELOAD_ERRORS)
     async def reload_catalog(body: CatalogReloadRequest) -> Any:

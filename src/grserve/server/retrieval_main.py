@@ -19,6 +19,7 @@ from grserve.config import (
     CatalogReloadConfig,
     ClusterConfig,
     ModelConfig,
+    PrefixCacheConfig,
     SchedulerConfig,
     SearchConfig,
     ServeConfig,
@@ -44,6 +45,7 @@ def add_command(sub) -> None:
     add_flags(p, d.catalog, title="catalog")
     add_flags(p, d.search, title="search")
     add_flags(p, d.scheduler, title="batching")
+    add_flags(p, d.prefix, title="prompt-prefix KV reuse (docs/architecture.md)")
     add_flags(p, d.server, title="HTTP")
     add_edge_flags(p, reload=True)
     add_flags(p, d.beams, title="OpenAI beam routes (docs/serving-gr-models.md)")
@@ -68,6 +70,7 @@ def config_from_args(ns: argparse.Namespace) -> ServeConfig:
         cluster=from_args(ClusterConfig, ns),
         state=from_args(StateConfig, ns),
         beams=from_args(BeamApiConfig, ns),
+        prefix=from_args(PrefixCacheConfig, ns),
     )
 
 

@@ -107,6 +107,11 @@ class Timing(BaseModel):
     total_ms: float  # request received by the HTTP handler → response built
 
 
+class PromptUsage(BaseModel):
+    prompt_tokens: int  # tokens of the prompt the history (or chat) laid out to
+    cached_tokens: int = 0  # of them, tokens whose K/V came from the prefix cache (--prefix-cache-tokens), not computed
+
+
 class RecommendResponse(BaseModel):
     request_id: str  # the client's request_id, else the server's id of the request
     items: list[ItemOut]  # best first
@@ -117,6 +122,7 @@ class RecommendResponse(BaseModel):
     catalog_version: int
     timing: Timing
     batch_size: int  # requests in the engine batch that served this one
+    usage: PromptUsage  # the prompt's tokens, and how many were reused from the prefix cache
 
 
 class CatalogReloadRequest(BaseModel):

@@ -31,6 +31,7 @@ from grserve.config import (  # noqa: E402
     CatalogReloadConfig,
     ClusterConfig,
     EdgeConfig,
+    PrefixCacheConfig,
     RankingConfig,
     RankingDataConfig,
     RankingServeConfig,
@@ -39,7 +40,7 @@ from grserve.config import (  # noqa: E402
 from grserve.engine.ranking_runner import RankingRequest  # noqa: E402
 from grserve.engine.types import RetrievalRequest  # noqa: E402
 
-RCFG = ServeConfig(catalog=CatalogConfig(num_items=600))
+RCFG = ServeConfig(catalog=CatalogConfig(num_items=600), prefix=PrefixCacheConfig(prefix_cache_tokens=4096))
 KCFG = RankingServeConfig(ranking=RankingConfig(policy="user_prefix", user_cache_bytes=2 << 20),
                           data=RankingDataConfig(num_items=80, num_users=12, scale=0.1),
                           edge=EdgeConfig(admin_api_key="adm"))
@@ -120,7 +121,16 @@ def test_retrieval_equals_one_engine(clusters, references):
     want = [h.future.result(60) for h in _retrieve(references[0], prompts, "ref")]
     for a, b in zip(got, want):
         _same_retrieval(a, b)
-    assert ret.router.decisions["load"] == 9 and ret.router.decisions["prefix"] == 0  # retrieval: load alone
+    assert ret.router.decisions["load"] == 9 and ret.router.decisions["prefix"] == 0  # nothing cached yet
+    # returning users: their prefix blocks reached the global KV index over Ray; the router counts them
+    _wait(lambda: sum(1 for b in ret.index.blocks.values() if b) >= 9, timeout=30)
+    again = [np.concatenate([p, p[:9]]) for p in prompts]
+    got = [h.future.result(60) for h in _retrieve(ret, again, "again")]
+    want = [h.future.result(60) for h in _retrieve(references[0], again, "ref-again")]
+    for a, b in zip(got, want):
+        _same_retrieval(a, b)
+    assert ret.router.decisions["prefix"] == 9 and all(r.cached_tokens == 16 for r in got)
+    _wait(lambda: ret.stats().get("prefix_reused_tokens", 0) >= 9 * 16, timeout=30)  # the polls carry them
     lines = ret.describe()
     assert len(lines) == 2 and all(str(inst.info.pid) in "\n".join(lines) for inst in ret.instances)
 

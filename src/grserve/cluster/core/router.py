@@ -13,7 +13,9 @@ decision time (so two requests routed in the same millisecond see each other), r
   favours keeping a conversation where its KV is over balancing). "Cached on i": for an LLM prompt, the longest
   common block prefix of its block keys in the global KV index, each block weighted by its tier
   (``tier_weights``: a block in a slower tier saves less); for a ranking request, its user's profile tokens where
-  the index holds the user's KV (``user_key``); a retrieval request reuses no KV across requests (load alone).
+  the index holds the user's KV (``user_key``); for a retrieval request, as for an LLM prompt, the longest common
+  block prefix of its prompt's block keys (the instances' prompt-prefix caches, ``kvcache/prefix_blocks.py``, publish
+  their blocks; without ``--prefix-cache-tokens`` the index holds none and the cost is load alone).
   Argmin; ties → fewer requests booked, then the lowest index.
 - ``least_loaded``: the same cost without the cache term.
 - ``round_robin``: the next live instance in turn.
@@ -28,6 +30,8 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Collection
+
+import numpy as np
 from dataclasses import dataclass
 
 from grserve.cluster.core.kv_index import GlobalKVIndex, user_key
@@ -126,8 +130,8 @@ class Router:
                 for i in live:
                     raw[i] = len(request.user_tokens) if held[i] else 0
                     cached[i] = float(raw[i])
-        elif isinstance(request, Attempt) and len(request.tokens) > 1:
-            prompt = request.tokens
+        elif isinstance(request, (Attempt, RetrievalRequest)) and _prompt(request).size > 1:
+            prompt = _prompt(request)
             keys = chained_block_hashes(prompt[:len(prompt) - 1], self.block_size)  # the last token is computed
             for i, tiers in self.index.prefix_match(keys, live).items():
                 raw[i] = sum(tiers.values()) * self.block_size
@@ -215,3 +219,9 @@ def size(request: Routable) -> tuple[int, int]:
     if isinstance(request, Attempt):
         return len(request.tokens), request.max_new_tokens
     return max(1, request.num_tokens), 0  # retrieval / ranking: one step, nothing to decode
+
+
+def _prompt(request: Attempt | RetrievalRequest) -> np.ndarray:
+    """The token ids whose prefix an instance may hold: an attempt's tokens, a retrieval request's prompt."""
+    tokens = request.tokens if isinstance(request, Attempt) else request.prompt_tokens
+    return np.asarray(tokens)

@@ -5,8 +5,9 @@ ranking --instances N`` hand the unchanged retrieval / ranking app instead of a 
 ``RankingEngine``. A request is single-step, so the front end's journal is just the request itself:
 
 - **routing** (``core/router.Router``, the LLM cluster's, given the request as the app built it): cost(i) = tokens
-  booked on i + the request's tokens − ``cache_weight`` · its tokens cached on i. Retrieval has no reusable KV
-  across requests: load alone (``round_robin`` for comparison). Ranking: the user's profile tokens count as cached
+  booked on i + the request's tokens − ``cache_weight`` · its tokens cached on i. Retrieval: the prompt's longest
+  block prefix held by i's prompt-prefix cache, as the global KV index says (the instances publish their prefix
+  blocks; load alone without ``--prefix-cache-tokens``; ``round_robin`` for comparison). Ranking: the user's profile tokens count as cached
   on every instance whose BAT user cache holds the user, as the global KV index says (key ``user_key(user_id)``,
   kept from the instances' user-cache events, resynced from a snapshot after a gap or a restart). Load is booked at
   the decision and released with the answer;

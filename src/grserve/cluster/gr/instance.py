@@ -11,7 +11,9 @@ The front end (``cluster/gr/front_end.py``) calls, all as Ray actor calls:
   cache gained or lost, as ordered ``KVEvent``\\ s (key ``user_key(user_id)``, the instance's incarnation,
   sequence numbers) for the front end's ``GlobalKVIndex``; ``kv_snapshot()`` is the full set (resync after a gap).
   The user set is diffed after every request and every poll; a poll returns at once when a batch ended, so the
-  index follows within milliseconds;
+  index follows within milliseconds. For retrieval with ``--prefix-cache-tokens``, the **prefix-block events**: the
+  prefix cache's listener is the publisher (block keys = the cache's chained block hashes, one per stored or
+  evicted block), so the front end routes a request where most of its prompt's prefix is;
 - ``cancel(request_id)``; ``apply(change)``: a ``wire.CatalogReplace`` (retrieval reload) or a
   ``wire.RegistryUpdate`` (ranking: a replaced user's KV is dropped; new or replaced items are registered and their
   KV precomputed), or a ``wire.ItemPlacement``;
@@ -116,7 +118,10 @@ class GRInstance:
             self.engine = build_ranking_engine(cfg, self.items)  # type: ignore[arg-type]
         self.engine.on_batch = self._on_batch
         tier: Tier = "hbm" if str(cfg.model.device).startswith("cuda") else "dram"
-        self.publisher = KVEventPublisher(index, incarnation, 1, tier)
+        prefix = getattr(self.engine, "prefix", None)  # retrieval's prompt-prefix cache (--prefix-cache-tokens)
+        self.publisher = KVEventPublisher(index, incarnation, prefix.block_size if prefix is not None else 1, tier)
+        if prefix is not None:  # its stored / evicted blocks are events of the global KV index (the router's)
+            prefix.listener = self.publisher
         self._users: set[int] = set()
         self._batches: list[BatchRun] = []
         self._wake: asyncio.Event | None = None

@@ -3,7 +3,9 @@ app reads from an engine:
 
 - ``ClusterRetrievalEngine``: ``catalogs`` (the front end's own ``CatalogStore``, used to lay histories out as
   tokens; a reload — ``POST /v1/catalog`` — replaces it here, then on every instance: ``BroadcastCatalogStore``),
-  ``vocab_size``, ``search``. Routing: load alone (``core/router.py`` reads a ``RetrievalRequest``'s tokens).
+  ``vocab_size``, ``search``. Routing: the prompt's prefix blocks cached on each instance (the instances' prefix
+  caches publish their blocks to the global KV index; none without ``--prefix-cache-tokens``) plus load
+  (``core/router.py`` reads a ``RetrievalRequest``'s tokens).
 - ``ClusterRankingEngine``: ``registry`` (the front end's own ``RankingRegistry``, built from the same flags as the
   instances'; a fingerprint check at start-up), ``runner`` (``FrontRunner``: the policy name, the instances' summed
   ranking stats, ``add_items`` → every instance). Routing: the user's cached KV (the global index's
@@ -96,6 +98,7 @@ class ClusterRetrievalEngine(_Launch, ClusterGREngine):
 
         super().__init__(actors, infos, cluster, owns_ray, max_waiting=cfg.edge.max_waiting)
         self.serve_cfg = cfg
+        self.router.block_size = cfg.prefix.prefix_block_size  # the instances' prefix blocks are the index's keys
         self.vocab_size = int(infos[0].vocab_size)
         self.search = cfg.search
         self.tokenizer = model_tokenizer(cfg.model.source)  # the OpenAI routes encode prompts here, as one engine
@@ -116,6 +119,19 @@ class ClusterRetrievalEngine(_Launch, ClusterGREngine):
 
     def health_detail(self) -> dict[str, int | str]:
         return {"catalog_version": self.catalogs.current().version}
+
+    def stats(self) -> dict[str, float]:
+        """The cluster's totals; with prefix caches, their counters and bytes summed over the live instances and
+        the hit rate of the sums (``/metrics`` as one engine's)."""
+        out = super().stats()
+        if self.serve_cfg is not None and self.serve_cfg.prefix.enabled:
+            keys = {k for inst in self.instances if inst.up for k in inst.stats
+                    if k.startswith("prefix_") and k != "prefix_hit_rate"}
+            for k in keys:
+                out[k] = float(sum(inst.stats.get(k, 0) for inst in self.instances if inst.up))
+            looked = out.get("prefix_prompt_tokens", 0.0)
+            out["prefix_hit_rate"] = out.get("prefix_reused_tokens", 0.0) / looked if looked else 0.0
+        return out
 
     def _instance_facts(self, info: GRInstanceInfo) -> str:
         return f"catalog {info.catalog_items:,} items (version {info.catalog_version})"
