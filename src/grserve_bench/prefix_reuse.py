@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from grserve.flags import Checked, comma_list, config_command, flag, fraction, positive, positive_int
+from grserve.model.cpu_support import cpu_support
 
 POLICIES = ("lru", "laru", "leader", "density", "lfu")
 TOL = 1e-4
@@ -441,7 +442,8 @@ def run(cfg: PrefixBenchConfig) -> int:
     result = dict(bench="prefix", model=cfg.model, beam_width=cfg.beam_width, batch=cfg.batch,
                   block_size=cfg.block_size, threads=cfg.threads, workloads=summary, rows=rows,
                   goals=goals(rows, sizes, policies), loadavg_start=[round(x, 2) for x in load0],
-                  loadavg_end=[round(x, 2) for x in os.getloadavg()], cpu=_cpu_name(),
+                  loadavg_end=[round(x, 2) for x in os.getloadavg()], cpu=cpu_support().label(),
+                  machine=cpu_support().to_dict(),
                   seconds=round(time.perf_counter() - t_all, 1))
     print_table(result)
     line = json.dumps(result)
@@ -484,17 +486,6 @@ def goals(rows: list[dict], sizes: list[float], policies: list[str]) -> dict:
     return dict(instruction_speedup=best_speedup("instruction"), returning_speedup_at_10pct=best_speedup(
         "returning", 0.1), cold_speedup=best_speedup("cold"), hit_rates_by_size=margins, routing_hit_rates=routing,
         beams_identical=identical)
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip() + f" ({os.cpu_count()} CPUs)"
-    except OSError:
-        pass
-    return f"unknown ({os.cpu_count()} CPUs)"
 
 
 def print_table(result: dict) -> None:
