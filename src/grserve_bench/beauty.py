@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from grserve.flags import Checked, flag, non_negative
-from grserve.model.cpu_support import cpu_support
+from grserve_bench.machine import machine_info
 
 KS = (5, 10, 20)
 PUBLISHED = {  # tiger-cf README (RQ-VAE index), this exact data and protocol
@@ -172,7 +172,7 @@ def report_json(results: list[dict], hf: dict | None, meta: dict) -> dict:
         out["users"] = test["users"]
         out["eval_users_per_s"] = round(test["users_per_s"], 1)
     out["train_seconds"] = meta["train_seconds"]
-    out["machine"] = cpu_support().label()
+    out["machine"] = machine_info()["cpu"]
     out["params"] = meta["params"]
     out["hf_users_per_s"] = round(hf["hf_users_per_s"], 3) if hf else None
     out["hf_top20_agreement"] = round(hf["top20_agreement"], 4) if hf else None

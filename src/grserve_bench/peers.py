@@ -36,7 +36,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from grserve.model.cpu_support import cpu_support
+from grserve_bench.machine import machine_info
 from grserve.flags import Checked, comma_list, config_command, flag, non_negative, positive, positive_int, \
     split_commas
 
@@ -416,7 +416,7 @@ def run(cfg: PeersBenchConfig) -> int:
     names = split_commas(cfg.models)
     models = write_models(work, sorted(set(names) | ({"tiny"} if "gr" in parts else set())), cfg.seed)
     served = {n: models[n] for n in names}
-    result: dict = {"bench": "peers", "cpus": os.cpu_count(), "machine": cpu_support().to_dict(), "input_len": cfg.input_len,
+    result: dict = {"bench": "peers", "cpus": os.cpu_count(), "machine": machine_info(), "input_len": cfg.input_len,
                     "output_len": cfg.output_len, "grserve_flags": cfg.grserve_flags,
                     "vllm_flags": " ".join(VLLM_SERVE_FLAGS)}
     if "serve" in parts:

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from grserve.flags import Checked, comma_list, config_command, flag, fraction, positive, positive_int
-from grserve.model.cpu_support import cpu_support
+from grserve_bench.machine import machine_info
 
 POLICIES = ("lru", "laru", "leader", "density", "lfu")
 TOL = 1e-4
@@ -442,8 +442,8 @@ def run(cfg: PrefixBenchConfig) -> int:
     result = dict(bench="prefix", model=cfg.model, beam_width=cfg.beam_width, batch=cfg.batch,
                   block_size=cfg.block_size, threads=cfg.threads, workloads=summary, rows=rows,
                   goals=goals(rows, sizes, policies), loadavg_start=[round(x, 2) for x in load0],
-                  loadavg_end=[round(x, 2) for x in os.getloadavg()], cpu=cpu_support().label(),
-                  machine=cpu_support().to_dict(),
+                  loadavg_end=[round(x, 2) for x in os.getloadavg()], cpu=machine_info()["cpu"],
+                  machine=machine_info(),
                   seconds=round(time.perf_counter() - t_all, 1))
     print_table(result)
     line = json.dumps(result)

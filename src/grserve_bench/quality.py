@@ -45,7 +45,7 @@ from grserve.flags import (
     positive_int,
 )
 from grserve.movielens.artifacts import ArtifactsConfig
-from grserve.model.cpu_support import cpu_support
+from grserve_bench.machine import machine_info
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -284,7 +284,7 @@ def evaluate(model, catalog, split, *, max_items: int, beam_width: int = 50, k: 
 def report_json(r: dict) -> dict:
     k, m = r["k"], r["metrics"]
     return {
-        "machine": cpu_support().label(),
+        "machine": machine_info()["cpu"],
         f"recall@{k}": round(m["served"]["recall"], 4),
         f"ndcg@{k}": round(m["served"]["ndcg"], 4),
         f"recall@{k}_popularity": round(m["popularity"]["recall"], 4),

@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from grserve.config import DTYPES
-from grserve.model.cpu_support import cpu_support
 from grserve.flags import (
     Checked,
     UsageError,
@@ -35,6 +34,7 @@ from grserve.flags import (
     positive_int,
     split_commas,
 )
+from grserve_bench.machine import machine_info
 
 if TYPE_CHECKING:
     from grserve.engine.retrieval_engine import RetrievalEngine
@@ -244,7 +244,7 @@ def _summary(cfg: RetrievalBenchConfig, sweep: list[dict], headline: int, catalo
         "benchmark": "retrieval",
         "model": cfg.model,
         "device": cfg.device,
-        "machine": cpu_support().to_dict(),
+        "machine": machine_info(),
         "prompt_len": cfg.prompt_len,
         "beam_width": headline,
         "sid_tokens": cfg.depth,
