@@ -181,6 +181,30 @@ def test_capacity_is_kept_by_the_policy():
     assert c.stats["evicted_blocks"] == 15 - 4
 
 
+@pytest.mark.parametrize("policy", ["lru", "lfu", "leader", "density", "laru"])
+def test_a_huge_capacity_costs_nothing_until_blocks_are_stored(policy):
+    """Hostile pass 2: --prefix-cache-tokens is an upper bound (--kv-budget-bytes may be the real one), so a huge
+    value must not allocate the policy's bookkeeping up front: 10**20 tokens raised OverflowError at start-up and
+    10**9 took ~10 GB of host memory before serving anything (RecencyIndex sized by the capacity)."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        c = PrefixBlockCache(10**20, block_size=16, num_layers=1, num_kv_heads=1, head_dim=4, policy=policy)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 50 * 2**20
+    for u in range(40):  # the bookkeeping grows as blocks come
+        p = np.arange(64) + 1000 * u
+        kv = (torch.randn(1, 1, 64, 4), torch.randn(1, 1, 64, 4))
+        c.store(p, c.load(p, *kv), *kv)
+    assert len(c.tiers[0].blocks) == 40 * 4
+    c.check()
+    kv = (torch.zeros(1, 1, 64, 4), torch.zeros(1, 1, 64, 4))
+    assert c.load(np.arange(64) + 1000 * 7, *kv).tokens == 48
+
+
 def test_a_host_tier_takes_spills_and_gives_them_back():
     c = _cache(tokens=8, block=4, host_tokens=16)  # device 2 blocks, host 4
     a, b = np.arange(8), np.arange(8) + 50
