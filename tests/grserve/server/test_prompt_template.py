@@ -172,3 +172,23 @@ def test_a_templated_history_is_rendered_off_the_event_loop(mini, monkeypatch):
     for body in ({"history_items": HIST}, {"history_sids": sids}):
         assert client.post("/v1/recommend", json={**body, "top_n": 4}).status_code == 200
     assert on_loop and not any(on_loop)
+
+
+def test_an_input_the_template_cannot_render_is_a_bad_input_offline(minionerec_dir, tmp_path):
+    """Hostile pass 2: the server answers such a request with a JSON 5xx and serves the next; the offline API
+    raised the bare PromptTemplateError out of stream(), past on_error, ending the whole run (and grserve recommend
+    with a traceback). It is the input's RecommendInputError (kind prompt_template, field its history), skipped
+    with on_error like any bad input."""
+    from grserve.recommender import RecommendInputError, Recommender
+
+    t = tmp_path / "sum.jinja"
+    t.write_text("{{ history }} {{ item_ids | sum }}")
+    sids = [[int(x) for x in minionerec_dir.sids[i]] for i in HIST]
+    inputs = [{"history_items": HIST}, {"history_sids": sids}, {"history_items": HIST[:2]}]
+    with Recommender(model=str(minionerec_dir.path), catalog=str(minionerec_dir.catalog), prompt_template=str(t),
+                     beam_width=8) as rec:
+        seen = []
+        out = list(rec.stream(inputs, top_n=4, progress=False, on_error=lambda i, e: seen.append((i, e.field, e.kind))))
+        assert len(out) == 2 and seen == [(1, "history_sids", "prompt_template")]
+        with pytest.raises(RecommendInputError, match="sum.jinja"):
+            rec.recommend(inputs, top_n=4, progress=False)
