@@ -205,6 +205,39 @@ def test_a_huge_capacity_costs_nothing_until_blocks_are_stored(policy):
     assert c.load(np.arange(64) + 1000 * 7, *kv).tokens == 48
 
 
+def test_the_engine_cache_refits_a_learned_policy_off_the_batch_thread(model, monkeypatch):
+    """Hostile pass 2: --prefix-cache-policy laru refitted its LightGBM model inline, inside a batch's load/store and
+    under the cache's lock, so every batch running waited for it (one store took 1.1 s, p99 108 ms, on 2 shared
+    cores). The engine's cache refits on a background thread (predictions keep the previous model meanwhile); the
+    answers do not depend on it."""
+    import threading
+
+    from grserve.eviction.predictor import LearnedPredictor
+
+    fits: list[bool] = []
+    fit = LearnedPredictor._fit
+
+    def spy(self, data):
+        fits.append(threading.current_thread() is threading.main_thread())
+        return fit(self, data)
+
+    monkeypatch.setattr(LearnedPredictor, "_fit", spy)
+    from grserve.engine.retrieval_engine import make_prefix_cache
+    from grserve.kvcache.prefix_blocks import KVBudget
+
+    cache = make_prefix_cache(model, PrefixCacheConfig(prefix_cache_tokens=256, prefix_block_size=4,
+                                                       prefix_cache_policy="laru"), KVBudget(None))
+    spec = model.spec
+    kv = [torch.zeros(spec.num_hidden_layers, spec.num_key_value_heads, 16, spec.head_dim) for _ in range(2)]
+    rng = np.random.default_rng(0)
+    for _ in range(1200):  # ~ 5,000 block accesses: past min_train and two retrain periods
+        p = np.arange(16) + 100 * int(rng.zipf(1.3) % 300)
+        cache.store(p, cache.load(p, *kv), *kv)
+    cache.tiers[0].policy.predictor.wait_training()
+    assert fits and not any(fits)
+    cache.check()
+
+
 def test_a_host_tier_takes_spills_and_gives_them_back():
     c = _cache(tokens=8, block=4, host_tokens=16)  # device 2 blocks, host 4
     a, b = np.arange(8), np.arange(8) + 50
