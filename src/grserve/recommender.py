@@ -217,6 +217,7 @@ class Recommender:
         from pydantic import ValidationError
 
         from grserve.server.errors import ApiError
+        from grserve.server.prompt_template import PromptTemplateError
         from grserve.server.schemas import RecommendRequest
 
         user = None
@@ -239,6 +240,8 @@ class Recommender:
             raise RecommendInputError(index, exc.message, exc.field, exc.type) from None
         except TypeError as exc:
             raise RecommendInputError(index, str(exc), None, "input_type") from None
+        except PromptTemplateError as exc:  # --prompt-template failed on this input's history (the server: a 5xx)
+            raise RecommendInputError(index, str(exc), body.history_kind, "prompt_template") from None
 
 
 def as_body(item: Any) -> dict:

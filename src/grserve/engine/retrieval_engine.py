@@ -219,7 +219,8 @@ def make_prefix_cache(model: Decoder, cfg: PrefixCacheConfig, budget: KVBudget) 
     return PrefixBlockCache(cfg.prefix_cache_tokens, block_size=cfg.prefix_block_size,
                             num_layers=spec.num_hidden_layers, num_kv_heads=spec.num_key_value_heads,
                             head_dim=spec.head_dim, dtype=model.dtype, device=model.device,
-                            policy=cfg.prefix_cache_policy, host_tokens=cfg.prefix_cache_host_tokens, budget=budget)
+                            policy=cfg.prefix_cache_policy, host_tokens=cfg.prefix_cache_host_tokens, budget=budget,
+                            train_async=True)  # a learned policy's refit never runs inside a batch
 
 
 def build_catalog(cfg: ServeConfig) -> Catalog:

@@ -95,12 +95,17 @@ class EvictionPolicy(ABC):
         return len(self)
 
 
+INITIAL_INDEX_SIZE = 1 << 12  # keys a policy's RecencyIndex holds before it first grows
+
+
 class IndexedPolicy(EvictionPolicy):
     """A policy whose state is a ``RecencyIndex`` (LRU order + per-key values): LRU, window-LFU, FPB/HF/LARU."""
 
     def __init__(self, capacity: int):
         super().__init__(capacity)
-        self.index = RecencyIndex(capacity)
+        # the tree grows with the keys (RecencyIndex._rebuild): a huge capacity (an upper bound, e.g. a prefix
+        # cache bounded by --kv-budget-bytes) allocates nothing up front
+        self.index = RecencyIndex(min(capacity, INITIAL_INDEX_SIZE))
 
     def set_evictable(self, key: Hashable, evictable: bool) -> None:
         self.index.set_evictable(key, evictable)

@@ -47,10 +47,12 @@ class Entry:
     parent: int | None
 
 
-def block_policy(policy: EvictionPolicy | str, capacity_blocks: int, **policy_kw: Any) -> EvictionPolicy:
+def block_policy(policy: EvictionPolicy | str, capacity_blocks: int, *, train_async: bool = False,
+                 **policy_kw: Any) -> EvictionPolicy:
     """The eviction policy of a cache of prefix blocks (keys: chained block hashes): ``policy`` itself when it is
     an instance, else built by name; a learned one (LARU, FPB, HF) gets the online LightGBM next-access predictor
-    unless ``predictor=`` is given. Shared by this cache and the retrieval engine's (``kvcache/prefix_blocks.py``)."""
+    unless ``predictor=`` is given (``train_async``: it refits on a background thread, not inside the access that
+    triggers it). Shared by this cache and the retrieval engine's (``kvcache/prefix_blocks.py``)."""
     if not isinstance(policy, str):
         return policy
     kw = dict(policy_kw)
@@ -59,7 +61,7 @@ def block_policy(policy: EvictionPolicy | str, capacity_blocks: int, **policy_kw
         from grserve.eviction.predictor import LearnedPredictor
 
         kw["predictor"] = LearnedPredictor(PredictorConfig(horizon=4096, window=16_384, retrain_every=2048,
-                                                           min_train=256))
+                                                           min_train=256), train_async=train_async)
     return make_policy(policy, capacity_blocks, **kw)
 
 

@@ -53,11 +53,9 @@ class PromptTemplate:
         return cls(text, fmt, str(path))
 
     def render(self, items: list[str], item_ids: list[int] | None = None) -> str:
-        from jinja2 import TemplateError
-
         try:
             return self.template.render(history=", ".join(items), items=list(items), item_ids=item_ids)
-        except TemplateError as exc:
+        except Exception as exc:  # a Jinja error, the sandbox's refusals, or the template's own (1 // 0, 1 + 'a')
             raise PromptTemplateError(f"{self.name}: {exc}") from None
 
     def token_ids(self, tokenizer: Any, items: list[str], item_ids: list[int] | None = None) -> list[int]:

@@ -61,6 +61,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {k: {} for k in (400, 401, 404, 413, 
 _RELOAD_ERRORS: dict[int | str, dict[str, Any]] = {k: {} for k in (400, 401, 403, 404, 413, 422, 429, 500, 504)}
 ADMIN_ROUTES = frozenset({("POST", "/v1/catalog")})
 TEXT_HISTORIES = frozenset({"prompt", "messages"})  # rendered and tokenized: on a heavy-work thread
+TEMPLATED_HISTORIES = frozenset({"history_items", "history_sids"})  # so too with --prompt-template
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -337,9 +338,11 @@ def retrieval_request(body: RecommendRequest, catalog: Any, engine: RetrievalSer
 
 async def recommend_request(body: RecommendRequest, catalog: Any, engine: RetrievalService, server_cfg: ServerConfig,
                             beam_ctx: Any, beam_width: int) -> tuple[RetrievalRequest, int]:
-    """``retrieval_request`` for the server: a text history's chat template and tokenizer run on a heavy-work
-    thread, never on the event loop."""
-    if body.history_kind in TEXT_HISTORIES:
+    """``retrieval_request`` for the server: a text history's chat template and tokenizer, and a history written into
+    ``--prompt-template`` (rendered, chat-templated and tokenized, several times while truncating), run on a
+    heavy-work thread, never on the event loop."""
+    templated = getattr(beam_ctx, "prompt_template", None) is not None and body.history_kind in TEMPLATED_HISTORIES
+    if body.history_kind in TEXT_HISTORIES or templated:
         return await off_loop(retrieval_request, body, catalog, engine, server_cfg, beam_ctx, beam_width)
     return retrieval_request(body, catalog, engine, server_cfg, beam_ctx, beam_width)
 

@@ -181,6 +181,63 @@ def test_capacity_is_kept_by_the_policy():
     assert c.stats["evicted_blocks"] == 15 - 4
 
 
+@pytest.mark.parametrize("policy", ["lru", "lfu", "leader", "density", "laru"])
+def test_a_huge_capacity_costs_nothing_until_blocks_are_stored(policy):
+    """Hostile pass 2: --prefix-cache-tokens is an upper bound (--kv-budget-bytes may be the real one), so a huge
+    value must not allocate the policy's bookkeeping up front: 10**20 tokens raised OverflowError at start-up and
+    10**9 took ~10 GB of host memory before serving anything (RecencyIndex sized by the capacity)."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        c = PrefixBlockCache(10**20, block_size=16, num_layers=1, num_kv_heads=1, head_dim=4, policy=policy)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 50 * 2**20
+    for u in range(40):  # the bookkeeping grows as blocks come
+        p = np.arange(64) + 1000 * u
+        kv = (torch.randn(1, 1, 64, 4), torch.randn(1, 1, 64, 4))
+        c.store(p, c.load(p, *kv), *kv)
+    assert len(c.tiers[0].blocks) == 40 * 4
+    c.check()
+    kv = (torch.zeros(1, 1, 64, 4), torch.zeros(1, 1, 64, 4))
+    assert c.load(np.arange(64) + 1000 * 7, *kv).tokens == 48
+
+
+def test_the_engine_cache_refits_a_learned_policy_off_the_batch_thread(model, monkeypatch):
+    """Hostile pass 2: --prefix-cache-policy laru refitted its LightGBM model inline, inside a batch's load/store and
+    under the cache's lock, so every batch running waited for it (one store took 1.1 s, p99 108 ms, on 2 shared
+    cores). The engine's cache refits on a background thread (predictions keep the previous model meanwhile); the
+    answers do not depend on it."""
+    import threading
+
+    from grserve.eviction.predictor import LearnedPredictor
+
+    fits: list[bool] = []
+    fit = LearnedPredictor._fit
+
+    def spy(self, data):
+        fits.append(threading.current_thread() is threading.main_thread())
+        return fit(self, data)
+
+    monkeypatch.setattr(LearnedPredictor, "_fit", spy)
+    from grserve.engine.retrieval_engine import make_prefix_cache
+    from grserve.kvcache.prefix_blocks import KVBudget
+
+    cache = make_prefix_cache(model, PrefixCacheConfig(prefix_cache_tokens=256, prefix_block_size=4,
+                                                       prefix_cache_policy="laru"), KVBudget(None))
+    spec = model.spec
+    kv = [torch.zeros(spec.num_hidden_layers, spec.num_key_value_heads, 16, spec.head_dim) for _ in range(2)]
+    rng = np.random.default_rng(0)
+    for _ in range(1200):  # ~ 5,000 block accesses: past min_train and two retrain periods
+        p = np.arange(16) + 100 * int(rng.zipf(1.3) % 300)
+        cache.store(p, cache.load(p, *kv), *kv)
+    cache.tiers[0].policy.predictor.wait_training()
+    assert fits and not any(fits)
+    cache.check()
+
+
 def test_a_host_tier_takes_spills_and_gives_them_back():
     c = _cache(tokens=8, block=4, host_tokens=16)  # device 2 blocks, host 4
     a, b = np.arange(8), np.arange(8) + 50

@@ -115,3 +115,80 @@ def test_a_bad_template_fails_at_start_up(minionerec_dir, tmp_path):
         bad.write_text(text)
         with pytest.raises(PromptTemplateError, match=fragment):
             _served(minionerec_dir, bad)
+
+
+def test_a_template_raising_any_error_fails_at_start_up_named(minionerec_dir, tmp_path):
+    """Hostile pass 2: a template whose code raises a plain Python error (not a Jinja one) is refused at start-up as
+    a ``PromptTemplateError`` naming the file (``grserve: error: FILE: ...``), never a traceback; the sandbox's
+    refusals (``__class__``, ``range(10**9)``) likewise."""
+    bad = tmp_path / "bad.jinja"
+    for text, fragment in (("{{ 10 // 0 }}", "division"), ("{{ item_ids[0] + 'a' }}", "unsupported operand"),
+                           ("{{ history.__class__ }}", "unsafe"),
+                           ("{% for i in range(10**9) %}x{% endfor %}", "range")):
+        bad.write_text(text)
+        with pytest.raises(PromptTemplateError, match=fragment) as err:
+            _served(minionerec_dir, bad)
+        assert str(bad) in str(err.value)
+
+
+def test_a_template_error_at_request_time_is_a_json_error_and_the_server_lives(minionerec_dir, tmp_path):
+    """A template that fails only for some histories (here: item_ids is None for history_sids) answers that
+    request with a JSON 5xx, and the next request is served."""
+    t = tmp_path / "sum.jinja"
+    t.write_text("{{ history }} {{ item_ids | sum }}")
+    _, engine, client = _served(minionerec_dir, t)
+    try:
+        with TestClient(client.app, raise_server_exceptions=False) as c:
+            sids = [[int(x) for x in minionerec_dir.sids[i]] for i in HIST]
+            r = c.post("/v1/recommend", json={"history_sids": sids, "top_n": 4})
+            assert 500 <= r.status_code < 600 and "error" in r.json()
+            assert c.post("/v1/recommend", json={"history_items": HIST, "top_n": 4}).status_code == 200
+    finally:
+        engine.stop()
+
+
+def test_a_templated_history_is_rendered_off_the_event_loop(mini, monkeypatch):
+    """Hostile pass 2: with --prompt-template, history_items / history_sids are rendered (Jinja), chat-templated and
+    tokenized (for a long history several times, while truncating) as a text prompt is: on a heavy-work thread, so
+    one long history never stalls the other requests (a 16,000-item history took 0.05-0.5 s on the loop)."""
+    import asyncio
+
+    from grserve.server.prompt_template import PromptTemplate
+
+    d, _, _, client, _ = mini
+    on_loop: list[bool] = []
+    render = PromptTemplate.render
+
+    def spy(self, *args, **kw):
+        try:
+            asyncio.get_running_loop()
+            on_loop.append(True)
+        except RuntimeError:
+            on_loop.append(False)
+        return render(self, *args, **kw)
+
+    monkeypatch.setattr(PromptTemplate, "render", spy)
+    sids = [[int(c) for c in d.sids[i]] for i in HIST]
+    for body in ({"history_items": HIST}, {"history_sids": sids}):
+        assert client.post("/v1/recommend", json={**body, "top_n": 4}).status_code == 200
+    assert on_loop and not any(on_loop)
+
+
+def test_an_input_the_template_cannot_render_is_a_bad_input_offline(minionerec_dir, tmp_path):
+    """Hostile pass 2: the server answers such a request with a JSON 5xx and serves the next; the offline API
+    raised the bare PromptTemplateError out of stream(), past on_error, ending the whole run (and grserve recommend
+    with a traceback). It is the input's RecommendInputError (kind prompt_template, field its history), skipped
+    with on_error like any bad input."""
+    from grserve.recommender import RecommendInputError, Recommender
+
+    t = tmp_path / "sum.jinja"
+    t.write_text("{{ history }} {{ item_ids | sum }}")
+    sids = [[int(x) for x in minionerec_dir.sids[i]] for i in HIST]
+    inputs = [{"history_items": HIST}, {"history_sids": sids}, {"history_items": HIST[:2]}]
+    with Recommender(model=str(minionerec_dir.path), catalog=str(minionerec_dir.catalog), prompt_template=str(t),
+                     beam_width=8) as rec:
+        seen = []
+        out = list(rec.stream(inputs, top_n=4, progress=False, on_error=lambda i, e: seen.append((i, e.field, e.kind))))
+        assert len(out) == 2 and seen == [(1, "history_sids", "prompt_template")]
+        with pytest.raises(RecommendInputError, match="sum.jinja"):
+            rec.recommend(inputs, top_n=4, progress=False)
