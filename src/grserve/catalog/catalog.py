@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .duplicates import POLICIES, SidGroups
+from .sid_groups import POLICIES, SidGroups
 from .errors import CatalogError
 from .layout import SidLayout
 from .masks import ItemMask
