@@ -68,6 +68,24 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture
+def forced_cpu_isa(monkeypatch):
+    """``forced_cpu_isa("avx2")`` re-detects the CPU fast paths under ``GRSERVE_CPU_ISA`` (None: unset);
+    the detection of the running process is restored afterwards (``model/cpu_support.py``)."""
+    from grserve.model import cpu_support as cs
+
+    def force(level: str | None):
+        if level is None:
+            monkeypatch.delenv(cs.ENV, raising=False)
+        else:
+            monkeypatch.setenv(cs.ENV, level)
+        return cs.refresh()
+
+    yield force
+    monkeypatch.undo()
+    cs.refresh()
+
+
 @pytest.fixture(scope="session")
 def tiny_model():
     """``tiny_model(seed=0)`` → the ``tiny`` preset (fp32, CPU) with seeded random weights."""

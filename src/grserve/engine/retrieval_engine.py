@@ -170,11 +170,8 @@ class RetrievalEngine(BatchedEngine):
 
     def _beam_kv_bytes(self, prompts, beam_width: int, depth: int) -> int:
         """The batch's beam KV, (Σ L_r + R·BW·ND) · bytes per token (``kvcache/beam.py``; thoughts not counted)."""
-        spec = self.model.spec
-        per_token = 2 * spec.num_hidden_layers * spec.num_key_value_heads * spec.head_dim * \
-            self.model.dtype.itemsize
+        per_token = self.model.spec.kv_bytes_per_token(self.model.dtype.itemsize)
         return (sum(int(p.shape[0]) for p in prompts) + len(prompts) * beam_width * depth) * per_token
-
 
     def _reference_runner(self) -> RetrievalRunner:
         """The runner for batches with ``exclude_items``, an allowlist or a thinking request: the host-driven

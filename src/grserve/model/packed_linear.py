@@ -25,9 +25,6 @@ from torch import nn
 
 from grserve.model.cpu_support import cpu_support
 
-PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
-
-
 def available(dtype: torch.dtype = torch.float32) -> bool:
     """oneDNN prepacked matmuls in ``dtype`` work on this CPU and torch build (``model/cpu_support.py``: fp32 in
     nearly every x86/ARM wheel, bf16 only on CPUs with fast bf16; both off under ``GRSERVE_CPU_ISA=reference``)."""
@@ -48,7 +45,7 @@ def projections(model: nn.Module) -> list[nn.Linear]:
 
 def can_pack(model: nn.Module) -> bool:
     w = model.model.layers[0].self_attn.q_proj.weight
-    return w.device.type == "cpu" and w.dtype in PACKABLE_DTYPES and available(w.dtype)
+    return w.device.type == "cpu" and available(w.dtype)  # fp32, or bf16 with fast bf16
 
 
 class PackedLinears:

@@ -110,17 +110,6 @@ def test_screen_order_flips_are_caught_by_the_bound():
     assert int(head.argmax(h)) == 7 == int(_ref(h, w))
 
 
-@pytest.fixture
-def forced(monkeypatch):
-    def force(level):
-        monkeypatch.setenv(cs.ENV, level)
-        return cs.refresh()
-
-    yield force
-    monkeypatch.undo()
-    cs.refresh()
-
-
 @pytest.mark.parametrize("packed", [True, False])
 def test_exact_path_matches_fp32_argmax(packed):
     """Passes over ``screen_max_rows`` skip the screen: the fp32 argmax on a oneDNN-packed fp32 copy (CPUs
@@ -142,8 +131,8 @@ def test_exact_path_matches_fp32_argmax(packed):
     assert ScreenedGreedyHead(w2, screen_max_rows=0).argmax(torch.ones(3, 8)).tolist() == [0, 0, 0]
 
 
-def test_without_fast_bf16_small_passes_screen_and_large_ones_go_exact(forced):
-    s = forced("avx2")
+def test_without_fast_bf16_small_passes_screen_and_large_ones_go_exact(forced_cpu_isa):
+    s = forced_cpu_isa("avx2")
     g = torch.Generator().manual_seed(3)
     w = torch.randn(2000, 48, generator=g) * 0.05
     head = ScreenedGreedyHead(w)
@@ -156,7 +145,7 @@ def test_without_fast_bf16_small_passes_screen_and_large_ones_go_exact(forced):
     assert head.stats["rows"] == 1 + 2 and head.stats["exact_rows"] == 3 + 32
 
 
-def test_reference_level_runs_full_logits_and_gives_the_same_tokens(forced, random_decoder):
+def test_reference_level_runs_full_logits_and_gives_the_same_tokens(forced_cpu_isa, random_decoder):
     from grserve.engine.llm import build_model_engine
     from grserve.engine.sampling import SamplingParams
     from grserve.model import ModelSpec
@@ -170,7 +159,7 @@ def test_reference_level_runs_full_logits_and_gives_the_same_tokens(forced, rand
     sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     fast = build_model_engine(model, FCFSScheduler(), num_blocks=32, block_size=4)
     want = fast.generate(prompts, sp)
-    forced("reference")
+    forced_cpu_isa("reference")
     ref = build_model_engine(model, FCFSScheduler(), num_blocks=32, block_size=4)
     ex = ref.executor
     assert ex.greedy_head is None and ex.staging is None and ex.packed is None
