@@ -447,6 +447,14 @@ class AccelConfig(Checked):
                               check=comma_list(int, each=positive_int))
     prompt_bucket: int = flag(256, "shared-KV length is padded up to a multiple of this (graph keys)",
                               check=positive_int)
+    # ---- the prefill (both paths; issue 36, docs/gpu.md "The prefill") ----
+    prefill_last_rows: bool = flag(True, "the prefill's last layer runs queries, o_proj and MLP on each prompt's "
+                                         "last token only (its K/V for all): the LM head reads nothing else")
+    prefill_attention: str = flag("auto", "the prefill's causal attention over packed prompts: auto (one "
+                                          "FlashAttention varlen call on CUDA, else loop), loop (one SDPA call per "
+                                          "prompt), flash", choices=("auto", "loop", "flash"))
+    cpu_packed_linears: bool = flag(True, "retrieval on a CPU runs the decoder's projections on oneDNN-prepacked "
+                                          "weights where this CPU has them (model/packed_linear.py)")
 
     def use_fast_path(self, device: str) -> bool:
         return self.fast_path == "on" or (self.fast_path == "auto" and str(device).startswith("cuda"))

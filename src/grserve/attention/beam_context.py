@@ -16,35 +16,51 @@ from __future__ import annotations
 
 import torch
 
+from grserve.attention import varlen
 from grserve.attention.prefix_prefill import prefix_causal_attention
 from grserve.attention.staged import merge_states, shared_stage, unshared_stage
 from grserve.kvcache.beam import BeamKV
 
 
 class PrefillContext:
-    def __init__(self, kv: BeamKV, requests: list[int] | None = None, cached: list[int] | None = None):
+    def __init__(self, kv: BeamKV, requests: list[int] | None = None, cached: list[int] | None = None,
+                 impl: str = "auto"):
         self.kv = kv
         self.requests = requests  # None: every request of the batch, packed in order
         self.cached = cached  # per request of the batch: its first cached[r] tokens' K/V are in shared_kv already
+        self.impl = impl  # the packed causal attention (attention/varlen.py): auto | loop | flash
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> list[tuple[int, int, int]]:
+        """Stores this layer's K/V; (request, packed start, packed end) per prompt of the stream."""
         kv = self.kv
         if self.requests is None and not any(self.cached or ()):
             kv.write_shared(layer, k, v)
-            spans = [(r, kv.offsets[r], kv.offsets[r + 1]) for r in range(kv.num_requests)]
-        else:
-            spans, a = [], 0
-            for r in self.requests if self.requests is not None else range(kv.num_requests):
-                m = self.cached[r] if self.cached else 0
-                b = a + kv.prompt_lens[r] - m
-                kv.write_shared_request(layer, r, k[a:b], v[a:b], start=m)
-                spans.append((r, a, b))
-                a = b
+            return [(r, kv.offsets[r], kv.offsets[r + 1]) for r in range(kv.num_requests)]
+        spans, a = [], 0
+        for r in self.requests if self.requests is not None else range(kv.num_requests):
+            m = self.cached[r] if self.cached else 0
+            b = a + kv.prompt_lens[r] - m
+            kv.write_shared_request(layer, r, k[a:b], v[a:b], start=m)
+            spans.append((r, a, b))
+            a = b
+        return spans
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        kv = self.kv
+        spans = self._write(layer, k, v)
+        if not any(self.cached or ()) and varlen.resolve(self.impl, q.device, q.dtype) == "flash":
+            return varlen.packed_causal(q, k, v, [spans[0][1]] + [b for _, _, b in spans], "flash")
         out = torch.empty_like(q)
         for r, a, b in spans:
             sk, sv = kv.shared(layer, r)
             out[a:b] = prefix_causal_attention(q[a:b], sk, sv)
         return out
+
+    def attend_last(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The last layer of a prefill that keeps only each prompt's last row (``Decoder.forward(last_rows=)``):
+        stores every row's K/V; q [S, Hq, D] holds the last query of each prompt of the stream, in order."""
+        spans = self._write(layer, k, v)
+        return varlen.last_token(q, [self.kv.shared(layer, r) for r, _, _ in spans])
 
 
 class BeamDecodeContext:

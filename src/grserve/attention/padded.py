@@ -11,8 +11,8 @@ kernels compute the stages is the ``backend`` (``grserve.attention.backends``).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from grserve.attention import varlen
 from grserve.attention.prefix_prefill import prefix_causal_attention
 from grserve.attention.staged import merge_states
 from grserve.kvcache.padded_beam import PaddedBeamKV
@@ -40,31 +40,42 @@ def shared_stage_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_b
 
 
 class PaddedPrefillContext:
-    def __init__(self, kv: PaddedBeamKV, offsets: list[int], cached: list[int] | None = None):
+    def __init__(self, kv: PaddedBeamKV, offsets: list[int], cached: list[int] | None = None, impl: str = "auto"):
         self.kv = kv
         self.offsets = offsets  # packed prompt r = tokens [offsets[r], offsets[r+1])
         self.cached = cached  # request r's first cached[r] tokens' K/V are in its shared slot (the prefix cache)
+        self.impl = impl  # the packed causal attention (attention/varlen.py): auto | loop | flash
+
+    def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        for r in range(len(self.offsets) - 1):
+            a, b = self.offsets[r], self.offsets[r + 1]
+            self.kv.write_shared(layer, r, k[a:b], v[a:b], start=self.cached[r] if self.cached else 0)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self._write(layer, k, v)
+        if not self.cached:  # every prompt whole: one varlen call where the device has one, else one per prompt
+            return varlen.packed_causal(q, k, v, self.offsets, self.impl)
         out = torch.empty_like(q)
         for r in range(len(self.offsets) - 1):
             a, b = self.offsets[r], self.offsets[r + 1]
-            m = self.cached[r] if self.cached else 0
-            self.kv.write_shared(layer, r, k[a:b], v[a:b], start=m)
+            m = self.cached[r]
             if m:  # the rest of a prompt whose prefix came from the prefix cache: the same rule as the host path
                 n = m + b - a
                 out[a:b] = prefix_causal_attention(q[a:b], self.kv.shared_k[layer, r, :, :n],
                                                    self.kv.shared_v[layer, r, :, :n])
-                continue
-            qr, kr, vr = (t[a:b].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-            if q.device.type == "cuda" and kr.shape[1] != qr.shape[1]:
-                # repeat the KV heads: CUDA's flash kernel then applies for sure (enable_gqa may fall back to
-                # the math kernel, which materialises [Hq, L, L] scores: 1.6 GB per 5000-token prompt and layer)
-                g = qr.shape[1] // kr.shape[1]
-                kr, vr = kr.repeat_interleave(g, dim=1), vr.repeat_interleave(g, dim=1)
-            o = F.scaled_dot_product_attention(qr, kr, vr, is_causal=True, enable_gqa=kr.shape[1] != qr.shape[1])
-            out[a:b] = o[0].transpose(0, 1)
+            else:
+                out[a:b] = varlen.packed_causal_loop(q[a:b], k[a:b], v[a:b], [0, b - a])
         return out
+
+    def attend_last(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The last layer of a prefill that keeps only each prompt's last row (``Decoder.forward(last_rows=)``):
+        stores every row's K/V; q [S, Hq, D] holds the last query of each prompt, in order."""
+        self._write(layer, k, v)
+        keys = []
+        for r in range(len(self.offsets) - 1):
+            n = (self.cached[r] if self.cached else 0) + self.offsets[r + 1] - self.offsets[r]
+            keys.append((self.kv.shared_k[layer, r, :, :n], self.kv.shared_v[layer, r, :, :n]))
+        return varlen.last_token(q, keys)
 
 
 class PaddedBeamDecodeContext:

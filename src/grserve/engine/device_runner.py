@@ -139,10 +139,14 @@ class DeviceRetrievalRunner:
         offsets = np.concatenate([[0], np.cumsum([n - m for n, m in zip(lens, cached)])]).tolist()
         tokens = torch.from_numpy(np.concatenate([p[m:] for p, m in zip(prompts, cached)]).astype(np.int64)).to(dev)
         positions = torch.cat([torch.arange(m, n) for n, m in zip(lens, cached)]).to(dev)
-        hidden = model(tokens, positions, PaddedPrefillContext(b.kv, offsets, cached if any(cached) else None))
+        ctx = PaddedPrefillContext(b.kv, offsets, cached if any(cached) else None, self.accel.prefill_attention)
+        rows = torch.tensor(offsets[1:], device=dev) - 1
+        if self.accel.prefill_last_rows:  # the last layer past K/V on each prompt's last row only
+            last = model(tokens, positions, ctx, last_rows=rows)
+        else:
+            last = model(tokens, positions, ctx)[rows]
         for r, (p, mt) in enumerate(zip(prompts, matches)):
             prefix.store(p, mt, *b.kv.shared_request(r))
-        last = hidden[torch.tensor(offsets[1:], device=dev) - 1]
         c0 = catalog.codebook_sizes[0]
         logits = torch.zeros(b.r, c0, dtype=torch.float32, device=dev)
         logits[: len(lens)] = model.logits(last, b.heads.rows[0]).float()

@@ -32,11 +32,12 @@ import torch
 from grserve.attention.beam_context import BeamDecodeContext, PrefillContext
 from grserve.catalog import Catalog
 from grserve.catalog.allowlist import Allow, item_filter
-from grserve.config import SearchConfig
+from grserve.config import AccelConfig, SearchConfig
 from grserve.engine.think import ThinkSpec, Thought, think
 from grserve.kvcache.beam import BeamKV
 from grserve.kvcache.prefix_blocks import PrefixBlockCache, PrefixMatch
 from grserve.model import Decoder
+from grserve.model.packed_linear import shared_pack
 from grserve.search.beam_search import BeamSearch, Hit
 
 
@@ -52,9 +53,12 @@ class BatchOutput:
 
 
 class RetrievalRunner:
-    def __init__(self, model: Decoder, search: SearchConfig):
+    def __init__(self, model: Decoder, search: SearchConfig, accel: AccelConfig | None = None):
         self.model = model
         self.search = search
+        self.accel = accel or AccelConfig()
+        # oneDNN-prepacked projections on a CPU that has them (model/packed_linear.py), else None: F.linear
+        self.packed = shared_pack(model, self.accel.cpu_packed_linears)
         self.prefix: PrefixBlockCache | None = None  # the engine's prefix cache (kvcache/prefix_blocks.py), if on
         self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="grserve-mask") if search.overlap_masks else None
 
@@ -90,7 +94,8 @@ class RetrievalRunner:
         for level in range(1, depth):
             t_fwd = time.perf_counter()
             mask_job = self._submit_mask(beams, level, events)
-            hidden = model(beams.next_tokens, base_pos + (level - 1), BeamDecodeContext(kv, step=level - 1))
+            hidden = model(beams.next_tokens, base_pos + (level - 1), BeamDecodeContext(kv, step=level - 1),
+                           packed=self.packed)
             self._level_logits(hidden, catalog, level, beams)
             lse = self._full_lse(hidden) if hf else None
             events.append((f"forward{level}", t_fwd, time.perf_counter()))
@@ -133,10 +138,13 @@ class RetrievalRunner:
         if fresh:
             tokens = torch.from_numpy(np.concatenate([prompts[i][cached[i]:] for i in fresh]).astype(np.int64)).to(dev)
             positions = torch.cat([torch.arange(cached[i], lens[i]) for i in fresh]).to(dev)
-            hidden = model(tokens, positions, PrefillContext(kv, None if len(fresh) == len(prompts) else fresh,
-                                                             cached if any(cached) else None))
-            ends = np.cumsum([lens[i] - cached[i] for i in fresh])
-            last[fresh] = hidden[torch.from_numpy(ends - 1).to(dev)]
+            ctx = PrefillContext(kv, None if len(fresh) == len(prompts) else fresh, cached if any(cached) else None,
+                                 self.accel.prefill_attention)
+            rows = torch.from_numpy(np.cumsum([lens[i] - cached[i] for i in fresh]) - 1).to(dev)
+            if self.accel.prefill_last_rows:  # the last layer past K/V on each prompt's last row only
+                last[fresh] = model(tokens, positions, ctx, packed=self.packed, last_rows=rows)
+            else:
+                last[fresh] = model(tokens, positions, ctx, packed=self.packed)[rows]
         for i, t in enumerate(thoughts):
             if t is not None:
                 for layer in range(spec.num_hidden_layers):

@@ -201,7 +201,7 @@ def make_runner(model: Decoder, search: SearchConfig, accel: AccelConfig | None 
         from grserve.engine.device_runner import DeviceRetrievalRunner
 
         return DeviceRetrievalRunner(model, search, accel)
-    return RetrievalRunner(model, search)
+    return RetrievalRunner(model, search, accel)
 
 
 def make_prefix_cache(model: Decoder, cfg: PrefixCacheConfig, budget: KVBudget) -> PrefixBlockCache | None:

@@ -128,31 +128,46 @@ class Decoder(nn.Module):
         return cos, sin
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
-                packed: PackedLinears | None = None) -> torch.Tensor:
+                packed: PackedLinears | None = None, last_rows: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, positions: int64 [N] (packed tokens, absolute positions) → final-normed hidden [N, H].
-        ``packed``: the projections' oneDNN-packed weights (``model/packed_linear.py``); None: ``F.linear``."""
+        ``packed``: the projections' oneDNN-packed weights (``model/packed_linear.py``); None: ``F.linear``.
+
+        ``last_rows``: int64 [S], the packed row of the last token of each prompt of ``ctx``, in ``ctx``'s order
+        (a prefill that needs only those rows' hidden states: the LM head reads them, the K/V of every row go to
+        the cache) → hidden [S, H]. The last layer then computes K/V for every row, but its queries, attention,
+        o_proj and MLP for those S rows only (``ctx.attend_last``; a context without it runs the full layer and
+        the rows are picked after). The same arithmetic per row as the full layer: tests check ≤ 1e-5 in fp32."""
         cos, sin = self.rope(positions)
         x = F.embedding(input_ids, self.model.embed_tokens.weight)
         n = x.shape[0]
         # Optional hook: a context that caches the layer input (Apt-Serve's hidden cache) sees the post-norm
         # input of the QKV projection before ``attend``. Contexts without the hook are unaffected.
         observe = getattr(ctx, "observe_layer_input", None)
+        prune_at = len(self.model.layers) - 1 if last_rows is not None and hasattr(ctx, "attend_last") else -1
         for i, layer in enumerate(self.model.layers):
             a = layer.self_attn
             h = layer.input_layernorm(x)
             if observe is not None:
                 observe(i, h)
-            q = linear(h, a.q_proj, packed).view(n, a.hq, a.d)
             k = linear(h, a.k_proj, packed).view(n, a.hkv, a.d)
             v = linear(h, a.v_proj, packed).view(n, a.hkv, a.d)
+            if i == prune_at:  # only the last rows go on past K/V (the docstring)
+                h, x = h.index_select(0, last_rows), x.index_select(0, last_rows)
+                qc, qs = cos.index_select(0, last_rows), sin.index_select(0, last_rows)
+            else:
+                qc, qs = cos, sin
+            q = linear(h, a.q_proj, packed).view(h.shape[0], a.hq, a.d)
             if a.q_norm is not None:
                 q, k = a.q_norm(q), a.k_norm(k)
-            o = ctx.attend(i, _rotate(q, cos, sin), _rotate(k, cos, sin), v)
-            x = x + linear(o.reshape(n, a.hq * a.d), a.o_proj, packed)
+            q, k = _rotate(q, qc, qs), _rotate(k, cos, sin)
+            o = ctx.attend_last(i, q, k, v) if i == prune_at else ctx.attend(i, q, k, v)
+            x = x + linear(o.reshape(h.shape[0], a.hq * a.d), a.o_proj, packed)
             m = layer.mlp
             h = layer.post_attention_layernorm(x)
             g = F.silu(linear(h, m.gate_proj, packed)) * linear(h, m.up_proj, packed)
             x = x + linear(g, m.down_proj, packed)
+        if last_rows is not None and prune_at < 0:
+            x = x.index_select(0, last_rows)
         return self.model.norm(x)
 
     def kv_from_hidden(self, layer: int, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,6 +19,8 @@ fast bf16 (on others oneDNN refuses the reorder); ``F.linear`` everywhere else, 
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -76,6 +78,21 @@ class PackedLinears:
 def maybe_pack(model: nn.Module, enabled: bool = True) -> PackedLinears | None:
     """``PackedLinears(model)`` where possible and ``enabled``, else None (``F.linear``)."""
     return PackedLinears(model) if enabled and can_pack(model) else None
+
+
+_SHARED: "weakref.WeakKeyDictionary[nn.Module, tuple[tuple, PackedLinears]]" = weakref.WeakKeyDictionary()
+
+
+def shared_pack(model: nn.Module, enabled: bool = True) -> PackedLinears | None:
+    """``maybe_pack``, one packed copy per model for every caller (the retrieval runners of one engine, a bench's
+    runners): packed again only when a projection weight was replaced or written in place since."""
+    if not (enabled and can_pack(model)):
+        return None
+    stamp = tuple((lin.weight.data_ptr(), lin.weight._version) for lin in projections(model))
+    hit = _SHARED.get(model)
+    if hit is None or hit[0] != stamp:
+        hit = _SHARED[model] = (stamp, PackedLinears(model))
+    return hit[1]
 
 
 def linear(x: torch.Tensor, lin: nn.Linear, packed: PackedLinears | None = None) -> torch.Tensor:
