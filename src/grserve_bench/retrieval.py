@@ -85,6 +85,14 @@ class RetrievalBenchConfig(Checked):
     cuda_graphs: bool = flag(True, "--suite p2: capture the beam steps as CUDA graphs (CUDA only)")
     prompt_bucket: int = flag(256, "--suite p2: shared-KV length padded up to a multiple of this",
                               check=positive_int)
+    prefill_attention: str = flag("auto", "--suite p2: the prefill's attention over packed prompts (auto: one "
+                                          "FlashAttention varlen call on CUDA in bf16/fp16, else one SDPA call per "
+                                          "prompt)", choices=("auto", "loop", "flash"))
+    prefill_last_rows: bool = flag(True, "--suite p2: the prefill's last layer on each prompt's last row only")
+    eager_check: bool = flag(True, "--suite p2: per cell, one batch through the eager prefill (one SDPA call per "
+                                   "prompt, the full last layer, no graphs) and the top-k agreement with it")
+    hf_ctx: str | None = flag(None, "--suite p2: run HF at these grid contexts only (default: every context)",
+                              check=comma_list(int, each=positive_int), metavar="CTX,...")
 
 
 def add_command(sub) -> None:

@@ -76,6 +76,25 @@ def _hf_cell(hf, hf_runner, catalog, prompts, bw: int, top_n: int) -> dict:
             "hf_invalid_items": _invalid(catalog, [[s for s, _ in o] for o in outs])}
 
 
+# NVIDIA recsys-examples' published SID-GR cells (H100, docs/gpu.md): ms per batch at (ctx, batch, BW)
+NVIDIA_SID_GR_MS = {(1000, 1, 256): 17.6, (1000, 8, 256): 93.2, (5000, 1, 256): 42.3, (5000, 8, 256): 307.9}
+
+
+def _agreement(runner, eager, catalog, prompts, bw: int, top_n: int) -> dict:
+    """One batch through both runners: the mean top-n overlap, top-1 agreement and the largest score difference
+    on common items (bf16: near-ties may reorder; fp32: the tests pin equality)."""
+    fast = runner.run(prompts, bw, [top_n] * len(prompts), catalog).hits
+    ref = eager.run(prompts, bw, [top_n] * len(prompts), catalog).hits
+    overlap, top1, dmax = [], [], 0.0
+    for a, b in zip(fast, ref):
+        sa, sb = {h.sid: h.score for h in a}, {h.sid: h.score for h in b}
+        overlap.append(len(sa.keys() & sb.keys()) / max(1, len(sb)))
+        top1.append(bool(a) and bool(b) and a[0].sid == b[0].sid)
+        dmax = max([dmax] + [abs(sa[k] - sb[k]) for k in sa.keys() & sb.keys()])
+    return {"eager_topk_overlap": float(np.mean(overlap)), "eager_top1_agreement": float(np.mean(top1)),
+            "eager_max_abs_dscore": dmax}
+
+
 def run_suite(cfg) -> int:
     import torch
     from rich.console import Console
@@ -95,8 +114,13 @@ def run_suite(cfg) -> int:
     catalog = bench_layout(catalog, cfg.sid_layout, model.spec.vocab_size, cfg.seed)
     catalog.layout.check_vocab(model.spec.vocab_size)
     accel = AccelConfig(fast_path="on", attention_backend=cfg.attention_backend, cuda_graphs=cfg.cuda_graphs,
-                        prompt_bucket=cfg.prompt_bucket)
+                        prompt_bucket=cfg.prompt_bucket, prefill_attention=cfg.prefill_attention,
+                        prefill_last_rows=cfg.prefill_last_rows)
     runner = DeviceRetrievalRunner(model, SearchConfig(), accel)
+    # the eager path the agreement is measured against: one SDPA call per prompt, the full last layer, no graphs
+    eager_accel = AccelConfig(fast_path="on", attention_backend=cfg.attention_backend, cuda_graphs=False,
+                              prompt_bucket=cfg.prompt_bucket, prefill_attention="loop", prefill_last_rows=False)
+    eager = DeviceRetrievalRunner(model, SearchConfig(), eager_accel) if cfg.eager_check else None
     hf_runner = DeviceRetrievalRunner(model, SearchConfig(scoring="hf"), accel)
     p2 = (cfg.p2_prompt_len, cfg.p2_batch, cfg.p2_beam_width)
     grid = [(c, b, w) for c in split_commas(cfg.grid_ctx, int) for b in split_commas(cfg.grid_batch, int)
@@ -113,13 +137,24 @@ def run_suite(cfg) -> int:
                                                                             cfg.warmup, cfg.iters, min(cfg.top_n, bw))
         row["capture_ms"] = (runner.capture_s - capture_s) * 1e3
         row["graphs_captured"] = runner.captures - captures
+        if (ctx, batch, bw) in NVIDIA_SID_GR_MS:
+            row["nvidia_ms"] = NVIDIA_SID_GR_MS[(ctx, batch, bw)]
+            row["nvidia_ms_over_ours"] = row["nvidia_ms"] / row["ms_per_batch"]  # > 1: faster than the cell
+        if eager is not None:
+            row |= _agreement(runner, eager, catalog, prompts, bw, min(cfg.top_n, bw))
+            eager.close()  # its bucket's KV: not kept across cells
         rows.append(row)
-        console.print(f"ctx {ctx} × batch {batch}, BW {bw}: {row['ms_per_batch']:.1f} ms/batch, "
+        vs = f", NVIDIA {row['nvidia_ms']} ms" if "nvidia_ms" in row else ""
+        agree = (f", top-{min(cfg.top_n, bw)} overlap with the eager prefill {row['eager_topk_overlap']:.0%} "
+                 f"(top-1 {row['eager_top1_agreement']:.0%})") if eager is not None else ""
+        console.print(f"ctx {ctx} × batch {batch}, BW {bw}: {row['ms_per_batch']:.1f} ms/batch{vs}, "
                       f"{row['req_per_s']:.1f} req/s (prefill {row['prefill_ms']:.0f} + decode "
                       f"{row['decode_ms']:.0f} ms traced; first batch {row['first_batch_ms']:.0f} ms, capture "
-                      f"{row['capture_ms']:.0f} ms)")
+                      f"{row['capture_ms']:.0f} ms){agree}")
     summary_runner = {"use_graphs": runner.use_graphs}
-    runner.close()  # free the grid's buckets (KV, graphs) before HF, which needs BW copies of the prompt KV
+    runner.close()
+    if eager is not None:
+        eager.close()  # free the grid's buckets (KV, graphs) before HF, which needs BW copies of the prompt KV
     if cfg.device.startswith("cuda"):
         torch.cuda.empty_cache()
     hf_by = _hf_runs(cfg, model, catalog, hf_runner, {(c, w) for c, _, w in cells}, console)
@@ -129,7 +164,7 @@ def run_suite(cfg) -> int:
         if "hf_req_per_s" in h:
             row["speedup_vs_hf"] = row["req_per_s"] / h["hf_req_per_s"]
     _print_table(console, Table, rows)
-    print(json.dumps(_summary(cfg, rows, summary_runner["use_graphs"])))
+    print(json.dumps(_summary(cfg, rows, summary_runner["use_graphs"], model)))
     return 0
 
 
@@ -142,7 +177,10 @@ def _hf_runs(cfg, model, catalog, hf_runner, pairs, console) -> dict:
 
     hf = HFConstrainedBeamSearch(model)
     out = {}
+    only = set(split_commas(cfg.hf_ctx, int)) if cfg.hf_ctx else None
     for ctx, bw in sorted(pairs):
+        if only is not None and ctx not in only:
+            continue
         prompts = history_prompts(catalog, cfg.hf_requests, ctx, cfg.seed + 7 * ctx)
         out[(ctx, bw)] = _hf_cell(hf, hf_runner, catalog, prompts, bw, min(cfg.top_n, bw))
         console.print(f"HF ctx {ctx}, BW {bw}: {out[(ctx, bw)]}")
@@ -162,7 +200,9 @@ def _print_table(console, Table, rows) -> None:
     console.print(table)
 
 
-def _summary(cfg, rows, use_graphs: bool) -> dict:
+def _summary(cfg, rows, use_graphs: bool, model) -> dict:
+    from grserve.attention import varlen
+
     p2 = rows[0]
     with_hf = [r for r in rows if "speedup_vs_hf" in r]
     # HF at P2 (BW 256 × 5000 tokens: ~147 GB of HF KV for qwen3-1.7b) does not fit one GPU; then the speedup is
@@ -173,6 +213,8 @@ def _summary(cfg, rows, use_graphs: bool) -> dict:
         "benchmark": "retrieval", "suite": "p2", "device": _device_name(cfg.device), "model": cfg.p2_model,
         "dtype": cfg.p2_dtype, "attention_backend": cfg.attention_backend, "cuda_graphs": use_graphs,
         "sid_layout": cfg.sid_layout, "catalog_items": cfg.num_items, "codebook_size": cfg.codebook_size,
+        "prefill": {"attention": varlen.resolve(cfg.prefill_attention, model.device, model.dtype),
+                    "flash_failed": varlen.flash_failure(), "last_rows": cfg.prefill_last_rows},
         "ms_per_batch_p2": p2["ms_per_batch"], "req_per_s_p2": p2["req_per_s"],
         "first_batch_ms_p2": p2["first_batch_ms"], "capture_ms_p2": p2["capture_ms"],
         "prefill_ms_p2": p2["prefill_ms"], "decode_ms_p2": p2["decode_ms"],
@@ -182,8 +224,11 @@ def _summary(cfg, rows, use_graphs: bool) -> dict:
         "hf_top1_agreement": statistics.mean(r["hf_top1_agreement"] for r in with_hf) if with_hf else None,
         "invalid_item_rate": max((r["invalid_items"] or 0.0) for r in rows),
         "hf_invalid_item_rate": max(((r.get("hf_invalid_items") or 0.0) for r in with_hf), default=None),
+        "eager_topk_overlap_min": min((r["eager_topk_overlap"] for r in rows if "eager_topk_overlap" in r),
+                                      default=None),
         "grid": [{k: r.get(k) for k in ("ctx", "batch", "beam_width", "ms_per_batch", "req_per_s", "prefill_ms",
-                                        "capture_ms",
+                                        "decode_ms", "capture_ms", "nvidia_ms", "nvidia_ms_over_ours",
+                                        "eager_topk_overlap", "eager_top1_agreement", "eager_max_abs_dscore",
                                         "hf_req_per_s", "speedup_vs_hf", "hf_top1_agreement", "hf_oom")}
                  for r in rows],
     }

@@ -26,7 +26,17 @@ from pathlib import Path
 
 from grserve_bench.llm_workloads import DATASETS, attainment, effective_throughput, make_trace
 from grserve.config import LLM_SCHEDULERS, LLMConfig
-from grserve.flags import Checked, comma_list, config_command, flag, non_negative, positive, positive_int, split_commas
+from grserve.flags import (
+    Checked,
+    comma_list,
+    config_command,
+    device_name,
+    flag,
+    non_negative,
+    positive,
+    positive_int,
+    split_commas,
+)
 
 SYSTEMS = ("fcfs", "chunked", "aptserve")  # the default comparison; --systems can add "aptserve-kv"
 TABLE3 = {"sharegpt": (1.0, 1.0), "humaneval": (0.5, 0.5), "longbench": (4.0, 1.0)}
@@ -70,6 +80,8 @@ class ServeBenchConfig(Checked):
     block_size: int = flag(LLMConfig().block_size, "tokens per block", check=positive_int)
     decode_bench: bool = flag(True, "the batch-32 decode vs HF benchmark (--no-decode-bench: skip it)")
     decode_only: bool = flag(False, "only the batch-32 decode vs HF benchmark (P7)")
+    device: str = flag("cpu", "where the batch-32 decode benchmark runs (grserve and HF on the same device; the "
+                              "rest of this benchmark is CPU only)", check=device_name, metavar="cpu|cuda|cuda:N")
     prefix_only: bool = flag(False, "only the prefix-cache benchmark: requests sharing a system prompt, with vs "
                                     "without the prompt-prefix KV cache (same engine, same requests, tokens checked "
                                     "identical)")
@@ -127,7 +139,7 @@ def _sweep(run_one, rates, systems, progress, stop_below: float = 0.0) -> dict[s
 
 
 def decode_vs_hf(quick: bool = False, *, new_tokens: int | None = None, batch: int = 32, prompt_len: int = 128,
-                 repeats: int = 1) -> dict:
+                 repeats: int = 1, device: str = "cpu") -> dict:
     """P7: decode throughput of the grserve engine vs HF transformers ``generate``, same weights, same run.
 
     Shape ``tiny`` (32k vocab), batch 32, prompt 128, 128 new tokens (32 with ``quick``), greedy, fp32,
@@ -145,7 +157,8 @@ def decode_vs_hf(quick: bool = False, *, new_tokens: int | None = None, batch: i
 
     new = new_tokens or (32 if quick else 128)
     batch, plen = batch, prompt_len
-    model = load_model("tiny", seed=0)
+    model = load_model("tiny", seed=0)  # seeded on the CPU (the same weights on every device), then moved
+    model = model.to(device) if device != "cpu" else model
     spec = model.spec
     prompts = torch.randint(3, spec.vocab_size, (batch, plen), generator=torch.Generator().manual_seed(0))
     plists = [p.tolist() for p in prompts]
@@ -160,6 +173,8 @@ def decode_vs_hf(quick: bool = False, *, new_tokens: int | None = None, batch: i
     if unexpected or [k for k in missing if k != "lm_head.weight"]:
         raise RuntimeError(f"weights do not map onto HF: missing {missing}, unexpected {unexpected}")
     hf.tie_weights()
+    hf, prompts = hf.to(device), prompts.to(device)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     eng.generate(plists[:2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
     with torch.no_grad():
         hf.generate(prompts[:2], max_new_tokens=4, do_sample=False)
@@ -173,12 +188,13 @@ def decode_vs_hf(quick: bool = False, *, new_tokens: int | None = None, batch: i
             t0 = time.perf_counter()
             out = hf.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new,
                               min_new_tokens=new, do_sample=False)
+            sync()
             hf_t.append(time.perf_counter() - t0)
         hf_out = out[:, plen:].tolist()
     ours, theirs = batch * new / min(ours_t), batch * new / min(hf_t)
     return {"ours_tok_s": ours, "hf_tok_s": theirs, "speedup": ours / theirs, "batch": batch, "prompt": plen,
             "new_tokens": new, "threads": torch.get_num_threads(), "same_tokens": ours_out == hf_out,
-            "ours_s": ours_t, "hf_s": hf_t, "hf_attn": cfg._attn_implementation}
+            "ours_s": ours_t, "hf_s": hf_t, "hf_attn": cfg._attn_implementation, "device": device}
 
 
 def _prefix_prompts(requests: int, system_len: int, user_len: int):
@@ -295,7 +311,7 @@ def _print_prefix_only() -> int:
 
 def _print_decode_only(cfg: ServeBenchConfig) -> int:
     """``--decode-only``: the batch-32 decode vs HF benchmark (P7)."""
-    dec = decode_vs_hf(cfg.quick, repeats=cfg.decode_repeats or (1 if cfg.quick else 2))
+    dec = decode_vs_hf(cfg.quick, repeats=cfg.decode_repeats or (1 if cfg.quick else 2), device=cfg.device)
     print(f"decode batch {dec['batch']} (tiny, 32k vocab, prompt {dec['prompt']}, {dec['new_tokens']} new, "
           f"{dec['threads']} thread(s)): grserve {dec['ours_tok_s']:.0f} tok/s, HF generate "
           f"{dec['hf_tok_s']:.0f} tok/s -> {dec['speedup']:.2f}x; same tokens: {dec['same_tokens']}",
@@ -525,7 +541,7 @@ def run(cfg: ServeBenchConfig) -> int:
 
     dec = None
     if cfg.decode_bench:
-        dec = decode_vs_hf(cfg.quick, repeats=cfg.decode_repeats or (1 if cfg.quick else 2))
+        dec = decode_vs_hf(cfg.quick, repeats=cfg.decode_repeats or (1 if cfg.quick else 2), device=cfg.device)
         console.print(f"decode batch 32 (tiny, 32k vocab, {dec['new_tokens']} new, {dec['threads']} thread(s)): "
                       f"grserve {dec['ours_tok_s']:.0f} tok/s, HF generate {dec['hf_tok_s']:.0f} tok/s -> "
                       f"{dec['speedup']:.2f}x; same tokens: {dec['same_tokens']}")

@@ -43,6 +43,11 @@ def flash_available(device: torch.device, dtype: torch.dtype) -> bool:
             and _varlen_fn() is not None)
 
 
+def flash_failure() -> str | None:
+    """Why the varlen flash call failed in this process (it then runs the loop), or None."""
+    return _flash_failed
+
+
 def resolve(impl: str, device: torch.device, dtype: torch.dtype) -> str:
     """``auto`` / ``flash`` → ``flash`` where ``flash_available``, else ``loop``; ``loop`` stays."""
     if impl not in IMPLS:
