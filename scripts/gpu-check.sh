@@ -61,25 +61,25 @@ p2)  # issue 36: the prefill as one varlen pass, the last layer on the last rows
         CELLS="--p2-prompt-len 64 --p2-batch 2 --p2-beam-width 16 --grid-ctx 32,64 --grid-batch 1,2 --grid-bw 16"
         CHAT="--num-items 20000 --codebook-size 256 --p2-prompt-len 48 --p2-batch 2 --p2-beam-width 16 --grid-ctx 48 --grid-batch 1 --grid-bw 16"
         LOAD="--requests 8 --concurrency 8 --beam-width 16 --history 10"; TESTS="tests/grserve/attention/test_varlen_prefill.py"
-        HFCTX=32; ITERS="--iters 2 --warmup 1"; DEC="--decode-only --quick --device cpu"
+        HFCTX=32; ITERS="--iters 2 --warmup 1"; DEC="--decode-only --quick --device cpu"; BACKEND=torch
     else
         MODEL=""; SRV_MODEL="--model qwen3-1.7b --device cuda --dtype bfloat16 --attention-backend triton --beam-width 256"
         CELLS="--grid-ctx 1000,5000 --grid-batch 1,8 --grid-bw 256"  # the P2 cell (5000 x 8, BW 256) is one of them
         CHAT="--num-items 1500000 --codebook-size 8192 --p2-prompt-len 2500 --p2-batch 8 --p2-beam-width 256 --grid-ctx 2500 --grid-batch 1,8 --grid-bw 128,256"
         LOAD="--requests 200 --concurrency 200 --beam-width 256 --history 300"
         TESTS="tests/grserve/engine/test_gpu_fast_path.py"
-        HFCTX=1000; ITERS=""; DEC="--decode-only --quick --device cuda"
+        HFCTX=1000; ITERS=""; DEC="--decode-only --quick --device cuda"; BACKEND=triton
     fi
-    TAIL=25 step gpu-tests 120 $PYTEST $TESTS
-    TAIL=8 step nvidia-cells 90 $BENCH --suite p2 $MODEL $CELLS --attention-backend triton --hf-requests 1 --hf-ctx $HFCTX $ITERS
-    TAIL=6 step chat-beam 100 $BENCH --suite p2 $MODEL --sid-layout onerec --depth 3 $CHAT --hf-requests 1 \
-        --attention-backend triton $ITERS
+    TAIL=25 step gpu-tests 100 $PYTEST $TESTS
+    TAIL=8 step nvidia-cells 100 $BENCH --suite p2 $MODEL $CELLS --attention-backend $BACKEND --hf-requests 1 --hf-ctx $HFCTX $ITERS
+    TAIL=6 step chat-beam 110 $BENCH --suite p2 $MODEL --sid-layout onerec --depth 3 $CHAT --hf-requests 1 \
+        --attention-backend $BACKEND $ITERS
     PORT=${PORT:-8765}
-    timeout $((150 * SCALE)) $PY -m grserve.cli serve $SRV_MODEL --port $PORT > "$OUT/server.log" 2>&1 &
+    timeout $((130 * SCALE)) $PY -m grserve.cli serve $SRV_MODEL --port $PORT > "$OUT/server.log" 2>&1 &
     SRV=$!
-    TAIL=3 step serve-load 140 $PY scripts/serve_load.py --url http://127.0.0.1:$PORT $LOAD --ready-timeout $((100 * SCALE))
+    TAIL=3 step serve-load 120 $PY scripts/serve_load.py --url http://127.0.0.1:$PORT $LOAD --ready-timeout $((100 * SCALE))
     kill "$SRV" 2>/dev/null; wait "$SRV" 2>/dev/null
-    TAIL=2 step decode-only 60 $PY -m grserve_bench serve $DEC
+    TAIL=2 step decode-only 45 $PY -m grserve_bench serve $DEC
     $PY - "$OUT" <<'PY' | tee "$OUT/p2.json"
 import json, sys
 out = sys.argv[1]

@@ -57,6 +57,7 @@ class RetrievalEngine(BatchedEngine):
         self.search = search or SearchConfig()
         self.scheduler = scheduler or SchedulerConfig()
         self.vocab_size = model.spec.vocab_size
+        self.accel = accel
         self.runner = make_runner(model, self.search, accel)
         self.prefix_cfg = prefix or PrefixCacheConfig()
         self.kv_budget = KVBudget(self.prefix_cfg.kv_budget_bytes or None)
@@ -180,7 +181,7 @@ class RetrievalEngine(BatchedEngine):
         if isinstance(self.runner, RetrievalRunner):
             return self.runner
         if self._reference is None:
-            self._reference = RetrievalRunner(self.model, self.search)
+            self._reference = RetrievalRunner(self.model, self.search, self.accel)
             self._reference.prefix = self.prefix
         return self._reference
 
