@@ -83,12 +83,19 @@ def maybe_pack(model: nn.Module, enabled: bool = True) -> PackedLinears | None:
 _SHARED: "weakref.WeakKeyDictionary[nn.Module, tuple[tuple, PackedLinears]]" = weakref.WeakKeyDictionary()
 
 
+def _version(w: torch.Tensor) -> int:
+    try:
+        return w._version
+    except RuntimeError:  # an inference tensor has no version counter (and cannot be written in place outside it)
+        return -1
+
+
 def shared_pack(model: nn.Module, enabled: bool = True) -> PackedLinears | None:
     """``maybe_pack``, one packed copy per model for every caller (the retrieval runners of one engine, a bench's
     runners): packed again only when a projection weight was replaced or written in place since."""
     if not (enabled and can_pack(model)):
         return None
-    stamp = tuple((lin.weight.data_ptr(), lin.weight._version) for lin in projections(model))
+    stamp = tuple((lin.weight.data_ptr(), _version(lin.weight)) for lin in projections(model))
     hit = _SHARED.get(model)
     if hit is None or hit[0] != stamp:
         hit = _SHARED[model] = (stamp, PackedLinears(model))

@@ -87,3 +87,22 @@ def test_engine_greedy_tokens_equal_hf_with_and_without_packing(hf_qwen3):
                               max_new_tokens=12, min_new_tokens=12, do_sample=False,
                               pad_token_id=0)[0, len(p):].tolist()
         assert got == ref
+
+
+def test_shared_pack_is_one_copy_per_model_until_a_weight_changes(tiny_model):
+    from grserve.model import load_model
+    from grserve.model.packed_linear import shared_pack
+
+    model = load_model("tiny", seed=11)  # its own model: the weight is written below
+    if not can_pack(model):
+        assert shared_pack(model) is None
+        return
+    first = shared_pack(model)
+    assert shared_pack(model) is first and shared_pack(model, enabled=False) is None
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight.mul_(2.0)
+    again = shared_pack(model)
+    assert again is not first  # packed again from the new weights
+    x = torch.randn(5, model.spec.hidden_size)
+    up = model.model.layers[0].mlp.up_proj
+    assert torch.allclose(linear(x, up, again), F.linear(x, up.weight), rtol=1e-5, atol=1e-5)
