@@ -61,6 +61,7 @@ p2)  # issue 36: the prefill as one varlen pass, the last layer on the last rows
         CELLS="--p2-prompt-len 64 --p2-batch 2 --p2-beam-width 16 --grid-ctx 32,64 --grid-batch 1,2 --grid-bw 16"
         CHAT="--num-items 20000 --codebook-size 256 --p2-prompt-len 48 --p2-batch 2 --p2-beam-width 16 --grid-ctx 48 --grid-batch 1 --grid-bw 16"
         LOAD="--requests 8 --concurrency 8 --beam-width 16 --history 10"; TESTS="tests/grserve/attention/test_varlen_prefill.py"
+        P2CELL="--p2-prompt-len 64 --p2-batch 2 --p2-beam-width 16 --grid-ctx 64 --grid-batch 2 --grid-bw 16"
         HFCTX=32; ITERS="--iters 2 --warmup 1"; DEC="--decode-only --quick --device cpu"; BACKEND=torch
     else
         MODEL=""; SRV_MODEL="--model qwen3-1.7b --device cuda --dtype bfloat16 --attention-backend triton --beam-width 256"
@@ -68,18 +69,22 @@ p2)  # issue 36: the prefill as one varlen pass, the last layer on the last rows
         CHAT="--num-items 1500000 --codebook-size 8192 --p2-prompt-len 2500 --p2-batch 8 --p2-beam-width 256 --grid-ctx 2500 --grid-batch 1,8 --grid-bw 128,256"
         LOAD="--requests 200 --concurrency 200 --beam-width 256 --history 300"
         TESTS="tests/grserve/engine/test_gpu_fast_path.py"
+        P2CELL="--grid-ctx 5000 --grid-batch 8 --grid-bw 256"
         HFCTX=1000; ITERS=""; DEC="--decode-only --quick --device cuda"; BACKEND=triton
     fi
-    TAIL=25 step gpu-tests 100 $PYTEST $TESTS
-    TAIL=8 step nvidia-cells 100 $BENCH --suite p2 $MODEL $CELLS --attention-backend $BACKEND --hf-requests 1 --hf-ctx $HFCTX $ITERS
-    TAIL=6 step chat-beam 110 $BENCH --suite p2 $MODEL --sid-layout onerec --depth 3 $CHAT --hf-requests 1 \
+    TAIL=25 step gpu-tests 90 $PYTEST $TESTS
+    TAIL=8 step nvidia-cells 90 $BENCH --suite p2 $MODEL $CELLS --attention-backend $BACKEND --hf-requests 1 --hf-ctx $HFCTX $ITERS
+    TAIL=6 step chat-beam 100 $BENCH --suite p2 $MODEL --sid-layout onerec --depth 3 $CHAT --hf-requests 1 \
         --attention-backend $BACKEND $ITERS
+    # the compiled prefill (off by default: no gain on CPU) on the P2 cell alone; its compile lands in first_batch_ms
+    TAIL=4 step prefill-compiled 60 $BENCH --suite p2 $MODEL $P2CELL --attention-backend $BACKEND --skip-hf \
+        --prefill-compile $ITERS
     PORT=${PORT:-8765}
     timeout $((130 * SCALE)) $PY -m grserve.cli serve $SRV_MODEL --port $PORT > "$OUT/server.log" 2>&1 &
     SRV=$!
-    TAIL=3 step serve-load 120 $PY scripts/serve_load.py --url http://127.0.0.1:$PORT $LOAD --ready-timeout $((100 * SCALE))
+    TAIL=3 step serve-load 110 $PY scripts/serve_load.py --url http://127.0.0.1:$PORT $LOAD --ready-timeout $((100 * SCALE))
     kill "$SRV" 2>/dev/null; wait "$SRV" 2>/dev/null
-    TAIL=2 step decode-only 45 $PY -m grserve_bench serve $DEC
+    TAIL=2 step decode-only 40 $PY -m grserve_bench serve $DEC
     $PY - "$OUT" <<'PY' | tee "$OUT/p2.json"
 import json, sys
 out = sys.argv[1]
@@ -89,7 +94,8 @@ def last_json(name):
         return json.loads(lines[-1]) if lines else None
     except (OSError, ValueError):
         return None
-cells, chat, load, dec = (last_json(n) for n in ("nvidia-cells", "chat-beam", "serve-load", "decode-only"))
+cells, chat, load, dec, comp = (last_json(n) for n in ("nvidia-cells", "chat-beam", "serve-load", "decode-only",
+                                                        "prefill-compiled"))
 pick = lambda d, keys: None if d is None else {k: d.get(k) for k in keys}
 cols = ("ctx", "batch", "beam_width", "ms_per_batch", "prefill_ms", "decode_ms", "capture_ms", "nvidia_ms",
         "nvidia_ms_over_ours", "eager_topk_overlap", "eager_top1_agreement", "speedup_vs_hf", "hf_oom")
@@ -98,6 +104,8 @@ print(json.dumps({"check": "gpu-check p2", "device": (cells or {}).get("device")
                   "speedup_vs_hf_gpu": (cells or {}).get("speedup_vs_hf_gpu"),
                   "speedup_vs_hf_gpu_cell": (cells or {}).get("speedup_vs_hf_gpu_cell"),
                   "chat_beam": [pick(r, cols) for r in (chat or {}).get("grid", [])],
+                  "p2_prefill_compiled": pick(comp, ("ms_per_batch_p2", "prefill_ms_p2", "decode_ms_p2",
+                                                     "first_batch_ms_p2", "prefill", "eager_topk_overlap_min")),
                   "serve_200": load, "decode_only": pick(dec, ("ours_tok_s", "hf_tok_s", "speedup", "same_tokens", "device"))}))
 PY
     ;;

@@ -453,6 +453,9 @@ class AccelConfig(Checked):
     prefill_attention: str = flag("auto", "the prefill's causal attention over packed prompts: auto (one "
                                           "FlashAttention varlen call on CUDA, else loop), loop (one SDPA call per "
                                           "prompt), flash", choices=("auto", "loop", "flash"))
+    prefill_compile: bool = flag(False, "torch.compile the prefill's layers in two pieces around the attention, "
+                                        "static shapes per --prompt-bucket tokens (model/prefill_compile.py; no gain "
+                                        "measured on CPU, ~90 s compile; for GPUs to measure)")
     cpu_packed_linears: bool = flag(True, "retrieval on a CPU runs the decoder's projections on oneDNN-prepacked "
                                           "weights where this CPU has them (model/packed_linear.py)")
 

@@ -89,6 +89,8 @@ class RetrievalBenchConfig(Checked):
                                           "FlashAttention varlen call on CUDA in bf16/fp16, else one SDPA call per "
                                           "prompt)", choices=("auto", "loop", "flash"))
     prefill_last_rows: bool = flag(True, "--suite p2: the prefill's last layer on each prompt's last row only")
+    prefill_compile: bool = flag(False, "--suite p2: torch.compile the prefill's layers per token bucket "
+                                        "(model/prefill_compile.py; the compile lands in the first batch of a cell)")
     eager_check: bool = flag(True, "--suite p2: per cell, one batch through the eager prefill (one SDPA call per "
                                    "prompt, the full last layer, no graphs) and the top-k agreement with it")
     hf_ctx: str | None = flag(None, "--suite p2: run HF at these grid contexts only (default: every context)",

@@ -115,7 +115,7 @@ def run_suite(cfg) -> int:
     catalog.layout.check_vocab(model.spec.vocab_size)
     accel = AccelConfig(fast_path="on", attention_backend=cfg.attention_backend, cuda_graphs=cfg.cuda_graphs,
                         prompt_bucket=cfg.prompt_bucket, prefill_attention=cfg.prefill_attention,
-                        prefill_last_rows=cfg.prefill_last_rows)
+                        prefill_last_rows=cfg.prefill_last_rows, prefill_compile=cfg.prefill_compile)
     runner = DeviceRetrievalRunner(model, SearchConfig(), accel)
     # the eager path the agreement is measured against: one SDPA call per prompt, the full last layer, no graphs
     eager_accel = AccelConfig(fast_path="on", attention_backend=cfg.attention_backend, cuda_graphs=False,
@@ -214,7 +214,8 @@ def _summary(cfg, rows, use_graphs: bool, model) -> dict:
         "dtype": cfg.p2_dtype, "attention_backend": cfg.attention_backend, "cuda_graphs": use_graphs,
         "sid_layout": cfg.sid_layout, "catalog_items": cfg.num_items, "codebook_size": cfg.codebook_size,
         "prefill": {"attention": varlen.resolve(cfg.prefill_attention, model.device, model.dtype),
-                    "flash_failed": varlen.flash_failure(), "last_rows": cfg.prefill_last_rows},
+                    "flash_failed": varlen.flash_failure(), "last_rows": cfg.prefill_last_rows,
+                    "compile": cfg.prefill_compile},
         "ms_per_batch_p2": p2["ms_per_batch"], "req_per_s_p2": p2["req_per_s"],
         "first_batch_ms_p2": p2["first_batch_ms"], "capture_ms_p2": p2["capture_ms"],
         "prefill_ms_p2": p2["prefill_ms"], "decode_ms_p2": p2["decode_ms"],

@@ -27,11 +27,12 @@ from grserve.attention.backends import get_backend
 from grserve.attention.padded import PaddedBeamDecodeContext, PaddedPrefillContext
 from grserve.catalog import Catalog
 from grserve.config import AccelConfig, SearchConfig
-from grserve.engine.retrieval import BatchOutput
+from grserve.engine.retrieval import BatchOutput, prefill_rows
 from grserve.flags import split_commas
 from grserve.kvcache.padded_beam import PaddedBeamKV
 from grserve.kvcache.prefix_blocks import PrefixBlockCache
 from grserve.model import Decoder
+from grserve.model.prefill_compile import CompiledPrefill
 from grserve.search.device_beams import DeviceBeamState
 from grserve.search.device_trie import DeviceTrie
 from grserve.search.level_heads import level_heads
@@ -78,6 +79,7 @@ class DeviceRetrievalRunner:
         self._lock = threading.Lock()
         self.captures = 0  # graphs captured so far
         self.capture_s = 0.0  # time spent in warm-up + capture (reported apart from steady-state batches)
+        self.compiled = CompiledPrefill(model, self.accel.prompt_bucket) if self.accel.prefill_compile else None
 
     def close(self) -> None:
         self._buckets.clear()
@@ -141,10 +143,7 @@ class DeviceRetrievalRunner:
         positions = torch.cat([torch.arange(m, n) for n, m in zip(lens, cached)]).to(dev)
         ctx = PaddedPrefillContext(b.kv, offsets, cached if any(cached) else None, self.accel.prefill_attention)
         rows = torch.tensor(offsets[1:], device=dev) - 1
-        if self.accel.prefill_last_rows:  # the last layer past K/V on each prompt's last row only
-            last = model(tokens, positions, ctx, last_rows=rows)
-        else:
-            last = model(tokens, positions, ctx)[rows]
+        last = prefill_rows(model, self.accel, tokens, positions, ctx, rows, compiled=self.compiled)
         for r, (p, mt) in enumerate(zip(prompts, matches)):
             prefix.store(p, mt, *b.kv.shared_request(r))
         c0 = catalog.codebook_sizes[0]

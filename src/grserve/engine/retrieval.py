@@ -37,7 +37,8 @@ from grserve.engine.think import ThinkSpec, Thought, think
 from grserve.kvcache.beam import BeamKV
 from grserve.kvcache.prefix_blocks import PrefixBlockCache, PrefixMatch
 from grserve.model import Decoder
-from grserve.model.packed_linear import shared_pack
+from grserve.model.packed_linear import PackedLinears, shared_pack
+from grserve.model.prefill_compile import CompiledPrefill
 from grserve.search.beam_search import BeamSearch, Hit
 
 
@@ -59,6 +60,7 @@ class RetrievalRunner:
         self.accel = accel or AccelConfig()
         # oneDNN-prepacked projections on a CPU that has them (model/packed_linear.py), else None: F.linear
         self.packed = shared_pack(model, self.accel.cpu_packed_linears)
+        self.compiled = CompiledPrefill(model, self.accel.prompt_bucket) if self.accel.prefill_compile else None
         self.prefix: PrefixBlockCache | None = None  # the engine's prefix cache (kvcache/prefix_blocks.py), if on
         self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="grserve-mask") if search.overlap_masks else None
 
@@ -141,10 +143,7 @@ class RetrievalRunner:
             ctx = PrefillContext(kv, None if len(fresh) == len(prompts) else fresh, cached if any(cached) else None,
                                  self.accel.prefill_attention)
             rows = torch.from_numpy(np.cumsum([lens[i] - cached[i] for i in fresh]) - 1).to(dev)
-            if self.accel.prefill_last_rows:  # the last layer past K/V on each prompt's last row only
-                last[fresh] = model(tokens, positions, ctx, packed=self.packed, last_rows=rows)
-            else:
-                last[fresh] = model(tokens, positions, ctx, packed=self.packed)[rows]
+            last[fresh] = prefill_rows(model, self.accel, tokens, positions, ctx, rows, self.packed, self.compiled)
         for i, t in enumerate(thoughts):
             if t is not None:
                 for layer in range(spec.num_hidden_layers):
@@ -174,3 +173,17 @@ class RetrievalRunner:
 
     def _full_lse(self, hidden: torch.Tensor) -> torch.Tensor:
         return torch.logsumexp(self.model.logits(hidden).float(), dim=-1, keepdim=True)
+
+
+def prefill_rows(model: Decoder, accel: AccelConfig, tokens: torch.Tensor, positions: torch.Tensor, ctx,
+                 rows: torch.Tensor, packed: PackedLinears | None = None, compiled: CompiledPrefill | None = None
+                 ) -> torch.Tensor:
+    """The prefill of both runners: every token's K/V into ``ctx``'s cache, each prompt's last hidden row [S, H]
+    back (``rows``: their packed indices). ``accel.prefill_last_rows``: the last layer past K/V on those rows only;
+    ``compiled``: the layers through ``model/prefill_compile.py``."""
+    keep = rows if accel.prefill_last_rows else None
+    if compiled is not None:
+        h = compiled(tokens, positions, ctx, keep)
+    else:
+        h = model(tokens, positions, ctx, packed=packed, last_rows=keep)
+    return h if keep is not None else h[rows]
