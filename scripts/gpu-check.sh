@@ -77,7 +77,7 @@ p2)  # issue 36: the prefill as one varlen pass, the last layer on the last rows
     TAIL=6 step chat-beam 100 $BENCH --suite p2 $MODEL --sid-layout onerec --depth 3 $CHAT --hf-requests 1 \
         --attention-backend $BACKEND $ITERS
     # the compiled prefill (off by default: no gain on CPU) on the P2 cell alone; its compile lands in first_batch_ms
-    TAIL=4 step prefill-compiled 60 $BENCH --suite p2 $MODEL $P2CELL --attention-backend $BACKEND --skip-hf \
+    TAIL=4 step prefill-compiled 80 $BENCH --suite p2 $MODEL $P2CELL --attention-backend $BACKEND --skip-hf \
         --prefill-compile $ITERS
     PORT=${PORT:-8765}
     timeout $((130 * SCALE)) $PY -m grserve.cli serve $SRV_MODEL --port $PORT > "$OUT/server.log" 2>&1 &
