@@ -1,6 +1,8 @@
 """The device fast path of GR retrieval: fixed-shape beam steps, captured once per bucket as CUDA graphs.
 
-    prefill (eager)   packed prompts → each prompt's K/V into its padded shared slot; level-0 logits → first()
+    prefill           packed prompts → each prompt's K/V into its padded shared slot (one varlen flash call on
+                      CUDA; the last layer on the last rows only; ``--prefill-compile``: compiled layer pieces);
+                      level-0 logits → first()
     per level l ≥ 1   ONE function (``_step``): decoder forward with staged attention over ``PaddedBeamKV``
                       (backend: torch | triton), the LM head on level l's token rows only
                       (``search/level_heads.py``), masked top-k/expand with the trie on the device, exact

@@ -1,6 +1,7 @@
 """Runs one GR retrieval batch to completion: a packed prefill, then one staged decode step per SID level.
 
     prefill(all prompts) → shared_kv, level-0 logits at each prompt's last position → top-BW of one distribution
+        (``prefill_rows``: the last layer past K/V runs on those last positions only; docs/gpu.md "The prefill")
     for level in 1..depth-1:
         host thread: build this level's sparse item mask from the beams' trie nodes   ┐ overlapped
         model: forward the BW beams' previous tokens (staged attention)               ┘
