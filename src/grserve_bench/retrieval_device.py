@@ -151,7 +151,8 @@ def run_suite(cfg) -> int:
                       f"{row['req_per_s']:.1f} req/s (prefill {row['prefill_ms']:.0f} + decode "
                       f"{row['decode_ms']:.0f} ms traced; first batch {row['first_batch_ms']:.0f} ms, capture "
                       f"{row['capture_ms']:.0f} ms){agree}")
-    summary_runner = {"use_graphs": runner.use_graphs}
+    summary_runner = {"use_graphs": runner.use_graphs,
+                      "compile_failed": runner.compiled.failed if runner.compiled is not None else None}
     runner.close()
     if eager is not None:
         eager.close()  # free the grid's buckets (KV, graphs) before HF, which needs BW copies of the prompt KV
@@ -164,7 +165,7 @@ def run_suite(cfg) -> int:
         if "hf_req_per_s" in h:
             row["speedup_vs_hf"] = row["req_per_s"] / h["hf_req_per_s"]
     _print_table(console, Table, rows)
-    print(json.dumps(_summary(cfg, rows, summary_runner["use_graphs"], model)))
+    print(json.dumps(_summary(cfg, rows, summary_runner["use_graphs"], model, summary_runner["compile_failed"])))
     return 0
 
 
@@ -200,7 +201,7 @@ def _print_table(console, Table, rows) -> None:
     console.print(table)
 
 
-def _summary(cfg, rows, use_graphs: bool, model) -> dict:
+def _summary(cfg, rows, use_graphs: bool, model, compile_failed: str | None = None) -> dict:
     from grserve.attention import varlen
 
     p2 = rows[0]
@@ -215,7 +216,7 @@ def _summary(cfg, rows, use_graphs: bool, model) -> dict:
         "sid_layout": cfg.sid_layout, "catalog_items": cfg.num_items, "codebook_size": cfg.codebook_size,
         "prefill": {"attention": varlen.resolve(cfg.prefill_attention, model.device, model.dtype),
                     "flash_failed": varlen.flash_failure(), "last_rows": cfg.prefill_last_rows,
-                    "compile": cfg.prefill_compile},
+                    "compile": cfg.prefill_compile, "compile_failed": compile_failed},
         "ms_per_batch_p2": p2["ms_per_batch"], "req_per_s_p2": p2["req_per_s"],
         "first_batch_ms_p2": p2["first_batch_ms"], "capture_ms_p2": p2["capture_ms"],
         "prefill_ms_p2": p2["prefill_ms"], "decode_ms_p2": p2["decode_ms"],
