@@ -89,13 +89,26 @@ class RequestHandle(Generic[Res]):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wakeup: asyncio.Event | None = None
         self._on_cancel = on_cancel
+        self._forward: Callable[[Any], None] | None = None
         self.future.add_done_callback(lambda _f: self._wake())
 
     # ---- engine side ---------------------------------------------------------------------------------------
     def push(self, event: Any) -> None:
         with self._lock:
+            if self._forward is not None:  # an engine-core process relays it (engine_core/relay.py)
+                self._forward(event)
+                return
             self._events.append(event)
         self._wake()
+
+    def forward(self, fn: Callable[[Any], None]) -> None:
+        """Hand every event to ``fn`` (in order: those pushed before this call first) instead of ``events()``:
+        how an engine-core process relays a request's events to its front end. ``fn`` runs under the handle's
+        lock, in the pushing thread: it must only queue."""
+        with self._lock:
+            while self._events:
+                fn(self._events.popleft())
+            self._forward = fn
 
     def _wake(self) -> None:
         with self._lock:

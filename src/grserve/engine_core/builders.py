@@ -1,0 +1,31 @@
+"""What an engine-core process builds, by kind: the engine and the facts its front ends need (``info``): what a
+request must fit, the model's limits, and the start-up lines that say what was chosen on this machine."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def llm_lines(engine: Any, cfg: Any) -> list[str]:
+    """The LLM engine's start-up lines (``grserve serve llm`` prints them, whichever process built it)."""
+    c, s = cfg.llm, cfg.server
+    name = c.served_model_name or cfg.model.source
+    pc = engine.prefix_cache
+    prefix = (f", prefix cache {pc.capacity} tokens ({pc.bytes / 2**20:.0f} MiB, {c.prefix_cache_policy})"
+              if pc is not None else "")
+    lines = [f"LLM {name} ({cfg.model.dtype}), scheduler {c.scheduler}, {c.num_blocks} blocks x {c.block_size} "
+             f"tokens{prefix}, {engine.thread_choice.describe()} -> http://{s.host}:{s.port}/v1"]
+    describe = getattr(engine.core.executor, "describe", None)
+    if describe is not None:  # the CPU fast paths chosen on this machine, and why (model/cpu_support.py)
+        lines.append(describe())
+    return lines
+
+
+def build_llm(cfg: Any) -> tuple[Any, dict]:
+    from grserve.engine.async_llm import AsyncLLMEngine
+
+    engine = AsyncLLMEngine.build(cfg, pick_threads=True)
+    spec = engine.model.spec
+    info = {"fit": engine.core.fit, "max_model_len": spec.max_position_embeddings, "vocab_size": spec.vocab_size,
+            "lines": llm_lines(engine, cfg)}
+    return engine, info
