@@ -29,3 +29,9 @@ def build_llm(cfg: Any) -> tuple[Any, dict]:
     info = {"fit": engine.core.fit, "max_model_len": spec.max_position_embeddings, "vocab_size": spec.vocab_size,
             "lines": llm_lines(engine, cfg)}
     return engine, info
+
+
+def llm_precheck(info: dict):
+    """What a front end checks of an LLM request before sending it: that it can ever fit (``LLMFit``: a 400)."""
+    fit = info["fit"]
+    return lambda req: fit.check(len(req.prompt_ids), req.params.max_tokens)

@@ -136,10 +136,10 @@ def run_engine_process(cfg: LLMServeConfig) -> int:
 def llm_front_end(cfg: LLMServeConfig, client, info: dict):
     """The LLM app over an engine-core client, and its start-up lines (a front-end process builds it)."""
     from grserve.engine.tokenizer import load_tokenizer
+    from grserve.engine_core.builders import llm_precheck
     from grserve.server.llm_app import create_llm_app
 
-    fit = info["fit"]
-    client.precheck = lambda req: fit.check(len(req.prompt_ids), req.params.max_tokens)
+    client.precheck = llm_precheck(info)
     tok = load_tokenizer(cfg.api.tokenizer or cfg.model.source, info["vocab_size"], info["max_model_len"],
                          cfg.api.tokenizer_cache)
     name = cfg.llm.served_model_name or cfg.model.source
