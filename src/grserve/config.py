@@ -186,6 +186,7 @@ class ServeConfig:
     state: "StateConfig" = field(default_factory=lambda: StateConfig())  # --state-dir (after the edge)
     beams: "BeamApiConfig" = field(default_factory=lambda: BeamApiConfig())  # the OpenAI beam routes
     prefix: PrefixCacheConfig = field(default_factory=PrefixCacheConfig)  # prompt-prefix KV reuse (off by default)
+    process: "ProcessConfig" = field(default_factory=lambda: ProcessConfig())  # engine process, --api-servers
 
 
 @dataclass(frozen=True)

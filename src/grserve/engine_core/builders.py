@@ -21,7 +21,7 @@ def llm_lines(engine: Any, cfg: Any) -> list[str]:
     return lines
 
 
-def build_llm(cfg: Any) -> tuple[Any, dict]:
+def build_llm(cfg: Any, on_batch: Any = None) -> tuple[Any, dict]:
     from grserve.engine.async_llm import AsyncLLMEngine
 
     engine = AsyncLLMEngine.build(cfg, pick_threads=True)
@@ -35,3 +35,14 @@ def llm_precheck(info: dict):
     """What a front end checks of an LLM request before sending it: that it can ever fit (``LLMFit``: a 400)."""
     fit = info["fit"]
     return lambda req: fit.check(len(req.prompt_ids), req.params.max_tokens)
+
+
+def build_retrieval(cfg: Any, on_batch: Any = None) -> tuple[Any, dict]:
+    """The retrieval engine of ``grserve serve`` (it warms up in ``start()``, before its first heartbeat)."""
+    from grserve.engine.retrieval_engine import RetrievalEngine
+
+    engine = RetrievalEngine.build(cfg, on_batch=on_batch)
+    describe = getattr(engine.runner, "describe", None)
+    info = {"vocab_size": engine.vocab_size, "catalog_version": engine.catalogs.version,
+            "lines": [describe()] if callable(describe) else []}
+    return engine, info

@@ -92,6 +92,8 @@ class EngineCoreClient:
         self.incarnation = 0
         self.deaths = 0
         self.gave_up: str | None = None  # the supervisor stopped restarting: why
+        self.replay: dict[str, Any] = {}  # the last state change of each kind (a reload): sent to every new core
+        self.on_batch: Callable[[int, int], None] | None = None  # the core's batches (the batch histograms)
         self._last_heard = time.monotonic()
         self._closing = False
         self._thread = threading.Thread(target=self._receive, name="grserve-core-client", daemon=True)
@@ -170,6 +172,15 @@ class EngineCoreClient:
         answer = self._call("drain", timeout_s, wait_s=None if timeout_s is None else timeout_s + 5)
         return bool(answer) if answer is not None else not self._open
 
+    def change(self, op: str, arg: Any, wait_s: float = 120.0) -> Any:
+        """A change of the engine's state (``catalog``: a reload), applied by the core in order with the requests
+        around it; kept and applied again to every new core after a restart. Raises what the core raised."""
+        self.replay[op] = arg
+        answer = self._call(op, arg, wait_s)
+        if answer is None and self.state == "ok":
+            raise EngineStopped(f"the engine process did not answer the {op} change within {wait_s:g} s")
+        return answer
+
     def stop(self) -> None:
         if self._closing:
             return
@@ -226,19 +237,26 @@ class EngineCoreClient:
         with self._push_lock:
             self._push.send(frame)
 
-    def _call(self, op: str, timeout_s: float | None, wait_s: float | None) -> Any:
+    def _call(self, op: str, arg: Any, wait_s: float | None) -> Any:
+        """Send a control and wait for its answer (None: no core, or no answer within ``wait_s``)."""
         if self.state == "restarting" or self.core is None or not pid_alive(self.core.pid):
             return None
         call_id = next(self._calls)
         fut: Future = Future()
         self._replies[call_id] = fut
-        self._send(Control(self.identity, self.incarnation, call_id, op, timeout_s))  # type: ignore[arg-type]
+        self._send(Control(self.identity, self.incarnation, call_id, op, arg))  # type: ignore[arg-type]
         try:
-            return fut.result(timeout=wait_s)
+            answer = fut.result(timeout=wait_s)
         except FutureTimeout:
             return None
         finally:
             self._replies.pop(call_id, None)
+        if answer is None:  # failed by the core's death
+            return None
+        value, error = answer
+        if error is not None:
+            raise error
+        return value
 
     def _receive(self) -> None:
         zmq = self.zmq
@@ -288,9 +306,14 @@ class EngineCoreClient:
                     self.core_died(f"a new incarnation {status.incarnation} answered")
                 with self._lock:
                     self.incarnation = status.incarnation
+                    for op, arg in self.replay.items():  # the new core catches up before any request reaches it
+                        self._send(Control(self.identity, self.incarnation, -1, op, arg))  # type: ignore[arg-type]
                     if self.state in ("starting", "restarting"):
                         self.state = "ok"
             self.core = status
+            if self.on_batch is not None:
+                for n, tokens in status.batches:
+                    self.on_batch(n, tokens)
         elif kind == "c":
             fut = self._replies.get(row[1])
             if fut is not None and not fut.done():

@@ -77,24 +77,27 @@ class CoreSpec:
     parent_pid: int
 
 
-def builders() -> dict[str, Callable[[Any], tuple[Any, dict]]]:
-    """kind -> build(config) -> (an unstarted engine, its info for the front ends)."""
-    from grserve.engine_core.builders import build_llm
+def builders() -> dict[str, Callable[[Any, Callable[[int, int], None]], tuple[Any, dict]]]:
+    """kind -> build(config, on_batch) -> (an unstarted engine, its info for the front ends)."""
+    from grserve.engine_core.builders import build_llm, build_retrieval
 
-    return {"llm": build_llm}
+    return {"llm": build_llm, "retrieval": build_retrieval}
 
 
 def run_core(spec: CoreSpec) -> None:
     """The spawned process's target: build the engine, serve the front ends until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent decides
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    batches: list[Callable[[int, int], None]] = []  # the loop's on_batch, once it exists
     try:
-        engine, info = builders()[spec.kind](spec.config)
-    except (ValueError, OSError) as exc:
+        engine, info = builders()[spec.kind](spec.config, lambda n, t: batches[0](n, t) if batches else None)
+    except (ValueError, KeyError, OSError) as exc:
         print(f"grserve: error: {exc}", file=sys.stderr, flush=True)
         sys.exit(3)
     engine.start()
-    CoreLoop(engine, info, spec).run()
+    loop = CoreLoop(engine, info, spec)
+    batches.append(loop.on_batch)
+    loop.run()
 
 
 class CoreLoop:
@@ -115,6 +118,7 @@ class CoreLoop:
         self._lock = threading.Lock()
         self.front_ends: set[bytes] = set()
         self.done = False
+        self._batches: list[tuple[int, int]] = []  # the engine's on_batch calls since the last heartbeat
 
     # ---- output (any thread) --------------------------------------------------------------------------------
     def _queue(self, front_end: bytes, row: tuple) -> None:
@@ -150,8 +154,15 @@ class CoreLoop:
 
     def status(self) -> CoreStatus:
         h = self.engine.health()
+        with self._lock:
+            batches, self._batches = self._batches, []
         return CoreStatus(self.spec.incarnation, os.getpid(), h.status, int(h.queue_depth), int(h.running),
-                          dict(h.detail), dict(self.engine.stats()), self.info)
+                          dict(h.detail), dict(self.engine.stats()), self.info, batches)
+
+    def on_batch(self, requests: int, tokens: int) -> None:
+        """The engine's per-batch callback: sent with the next heartbeat (the front ends' batch histograms)."""
+        with self._lock:
+            self._batches.append((requests, tokens))
 
     def _beat(self, front_ends: set[bytes] | None = None) -> None:
         frame = encode_out([status_row(self.status())])
@@ -172,17 +183,28 @@ class CoreLoop:
             self._relay(msg.front_end, rid, handle)
         elif isinstance(msg, Cancel):
             self.engine.cancel(msg.request_id)
-        else:
+        elif msg.op in ("drain", "stop"):  # they wait on the engine: a thread of their own
             threading.Thread(target=self._control, args=(msg,), name=f"grserve-core-{msg.op}", daemon=True).start()
+        else:
+            self._control(msg)  # a state change: in order with the requests around it
 
     def _control(self, msg: Control) -> None:
-        if msg.op == "drain":
-            answer = self.engine.drain(msg.timeout_s)
-        else:
-            self.engine.stop()
-            answer = True
-            self.done = True
-        self._queue(msg.front_end, reply_row(msg.call_id, answer))
+        answer, error = None, None
+        try:
+            if msg.op == "drain":
+                answer = self.engine.drain(msg.arg)
+            elif msg.op == "stop":
+                self.engine.stop()
+                answer = True
+                self.done = True
+            elif msg.op == "catalog":
+                new, version = msg.arg
+                answer = self.engine.catalogs.replace(new, version)
+            else:
+                raise ValueError(f"unknown control {msg.op!r}")
+        except Exception as exc:  # noqa: BLE001 - the caller's failure, raised there
+            error = exc
+        self._queue(msg.front_end, reply_row(msg.call_id, answer, error))
 
     def run(self) -> None:
         zmq = self.zmq

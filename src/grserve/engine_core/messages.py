@@ -5,7 +5,9 @@ one frame per request, written once):
 
 - ``Submit(front_end, incarnation, request)``: run it; its events and its end go back to ``front_end``;
 - ``Cancel(incarnation, request_id)``;
-- ``Control(front_end, incarnation, call_id, op, timeout_s)``: ``drain`` / ``stop``, answered by a ``reply``.
+- ``Control(front_end, incarnation, call_id, op, arg)``: ``drain`` (arg: the timeout) / ``stop`` on a thread of the
+  core, or a change of the engine's state applied in order with the requests (``catalog``: a reload of the served
+  catalog, arg ``(catalog, version)``), answered by a ``reply``.
 
 A message for another incarnation (sent to a core that has died since) is dropped: the front end has failed
 those requests already.
@@ -73,8 +75,8 @@ class Control:
     front_end: bytes
     incarnation: int
     call_id: int
-    op: Literal["drain", "stop"]
-    timeout_s: float | None = None
+    op: Literal["drain", "stop", "catalog"]
+    arg: Any = None
 
 
 @dataclass(frozen=True)
@@ -89,7 +91,8 @@ class CoreStatus:
     running: int
     health_detail: dict[str, Any] = field(default_factory=dict)
     stats: dict[str, float] = field(default_factory=dict)
-    info: dict[str, Any] = field(default_factory=dict)  # what the engine is (sent with the first heartbeat)
+    info: dict[str, Any] = field(default_factory=dict)  # what the engine is (its builder's facts)
+    batches: list[tuple[int, int]] = field(default_factory=list)  # (requests, tokens) of each batch since the last
 
 
 def encode_in(msg: Submit | Cancel | Control) -> bytes:
@@ -122,8 +125,9 @@ def status_row(status: CoreStatus) -> tuple:
     return ("h", status.incarnation, pickle.dumps(status, protocol=pickle.HIGHEST_PROTOCOL))
 
 
-def reply_row(call_id: int, answer: Any) -> tuple:
-    return ("c", call_id, pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL))
+def reply_row(call_id: int, answer: Any, error: BaseException | None = None) -> tuple:
+    """A control's answer, or its failure (raised again at the caller)."""
+    return ("c", call_id, pickle.dumps((answer, error), protocol=pickle.HIGHEST_PROTOCOL))
 
 
 def encode_out(rows: list[tuple]) -> bytes:
