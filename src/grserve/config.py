@@ -292,6 +292,7 @@ class RankingServeConfig:
     edge: "EdgeConfig" = field(default_factory=lambda: EdgeConfig())
     cluster: "ClusterConfig" = field(default_factory=lambda: ClusterConfig())  # --instances N (end of file)
     state: "StateConfig" = field(default_factory=lambda: StateConfig())  # --state-dir (after the edge)
+    process: "ProcessConfig" = field(default_factory=lambda: ProcessConfig())  # the engine in its own process
 
 
 # ---- LLM (Apt-Serve) -----------------------------------------------------------------------------------------

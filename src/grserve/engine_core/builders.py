@@ -46,3 +46,20 @@ def build_retrieval(cfg: Any, on_batch: Any = None) -> tuple[Any, dict]:
     info = {"vocab_size": engine.vocab_size, "catalog_version": engine.catalogs.version,
             "lines": [describe()] if callable(describe) else []}
     return engine, info
+
+
+def build_ranking(cfg: Any, on_batch: Any = None) -> tuple[Any, dict]:
+    """The BAT ranking engine of ``grserve serve ranking``: the users and items of the flags (the front end sends
+    what its state store restored as changes), the item KV precomputed before the first heartbeat."""
+    from grserve.engine.ranking_engine import RankingEngine
+    from grserve.engine.ranking_runner import RankingRunner
+    from grserve.model import load_model
+    from grserve.ranking.startup_data import build_registry
+
+    m = cfg.model
+    model = load_model(m.source, dtype=m.dtype, device=m.device, seed=m.seed)
+    reg = build_registry(cfg.data, model.spec.vocab_size)
+    runner = RankingRunner(model, reg, cfg.ranking, progress=True)
+    engine = RankingEngine(runner, on_batch=on_batch, edge=cfg.edge)
+    engine.beat = lambda: {"ranking_stats": runner.stats}  # the front end's /v1/ranking/stats
+    return engine, {"vocab_size": model.spec.vocab_size, "policy": runner.policy.name}

@@ -2,7 +2,7 @@
 
 The front end lays histories out as tokens and checks item ids against the catalog, so it holds one; the engine
 process searches its own. Both start from the same flags at version 1; a reload (``POST /v1/catalog``, or the
-state store's catalog at start-up) is swapped in here, then sent to the engine process as a ``catalog`` change,
+state store's catalog at start-up) is swapped in here, then sent to the engine process as a ``CatalogReplace``,
 which it applies in order with the requests around it — and which every restarted engine process is sent again
 before it takes a request (``EngineCoreClient.change``)."""
 
@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from grserve.catalog import Catalog, CatalogStore
+from grserve.cluster.wire import CatalogReplace
 
 
 class CatalogCopy(CatalogStore):
@@ -23,5 +24,5 @@ class CatalogCopy(CatalogStore):
     def replace(self, new: Catalog, version: int | None = None) -> int:
         version = super().replace(new, version)
         if self._client is not None:
-            self._client.change("catalog", (new, version))
+            self._client.change(CatalogReplace(new, version))
         return version

@@ -24,6 +24,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
+from grserve.cluster.gr.broadcast_log import BroadcastLog
 from grserve.engine.protocol import EngineHealth, EngineOverloaded, EngineStopped, RequestHandle
 from grserve.engine_core.core_process import Endpoints
 from grserve.engine_core.messages import (
@@ -92,7 +93,7 @@ class EngineCoreClient:
         self.incarnation = 0
         self.deaths = 0
         self.gave_up: str | None = None  # the supervisor stopped restarting: why
-        self.replay: dict[str, Any] = {}  # the last state change of each kind (a reload): sent to every new core
+        self.log = BroadcastLog()  # the state changes (reloads, registrations): replayed to every new core
         self.on_batch: Callable[[int, int], None] | None = None  # the core's batches (the batch histograms)
         self._last_heard = time.monotonic()
         self._closing = False
@@ -153,12 +154,12 @@ class EngineCoreClient:
         core = self.core
         detail = dict(core.health_detail) if core is not None else {}
         detail.update({"engine_core_pid": core.pid if core is not None else None,
-                       "engine_core_restarts": self.deaths})
+                       "engine_core_restarts": self.deaths, "front_end_pid": os.getpid()})
         if self.gave_up:
             detail["engine_core_error"] = self.gave_up
         status = self.state if self.state in ("ok", "draining") else (
             "stopped" if self.state == "stopped" else "restarting")
-        running = core.running if core is not None else 0
+        running = core.running if core is not None and self.state in ("ok", "draining") else 0
         return EngineHealth(status, self.queue_depth, running, detail)  # type: ignore[arg-type]
 
     def stats(self) -> dict[str, float]:
@@ -172,13 +173,14 @@ class EngineCoreClient:
         answer = self._call("drain", timeout_s, wait_s=None if timeout_s is None else timeout_s + 5)
         return bool(answer) if answer is not None else not self._open
 
-    def change(self, op: str, arg: Any, wait_s: float = 120.0) -> Any:
-        """A change of the engine's state (``catalog``: a reload), applied by the core in order with the requests
-        around it; kept and applied again to every new core after a restart. Raises what the core raised."""
-        self.replay[op] = arg
-        answer = self._call(op, arg, wait_s)
+    def change(self, change: Any, wait_s: float = 600.0) -> Any:
+        """A change of the engine's state (a ``cluster.wire`` ``CatalogReplace`` or ``RegistryUpdate``), applied by
+        the core in order with the requests around it; recorded and replayed to every new core after a restart.
+        Raises what the core raised."""
+        self.log.record(change)
+        answer = self._call("state", change, wait_s)
         if answer is None and self.state == "ok":
-            raise EngineStopped(f"the engine process did not answer the {op} change within {wait_s:g} s")
+            raise EngineStopped(f"the engine process did not apply a state change within {wait_s:g} s")
         return answer
 
     def stop(self) -> None:
@@ -306,8 +308,8 @@ class EngineCoreClient:
                     self.core_died(f"a new incarnation {status.incarnation} answered")
                 with self._lock:
                     self.incarnation = status.incarnation
-                    for op, arg in self.replay.items():  # the new core catches up before any request reaches it
-                        self._send(Control(self.identity, self.incarnation, -1, op, arg))  # type: ignore[arg-type]
+                    # the new core catches up (reloads, registrations) before any request reaches it
+                    self.log.replay(lambda ch: self._send(Control(self.identity, self.incarnation, -1, "state", ch)))
                     if self.state in ("starting", "restarting"):
                         self.state = "ok"
             self.core = status

@@ -79,9 +79,9 @@ class CoreSpec:
 
 def builders() -> dict[str, Callable[[Any, Callable[[int, int], None]], tuple[Any, dict]]]:
     """kind -> build(config, on_batch) -> (an unstarted engine, its info for the front ends)."""
-    from grserve.engine_core.builders import build_llm, build_retrieval
+    from grserve.engine_core.builders import build_llm, build_ranking, build_retrieval
 
-    return {"llm": build_llm, "retrieval": build_retrieval}
+    return {"llm": build_llm, "retrieval": build_retrieval, "ranking": build_ranking}
 
 
 def run_core(spec: CoreSpec) -> None:
@@ -119,6 +119,7 @@ class CoreLoop:
         self.front_ends: set[bytes] = set()
         self.done = False
         self._batches: list[tuple[int, int]] = []  # the engine's on_batch calls since the last heartbeat
+        self.beat = getattr(engine, "beat", None)  # the mode's own facts for every heartbeat (ranking's stats)
 
     # ---- output (any thread) --------------------------------------------------------------------------------
     def _queue(self, front_end: bytes, row: tuple) -> None:
@@ -157,7 +158,8 @@ class CoreLoop:
         with self._lock:
             batches, self._batches = self._batches, []
         return CoreStatus(self.spec.incarnation, os.getpid(), h.status, int(h.queue_depth), int(h.running),
-                          dict(h.detail), dict(self.engine.stats()), self.info, batches)
+                          dict(h.detail), dict(self.engine.stats()), self.info, batches,
+                          self.beat() if self.beat is not None else {})
 
     def on_batch(self, requests: int, tokens: int) -> None:
         """The engine's per-batch callback: sent with the next heartbeat (the front ends' batch histograms)."""
@@ -197,9 +199,10 @@ class CoreLoop:
                 self.engine.stop()
                 answer = True
                 self.done = True
-            elif msg.op == "catalog":
-                new, version = msg.arg
-                answer = self.engine.catalogs.replace(new, version)
+            elif msg.op == "state":
+                from grserve.engine.state_change import apply_change
+
+                answer = apply_change(self.engine, msg.arg)
             else:
                 raise ValueError(f"unknown control {msg.op!r}")
         except Exception as exc:  # noqa: BLE001 - the caller's failure, raised there

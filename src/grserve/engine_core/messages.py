@@ -6,8 +6,9 @@ one frame per request, written once):
 - ``Submit(front_end, incarnation, request)``: run it; its events and its end go back to ``front_end``;
 - ``Cancel(incarnation, request_id)``;
 - ``Control(front_end, incarnation, call_id, op, arg)``: ``drain`` (arg: the timeout) / ``stop`` on a thread of the
-  core, or a change of the engine's state applied in order with the requests (``catalog``: a reload of the served
-  catalog, arg ``(catalog, version)``), answered by a ``reply``.
+  core, or ``state``: a change of the engine's state applied in order with the requests around it (arg a
+  ``cluster.wire`` ``CatalogReplace`` or ``RegistryUpdate``, as a cluster instance is sent), answered by a
+  ``reply``.
 
 A message for another incarnation (sent to a core that has died since) is dropped: the front end has failed
 those requests already.
@@ -75,7 +76,7 @@ class Control:
     front_end: bytes
     incarnation: int
     call_id: int
-    op: Literal["drain", "stop", "catalog"]
+    op: Literal["drain", "stop", "state"]
     arg: Any = None
 
 
@@ -93,6 +94,7 @@ class CoreStatus:
     stats: dict[str, float] = field(default_factory=dict)
     info: dict[str, Any] = field(default_factory=dict)  # what the engine is (its builder's facts)
     batches: list[tuple[int, int]] = field(default_factory=list)  # (requests, tokens) of each batch since the last
+    extra: dict[str, Any] = field(default_factory=dict)  # the mode's own facts (ranking: its RankingStats)
 
 
 def encode_in(msg: Submit | Cancel | Control) -> bytes:
