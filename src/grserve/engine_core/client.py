@@ -78,10 +78,14 @@ class EngineCoreClient:
         self.identity = f"fe-{os.getpid()}-{next(_ids)}".encode()
         self.ctx = zmq.Context()
         self._push = self.ctx.socket(zmq.PUSH)
+        # no bound: admission bounds what is in flight. A connecting socket queues for its peer while it is away
+        # (a restart): what was meant for the dead core reaches the new one, which drops it (another incarnation)
+        self._push.setsockopt(zmq.SNDHWM, 0)
         self._push.connect(endpoints.inbox)
         self._push_lock = threading.Lock()
         self._dealer = self.ctx.socket(zmq.DEALER)
         self._dealer.setsockopt(zmq.IDENTITY, self.identity)
+        self._dealer.setsockopt(zmq.RCVHWM, 0)
         self._dealer.connect(endpoints.outbox)
         self._lock = threading.Lock()
         self._open: dict[str, RequestHandle] = {}
@@ -137,7 +141,11 @@ class EngineCoreClient:
             self._open[rid] = handle
             self._waiting.add(rid)
             incarnation = self.incarnation
-        self._send(Submit(self.identity, incarnation, request))
+        if not self._send(Submit(self.identity, incarnation, request)):
+            with self._lock:
+                self._open.pop(rid, None)
+                self._waiting.discard(rid)
+            raise EngineStopped("the engine process is not reachable (restarting)")
         return handle
 
     def cancel(self, request_id: str) -> bool:
@@ -234,10 +242,15 @@ class EngineCoreClient:
                 fut.set_result(None)
 
     # ---- wire ---------------------------------------------------------------------------------------------------
-    def _send(self, msg: Submit | Cancel | Control) -> None:
+    def _send(self, msg: Submit | Cancel | Control) -> bool:
+        """Push a message without ever waiting: False when no core is connected (it died, or is starting)."""
         frame = encode_in(msg)
         with self._push_lock:
-            self._push.send(frame)
+            try:
+                self._push.send(frame, self.zmq.NOBLOCK)
+            except self.zmq.Again:
+                return False
+        return True
 
     def _call(self, op: str, arg: Any, wait_s: float | None) -> Any:
         """Send a control and wait for its answer (None: no core, or no answer within ``wait_s``)."""
@@ -246,7 +259,9 @@ class EngineCoreClient:
         call_id = next(self._calls)
         fut: Future = Future()
         self._replies[call_id] = fut
-        self._send(Control(self.identity, self.incarnation, call_id, op, arg))  # type: ignore[arg-type]
+        if not self._send(Control(self.identity, self.incarnation, call_id, op, arg)):  # type: ignore[arg-type]
+            self._replies.pop(call_id, None)
+            return None
         try:
             answer = fut.result(timeout=wait_s)
         except FutureTimeout:

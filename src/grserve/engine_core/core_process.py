@@ -110,6 +110,8 @@ class CoreLoop:
         self.inbox = self.ctx.socket(zmq.PULL)
         self.inbox.bind(spec.endpoints.inbox)
         self.outbox = self.ctx.socket(zmq.ROUTER)
+        self.outbox.setsockopt(zmq.SNDHWM, 0)  # never drop a front end's batch (a ROUTER drops at its bound);
+        self.inbox.setsockopt(zmq.RCVHWM, 0)  # the front ends' admission bounds what can be in flight
         self.outbox.bind(spec.endpoints.outbox)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
