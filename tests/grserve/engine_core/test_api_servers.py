@@ -61,3 +61,38 @@ def test_two_front_ends_one_engine(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_sigterm_drains_the_engine_process_then_stops_it(tmp_path):
+    """SIGTERM while a request runs: it finishes (the front end drains the engine process), then both exit."""
+    port = _port()
+    proc = subprocess.Popen([sys.executable, "-m", "grserve", "serve", "llm", "--port", str(port), "--num-blocks",
+                             "256", "--threads", "1", "--tokenizer-cache", str(tmp_path), "--log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None, proc.stdout.read()
+            time.sleep(0.2)
+        core = httpx.get(url + "/health").json()["engine_core_pid"]
+        with ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(httpx.post, url + "/v1/completions",
+                              json={"model": "tiny-mha", "prompt": "hi", "max_tokens": 400, "temperature": 0,
+                                    "ignore_eos": True}, timeout=120)
+            time.sleep(1.0)
+            proc.send_signal(signal.SIGTERM)
+            r = fut.result()
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+        assert r.json()["usage"]["completion_tokens"] == 400
+        assert proc.wait(60) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal it handled once shut down
+        time.sleep(0.5)
+        assert not pid_alive(core)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
