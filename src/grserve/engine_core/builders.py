@@ -3,6 +3,7 @@ request must fit, the model's limits, and the start-up lines that say what was c
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 
@@ -42,6 +43,10 @@ def build_retrieval(cfg: Any, on_batch: Any = None) -> tuple[Any, dict]:
     from grserve.engine.retrieval_engine import RetrievalEngine
 
     engine = RetrievalEngine.build(cfg, on_batch=on_batch)
+    if cfg.search.warmup:  # before the first heartbeat: the front end takes requests only after it
+        t0 = time.perf_counter()
+        engine.warm_up(log=lambda line: print(f"grserve: {line}", flush=True))
+        print(f"grserve: warmed up in {time.perf_counter() - t0:.1f} s", flush=True)
     describe = getattr(engine.runner, "describe", None)
     info = {"vocab_size": engine.vocab_size, "catalog_version": engine.catalogs.version,
             "lines": [describe()] if callable(describe) else []}
