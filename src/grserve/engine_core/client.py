@@ -5,7 +5,7 @@ here (the core's status, the request's fit, this front end's queue bound) and pu
 never waits on the core; one receiver thread reads the core's batches and feeds each request's handle (events,
 then its result or failure). ``/health`` and ``/metrics`` read the last heartbeat (``CoreStatus``), never the core.
 
-When the core dies — its pid is gone, or no heartbeat for ``SILENT_AFTER_S`` — every request in it fails at once
+When the core dies — its pid is gone, or no heartbeat for ``SILENT_AFTER_S`` (then it is killed) — every request in it fails at once
 with ``EngineCoreDied`` (503, Retry-After), new requests are refused with 503 while the supervisor starts another
 core, ``/health`` says ``restarting``; the first heartbeat of the new incarnation puts the front end back in
 service. Nothing waits forever: a request is either in the core, whose death ends it, or answered.
@@ -17,6 +17,7 @@ import itertools
 import logging
 import os
 import pickle
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -61,6 +62,14 @@ def pid_alive(pid: int) -> bool:
         except PermissionError:
             return True
         return True
+
+
+def _fence(pid: int) -> None:
+    """End a core that stopped answering (its late answers must never be taken for a live core's)."""
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except OSError:
+        pass
 
 
 class EngineCoreClient:
@@ -296,6 +305,7 @@ class EngineCoreClient:
                 if not pid_alive(self.core.pid):
                     self.core_died(f"pid {self.core.pid} exited")
                 elif time.monotonic() - self._last_heard > SILENT_AFTER_S:
+                    _fence(self.core.pid)  # hung: killed, so that its supervisor starts a new one
                     self.core_died(f"no heartbeat for {SILENT_AFTER_S:g} s")
 
     def _dispatch(self, row: list) -> None:

@@ -95,6 +95,9 @@ def run_core(spec: CoreSpec) -> None:
         print(f"grserve: error: {exc}", file=sys.stderr, flush=True)
         sys.exit(3)
     engine.start()
+    from grserve.server.serving import settle_heap
+
+    settle_heap()  # the model and everything built at start-up out of the collector's sight (as a front end's)
     loop = CoreLoop(engine, info, spec)
     batches.append(loop.on_batch)
     loop.run()
