@@ -42,7 +42,7 @@ from grserve.engine_core.messages import (
 )
 
 log = logging.getLogger("grserve.engine_core")
-SILENT_AFTER_S = 5.0  # no heartbeat for this long from a core whose pid lives: taken for dead (hung)
+SILENT_AFTER_S = 10.0  # no heartbeat for this long from a core whose pid lives: taken for dead (hung)
 HELLO_EVERY_S = 0.2  # while waiting for a core (start, restart)
 _ids = itertools.count()
 

@@ -167,3 +167,23 @@ def test_a_core_whose_server_is_killed_exits(tmp_path):
         _wait(lambda: not pid_alive(core_pid), 20)
     finally:
         proc.kill()
+
+
+def test_a_hung_core_is_fenced_and_replaced(cfg):
+    """A core that stops answering (SIGSTOP: alive, silent) is killed after SILENT_AFTER_S and a new one serves."""
+    sup, client, info = start_core("llm", cfg, max_restarts=1, max_waiting=None)
+    try:
+        client.precheck = llm_precheck(info)
+        old = client.core.pid
+        h = client.submit(LLMRequest(list(range(20, 40)), SamplingParams(max_tokens=800, temperature=0.0,
+                                                                       ignore_eos=True)))
+        _wait(lambda: not client.queue_depth)
+        os.kill(old, signal.SIGSTOP)
+        with pytest.raises(EngineCoreDied, match="no heartbeat"):
+            h.future.result(timeout=30)
+        _wait(lambda: client.state == "ok" and client.core.pid != old, 120)
+        assert not pid_alive(old)
+        _, res = _run(client, LLMRequest(PROMPTS[1], PARAMS[0]))
+        assert res.finish_reason == "length"
+    finally:
+        client.stop()
