@@ -8,8 +8,9 @@ outbox. Every wake-up sends what has been queued since, one frame per front end:
 all of a front end's requests travel together. A heartbeat (``CoreStatus``) goes to every front end every
 ``HEARTBEAT_S``.
 
-The process ignores SIGINT and SIGTERM: whoever started it orders it to drain and stop (``Control``); it stops by
-itself when that parent dies (kill -9 of the server: no orphan keeps the model's memory).
+The process ignores SIGINT (Ctrl-C reaches the whole process group: whoever started it orders it to drain and stop,
+``Control``); SIGTERM makes it drain and stop by itself (a service manager that signals every process of the
+server); it stops by itself when its parent dies (kill -9 of the server: no orphan keeps the model's memory).
 """
 
 from __future__ import annotations
@@ -87,7 +88,9 @@ def builders() -> dict[str, Callable[[Any, Callable[[int, int], None]], tuple[An
 def run_core(spec: CoreSpec) -> None:
     """The spawned process's target: build the engine, serve the front ends until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent decides
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    terms: list[CoreLoop] = []  # SIGTERM to this process too (a service manager's, or the interpreter exit of
+    #                             its parent): drain, then stop — as the front end would order
+    signal.signal(signal.SIGTERM, lambda *_: terms[0].terminate() if terms else os._exit(0))
     batches: list[Callable[[int, int], None]] = []  # the loop's on_batch, once it exists
     try:
         engine, info = builders()[spec.kind](spec.config, lambda n, t: batches[0](n, t) if batches else None)
@@ -100,6 +103,7 @@ def run_core(spec: CoreSpec) -> None:
     settle_heap()  # the model and everything built at start-up out of the collector's sight (as a front end's)
     loop = CoreLoop(engine, info, spec)
     batches.append(loop.on_batch)
+    terms.append(loop)
     loop.run()
 
 
@@ -156,7 +160,8 @@ class CoreLoop:
         for fe, row in queued:
             by_front_end.setdefault(fe, []).append(row)
         for fe, rows in by_front_end.items():
-            self.outbox.send_multipart([fe, encode_out(rows)])
+            if fe:
+                self.outbox.send_multipart([fe, encode_out(rows)])
 
     def status(self) -> CoreStatus:
         h = self.engine.health()
@@ -213,6 +218,18 @@ class CoreLoop:
         except Exception as exc:  # noqa: BLE001 - the caller's failure, raised there
             error = exc
         self._queue(msg.front_end, reply_row(msg.call_id, answer, error))
+
+    def terminate(self) -> None:
+        """SIGTERM: finish what runs (the edge's shutdown timeout), then stop."""
+        timeout = getattr(getattr(self.spec.config, "edge", None), "shutdown_timeout", 30.0)
+
+        def drain_then_stop() -> None:
+            self.engine.drain(timeout)
+            self.engine.stop()
+            self.done = True
+            self._queue(b"", ("n",))  # wake the I/O thread (a row for no front end: dropped)
+
+        threading.Thread(target=drain_then_stop, name="grserve-core-sigterm", daemon=True).start()
 
     def run(self) -> None:
         zmq = self.zmq

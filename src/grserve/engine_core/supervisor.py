@@ -83,6 +83,11 @@ class CoreSupervisor:
             if proc.exitcode is None or self._stopping:
                 continue
             why = f"engine process pid {proc.pid}: {exit_reason(proc.exitcode)}"
+            if proc.exitcode == 0:  # it stopped as told (SIGTERM to it: drained first): not restarted
+                self.gave_up = f"{why} (it was stopped: SIGTERM)"
+                for listener in self.listeners:
+                    listener.give_up(self.gave_up)
+                return
             for listener in self.listeners:
                 listener.core_died(why)
             if not self.ready:

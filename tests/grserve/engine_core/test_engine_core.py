@@ -187,3 +187,22 @@ def test_a_hung_core_is_fenced_and_replaced(cfg):
         assert res.finish_reason == "length"
     finally:
         client.stop()
+
+
+def test_sigterm_to_the_core_drains_it_and_it_is_not_restarted(cfg):
+    """A service manager's SIGTERM to every process: the core finishes what runs, exits 0, and is not restarted
+    (the front end answers 503 saying so)."""
+    sup, client, info = start_core("llm", cfg, max_restarts=2, max_waiting=None)
+    try:
+        pid = client.core.pid
+        h = client.submit(LLMRequest(list(range(20, 30)), SamplingParams(max_tokens=60, temperature=0.0,
+                                                                       ignore_eos=True)))
+        _wait(lambda: not client.queue_depth)
+        os.kill(pid, signal.SIGTERM)
+        assert h.future.result(timeout=60).finish_reason == "length"  # drained: finished, not cut
+        _wait(lambda: client.state == "stopped")
+        assert not pid_alive(pid) and sup.proc.exitcode == 0 and sup.incarnation == 1
+        with pytest.raises(EngineStopped, match="SIGTERM"):
+            client.submit(LLMRequest([1, 2, 3], SamplingParams(max_tokens=2)))
+    finally:
+        client.stop()
