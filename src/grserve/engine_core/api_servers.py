@@ -32,16 +32,21 @@ FrontEnd = Callable[[Any, EngineCoreClient, dict], tuple[Any, list[str]]]
 
 def start_core(kind: str, cfg: Any, max_restarts: int, max_waiting: int | None) -> tuple[CoreSupervisor,
                                                                                        EngineCoreClient, dict]:
-    """Spawn the core and wait until it is ready; a core that fails to start is a ``UsageError`` (its own
-    message was printed by it)."""
+    """Spawn the core and wait until it is ready; a core that fails to start is a ``UsageError`` with its reason (a
+    bad model, file or flag: the message the engine raised)."""
     sup = CoreSupervisor(kind, cfg, max_restarts).start()
     client = EngineCoreClient(sup.endpoints, max_waiting=max_waiting, on_close=sup.stop)
     sup.listeners.append(client)
     try:
         info = client.wait_ready(sup.alive)
     except RuntimeError as exc:
+        try:
+            with open(sup.endpoints.error_file) as f:
+                reason = f.read()
+        except OSError:
+            reason = f"{exc}; see its error above"
         client.stop()
-        raise UsageError(f"{exc}; see its error above") from None
+        raise UsageError(reason) from None
     sup.ready = True
     return sup, client, info
 

@@ -54,9 +54,13 @@ class Endpoints:
         d = tempfile.mkdtemp(prefix="grserve-core-")  # mode 0700: only this user reaches the core
         return cls(f"ipc://{d}/in", f"ipc://{d}/out")
 
+    @property
+    def error_file(self) -> str:
+        """Where a core that cannot start writes why (its front end reports it as a usage error)."""
+        return os.path.join(os.path.dirname(self.inbox.removeprefix("ipc://")), "start-error")
+
     def remove(self) -> None:
-        for addr in (self.inbox, self.outbox):
-            path = addr.removeprefix("ipc://")
+        for path in (self.inbox.removeprefix("ipc://"), self.outbox.removeprefix("ipc://"), self.error_file):
             try:
                 os.unlink(path)
             except OSError:
@@ -94,8 +98,10 @@ def run_core(spec: CoreSpec) -> None:
     batches: list[Callable[[int, int], None]] = []  # the loop's on_batch, once it exists
     try:
         engine, info = builders()[spec.kind](spec.config, lambda n, t: batches[0](n, t) if batches else None)
-    except (ValueError, KeyError, OSError) as exc:
-        print(f"grserve: error: {exc}", file=sys.stderr, flush=True)
+    except (ValueError, KeyError, OSError) as exc:  # a bad model, file or flag: the user's to fix
+        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
+        with open(spec.endpoints.error_file, "w") as f:
+            f.write(message)
         sys.exit(3)
     engine.start()
     from grserve.server.serving import settle_heap
