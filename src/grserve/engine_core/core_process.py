@@ -15,6 +15,7 @@ server); it stops by itself when its parent dies (kill -9 of the server: no orph
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import sys
@@ -104,9 +105,8 @@ def run_core(spec: CoreSpec) -> None:
             f.write(message)
         sys.exit(3)
     engine.start()
-    from grserve.server.serving import settle_heap
-
-    settle_heap()  # the model and everything built at start-up out of the collector's sight (as a front end's)
+    gc.collect()  # the model and everything built at start-up out of the cyclic collector's sight (as a front
+    gc.freeze()  # end's settle_heap): a full collection then walks only what requests allocated
     loop = CoreLoop(engine, info, spec)
     batches.append(loop.on_batch)
     terms.append(loop)
@@ -216,7 +216,7 @@ class CoreLoop:
                 answer = True
                 self.done = True
             elif msg.op == "state":
-                from grserve.engine.state_change import apply_change
+                from grserve.cluster.gr.state_change import apply_change
 
                 answer = apply_change(self.engine, msg.arg)
             else:

@@ -127,8 +127,8 @@ def run_cluster(cfg: LLMServeConfig, cluster: ClusterConfig) -> int:
 
 def run_engine_process(cfg: LLMServeConfig) -> int:
     """The engine in an engine-core process (``engine_core/``), this process the HTTP front end; with
-    ``--api-servers N`` > 1, N front-end processes on the port (``engine_core/api_servers.py``)."""
-    from grserve.engine_core.api_servers import serve_split
+    ``--api-servers N`` > 1, N front-end processes on the port (``server/api_servers.py``)."""
+    from grserve.server.api_servers import serve_split
 
     return serve_split("llm", cfg, cfg.server, cfg.process, cfg.edge, llm_front_end)
 

@@ -216,7 +216,7 @@ def cluster_app(engine, make_app):
 def run_engine_process(cfg: ServeConfig) -> int:
     """The retrieval engine in an engine-core process (``engine_core/``), this process the HTTP front end; with
     ``--api-servers N`` > 1, N front-end processes on the port."""
-    from grserve.engine_core.api_servers import serve_split
+    from grserve.server.api_servers import serve_split
 
     if cfg.process.api_servers > 1 and cfg.state.state_dir:
         raise UsageError("--api-servers > 1 with --state-dir: one front end owns the state store; use one")

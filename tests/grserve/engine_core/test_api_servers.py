@@ -21,6 +21,18 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
+def _wait_healthy(proc: subprocess.Popen, url: str) -> None:
+    for _ in range(600):
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.2)
+    raise AssertionError("the server never became healthy")
+
+
 def test_two_front_ends_one_engine(tmp_path):
     port = _port()
     proc = subprocess.Popen([sys.executable, "-m", "grserve", "serve", "llm", "--port", str(port), "--api-servers",
@@ -28,14 +40,7 @@ def test_two_front_ends_one_engine(tmp_path):
                              "--log-level", "warning"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None, proc.stdout.read()
-            time.sleep(0.2)
+        _wait_healthy(proc, url)
         front_ends, cores = set(), set()
         for _ in range(60):  # a new connection each: the kernel hands them to either front end
             h = httpx.get(url + "/health", timeout=10).json()
@@ -71,14 +76,7 @@ def test_sigterm_drains_the_engine_process_then_stops_it(tmp_path):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None, proc.stdout.read()
-            time.sleep(0.2)
+        _wait_healthy(proc, url)
         core = httpx.get(url + "/health").json()["engine_core_pid"]
         with ThreadPoolExecutor(1) as pool:
             fut = pool.submit(httpx.post, url + "/v1/completions",

@@ -22,7 +22,7 @@ from grserve.config import (
     ServeConfig,
 )
 from grserve.engine.types import RankingRequest, RetrievalRequest
-from grserve.engine_core.api_servers import start_core
+from grserve.server.api_servers import start_core
 
 
 def _wait(cond, timeout_s=120.0):

@@ -47,7 +47,7 @@ def server(request, tmp_path_factory):
 
 def _split_server(d):
     from grserve.config import LLMApiConfig, LLMConfig, LLMServeConfig, ModelConfig
-    from grserve.engine_core.api_servers import start_core
+    from grserve.server.api_servers import start_core
     from grserve.server.llm_main import llm_front_end
 
     cfg = LLMServeConfig(model=ModelConfig(source=str(d)),

@@ -221,7 +221,7 @@ class GRInstance:
 
     def _update(self, change: RegistryUpdate) -> int:
         """One change (items may hand identifiers over among themselves: a restored front end's replay)."""
-        from grserve.engine.state_change import apply_change
+        from grserve.cluster.gr.state_change import apply_change
 
         return apply_change(self.engine, change)
 
