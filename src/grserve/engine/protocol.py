@@ -93,13 +93,28 @@ class RequestHandle(Generic[Res]):
         self.future.add_done_callback(lambda _f: self._wake())
 
     # ---- engine side ---------------------------------------------------------------------------------------
-    def push(self, event: Any) -> None:
+    def push(self, event: Any, wake: bool = True) -> None:
+        """Hand the consumer an event; ``wake=False``: the caller wakes it later (``wake_all``: one wake-up of
+        the consumer's loop for many handles)."""
         with self._lock:
-            if self._forward is not None:  # an engine-core process relays it (engine_core/relay.py)
+            if self._forward is not None:  # an engine-core process relays it (engine_core/core_process.py)
                 self._forward(event)
                 return
             self._events.append(event)
-        self._wake()
+        if wake:
+            self._wake()
+
+    @staticmethod
+    def wake_all(handles: "list[RequestHandle]") -> None:
+        """Wake the consumers of ``handles`` with one call into each of their loops."""
+        by_loop: dict[Any, list[asyncio.Event]] = {}
+        for h in handles:
+            with h._lock:
+                loop, wakeup = h._loop, h._wakeup
+            if loop is not None and wakeup is not None and not loop.is_closed():
+                by_loop.setdefault(loop, []).append(wakeup)
+        for loop, wakeups in by_loop.items():
+            loop.call_soon_threadsafe(_set_all, wakeups)
 
     def forward(self, fn: Callable[[Any], None]) -> None:
         """Hand every event to ``fn`` (in order: those pushed before this call first) instead of ``events()``:
@@ -145,6 +160,11 @@ class RequestHandle(Generic[Res]):
 
 
 _NOTHING = object()
+
+
+def _set_all(events: list[asyncio.Event]) -> None:
+    for e in events:
+        e.set()
 
 
 @runtime_checkable

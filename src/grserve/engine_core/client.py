@@ -299,8 +299,10 @@ class EngineCoreClient:
                     except zmq.Again:
                         break
                     self._last_heard = time.monotonic()
+                    pushed: list[RequestHandle] = []
                     for row in decode_out(frame):
-                        self._dispatch(row)
+                        self._dispatch(row, pushed)
+                    RequestHandle.wake_all(pushed)  # one wake-up of the event loop per batch
             elif self.state in ("ok", "draining") and self.core is not None:
                 if not pid_alive(self.core.pid):
                     self.core_died(f"pid {self.core.pid} exited")
@@ -308,14 +310,15 @@ class EngineCoreClient:
                     _fence(self.core.pid)  # hung: killed, so that its supervisor starts a new one
                     self.core_died(f"no heartbeat for {SILENT_AFTER_S:g} s")
 
-    def _dispatch(self, row: list) -> None:
+    def _dispatch(self, row: list, pushed: list[RequestHandle]) -> None:
         kind = row[0]
         if kind == "t" or kind == "e":
             rid = row[1]
             handle = self._open.get(rid)
             if handle is not None:
                 self._waiting.discard(rid)
-                handle.push(token_event(row) if kind == "t" else pickle.loads(row[2]))
+                handle.push(token_event(row) if kind == "t" else pickle.loads(row[2]), wake=False)
+                pushed.append(handle)
         elif kind == "r" or kind == "x":
             rid = row[1]
             with self._lock:

@@ -145,9 +145,15 @@ def rebuild_error(name: str, message: str) -> BaseException:
     return ERRORS.get(name, EngineStepFailed)(message)
 
 
+_token_event: Any = None  # engine.llm.TokenEvent, imported on first use (a retrieval front end never needs it)
+
+
 def token_event(row: list) -> Any:
     """A ``("t", ...)`` row back as the engine's ``TokenEvent``."""
-    from grserve.engine.llm import TokenEvent
+    global _token_event
+    if _token_event is None:
+        from grserve.engine.llm import TokenEvent
 
+        _token_event = TokenEvent
     _, _rid, token_ids, text, finished, reason, cached, seq_id = row
-    return TokenEvent(seq_id, token_ids, text, finished, reason, cached_tokens=cached)
+    return _token_event(seq_id, token_ids, text, finished, reason, cached_tokens=cached)
