@@ -63,7 +63,8 @@ async def _clients(url: str, reqs: list[dict], top_n: int, concurrency: int) -> 
 def server(args, catalog: str, reqs: list[dict]) -> tuple[float, list[list[int]]]:
     cmd = [sys.executable, "-m", "grserve.cli", "serve", "--model", args.model, "--catalog", catalog,
            "--beam-width", str(args.beam_width), "--seed", "0", "--host", "127.0.0.1", "--port", str(args.port),
-           "--max-batch-requests", str(args.max_batch_requests), "--log-level", "warning"]
+           "--max-batch-requests", str(args.max_batch_requests), "--log-level", "warning",
+           *args.server_flags.split()]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{args.port}"
     try:
@@ -98,6 +99,7 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--port", type=int, default=18310)
     p.add_argument("--skip-server", action="store_true")
+    p.add_argument("--server-flags", default="", help="more grserve serve flags, e.g. '--no-engine-process'")
     args = p.parse_args()
     from grserve.catalog import generate_catalog, load_catalog, save_catalog
 
@@ -112,6 +114,7 @@ def main() -> int:
         if not args.skip_server:
             srv, srv_items = server(args, catalog, reqs)
             out |= {"server_req_per_s": round(srv, 1), "concurrency": args.concurrency,
+                    "server_flags": args.server_flags, "server_vs_offline": round(srv / off, 3),
                     "identical_answers": sum(a == b for a, b in zip(off_items, srv_items))}
     print(json.dumps(out))
     return 0

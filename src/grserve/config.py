@@ -186,6 +186,7 @@ class ServeConfig:
     state: "StateConfig" = field(default_factory=lambda: StateConfig())  # --state-dir (after the edge)
     beams: "BeamApiConfig" = field(default_factory=lambda: BeamApiConfig())  # the OpenAI beam routes
     prefix: PrefixCacheConfig = field(default_factory=PrefixCacheConfig)  # prompt-prefix KV reuse (off by default)
+    process: "ProcessConfig" = field(default_factory=lambda: ProcessConfig())  # engine process, --api-servers
 
 
 @dataclass(frozen=True)
@@ -291,6 +292,7 @@ class RankingServeConfig:
     edge: "EdgeConfig" = field(default_factory=lambda: EdgeConfig())
     cluster: "ClusterConfig" = field(default_factory=lambda: ClusterConfig())  # --instances N (end of file)
     state: "StateConfig" = field(default_factory=lambda: StateConfig())  # --state-dir (after the edge)
+    process: "ProcessConfig" = field(default_factory=lambda: ProcessConfig())  # the engine in its own process
 
 
 # ---- LLM (Apt-Serve) -----------------------------------------------------------------------------------------
@@ -342,6 +344,7 @@ class LLMServeConfig:
     slo: "SLOConfig" = field(default_factory=lambda: SLOConfig())  # latency targets (end of file)
     pd: "PDConfig" = field(default_factory=lambda: PDConfig())  # --pd, role flips (end of file)
     colocation: "ColocationConfig" = field(default_factory=lambda: ColocationConfig())  # online/offline
+    process: "ProcessConfig" = field(default_factory=lambda: ProcessConfig())  # engine process, --api-servers
 
 
 # ---- the API edge (security and limits), shared by the three servers ------------------------------------------
@@ -555,3 +558,17 @@ class ColocationConfig(Checked):
                                            "that it is no longer preempted", check=non_negative)
     offline_admission: bool = flag(True, "admit offline decodes into a batch with online work only when the "
                                          "latency model predicts the step stays inside --tpot-slo-s")
+
+
+@dataclass(frozen=True)
+class ProcessConfig(Checked):
+    """Where a server's engine runs (docs/architecture.md, "Processes"): in an engine-core process of its own beside
+    the HTTP front end(s), or on a thread of the one process."""
+
+    engine_process: bool = flag(True, "run the engine (scheduler + model + step loop) in a process of its own; the "
+                                      "HTTP front end(s) do HTTP, validation, tokenization and streaming (off: one "
+                                      "process, the engine on a thread)")
+    api_servers: int = flag(1, "HTTP front-end processes sharing the port, all feeding one engine process (needs "
+                               "--engine-process)", check=positive_int)
+    engine_restarts: int = flag(3, "times a dead engine process is restarted within 10 minutes; after that the "
+                                   "server answers 503 and /health says why", check=non_negative)

@@ -252,6 +252,12 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
+def _ratio(a: float, b: float) -> float | None:
+    """a / b, None when b is 0 (a client that measured nothing there, e.g. a TPOT of streams that came in one
+    chunk): not a ratio, and never a goal met."""
+    return round(a / b, 3) if b else None
+
+
 def summarize_serve(rounds: list[dict], models: list[str], conc: list[int]) -> dict:
     """Per model and concurrency: each system's medians over the rounds (and the spread), the ratios, and whether
     every greedy probe text was identical between the systems in every round."""
@@ -268,12 +274,13 @@ def summarize_serve(rounds: list[dict], models: list[str], conc: list[int]) -> d
                 row[system]["tok_s_spread"] = [round(min(x["output_tok_s"] for x in runs), 1),
                                                round(max(x["output_tok_s"] for x in runs), 1)]
             g, v = row["grserve"], row["vllm"]
-            row["tok_s_ratio"] = round(g["output_tok_s"] / v["output_tok_s"], 3)
-            row["ttft_p50_ratio"] = round(g["ttft_p50_ms"] / v["ttft_p50_ms"], 3)  # grserve / vLLM: <= 1 is better
-            row["tpot_p50_ratio"] = round(g["tpot_p50_ms"] / v["tpot_p50_ms"], 3)
-            row["met"] = row["tok_s_ratio"] >= 1 and row["ttft_p50_ratio"] <= 1 and row["tpot_p50_ratio"] <= 1
+            row["tok_s_ratio"] = _ratio(g["output_tok_s"], v["output_tok_s"])
+            row["ttft_p50_ratio"] = _ratio(g["ttft_p50_ms"], v["ttft_p50_ms"])  # grserve / vLLM: <= 1 is better
+            row["tpot_p50_ratio"] = _ratio(g["tpot_p50_ms"], v["tpot_p50_ms"])
+            ratios = (row["tok_s_ratio"], row["ttft_p50_ratio"], row["tpot_p50_ratio"])
+            row["met"] = None not in ratios and ratios[0] >= 1 and ratios[1] <= 1 and ratios[2] <= 1
             # tokens per second of server CPU, grserve / vLLM (> 1: grserve does more with the CPU it gets)
-            row["tok_per_cpu_s_ratio"] = round(v["server_cpu_ms_per_token"] / g["server_cpu_ms_per_token"], 3)
+            row["tok_per_cpu_s_ratio"] = _ratio(v["server_cpu_ms_per_token"], g["server_cpu_ms_per_token"])
             table[f"{name}/c{c}"] = row
     return table
 

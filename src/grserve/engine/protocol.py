@@ -89,13 +89,41 @@ class RequestHandle(Generic[Res]):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wakeup: asyncio.Event | None = None
         self._on_cancel = on_cancel
+        self._forward: Callable[[Any], None] | None = None
         self.future.add_done_callback(lambda _f: self._wake())
 
     # ---- engine side ---------------------------------------------------------------------------------------
-    def push(self, event: Any) -> None:
+    def push(self, event: Any, wake: bool = True) -> None:
+        """Hand the consumer an event; ``wake=False``: the caller wakes it later (``wake_all``: one wake-up of
+        the consumer's loop for many handles)."""
         with self._lock:
+            if self._forward is not None:  # an engine-core process relays it (engine_core/core_process.py)
+                self._forward(event)
+                return
             self._events.append(event)
-        self._wake()
+        if wake:
+            self._wake()
+
+    @staticmethod
+    def wake_all(handles: "list[RequestHandle]") -> None:
+        """Wake the consumers of ``handles`` with one call into each of their loops."""
+        by_loop: dict[Any, list[asyncio.Event]] = {}
+        for h in handles:
+            with h._lock:
+                loop, wakeup = h._loop, h._wakeup
+            if loop is not None and wakeup is not None and not loop.is_closed():
+                by_loop.setdefault(loop, []).append(wakeup)
+        for loop, wakeups in by_loop.items():
+            loop.call_soon_threadsafe(_set_all, wakeups)
+
+    def forward(self, fn: Callable[[Any], None]) -> None:
+        """Hand every event to ``fn`` (in order: those pushed before this call first) instead of ``events()``:
+        how an engine-core process relays a request's events to its front end. ``fn`` runs under the handle's
+        lock, in the pushing thread: it must only queue."""
+        with self._lock:
+            while self._events:
+                fn(self._events.popleft())
+            self._forward = fn
 
     def _wake(self) -> None:
         with self._lock:
@@ -132,6 +160,11 @@ class RequestHandle(Generic[Res]):
 
 
 _NOTHING = object()
+
+
+def _set_all(events: list[asyncio.Event]) -> None:
+    for e in events:
+        e.set()
 
 
 @runtime_checkable

@@ -44,8 +44,11 @@ def item_features(num_tokens: int, num_computed: int, num_new: int) -> StepFeatu
 
 class StepLatencyModel:
     def __init__(self, forget: float = 0.995, ridge: float = 1e-9, min_samples: int = 8,
-                 correction_rate: float = 0.05):
+                 correction_rate: float = 0.05, refit_every: int = 16):
         self.forget, self.ridge, self.min_samples = forget, ridge, min_samples
+        self.refit_every = refit_every  # solve again after this many new steps (each step asks: a solve each was
+        #                                 ~2-4 % of a small model's decode step; the fit forgets over ~200 steps)
+        self._since_fit = 0
         self._xtx = np.zeros((4, 4))
         self._xty = np.zeros(4)
         self.samples = 0
@@ -65,7 +68,9 @@ class StepLatencyModel:
         self._xtx = self.forget * self._xtx + np.outer(x, x)
         self._xty = self.forget * self._xty + x * seconds
         self.samples += 1
-        self._coef = None
+        self._since_fit += 1
+        if self._since_fit >= self.refit_every:
+            self._coef = None
 
     @property
     def coef(self) -> np.ndarray | None:
@@ -74,6 +79,7 @@ class StepLatencyModel:
             return None
         if self._coef is None:
             self._coef = self._solve()
+            self._since_fit = 0
         return self._coef
 
     def _solve(self) -> np.ndarray:

@@ -15,6 +15,7 @@ from grserve.config import (
     LLMServeConfig,
     ModelConfig,
     PDConfig,
+    ProcessConfig,
     ServerConfig,
     SLOConfig,
 )
@@ -37,6 +38,8 @@ def add_command(sub) -> None:
     add_flags(p, SLOConfig, title="latency SLOs (PD routing, role flips, co-location)")
     add_flags(p, PDConfig, title="prefill/decode disaggregation (needs --instances >= 2; docs/cluster.md)")
     add_flags(p, ColocationConfig, title="online/offline co-location (docs/llm.md)")
+    add_flags(p, ProcessConfig, title="processes (the engine in its own process, HTTP front ends; "
+                                      "docs/architecture.md)")
     p.set_defaults(handler=lambda ns: run(config_from_args(ns)))
 
 
@@ -46,7 +49,8 @@ def config_from_args(ns: argparse.Namespace) -> LLMServeConfig:
     return LLMServeConfig(model=model, llm=from_args(LLMConfig, ns), server=from_args(ServerConfig, ns),
                           api=from_args(LLMApiConfig, ns), edge=edge_from_args(ns),
                           cluster=from_args(ClusterConfig, ns), slo=from_args(SLOConfig, ns),
-                          pd=from_args(PDConfig, ns), colocation=from_args(ColocationConfig, ns))
+                          pd=from_args(PDConfig, ns), colocation=from_args(ColocationConfig, ns),
+                          process=from_args(ProcessConfig, ns))
 
 
 def run(cfg: LLMServeConfig) -> int:
@@ -55,6 +59,10 @@ def run(cfg: LLMServeConfig) -> int:
         raise UsageError("--pd needs --instances >= 2 (docs/cluster.md)")
     if cfg.cluster.instances > 1 or cfg.cluster.ray_address:
         return run_cluster(cfg, cfg.cluster)
+    if cfg.process.api_servers > 1 and not cfg.process.engine_process:
+        raise UsageError("--api-servers > 1 needs --engine-process (the front ends share one engine process)")
+    if cfg.process.engine_process:
+        return run_engine_process(cfg)
 
     from grserve.engine.async_llm import AsyncLLMEngine
     from grserve.server.serving import serve_until_exit
@@ -115,3 +123,32 @@ def run_cluster(cfg: LLMServeConfig, cluster: ClusterConfig) -> int:
     print(f"grserve: LLM {name} ({cfg.model.dtype}) on {cluster.instances} instances, scheduler {c.scheduler} "
           f"-> http://{s.host}:{s.port}/v1", flush=True)
     return serve_until_exit(app, s.host, s.port, s.log_level, engine.stop)
+
+
+def run_engine_process(cfg: LLMServeConfig) -> int:
+    """The engine in an engine-core process (``engine_core/``), this process the HTTP front end; with
+    ``--api-servers N`` > 1, N front-end processes on the port (``server/api_servers.py``)."""
+    from grserve.server.api_servers import serve_split
+
+    return serve_split("llm", cfg, cfg.server, cfg.process, cfg.edge, llm_front_end)
+
+
+def llm_front_end(cfg: LLMServeConfig, client, info: dict):
+    """The LLM app over an engine-core client, and its start-up lines (a front-end process builds it)."""
+    from grserve.engine.tokenizer import load_tokenizer
+    from grserve.engine_core.builders import llm_precheck
+    from grserve.server.llm_app import create_llm_app
+
+    client.precheck = llm_precheck(info)
+    tok = load_tokenizer(cfg.api.tokenizer or cfg.model.source, info["vocab_size"], info["max_model_len"],
+                         cfg.api.tokenizer_cache)
+    name = cfg.llm.served_model_name or cfg.model.source
+    app = create_llm_app(client, tok, name, info["max_model_len"], info["vocab_size"], edge=cfg.edge,
+                         max_n=cfg.api.max_n, max_logprobs=cfg.api.max_logprobs,
+                         max_messages=cfg.api.max_chat_messages)
+    lines = list(info["lines"])
+    if getattr(tok, "message", None):
+        lines.append(tok.message)
+    else:
+        lines.append(f"tokenizer {tok.name_or_path} (an HF directory: aiperf --tokenizer {tok.name_or_path})")
+    return app, lines

@@ -21,6 +21,7 @@ from grserve.config import (
     RankingLimits,
     RankingServeConfig,
     ServerConfig,
+    ProcessConfig,
     StateConfig,
 )
 from grserve.flags import Checked, UsageError, add_flags, command_parser, flag, from_args, non_negative
@@ -54,6 +55,8 @@ def add_command(sub) -> None:
     add_edge_flags(p)
     add_flags(p, d.state, title="state across restarts (docs/security.md)")
     add_flags(p, ClusterConfig, title="cluster (several instances on Ray; docs/cluster.md)", skip=GR_CLUSTER_SKIP)
+    add_flags(p, ProcessConfig, title="processes (the engine in its own process; docs/architecture.md)",
+              skip=("api_servers",))
     add_flags(p, d.hrcs, title="item KV over KV-cache workers, BAT's HRCS (--instances N; docs/ranking.md)")
     p.set_defaults(handler=lambda ns: run(config_from_args(ns)))
 
@@ -65,13 +68,17 @@ def config_from_args(ns: argparse.Namespace) -> RankingServeConfig:
                               data=from_args(RankingDataConfig, ns), limits=from_args(RankingLimits, ns),
                               hrcs=from_args(HRCSConfig, ns),
                               server=from_args(ServerConfig, ns), edge=edge_from_args(ns),
-                              cluster=from_args(ClusterConfig, ns), state=from_args(StateConfig, ns))
+                              cluster=from_args(ClusterConfig, ns), state=from_args(StateConfig, ns),
+                              process=from_args(ProcessConfig, ns))
 
 
 def run(cfg: RankingServeConfig) -> int:
     from grserve.state.store import open_state, restore_registry, state_line
 
     check_model(cfg.model)
+    cluster = cfg.cluster.instances > 1 or cfg.cluster.ray_address
+    if cfg.process.engine_process and not cluster:
+        return run_engine_process(cfg)
     store, stored = open_state(cfg.state.state_dir, "ranking")  # before anything heavy: a locked dir fails fast
     if cfg.cluster.instances > 1 or cfg.cluster.ray_address:
         return run_cluster(cfg, store, stored)
@@ -133,3 +140,37 @@ def run_cluster(cfg: RankingServeConfig, store: StateStore | None, stored: Store
     restore_started(engine, stored)
     print(f"grserve: {state_line(store, stored)}", flush=True)
     return serve_until_exit(app, s.host, s.port, s.log_level, engine.stop)
+
+
+def run_engine_process(cfg: RankingServeConfig) -> int:
+    """The ranking engine in an engine-core process (``engine_core/``), this process the HTTP front end; with
+    ``--api-servers N`` > 1, N front-end processes on the port."""
+    from grserve.server.api_servers import serve_split
+
+    if cfg.process.api_servers > 1 and cfg.state.state_dir:
+        raise UsageError("--api-servers > 1 with --state-dir: one front end owns the state store; use one")
+    print(f"grserve ranking: policy {cfg.ranking.policy}; the engine process precomputes the item KV",
+          file=sys.stderr, flush=True)
+    return serve_split("ranking", cfg, cfg.server, cfg.process, cfg.edge, ranking_front_end)
+
+
+def ranking_front_end(cfg: RankingServeConfig, client, info: dict):
+    """The ranking app over an engine-core client, with the front end's copy of the users and items."""
+    from grserve.engine_core.registry_copy import CoreRunnerView
+    from grserve.ranking.registry import RegistryError
+    from grserve.ranking.startup_data import build_registry
+    from grserve.server.ranking_app import create_ranking_app
+    from grserve.state.store import open_state, state_line
+
+    store, stored = open_state(cfg.state.state_dir, "ranking")
+    try:
+        reg = build_registry(cfg.data, info["vocab_size"])
+        client.runner = runner = CoreRunnerView(client, reg, info["policy"])
+        client.registry = reg
+        runner.restore(stored)
+    except (RegistryError, OSError) as e:
+        raise UsageError(str(e)) from None
+    app = create_ranking_app(client, cfg.limits, edge=cfg.edge, store=store)
+    s = cfg.server
+    return app, [state_line(store, stored), f"ranking: {reg.num_items} items, {reg.num_users} users, policy "
+                                            f"{info['policy']} -> http://{s.host}:{s.port}  (POST /v1/rank)"]

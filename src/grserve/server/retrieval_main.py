@@ -20,6 +20,7 @@ from grserve.config import (
     ClusterConfig,
     ModelConfig,
     PrefixCacheConfig,
+    ProcessConfig,
     SchedulerConfig,
     SearchConfig,
     ServeConfig,
@@ -52,6 +53,8 @@ def add_command(sub) -> None:
     add_flags(p, d.state, title="state across restarts (docs/security.md)")
     add_flags(p, d.accel, title="accelerator (docs/gpu.md)")
     add_flags(p, ClusterConfig, title="cluster (several instances on Ray; docs/cluster.md)", skip=GR_CLUSTER_SKIP)
+    add_flags(p, ProcessConfig, title="processes (the engine in its own process, HTTP front ends; "
+                                      "docs/architecture.md)")
     p.set_defaults(handler=lambda ns: run(config_from_args(ns)))
 
 
@@ -71,6 +74,7 @@ def config_from_args(ns: argparse.Namespace) -> ServeConfig:
         state=from_args(StateConfig, ns),
         beams=from_args(BeamApiConfig, ns),
         prefix=from_args(PrefixCacheConfig, ns),
+        process=from_args(ProcessConfig, ns),
     )
 
 
@@ -79,6 +83,9 @@ def run(cfg: ServeConfig) -> int:
         raise UsageError(f"catalog file not found: {cfg.catalog.path}")
     check_model(cfg.model)
     check_catalog_dir(cfg.reload)
+    cluster = cfg.cluster.instances > 1 or cfg.cluster.ray_address
+    if cfg.process.engine_process and not cluster:
+        return run_engine_process(cfg)
     from grserve.state.store import open_state, restore_catalog, state_line
 
     store, stored = open_state(cfg.state.state_dir, "retrieval")  # before anything heavy: a locked dir fails fast
@@ -204,3 +211,49 @@ def cluster_app(engine, make_app):
     metrics.registry.register(ClusterCollector(engine))
     metrics.registry.register(GRClusterCollector(engine))
     return app
+
+
+def run_engine_process(cfg: ServeConfig) -> int:
+    """The retrieval engine in an engine-core process (``engine_core/``), this process the HTTP front end; with
+    ``--api-servers N`` > 1, N front-end processes on the port."""
+    from grserve.server.api_servers import serve_split
+
+    if cfg.process.api_servers > 1 and cfg.state.state_dir:
+        raise UsageError("--api-servers > 1 with --state-dir: one front end owns the state store; use one")
+    return serve_split("retrieval", cfg, cfg.server, cfg.process, cfg.edge, retrieval_front_end)
+
+
+def retrieval_front_end(cfg: ServeConfig, client, info: dict):
+    """The retrieval app over an engine-core client: the client gets what the app reads of a retrieval engine
+    (its own catalog copy, the search defaults, the model's tokenizer); returns the app and its start-up lines."""
+    from grserve.catalog.sid_text import bind_catalog
+    from grserve.engine.retrieval_engine import build_catalog, group_order
+    from grserve.engine.tokenizer import model_tokenizer
+    from grserve.engine_core.catalog_copy import CatalogCopy
+    from grserve.server.metrics import Metrics
+    from grserve.state.store import open_state, restore_catalog, state_line
+
+    store, stored = open_state(cfg.state.state_dir, "retrieval")
+    try:
+        popularity = load_popularity(cfg)
+        client.tokenizer = tokenizer = model_tokenizer(cfg.model.source)
+        catalog, client.layout_note = bind_catalog(build_catalog(cfg), tokenizer)
+        order = group_order(cfg.catalog)
+        client.vocab_size, client.search = info["vocab_size"], cfg.search
+        client.catalogs = CatalogCopy(catalog, client.vocab_size,
+                                      lambda c: bind_catalog(c.with_group_order(order), tokenizer)[0], client)
+        restore_catalog(client.catalogs, stored.catalog)
+        metrics = Metrics()
+        client.on_batch = metrics.on_batch
+        app = create_app_for(client, cfg, metrics, store, popularity)
+    except (ValueError, KeyError, OSError) as exc:
+        raise _usage_error(exc) from None
+    cat = client.catalogs.current()
+    lines = [state_line(store, stored), *info.get("lines", [])]
+    if client.layout_note:
+        lines.append(client.layout_note)
+    lines += [f"SID layout: {cat.layout.describe()}",
+              f"model {cfg.model.source} ({cfg.model.dtype}, {cfg.model.device}), catalog {len(cat):,} items (depth "
+              f"{cat.depth}, codebooks {list(cat.codebook_sizes)}), default beam width {cfg.search.beam_width} -> "
+              f"{_url(cfg.server)}"]
+    return app, lines

@@ -43,14 +43,15 @@ def draining_server(app: FastAPI, config: Any, stop: Callable[[], None], shutdow
 
 
 def run_uvicorn(app: FastAPI, host: str, port: int, log_level: str, stop: Callable[[], None],
-                shutdown_timeout_s: float) -> None:
-    """Serve ``app`` with uvicorn until SIGTERM/Ctrl-C, shutting down as ``draining_server`` says."""
+                shutdown_timeout_s: float, sockets: list[Any] | None = None) -> None:
+    """Serve ``app`` with uvicorn until SIGTERM/Ctrl-C, shutting down as ``draining_server`` says (``sockets``:
+    accept on these bound sockets instead of binding ``host:port``: ``--api-servers``)."""
     import uvicorn
 
     server = draining_server(app, uvicorn.Config(app, host=host, port=port, log_level=log_level), stop,
                              shutdown_timeout_s)
     settle_heap()
-    server.run()
+    server.run(sockets=sockets)
 
 
 def settle_heap() -> None:

@@ -63,7 +63,7 @@ def test_the_device_path_captures_every_bucket_at_warm_up(tiny_model, catalog):
 
 def test_serve_listens_only_after_the_warm_up(monkeypatch, capsys):
     """``grserve serve``: the warm-up lines are printed and the engine is warm and started before uvicorn runs."""
-    from grserve.config import CatalogConfig, ServeConfig
+    from grserve.config import CatalogConfig, ProcessConfig, ServeConfig
     from grserve.server import retrieval_main, serving
 
     seen = {}
@@ -76,10 +76,33 @@ def test_serve_listens_only_after_the_warm_up(monkeypatch, capsys):
 
     monkeypatch.setattr(serving, "serve_until_exit", fake_serve)
     cfg = ServeConfig(catalog=CatalogConfig(num_items=500, codebook_size=16),
-                      search=SearchConfig(beam_width=8, warmup_beam_widths="2,8"))
+                      search=SearchConfig(beam_width=8, warmup_beam_widths="2,8"),
+                      process=ProcessConfig(engine_process=False))
     assert retrieval_main.run(cfg) == 0
     assert seen["status"] == "ok" and [r.beam_width for r in seen["warm"]] == [2, 8]
     out = capsys.readouterr().out
+    assert "warm-up 1/2: beam width 2" in out and "warm-up 2/2: beam width 8" in out and "warmed up in" in out
+
+
+def test_serve_with_an_engine_process_listens_only_after_its_warm_up(monkeypatch, capfd):
+    """The same with the engine in its own process (the default): it warms up before its first heartbeat, so the
+    front end is ready (and uvicorn runs) only after; the warm-up lines come from the engine process."""
+    from grserve.config import CatalogConfig, ServeConfig
+    from grserve.server import retrieval_main, serving
+
+    seen = {}
+
+    def fake_serve(app, host, port, log_level, stop):
+        seen.update(status=app.state.engine.health().status, out=capfd.readouterr().out)
+        stop()
+        return 0
+
+    monkeypatch.setattr(serving, "serve_until_exit", fake_serve)
+    cfg = ServeConfig(catalog=CatalogConfig(num_items=500, codebook_size=16),
+                      search=SearchConfig(beam_width=8, warmup_beam_widths="2,8"))
+    assert retrieval_main.run(cfg) == 0
+    out = seen["out"]
+    assert seen["status"] == "ok"
     assert "warm-up 1/2: beam width 2" in out and "warm-up 2/2: beam width 8" in out and "warmed up in" in out
 
 

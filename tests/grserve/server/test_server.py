@@ -628,7 +628,8 @@ def test_serve_until_exit_stops_the_engine_and_passes_uvicorns_exit_code(monkeyp
 
 
 def test_cli_serve_builds_and_runs(monkeypatch, capsys, tmp_path):
-    """serve wires config → engine.build(on_batch=metrics.on_batch) → create_app → uvicorn, then stops."""
+    """serve (the engine on a thread) wires config → engine.build(on_batch=metrics.on_batch) → create_app → uvicorn,
+    then stops."""
     from grserve.server import serving as core
 
     built = {}
@@ -656,8 +657,8 @@ def test_cli_serve_builds_and_runs(monkeypatch, capsys, tmp_path):
     cat = tmp_path / "c.grcat"
     save_catalog(generate_catalog(N_ITEMS, DEPTH, CODEBOOK, 0, OFFSET), cat)
     assert cli_main(["serve", "--port", "9123", "--beam-width", "600", "--slo-ms", "50", "--catalog", str(cat),
-                     "--seed", "3", "--token-capacity", "1024"]) == 0
-    cfg = built["cfg"]
+                     "--seed", "3", "--token-capacity", "1024", "--no-engine-process"]) == 0  # the wiring in one
+    cfg = built["cfg"]                                                                      # process (engine_core: its own tests)
     assert cfg.server.port == 9123 and cfg.search.beam_width == 600 and cfg.search.max_beam_width == 600
     assert cfg.scheduler.slo_ms == 50 and cfg.scheduler.token_capacity == 1024
     assert cfg.catalog.path == str(cat) and cfg.model.seed == 3 and cfg.model.source == "tiny"

@@ -220,15 +220,10 @@ class GRInstance:
         return n
 
     def _update(self, change: RegistryUpdate) -> int:
-        """One change (items may hand identifiers over among themselves: a restored front end's replay); a replaced
-        item's KV is re-precomputed (the runner's registry listener), a new item's computed here."""
-        runner = self.engine.runner
-        new = runner.registry.update(change.kind, change.entries)
-        if change.kind == "user":
-            for uid, _ in change.entries:
-                runner._invalidate("user", int(uid))  # also when this registry did not know the user yet
-            return len(change.entries)
-        return runner.add_items(new) if new else len(change.entries)
+        """One change (items may hand identifiers over among themselves: a restored front end's replay)."""
+        from grserve.cluster.gr.state_change import apply_change
+
+        return apply_change(self.engine, change)
 
     async def compute_items(self, item_ids: list[int], placed: ItemPlacement) -> int:
         """Compute these items' KV (the one engine's precompute) and put it on every worker that is to hold it."""

@@ -1,0 +1,126 @@
+"""Retrieval and ranking with the engine in its own process: the same answers as the engine on a thread; a catalog
+reload and registered items reach the engine process in order, and a restarted engine process is sent them again
+before it takes a request."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from grserve.catalog import generate_catalog
+from grserve.config import (
+    CatalogConfig,
+    ModelConfig,
+    RankingConfig,
+    RankingDataConfig,
+    RankingServeConfig,
+    SearchConfig,
+    ServeConfig,
+)
+from grserve.engine.types import RankingRequest, RetrievalRequest
+from grserve.server.api_servers import start_core
+
+
+def _wait(cond, timeout_s=120.0):
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def _items(result):
+    return [(it.item_id, round(it.score, 4)) for it in result.items]
+
+
+def _restart(client):
+    old = client.core.pid
+    os.kill(old, signal.SIGKILL)
+    _wait(lambda: client.state == "ok" and client.core is not None and client.core.pid != old)
+
+
+def test_retrieval_same_answers_reload_and_restart():
+    from grserve.engine.retrieval_engine import RetrievalEngine
+    from grserve.server.retrieval_main import retrieval_front_end
+
+    cfg = ServeConfig(model=ModelConfig(source="tiny", seed=0), catalog=CatalogConfig(num_items=400, seed=3),
+                      search=SearchConfig(beam_width=8, warmup=False))
+    ref = RetrievalEngine.build(cfg).start()
+    _, client, info = start_core("retrieval", cfg, 2, None)
+    try:
+        retrieval_front_end(cfg, client, info)
+        rng = np.random.default_rng(0)
+        prompts = [rng.integers(16, 800, size=n) for n in (5, 12, 30)]
+
+        def both():
+            for p in prompts:
+                want = ref.submit(RetrievalRequest(p, 8, 5)).future.result(timeout=60)
+                got = client.submit(RetrievalRequest(p, 8, 5)).future.result(timeout=60)
+                assert _items(got) == _items(want) and got.catalog_version == want.catalog_version
+
+        both()
+        new = generate_catalog(400, 3, 256, seed=11)
+        assert client.catalogs.replace(new) == 2 == ref.catalogs.replace(new)
+        both()  # the reload reached the engine process before these requests
+        _restart(client)
+        both()  # the new engine process was sent the reload before its first request
+        assert client.health().detail["catalog_version"] == 2
+    finally:
+        client.stop()
+        ref.stop()
+
+
+def test_ranking_same_answers_registrations_and_restart():
+    from grserve.engine.ranking_engine import RankingEngine
+    from grserve.engine.ranking_runner import RankingRunner
+    from grserve.model import load_model
+    from grserve.ranking.startup_data import build_registry
+    from grserve.server.ranking_main import ranking_front_end
+
+    cfg = RankingServeConfig(model=ModelConfig(source="tiny", seed=0), ranking=RankingConfig(policy="recompute"),
+                             data=RankingDataConfig(num_items=40, num_users=6))
+    model = load_model("tiny", seed=0)
+    ref_reg = build_registry(cfg.data, model.spec.vocab_size)
+    ref = RankingEngine(RankingRunner(model, ref_reg, cfg.ranking)).start()
+    _, client, info = start_core("ranking", cfg, 2, None)
+    try:
+        ranking_front_end(cfg, client, info)
+        reg = client.registry
+
+        def req(r, k, ids):
+            return RankingRequest(r.user_tokens(k % 6), [r.item_tokens(i) for i in ids], user_id=k % 6,
+                                  item_ids=list(ids), now=0.0)
+
+        def both(ids_list):
+            for k, ids in enumerate(ids_list):
+                want = ref.submit(req(ref_reg, k, ids)).future.result(timeout=120)
+                got = client.submit(req(reg, k, ids)).future.result(timeout=120)
+                assert got.order == want.order
+                assert np.allclose(got.scores, want.scores, atol=1e-5)
+
+        both([(0, 1, 2), (5, 9, 13, 21)])
+        # a replaced item (new tokens) must reach the engine process: its KV is recomputed there
+        tokens = np.asarray(list(reg.item_tokens(3)[:-1][::-1]) + [int(reg.item_tokens(3)[-1])])
+        reg.add_item(3, tokens)
+        ref_reg.add_item(3, tokens)
+        both([(3, 4, 7)])
+        _restart(client)
+        both([(3, 4, 7), (0, 1, 2)])  # replayed to the new engine process
+        _wait(lambda: client.runner.stats.requests >= 2, 10)
+    finally:
+        client.stop()
+        ref.stop()
+
+
+@pytest.mark.parametrize("mode", ["retrieval", "ranking"])
+def test_help_names_the_process_flags(mode):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "grserve", "serve", mode, "--help"], capture_output=True, text=True,
+                         timeout=60).stdout
+    assert "--engine-process" in out and "--engine-restarts" in out
+    assert ("--api-servers" in out) == (mode == "retrieval")
