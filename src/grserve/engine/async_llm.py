@@ -80,6 +80,7 @@ class AsyncLLMEngine:
         self.thread_choice = None  # ThreadChoice of build(pick_threads=True): the torch threads and why
         self._live: dict[str, tuple[int, Sequence, RequestHandle]] = {}  # the loop's: requests in the core
         self.errors = 0
+        self.step_hooks: tuple[Callable[[], None], Callable[[], None]] | None = None  # around each iteration
 
     @classmethod
     def build(cls, cfg: LLMServeConfig, pick_threads: bool = False) -> "AsyncLLMEngine":
@@ -308,7 +309,18 @@ class AsyncLLMEngine:
 
     def _iterate(self) -> None:
         """One loop iteration: the inbox and the deadlines (``_expire``), one step; a step that raises never kills
-        the loop (``_fail_step``)."""
+        the loop (``_fail_step``). ``step_hooks`` (before, after) bracket it (an engine process sends the events
+        of a step together)."""
+        hooks = self.step_hooks
+        if hooks is not None:
+            hooks[0]()
+        try:
+            self._run_step()
+        finally:
+            if hooks is not None:
+                hooks[1]()
+
+    def _run_step(self) -> None:
         try:
             self._expire()
             self.core.step()

@@ -130,7 +130,11 @@ class CoreLoop:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._queued: deque[tuple[bytes, tuple]] = deque()
-        self._lock = threading.Lock()
+        self._wake_pending = False
+        self._in_step = False
+        self._lock = threading.Lock()  # the heartbeat's batch list
+        if hasattr(engine, "step_hooks"):  # the LLM engine: the rows of a step leave together when it ends
+            engine.step_hooks = (self._step_began, self._step_ended)
         self.front_ends: set[bytes] = set()
         self.done = False
         self._batches: list[tuple[int, int]] = []  # the engine's on_batch calls since the last heartbeat
@@ -138,14 +142,28 @@ class CoreLoop:
 
     # ---- output (any thread) --------------------------------------------------------------------------------
     def _queue(self, front_end: bytes, row: tuple) -> None:
-        with self._lock:
-            first = not self._queued
-            self._queued.append((front_end, row))
-        if first:
+        """Queue a row for its front end (no lock: a deque append is atomic). Inside an engine step the I/O thread
+        is woken once, when the step ends (``_step_ended``): one frame per front end carries the whole step, and
+        the engine's thread never hands the interpreter lock to the I/O thread mid-step."""
+        self._queued.append((front_end, row))
+        if not self._in_step:
+            self._wake()
+
+    def _wake(self) -> None:
+        if not self._wake_pending:
+            self._wake_pending = True
             try:
                 os.write(self._wake_w, b"x")
             except BlockingIOError:  # the pipe is full: the I/O thread is awake already
                 pass
+
+    def _step_began(self) -> None:
+        self._in_step = True
+
+    def _step_ended(self) -> None:
+        self._in_step = False
+        if self._queued:
+            self._wake()
 
     def _relay(self, front_end: bytes, request_id: str, handle: Any) -> None:
         handle.forward(lambda ev: self._queue(front_end, event_row(request_id, ev)))
@@ -157,9 +175,13 @@ class CoreLoop:
         handle.future.add_done_callback(ended)
 
     def _flush(self) -> None:
-        with self._lock:
-            queued = list(self._queued)
-            self._queued.clear()
+        self._wake_pending = False  # before draining: a row queued from now on wakes the I/O thread again
+        queued = []
+        while True:
+            try:
+                queued.append(self._queued.popleft())
+            except IndexError:
+                break
         if not queued:
             return
         by_front_end: dict[bytes, list[tuple]] = {}
