@@ -8,7 +8,10 @@ Each is rebuilt only when missing or stale: the catalog when its content would d
 folder), the model when the catalog's SHA-256 or the training settings differ from its ``train_meta.json``.
 ``<cache>`` is ``--cache-dir``, else ``$GRSERVE_CACHE_DIR/beauty``, else ``.grserve-cache/beauty``.
 
-``python -m grserve.beauty.artifacts [--rebuild] [--budget-s S]`` builds (or reuses) them.
+Training writes ``<cache>/train-checkpoint.pt`` after every epoch; ``--resume`` continues an interrupted run from
+it (same recipe and data only), with the weights an uninterrupted run gives.
+
+``python -m grserve.beauty.artifacts [--rebuild] [--resume] [--budget-s S]`` builds (or reuses) them.
 """
 
 from __future__ import annotations
@@ -28,10 +31,11 @@ from grserve.recipe.config import TrainConfig
 # The recipe (docs/offline-eval.md has the experiments behind it). Prompt = the 20 most recent items, as the
 # published protocol cuts histories; training windows are 21 items (20 of history + the target).
 BEAUTY_RECIPE = TrainConfig(
-    hidden_size=192, intermediate_size=576, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-    head_dim=48, max_items=20, window_items=21, window_stride=10, length_buckets=True,
-    epochs=10, batch_size=128, lr=3e-3, warmup_steps=200, min_lr_ratio=0.02, weight_decay=0.1,
-    dropout=0.15, loss="catalog", ema_decay=0.999, threads=1)
+    hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=64, max_items=20, window_items=21, window_stride=10, length_buckets=True,
+    epochs=18, batch_size=128, lr=3e-3, warmup_steps=200, min_lr_ratio=0.02, weight_decay=0.1,
+    dropout=0.2, loss="catalog", ema_decay=0.999, keep="last", threads=1)
+CHECKPOINT = "train-checkpoint.pt"  # in the cache: the training state after the last finished epoch (--resume)
 VALID_USERS = 4000  # validation users whose NLL picks the best epoch (every k-th user, k = users // VALID_USERS)
 
 
@@ -50,6 +54,9 @@ class BeautyArtifactsConfig(Checked):
     cache_dir: str | None = flag(None, "artifact directory (default: $GRSERVE_CACHE_DIR/beauty or "
                                        ".grserve-cache/beauty)", metavar="DIR")
     rebuild: bool = flag(False, "rewrite the catalog and retrain the model even if cached")
+    resume: bool = flag(False, "continue an interrupted training from its last epoch's checkpoint "
+                               "(<cache>/train-checkpoint.pt, written after every epoch; used only if it is of the "
+                               "same recipe and data)")
     budget_s: float | None = flag(None, "a wall-clock limit on training, in seconds, if it has to train (default: "
                                         "none, it trains the recipe's epochs)", check=positive, metavar="S")
 
@@ -85,12 +92,13 @@ def ensure_beauty(cfg: BeautyArtifactsConfig = BeautyArtifactsConfig(), *, recip
     if not cfg.rebuild and model_is_current(art, train_cfg.settings(), complete=complete):
         log(f"reusing model {art.model}")
         return art
-    train_model(ds, art, train_cfg, index=cfg.index, log=log, progress=progress)
+    train_model(ds, art, train_cfg, index=cfg.index, log=log, progress=progress,
+                checkpoint=art.root / CHECKPOINT, resume=cfg.resume)
     return art
 
 
 def train_model(ds, art: Artifacts, train_cfg: TrainConfig, *, index: str, log: Callable[[str], None],
-                progress: bool) -> None:
+                progress: bool, checkpoint: Path | None = None, resume: bool = False) -> None:
     """Train on the leave-one-out training histories; the best epoch by the validation users' NLL is kept."""
     from grserve.catalog import load_catalog
     from grserve.recipe.tokenizer import save_sid_tokenizer
@@ -103,7 +111,8 @@ def train_model(ds, art: Artifacts, train_cfg: TrainConfig, *, index: str, log: 
     cap = "" if train_cfg.time_budget_s is None else f", at most {train_cfg.time_budget_s:.0f} s"
     log(f"training the GR model on {len(split.users):,} users' histories ({train_cfg.epochs} epochs{cap}; "
         f"keeping the {train_cfg.keep} epoch; validation NLL on {len(valid[1]):,} items) ...")
-    result = train_gr(split.train, catalog, train_cfg, valid=valid, progress=progress, log=log)
+    result = train_gr(split.train, catalog, train_cfg, valid=valid, progress=progress, log=log,
+                      checkpoint=checkpoint, resume=resume)
     save_trained(result, art.model, catalog_path=art.catalog,
                  extra={"dataset": ds.source, "index": index,
                         "split": "leave-one-out (last = test, second-to-last = valid)"})

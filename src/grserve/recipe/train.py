@@ -30,6 +30,7 @@ runs ``epochs`` epochs, so the trained weights do not depend on how loaded the m
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import time
@@ -214,17 +215,53 @@ def next_item_nll(model: Decoder, histories: Sequence[np.ndarray], targets: np.n
 def train_gr(sequences: Sequence[np.ndarray], catalog: Catalog, cfg: TrainConfig = TrainConfig(), *,
              valid: tuple[Sequence[np.ndarray], np.ndarray] | None = None, progress: bool = True,
              log: Callable[[str], None] = lambda s: None,
-             on_epoch: Callable[[Decoder, dict], None] | None = None) -> TrainResult:
+             on_epoch: Callable[[Decoder, dict], None] | None = None,
+             checkpoint: str | Path | None = None, resume: bool = False) -> TrainResult:
     """Train on item-id sequences (oldest first). ``valid`` = (histories, next items) for per-epoch selection.
     ``on_epoch(model, entry)`` after each epoch sees the weights that epoch would keep (the average with
-    ``ema_decay``), in eval mode."""
+    ``ema_decay``), in eval mode.
+
+    ``checkpoint``: a file written after every epoch (weights, optimizer, weight average, random states, the best
+    epoch so far); with ``resume`` a checkpoint there of the same settings and data is continued from its epoch, and
+    the result is the one an uninterrupted run gives (the same batches, dropout masks and schedule)."""
     threads_before = torch.get_num_threads()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     try:
-        return _train(sequences, catalog, cfg, valid, progress, log, on_epoch)
+        return _train(sequences, catalog, cfg, valid, progress, log, on_epoch,
+                      None if checkpoint is None else Path(checkpoint), resume)
     finally:
         torch.set_num_threads(threads_before)
+
+
+def _data_key(cfg: TrainConfig, data: "_Stream") -> dict:
+    """What a checkpoint must match to be continued: the settings and the training windows' tokens."""
+    h = hashlib.sha256()
+    for t in data.tokens:
+        h.update(np.asarray(t, dtype=np.int64).tobytes())
+        h.update(b"|")
+    return {"settings": cfg.settings(), "windows_sha256": h.hexdigest()}
+
+
+def _save_checkpoint(path: Path, key: dict, epoch: int, step: int, model: Decoder, opt, ema, rng, history, best):
+    state = {"key": key, "epoch": epoch, "step": step, "model": model.state_dict(), "opt": opt.state_dict(),
+             "ema": None if ema is None else {"shadow": ema.shadow, "updates": ema.updates}, "numpy_rng": rng.bit_generator.state,
+             "torch_rng": torch.get_rng_state(), "history": history, "best": best}
+    tmp = path.with_name(path.name + ".tmp")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(state, tmp)
+    tmp.replace(path)  # atomic: a run killed while saving leaves the previous epoch's checkpoint
+
+
+def _load_checkpoint(path: Path, key: dict, log: Callable[[str], None]) -> dict | None:
+    if not path.is_file():
+        log(f"no checkpoint at {path}; training from the start")
+        return None
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    if state.get("key") != key:
+        log(f"checkpoint {path} is of other settings or data; training from the start")
+        return None
+    return state
 
 
 def _optimizer(model: Decoder, cfg: TrainConfig) -> torch.optim.AdamW:
@@ -276,7 +313,8 @@ def _new_model(cfg: TrainConfig, catalog: Catalog) -> Decoder:
     return model.train().requires_grad_(True)
 
 
-def _train(sequences, catalog, cfg, valid, progress, log, on_epoch=None) -> TrainResult:
+def _train(sequences, catalog, cfg, valid, progress, log, on_epoch=None, checkpoint: Path | None = None,
+           resume: bool = False) -> TrainResult:
     from tqdm import tqdm
 
     t_start = time.perf_counter()
@@ -296,11 +334,23 @@ def _train(sequences, catalog, cfg, valid, progress, log, on_epoch=None) -> Trai
         f"vocab {spec.vocab_size}); {len(data)} windows of <= {cfg.window} items, {steps_per_epoch} steps/epoch")
     history: list[dict] = []
     best: tuple[float, int, dict | None] = (math.inf, -1, None)
-    step, stopped = 0, False
+    step, stopped, first_epoch = 0, False, 0
+    key = _data_key(cfg, data) if checkpoint is not None else None
+    state = _load_checkpoint(checkpoint, key, log) if checkpoint is not None and resume else None
+    if state is not None:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        if ema is not None:
+            ema.shadow, ema.updates = state["ema"]["shadow"], state["ema"]["updates"]
+        rng.bit_generator.state = state["numpy_rng"]
+        torch.set_rng_state(state["torch_rng"])
+        first_epoch, step, history, best = state["epoch"], state["step"], state["history"], state["best"]
+        log(f"resuming from {checkpoint} after epoch {first_epoch} ({step} steps)")
     deadline = math.inf if cfg.time_budget_s is None else t_start + cfg.time_budget_s
-    bar = tqdm(total=total_steps, desc="train GR", unit="step", disable=not progress, dynamic_ncols=True)
+    bar = tqdm(total=total_steps, initial=step, desc="train GR", unit="step", disable=not progress,
+               dynamic_ncols=True)
     try:
-        for epoch in range(cfg.epochs):
+        for epoch in range(first_epoch, cfg.epochs):
             t_epoch = time.perf_counter()
             run_loss, run_n = 0.0, 0
             for rows in _epoch_batches(data.lengths, cfg, rng):
@@ -332,6 +382,8 @@ def _train(sequences, catalog, cfg, valid, progress, log, on_epoch=None) -> Trai
             log(json.dumps(entry))
             if stopped:
                 break
+            if checkpoint is not None:
+                _save_checkpoint(checkpoint, key, epoch + 1, step, model, opt, ema, rng, history, best)
     finally:
         bar.close()
     if best[2] is not None:

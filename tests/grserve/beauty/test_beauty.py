@@ -93,8 +93,10 @@ def test_bench_quality_beauty_end_to_end(artifacts, slice_dir, capsys):
     assert "TIGER (published" in out and "SASRec (published)" in out
     line = json.loads(out.strip().splitlines()[-1])
     for key in ("hr@5", "hr@10", "hr@20", "ndcg@5", "ndcg@10", "ndcg@20", "hr@10_popularity", "users",
-                "train_seconds", "params", "eval_users_per_s", "hf_users_per_s", "hf_top20_agreement"):
+                "train_seconds", "params", "eval_users_per_s", "hf_users_per_s", "hf_top20_agreement",
+                "max_batch_requests", "load_avg_1m", "hf_sample_prompt_tokens", "hf_sample_position_ratio"):
         assert key in line, key
+    assert line["max_batch_requests"] == 16 and line["hf_sample_position_ratio"] > 1
     assert line["users"] == 40 and line["hf_top20_agreement"] == 1.0 and line["params"] > 0
     assert 0 <= line["ndcg@10"] <= line["hr@10"] <= line["hr@20"] <= 1
 

@@ -176,3 +176,34 @@ def test_keep_last_keeps_the_last_epoch_whatever_the_validation_nll(catalog):
         torch.testing.assert_close(v, seen[-1][k])
     with pytest.raises(ValueError, match="keep"):
         TrainConfig(keep="first")
+
+
+def test_a_run_resumed_from_its_checkpoint_ends_with_the_uninterrupted_weights(catalog, tmp_path):
+    seqs = [catalog.item_ids[(i + np.arange(8)) % 30] for i in range(30)]
+    hist, nxt = [s[:-1] for s in seqs], np.array([s[-1] for s in seqs])
+    cfg = TrainConfig(**TINY, epochs=3, ema_decay=0.9, dropout=0.1, loss="catalog")
+    whole = train_gr(hist, catalog, cfg, valid=(hist[:4], nxt[:4]), progress=False)
+    ckpt = tmp_path / "ckpt.pt"
+    # the first two epochs, then "killed": a run of 2 epochs' budget would change the schedule, so stop by
+    # raising from on_epoch after the checkpoint of epoch 2 is written (it is written after on_epoch's epoch)
+    seen = []
+
+    def stop(model, entry):
+        seen.append(entry["epoch"])
+        if entry["epoch"] == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train_gr(hist, catalog, cfg, valid=(hist[:4], nxt[:4]), progress=False, on_epoch=stop, checkpoint=ckpt)
+    assert seen == [1, 2] + [3] and torch.load(ckpt, weights_only=False)["epoch"] == 2
+    logs: list[str] = []
+    resumed = train_gr(hist, catalog, cfg, valid=(hist[:4], nxt[:4]), progress=False, checkpoint=ckpt, resume=True,
+                       log=logs.append)
+    assert any("resuming" in m and "after epoch 2" in m for m in logs)
+    assert resumed.steps == whole.steps and resumed.best_epoch == whole.best_epoch
+    assert [e["train_loss"] for e in resumed.history] == [e["train_loss"] for e in whole.history]
+    for k, v in resumed.model.state_dict().items():
+        torch.testing.assert_close(v, whole.model.state_dict()[k], rtol=0, atol=0)
+    other = train_gr(hist, catalog, TrainConfig(**TINY, epochs=1), progress=False, checkpoint=ckpt, resume=True,
+                     log=logs.append)  # another recipe: the checkpoint is not used
+    assert other.steps < whole.steps and any("other settings" in m for m in logs)
