@@ -151,19 +151,26 @@ class Server:
         self.stop()
         raise RuntimeError(f"{cmd[0]} did not start in {timeout_s:g} s; see {log}")
 
-    def cpu_seconds(self) -> float:
-        """CPU time (user + system) of every live process of the server's session (its workers included)."""
-        tick, total = os.sysconf("SC_CLK_TCK"), 0
+    def _session(self) -> list[list[str]]:
+        """The stat fields (after the name) of every live process of the server's session (its workers)."""
+        out = []
         for pid in filter(str.isdigit, os.listdir("/proc")):
             try:
                 fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
             except OSError:
                 continue
-            if int(fields[3]) == self.proc.pid:  # field 6 of stat: the session id
-                total += int(fields[11]) + int(fields[12])  # utime, stime
-        return total / tick
+            if int(fields[3]) == self.proc.pid and fields[0] != "Z":  # field 6 of stat: the session id
+                out.append(fields)
+        return out
+
+    def cpu_seconds(self) -> float:
+        """CPU time (user + system) of every live process of the server's session (its workers included)."""
+        tick = os.sysconf("SC_CLK_TCK")
+        return sum(int(f[11]) + int(f[12]) for f in self._session()) / tick  # utime, stime
 
     def stop(self) -> None:
+        """SIGINT to the server's process group, then wait until every process of its session has exited (a
+        worker still winding down would share the CPU with the next server's start-up: its thread probe)."""
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGINT)
             try:
@@ -171,6 +178,14 @@ class Server:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+        deadline = time.monotonic() + 30
+        while self._session() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if self._session():
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     def __enter__(self) -> "Server":
         return self
