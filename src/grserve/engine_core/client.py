@@ -127,10 +127,6 @@ class EngineCoreClient:
         assert self.core is not None
         return self.core.info
 
-    @property
-    def info(self) -> dict:
-        return self.core.info if self.core is not None else {}
-
     def start(self) -> EngineCoreClient:
         return self
 
@@ -200,6 +196,11 @@ class EngineCoreClient:
             raise EngineStopped(f"the engine process did not apply a state change within {wait_s:g} s")
         return answer
 
+    def broadcast(self, change: Any) -> list[Any]:
+        """``change`` to the one engine process (what a cluster front end sends to all its instances): its answer,
+        in a list."""
+        return [self.change(change)]
+
     def stop(self) -> None:
         if self._closing:
             return
@@ -252,7 +253,9 @@ class EngineCoreClient:
 
     # ---- wire ---------------------------------------------------------------------------------------------------
     def _send(self, msg: Submit | Cancel | Control) -> bool:
-        """Push a message without ever waiting: False when no core is connected (it died, or is starting)."""
+        """Push a message without ever waiting. With no high-water mark a message for a core that is away (dead,
+        starting) waits in the socket for the next one, which drops it as another incarnation's; False only if
+        ZeroMQ would block all the same."""
         frame = encode_in(msg)
         with self._push_lock:
             try:

@@ -65,34 +65,19 @@ def run(cfg: LLMServeConfig) -> int:
         return run_engine_process(cfg)
 
     from grserve.engine.async_llm import AsyncLLMEngine
+    from grserve.engine_core.builders import llm_lines
     from grserve.server.serving import serve_until_exit
-    from grserve.server.llm_app import create_llm_app
 
     try:
         engine = AsyncLLMEngine.build(cfg, pick_threads=True)
     except (ValueError, OSError) as exc:
         raise UsageError(str(exc)) from None
-    c, s = cfg.llm, cfg.server
-    name = c.served_model_name or cfg.model.source
-    tok, model = engine.tokenizer, engine.model
+    s = cfg.server
+    tok, spec = engine.tokenizer, engine.model.spec
     engine.start()
-    app = create_llm_app(engine, tok, name, model.spec.max_position_embeddings, model.spec.vocab_size,
-                         edge=cfg.edge, max_n=cfg.api.max_n, max_logprobs=cfg.api.max_logprobs,
-                         max_messages=cfg.api.max_chat_messages)
-    pc = engine.prefix_cache
-    prefix = (f", prefix cache {pc.capacity} tokens ({pc.bytes / 2**20:.0f} MiB, {c.prefix_cache_policy})"
-              if pc is not None else "")
-    print(f"grserve: LLM {name} ({cfg.model.dtype}), scheduler {c.scheduler}, {c.num_blocks} blocks x "
-          f"{c.block_size} tokens{prefix}, {engine.thread_choice.describe()} -> http://{s.host}:{s.port}/v1",
-          flush=True)
-    describe = getattr(engine.core.executor, "describe", None)
-    if describe is not None:  # the CPU fast paths chosen on this machine, and why (model/cpu_support.py)
-        print(f"grserve: {describe()}", flush=True)
-    if getattr(tok, "message", None):  # NoTokenizer: a model directory without tokenizer files
-        print(f"grserve: {tok.message}", flush=True)
-    else:
-        print(f"grserve: tokenizer {tok.name_or_path} (an HF directory: aiperf --tokenizer {tok.name_or_path})",
-              flush=True)
+    app = _llm_app(cfg, engine, tok, spec.max_position_embeddings, spec.vocab_size)
+    for line in (*llm_lines(engine, cfg), tokenizer_line(tok)):
+        print(f"grserve: {line}", flush=True)
     return serve_until_exit(app, s.host, s.port, s.log_level, engine.stop)
 
 
@@ -101,7 +86,6 @@ def run_cluster(cfg: LLMServeConfig, cluster: ClusterConfig) -> int:
     from grserve.cluster.core.metrics import ClusterCollector
     from grserve.cluster.llm.front_end import ClusterLLMEngine
     from grserve.server.serving import serve_until_exit
-    from grserve.server.llm_app import create_llm_app
 
     if cfg.llm.prefix_cache_tokens == 0:
         print("grserve: note: --prefix-cache-tokens is 0: KV-aware routing sees no cached prefix and requests "
@@ -114,9 +98,7 @@ def run_cluster(cfg: LLMServeConfig, cluster: ClusterConfig) -> int:
     name = c.served_model_name or cfg.model.source
     engine.start()
     info = engine.instances[0].info
-    app = create_llm_app(engine, engine.tokenizer, name, info.max_model_len, info.vocab_size, edge=cfg.edge,
-                         max_n=cfg.api.max_n, max_logprobs=cfg.api.max_logprobs,
-                         max_messages=cfg.api.max_chat_messages)
+    app = _llm_app(cfg, engine, engine.tokenizer, info.max_model_len, info.vocab_size)
     app.state.metrics.registry.register(ClusterCollector(engine))
     for line in engine.describe():
         print(f"grserve: {line}", flush=True)
@@ -137,18 +119,24 @@ def llm_front_end(cfg: LLMServeConfig, client, info: dict):
     """The LLM app over an engine-core client, and its start-up lines (a front-end process builds it)."""
     from grserve.engine.tokenizer import load_tokenizer
     from grserve.engine_core.builders import llm_precheck
-    from grserve.server.llm_app import create_llm_app
 
     client.precheck = llm_precheck(info)
     tok = load_tokenizer(cfg.api.tokenizer or cfg.model.source, info["vocab_size"], info["max_model_len"],
                          cfg.api.tokenizer_cache)
+    app = _llm_app(cfg, client, tok, info["max_model_len"], info["vocab_size"])
+    return app, [*info["lines"], tokenizer_line(tok)]
+
+
+def _llm_app(cfg: LLMServeConfig, engine, tok, max_model_len: int, vocab_size: int):
+    from grserve.server.llm_app import create_llm_app
+
     name = cfg.llm.served_model_name or cfg.model.source
-    app = create_llm_app(client, tok, name, info["max_model_len"], info["vocab_size"], edge=cfg.edge,
-                         max_n=cfg.api.max_n, max_logprobs=cfg.api.max_logprobs,
-                         max_messages=cfg.api.max_chat_messages)
-    lines = list(info["lines"])
-    if getattr(tok, "message", None):
-        lines.append(tok.message)
-    else:
-        lines.append(f"tokenizer {tok.name_or_path} (an HF directory: aiperf --tokenizer {tok.name_or_path})")
-    return app, lines
+    return create_llm_app(engine, tok, name, max_model_len, vocab_size, edge=cfg.edge, max_n=cfg.api.max_n,
+                          max_logprobs=cfg.api.max_logprobs, max_messages=cfg.api.max_chat_messages)
+
+
+def tokenizer_line(tok) -> str:
+    """The start-up line that names the tokenizer (or says the model directory has none)."""
+    if getattr(tok, "message", None):  # NoTokenizer: a model directory without tokenizer files
+        return tok.message
+    return f"tokenizer {tok.name_or_path} (an HF directory: aiperf --tokenizer {tok.name_or_path})"
