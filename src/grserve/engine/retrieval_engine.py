@@ -74,10 +74,8 @@ class RetrievalEngine(BatchedEngine):
         m = cfg.model
         model = load_model(m.source, dtype=m.dtype, device=m.device, seed=m.seed)
         tokenizer = model_tokenizer(m.source)
-        catalog, note = bind_catalog(build_catalog(cfg), tokenizer)  # SID token strings → the tokenizer's ids
-        order = group_order(cfg.catalog)
-        store = CatalogStore(catalog, vocab_size=model.spec.vocab_size,
-                             bind=lambda c: bind_catalog(c.with_group_order(order), tokenizer)[0])
+        catalog, note, bind = served_catalog(cfg, tokenizer)
+        store = CatalogStore(catalog, vocab_size=model.spec.vocab_size, bind=bind)
         engine = cls(model, store, cfg.search, cfg.scheduler, on_batch, cfg.edge, cfg.accel, warm=cfg.search.warmup,
                      prefix=cfg.prefix)
         engine.tokenizer, engine.layout_note = tokenizer, note
@@ -219,6 +217,15 @@ def make_prefix_cache(model: Decoder, cfg: PrefixCacheConfig, budget: KVBudget) 
                             head_dim=spec.head_dim, dtype=model.dtype, device=model.device,
                             policy=cfg.prefix_cache_policy, host_tokens=cfg.prefix_cache_host_tokens, budget=budget,
                             train_async=True)  # a learned policy's refit never runs inside a batch
+
+
+def served_catalog(cfg: ServeConfig, tokenizer) -> tuple[Catalog, str | None, Callable[[Catalog], Catalog]]:
+    """The catalog of the flags bound to the served model (SID token strings → the tokenizer's ids), what was
+    inferred about its layout, and how a reload is bound alike (the popularity order of duplicate SIDs kept): the
+    engine's store and an engine process's front-end copy are built from it."""
+    catalog, note = bind_catalog(build_catalog(cfg), tokenizer)
+    order = group_order(cfg.catalog)
+    return catalog, note, lambda c: bind_catalog(c.with_group_order(order), tokenizer)[0]
 
 
 def build_catalog(cfg: ServeConfig) -> Catalog:

@@ -226,22 +226,21 @@ def run_engine_process(cfg: ServeConfig) -> int:
 def retrieval_front_end(cfg: ServeConfig, client, info: dict):
     """The retrieval app over an engine-core client: the client gets what the app reads of a retrieval engine
     (its own catalog copy, the search defaults, the model's tokenizer); returns the app and its start-up lines."""
-    from grserve.catalog.sid_text import bind_catalog
-    from grserve.engine.retrieval_engine import build_catalog, group_order
+    from grserve.engine.retrieval_engine import served_catalog
     from grserve.engine.tokenizer import model_tokenizer
-    from grserve.engine_core.catalog_copy import CatalogCopy
+    from grserve.cluster.gr.state_change import BroadcastCatalogStore
     from grserve.server.metrics import Metrics
     from grserve.state.store import open_state, restore_catalog, state_line
 
     store, stored = open_state(cfg.state.state_dir, "retrieval")
     try:
         popularity = load_popularity(cfg)
-        client.tokenizer = tokenizer = model_tokenizer(cfg.model.source)
-        catalog, client.layout_note = bind_catalog(build_catalog(cfg), tokenizer)
-        order = group_order(cfg.catalog)
+        client.tokenizer = model_tokenizer(cfg.model.source)
+        catalog, client.layout_note, bind = served_catalog(cfg, client.tokenizer)
         client.vocab_size, client.search = info["vocab_size"], cfg.search
-        client.catalogs = CatalogCopy(catalog, client.vocab_size,
-                                      lambda c: bind_catalog(c.with_group_order(order), tokenizer)[0], client)
+        # the front end's copy: a reload is swapped in here, then sent to the engine process, which applies it in
+        # order with the requests around it (replayed to a restarted engine process: EngineCoreClient.change)
+        client.catalogs = BroadcastCatalogStore(catalog, client.vocab_size, client.broadcast, bind)
         restore_catalog(client.catalogs, stored.catalog)
         metrics = Metrics()
         client.on_batch = metrics.on_batch

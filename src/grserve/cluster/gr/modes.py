@@ -30,14 +30,14 @@ from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from grserve.catalog import Catalog, CatalogStore
 from grserve.cluster.core.front_end import abandon_actors
 from grserve.cluster.gr.front_end import ClusterGREngine, launch_instances
 from grserve.cluster.gr.instance import catalog_digest, registry_digest
 from grserve.cluster.gr.kv_workers import kv_cache_workers
+from grserve.cluster.gr.state_change import BroadcastCatalogStore, replaced_entry, restore_updates
 from grserve.cluster.gr.meta_service import ItemKVMetaService
-from grserve.cluster.wire import CatalogReplace, GRInstanceInfo, RegistryUpdate
-from grserve.state.store import StoredState, restore_catalog, restore_registry
+from grserve.cluster.wire import GRInstanceInfo, RegistryUpdate
+from grserve.state.store import StoredState, restore_catalog
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -69,24 +69,6 @@ class _Launch:
 
 
 # ---- retrieval ------------------------------------------------------------------------------------------------
-class BroadcastCatalogStore(CatalogStore):
-    """The front end's catalog; ``replace`` (a reload) swaps it here, then on every live instance, before it
-    returns. Versions agree: every store starts at 1 and takes every replacement."""
-
-    def __init__(self, catalog: Catalog, vocab_size: int, engine: ClusterGREngine):
-        self._engine: ClusterGREngine | None = None
-        super().__init__(catalog, vocab_size=vocab_size)
-        self._engine = engine
-
-    def replace(self, new: Catalog, version: int | None = None) -> int:
-        version = super().replace(new, version)
-        if self._engine is not None:
-            versions = self._engine.broadcast(CatalogReplace(new, version))
-            if any(v != version for v in versions):
-                log.warning("catalog versions disagree after a reload: front end %d, instances %s", version, versions)
-        return version
-
-
 class ClusterRetrievalEngine(_Launch, ClusterGREngine):
     mode = "retrieval"
 
@@ -103,7 +85,7 @@ class ClusterRetrievalEngine(_Launch, ClusterGREngine):
         self.search = cfg.search
         self.tokenizer = model_tokenizer(cfg.model.source)  # the OpenAI routes encode prompts here, as one engine
         catalog, self.layout_note = bind_catalog(build_catalog(cfg), self.tokenizer)
-        self.catalogs = BroadcastCatalogStore(catalog, self.vocab_size, self)
+        self.catalogs = BroadcastCatalogStore(catalog, self.vocab_size, self.broadcast)
         self.catalogs.bind = lambda c: bind_catalog(c, self.tokenizer)[0]  # reloads: bound here, then broadcast
         cat = self.catalogs.current()
         for info in infos:
@@ -211,20 +193,14 @@ class ClusterRankingEngine(_Launch, ClusterGREngine):
         """The front end's store after a restart of the front end: replayed on its registry, then broadcast as one
         change per kind (recorded: an instance restarted later is sent it too). New users stay here, as when they
         were registered (a request carries the user's tokens); replaced ones reach the instances."""
-        reg = self.registry
-        users = [(key, tokens) for key, tokens in state.users if reg.has_user(key)]
-        restore_registry(reg, state)
-        for kind, entries in (("user", users), ("item", state.items)):
-            if entries:
-                self.broadcast(RegistryUpdate(kind, tuple(entries)))  # type: ignore[arg-type]
+        for change in restore_updates(self.registry, state):
+            self.broadcast(change)
         if self.item_kv is not None and state.items:
             self.item_kv.update([int(key) for key, _ in state.items])
 
     def _changed(self, kind: str, key: int) -> None:
         """The front end's registry replaced a user's or an item's tokens: every instance follows."""
-        reg = self.registry
-        tokens = reg.user_tokens(key) if kind == "user" else reg.item_tokens(key)
-        self.broadcast(RegistryUpdate(kind, ((int(key), tokens),)))  # type: ignore[arg-type]
+        self.broadcast(replaced_entry(self.registry, kind, key))
         if kind == "item" and self.item_kv is not None:
             self.item_kv.update([key])
 
