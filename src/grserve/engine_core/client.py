@@ -7,8 +7,13 @@ then its result or failure). ``/health`` and ``/metrics`` read the last heartbea
 
 When the core dies — its pid is gone, or no heartbeat for ``SILENT_AFTER_S`` (then it is killed) — every request in it fails at once
 with ``EngineCoreDied`` (503, Retry-After), new requests are refused with 503 while the supervisor starts another
-core, ``/health`` says ``restarting``; the first heartbeat of the new incarnation puts the front end back in
-service. Nothing waits forever: a request is either in the core, whose death ends it, or answered.
+core, ``/health`` says ``restarting``. The first heartbeat of the new incarnation starts its **catch-up**: every
+recorded state change (``BroadcastLog``: catalog reloads, registered users and items) is sent to it, each with its
+own call id, and the front end goes back in service only when the core has acknowledged every one of them — so no
+request is answered from the flags' state while the front end holds another. A change recorded during the catch-up
+is caught up in the next round; a change the new core refuses fences it (killed: its supervisor starts the next,
+and gives up after its restart budget), so a core that disagrees with the front end never serves. Nothing waits
+forever: a request is either in the core, whose death ends it, or answered.
 """
 
 from __future__ import annotations
@@ -107,6 +112,9 @@ class EngineCoreClient:
         self.deaths = 0
         self.gave_up: str | None = None  # the supervisor stopped restarting: why
         self.log = BroadcastLog()  # the state changes (reloads, registrations): replayed to every new core
+        self._catch_up: set[int] = set()  # call ids of the replayed changes the new core has not acknowledged yet
+        self._catch_up_generation = -1  # the log's generation those changes were read at
+        self.catch_up_error: str | None = None  # why the last catch-up failed (shown in /health)
         self.on_batch: Callable[[int, int], None] | None = None  # the core's batches (the batch histograms)
         self._last_heard = time.monotonic()
         self._closing = False
@@ -165,11 +173,14 @@ class EngineCoreClient:
 
     def health(self) -> EngineHealth:
         core = self.core
-        detail = dict(core.health_detail) if core is not None else {}
+        serving = core is not None and self.state in ("ok", "draining")
+        detail = dict(core.health_detail) if serving else {}  # a core not in service serves no state to show
         detail.update({"engine_core_pid": core.pid if core is not None else None,
                        "engine_core_restarts": self.deaths, "front_end_pid": os.getpid()})
         if self.gave_up:
             detail["engine_core_error"] = self.gave_up
+        elif self.catch_up_error and not serving:
+            detail["engine_core_error"] = self.catch_up_error
         status = self.state if self.state in ("ok", "draining") else (
             "stopped" if self.state == "stopped" else "restarting")
         running = core.running if core is not None and self.state in ("ok", "draining") else 0
@@ -190,7 +201,11 @@ class EngineCoreClient:
         """A change of the engine's state (a ``cluster.wire`` ``CatalogReplace`` or ``RegistryUpdate``), applied by
         the core in order with the requests around it; recorded and replayed to every new core after a restart.
         Raises what the core raised."""
-        self.log.record(change)
+        with self._lock:  # recorded before a catch-up reads the log, or seen by it as a newer generation
+            self.log.record(change)
+            live = self.state in ("ok", "draining")
+        if not live:
+            return None  # no core in service: the catch-up of the next one carries the change
         answer = self._call("state", change, wait_s)
         if answer is None and self.state == "ok":
             raise EngineStopped(f"the engine process did not apply a state change within {wait_s:g} s")
@@ -339,15 +354,57 @@ class EngineCoreClient:
                     self.core_died(f"a new incarnation {status.incarnation} answered")
                 with self._lock:
                     self.incarnation = status.incarnation
-                    # the new core catches up (reloads, registrations) before any request reaches it
-                    self.log.replay(lambda ch: self._send(Control(self.identity, self.incarnation, -1, "state", ch)))
-                    if self.state in ("starting", "restarting"):
-                        self.state = "ok"
+                    self._start_catch_up()
             self.core = status
             if self.on_batch is not None:
                 for n, tokens in status.batches:
                     self.on_batch(n, tokens)
         elif kind == "c":
+            if row[1] in self._catch_up:
+                self._caught_up(row[1], pickle.loads(row[2]))
+                return
             fut = self._replies.get(row[1])
             if fut is not None and not fut.done():
                 fut.set_result(pickle.loads(row[2]))
+
+    # ---- a new core's catch-up (the module docstring) ------------------------------------------------------------
+    def _start_catch_up(self) -> None:
+        """Send the new core every recorded state change, each with a call id to acknowledge (under ``_lock``);
+        with nothing recorded it is in service at once."""
+        self._catch_up_generation = self.log.generation
+        self._catch_up = set()
+
+        def send(change: Any) -> None:
+            call_id = next(self._calls)
+            self._catch_up.add(call_id)
+            self._send(Control(self.identity, self.incarnation, call_id, "state", change))
+
+        self.log.replay(send)
+        if not self._catch_up:
+            self._in_service()
+
+    def _caught_up(self, call_id: int, answer: tuple[Any, BaseException | None]) -> None:
+        """The core's acknowledgement of one replayed change: the last one puts it in service, unless the log
+        changed meanwhile (then another round); a refused one fences the core."""
+        _, error = answer
+        with self._lock:
+            self._catch_up.discard(call_id)
+            if error is not None:
+                self._catch_up = set()
+                self.catch_up_error = (f"engine incarnation {self.incarnation} refused a recorded state change "
+                                       f"({type(error).__name__}: {error}); it was stopped")
+                log.error("%s", self.catch_up_error)
+                if self.core is not None:
+                    _fence(self.core.pid)  # never in service with another state than the front end's
+                return
+            if self._catch_up:
+                return
+            if self.log.generation != self._catch_up_generation:
+                self._start_catch_up()  # a change was recorded while the core caught up
+            else:
+                self._in_service()
+
+    def _in_service(self) -> None:
+        if self.state in ("starting", "restarting"):
+            self.catch_up_error = None
+            self.state = "ok"

@@ -245,6 +245,8 @@ class CoreLoop:
                 raise ValueError(f"unknown control {msg.op!r}")
         except Exception as exc:  # noqa: BLE001 - the caller's failure, raised there
             error = exc
+        if msg.op == "state" and error is None:
+            self._beat()  # the new state in a heartbeat before the answer: a front end's /health agrees at once
         self._queue(msg.front_end, reply_row(msg.call_id, answer, error))
 
     def terminate(self) -> None:

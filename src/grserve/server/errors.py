@@ -37,7 +37,9 @@ status when (``type`` values)
 429    the queue is full (``overloaded``, ``--max-waiting``) or another catalog reload is running
        (``reload_busy``); with ``Retry-After: 1``
 503    the request waited in the queue past ``--request-timeout`` and was dropped uncomputed (``queue_timeout``),
-       or the server is stopping (``stopped``); with ``Retry-After: 1``
+       or the server is stopping (``stopped``), or the engine process is restarting and not yet level with the
+       front end's state (``stopped``), or answered from an older catalog than the front end serves
+       (``engine_state_behind``: never a normal answer from stale state); with ``Retry-After: 1``
 504    a catalog reload took longer than ``--catalog-timeout`` (``reload_timeout``; it is never applied)
 ====== =================================================================================================
 

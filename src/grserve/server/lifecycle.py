@@ -103,3 +103,16 @@ def engine_failure(exc: BaseException, request_id: str) -> ApiError:
         return ApiError(status, str(exc), None, getattr(exc, "error_type", "unavailable"), retry)
     log.exception("engine failed on request %s", request_id)
     return ApiError(500, f"internal error while serving the request: {type(exc).__name__}", None, "internal")
+
+
+def check_catalog_version(result: Any, catalog: Any) -> Any:
+    """``result`` if it was computed on the catalog the request was checked against or a newer one (a reload that
+    landed meanwhile). An engine behind its front end — one that lost a reload — never answers normally: 503
+    ``engine_state_behind`` with ``Retry-After`` (engine_core/client.py brings a restarted engine level first;
+    this is the last guard)."""
+    served, wanted = int(result.catalog_version), int(catalog.version)
+    if served < wanted:
+        log.error("engine answered from catalog version %d, the front end serves %d: refused", served, wanted)
+        raise ApiError(503, f"the engine serves catalog version {served}, older than the front end's {wanted}; "
+                            "retry shortly", None, "engine_state_behind", {"Retry-After": "1"})
+    return result

@@ -36,7 +36,7 @@ from grserve.engine.think import ThinkSpec, text_tokens
 from grserve.engine.types import RetrievalRequest, RetrievalResult, json_score
 from grserve.server.errors import ApiError
 from grserve.server.item_filters import allowed, excluded_items, history_exclusion
-from grserve.server.lifecycle import finish, submit
+from grserve.server.lifecycle import check_catalog_version, finish, submit
 from grserve.server.metrics import Metrics
 from grserve.server.offload import off_loop
 from grserve.server.openai_answers import sse, usage
@@ -217,7 +217,8 @@ async def _thinking(ctx: BeamContext, result: RetrievalResult) -> Thinking | Non
 
 
 async def _run(ctx: BeamContext, request: Request, req: RetrievalRequest, catalog: Any) -> tuple:
-    result: RetrievalResult = await finish(request, ctx.engine, submit(ctx.engine, req))
+    result: RetrievalResult = check_catalog_version(await finish(request, ctx.engine, submit(ctx.engine, req)),
+                                                    catalog)
     items = _items(result, catalog)
     ctx.metrics.observe_items(len(items))
     n_out = (len(result.thought) if result.thought else 0) + catalog.depth * len(items)

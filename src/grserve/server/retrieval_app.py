@@ -39,7 +39,7 @@ from grserve.server.catalog_reload import CatalogReloader
 from grserve.server.errors import ApiError
 from grserve.server.item_filters import allowed, check_excluded, check_included, excluded_items, \
     history_exclusion
-from grserve.server.lifecycle import finish, submit
+from grserve.server.lifecycle import check_catalog_version, finish, submit
 from grserve.server.metrics import Metrics
 from grserve.server.offload import off_loop
 from grserve.server.openai_limits import PromptLimits, PromptTokenLimits
@@ -404,7 +404,8 @@ def create_app(engine: RetrievalService, server_cfg: ServerConfig, metrics: Metr
         if req.prompt_tokens.size == 0:  # a new user: nothing for the model to answer from (catalog/popularity.py)
             result, source = cold_start(req, catalog, popular), "popularity"
         else:
-            result, source = await finish(request, engine, submit(engine, req)), "model"
+            result = check_catalog_version(await finish(request, engine, submit(engine, req)), catalog)
+            source = "model"
         items = items_out(result)
         metrics.observe_items(len(items))
         return RecommendResponse(

@@ -12,7 +12,9 @@ what replays them:
 - the newest ``ItemPlacement`` (ranking with KV-cache workers), sent last: it lists the items replayed before it.
 
 ``replay(send)`` sends them as state changes through ``send`` — the caller binds it to the new actor — before the
-instance takes requests. Memory is one catalog reference plus one token array per changed key.
+instance takes requests. Memory is one catalog reference plus one token array per changed key. ``generation``
+counts the recorded changes: a caller that replayed at generation g and reads another afterwards missed a change
+recorded meanwhile, and replays again (replaying is idempotent: the newest state each time).
 """
 
 from __future__ import annotations
@@ -33,12 +35,18 @@ class BroadcastLog:
         self._catalog: CatalogReplace | None = None
         self._placement: ItemPlacement | None = None
         self._updates: dict[tuple[str, int], np.ndarray] = {}  # (kind, key) -> tokens, in order of the last update
+        self.generation = 0
 
     def record(self, change: StateChange) -> None:
         """A state change that reached the live instances."""
         with self._lock:
+            self.generation += 1
             if isinstance(change, CatalogReplace):
-                self._catalog = CatalogReplace(change.catalog, int(change.catalog.version))
+                # the version the front end serves it at: ``change.catalog`` is the catalog as sent, before the
+                # engine binds it to the model (a SID-token catalog is bound into a copy, so its own ``version``
+                # field stays 0 and must not be replayed)
+                version = change.version if change.version is not None else change.catalog.version
+                self._catalog = CatalogReplace(change.catalog, int(version))
                 return
             if isinstance(change, ItemPlacement):
                 self._placement = change

@@ -30,7 +30,8 @@ class BroadcastCatalogStore(CatalogStore):
         version = super().replace(new, version)
         if self._broadcast is not None:
             versions = self._broadcast(CatalogReplace(new, version))
-            if any(v != version for v in versions):
+            # None: not sent now (an engine process being restarted; its catch-up carries the change)
+            if any(v is not None and v != version for v in versions):
                 log.warning("catalog versions disagree after a reload: front end %d, engines %s", version, versions)
         return version
 
@@ -58,6 +59,8 @@ def apply_change(engine: Any, change: CatalogReplace | RegistryUpdate) -> int:
     cached KV is dropped (also when this registry did not know the user yet); a replaced item's KV is
     re-precomputed (the runner's registry listener), a new item's computed here."""
     if isinstance(change, CatalogReplace):
+        if change.version is not None and change.version == engine.catalogs.version:
+            return change.version  # already served (a replay sent again): every version names one catalog
         return engine.catalogs.replace(change.catalog, change.version)
     runner = engine.runner
     new = runner.registry.update(change.kind, change.entries)
