@@ -5,7 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.grserve-installed
 
-.PHONY: demo test install bench clean vllm-venv
+.PHONY: demo test test-slow install bench clean vllm-venv
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -39,11 +39,16 @@ AVX2_ENV := ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCT
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check src tests
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests -m "not exhaustive"
 	@echo "== CPU lane: oneDNN/ATen/MKL held to AVX2 (no AVX-512, no fast bf16) =="
 	$(AVX2_ENV) $(PY) -m pytest $(CPU_LANE_TESTS)
 	@echo "== CPU lane: GRSERVE_CPU_ISA=reference (every CPU fast path off) =="
 	GRSERVE_CPU_ISA=reference $(PY) -m pytest $(CPU_LANE_TESTS)
+
+# The cells CI does not run (``exhaustive``): the whole restart matrix (every kind of state x kill -9 of the engine
+# process, SIGSTOP until fenced, kill -9 of the server and a restart; tests/grserve/engine_core/test_restart_matrix.py).
+test-slow: $(STAMP)
+	$(PY) -m pytest tests -m exhaustive
 
 bench: $(STAMP)
 	$(VENV)/bin/grserve bench retrieval

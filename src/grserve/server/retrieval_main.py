@@ -220,6 +220,9 @@ def run_engine_process(cfg: ServeConfig) -> int:
 
     if cfg.process.api_servers > 1 and cfg.state.state_dir:
         raise UsageError("--api-servers > 1 with --state-dir: one front end owns the state store; use one")
+    if cfg.process.api_servers > 1 and cfg.reload.catalog_dir:
+        raise UsageError("--api-servers > 1 with --catalog-dir: a reload reaches the front end that took it, the "
+                         "others would validate against the old catalog; use one front end")
     return serve_split("retrieval", cfg, cfg.server, cfg.process, cfg.edge, retrieval_front_end)
 
 

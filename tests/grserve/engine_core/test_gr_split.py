@@ -125,3 +125,64 @@ def test_help_names_the_process_flags(mode):
                          timeout=60).stdout
     assert "--engine-process" in out and "--engine-restarts" in out
     assert ("--api-servers" in out) == (mode == "retrieval")
+
+
+def test_the_log_replays_a_bound_catalog_at_the_front_ends_version():
+    """Issue 41's cause: a catalog whose binding makes a copy (SID tokens resolved) reached the log with the copy's
+    source, whose own version is 0; the replay must carry the version the front end serves it at."""
+    from grserve.catalog import CatalogStore
+    from grserve.cluster.gr.broadcast_log import BroadcastLog
+    from grserve.cluster.gr.state_change import BroadcastCatalogStore, apply_change
+
+    bind = lambda c: c.with_layout(c.layout)  # a copy at version 0, as bind_catalog's with_layout makes  # noqa: E731
+    log = BroadcastLog()
+    front = BroadcastCatalogStore(generate_catalog(50, 3, 16, seed=1), 4096, lambda ch: [log.record(ch)], bind)
+    for seed in (2, 3):
+        front.replace(generate_catalog(50, 3, 16, seed=seed))
+    assert log.generation == 2
+
+    class Engine:
+        catalogs = CatalogStore(generate_catalog(50, 3, 16, seed=1), 4096, bind)
+
+    assert log.replay(lambda ch: apply_change(Engine, ch)) == 1
+    assert Engine.catalogs.version == front.version == 3
+    np.testing.assert_array_equal(Engine.catalogs.current().item_ids, front.current().item_ids)
+    assert log.replay(lambda ch: apply_change(Engine, ch)) == 1 and Engine.catalogs.version == 3  # idempotent
+
+
+def test_a_core_that_refuses_the_recorded_state_never_serves():
+    """A restarted core that cannot take a recorded change is fenced, never put in service (503 with the reason),
+    and the supervisor gives up after its budget; requests are refused all along, never answered from the flags'
+    state."""
+    from grserve.cluster.wire import CatalogReplace
+    from grserve.engine.protocol import EngineStopped
+    from grserve.server.retrieval_main import retrieval_front_end
+
+    cfg = ServeConfig(model=ModelConfig(source="tiny", seed=0), catalog=CatalogConfig(num_items=400, seed=3),
+                      search=SearchConfig(beam_width=8, warmup=False))
+    sup, client, info = start_core("retrieval", cfg, 1, None)
+    try:
+        retrieval_front_end(cfg, client, info)
+        client.log.record(CatalogReplace(generate_catalog(400, 3, 99_999, seed=4), 7))  # beyond the vocab: refused
+        os.kill(client.core.pid, signal.SIGKILL)
+        _wait(lambda: client.state != "ok", 30)  # the death noticed
+        deadline = time.monotonic() + 180
+        while client.gave_up is None:
+            assert time.monotonic() < deadline, "the supervisor did not give up"
+            assert client.state != "ok", "a core that refused the recorded state was put in service"
+            time.sleep(0.01)
+        assert client.state == "stopped" and sup.incarnation == 2
+        with pytest.raises(EngineStopped):
+            client.submit(RetrievalRequest(np.arange(16, 30), 8, 5))
+        assert "refused a recorded state change" in (client.catch_up_error or "")
+    finally:
+        client.stop()
+
+
+def test_several_front_ends_refuse_catalog_reloads(tmp_path, capsys):
+    """A reload reaches the one front end that took it; with --api-servers 2 the other would validate against the
+    old catalog while the engine serves the new one, so the combination is refused before anything starts."""
+    from grserve.cli import main
+
+    assert main(["serve", "retrieval", "--api-servers", "2", "--catalog-dir", str(tmp_path)]) == 2
+    assert "--api-servers > 1 with --catalog-dir" in capsys.readouterr().err

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,48 +18,18 @@ import httpx
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
+from server_process import ADMIN, SRC, kill9, serve
 
 from grserve.catalog import Catalog, generate_catalog, save_catalog
 from grserve.config import EdgeConfig, RankingConfig, RankingLimits
 from grserve.state.store import MEMORY_ONLY, StateStore, StoredState, restore_registry, state_line
 
-SRC = str(Path(__file__).resolve().parents[3] / "src")
-ADMIN = {"Authorization": "Bearer adm"}
 
-
-# ---- a real server process, killed with SIGKILL ----------------------------------------------------------------
+# ---- a real server process, killed with SIGKILL (tests/server_process.py) --------------------------------------
 @contextlib.contextmanager
 def _server(args: list[str], log_path: Path):
-    """``python -m grserve serve ARGS`` on a free loopback port; yields (process, base URL, log path) once /health
-    answers; always killed at the end."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "GRSERVE_ADMIN_API_KEY": "adm"}
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "grserve", "serve", *args, "--port", str(port),
-                                 "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, log_path.read_text()
-            assert time.monotonic() < deadline, log_path.read_text()
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            time.sleep(0.2)
-        yield proc, url, log_path
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(30)
-
-
-def _kill9(proc: subprocess.Popen) -> None:
-    os.kill(proc.pid, signal.SIGKILL)
-    assert proc.wait(30) == -signal.SIGKILL
+    with serve(args, log_path) as server:
+        yield server.proc, server.url, log_path
 
 
 def _post(url: str, path: str, body: dict) -> dict:
@@ -81,7 +50,7 @@ def test_ranking_registrations_survive_kill_9(tmp_path):
     with _server(args, tmp_path / "first.log") as (proc, url, log):
         assert _post(url, "/v1/users", {"users": users}) == {"registered": 2, "replaced": 1, "total": 4}
         assert _post(url, "/v1/items", {"items": [item]})["total"] == 31
-        _kill9(proc)  # right after the last 2xx
+        kill9(proc)  # right after the last 2xx
         assert "restored 0 users, 0 items" in log.read_text()
     with _server(args, tmp_path / "second.log") as (proc, url, log):
         assert "restored 2 users, 1 items" in log.read_text() and str(state) in log.read_text()
@@ -121,7 +90,7 @@ def test_catalog_reload_survives_kill_9_and_the_file_changing(tmp_path):
     with _server(args, tmp_path / "first.log") as (proc, url, log):
         assert "no catalog reload stored" in log.read_text()
         assert _post(url, "/v1/catalog", {"name": "v2.grcat"})["catalog"]["version"] == 2
-        _kill9(proc)
+        kill9(proc)
     save_catalog(_shifted_catalog(2, 50_000), cat_dir / "v2.grcat")  # the file changes after the acknowledgement
     with _server(args, tmp_path / "second.log") as (proc, url, log):
         assert "restored catalog 'v2.grcat' version 2" in log.read_text()
