@@ -88,7 +88,8 @@ def run(cfg: ServeConfig) -> int:
         return run_engine_process(cfg)
     from grserve.state.store import open_state, restore_catalog, state_line
 
-    store, stored = open_state(cfg.state.state_dir, "retrieval")  # before anything heavy: a locked dir fails fast
+    # before anything heavy: a locked dir fails fast
+    store, stored = open_state(cfg.state.state_dir, "retrieval", cfg.catalog.duplicate_sids)
     if cfg.cluster.instances > 1 or cfg.cluster.ray_address:
         return run_cluster(cfg, store, stored)
 
@@ -235,7 +236,7 @@ def retrieval_front_end(cfg: ServeConfig, client, info: dict):
     from grserve.server.metrics import Metrics
     from grserve.state.store import open_state, restore_catalog, state_line
 
-    store, stored = open_state(cfg.state.state_dir, "retrieval")
+    store, stored = open_state(cfg.state.state_dir, "retrieval", cfg.catalog.duplicate_sids)
     try:
         popularity = load_popularity(cfg)
         client.tokenizer = model_tokenizer(cfg.model.source)

@@ -137,7 +137,9 @@ class StateStore:
                        (int(version), catalog.source, blob, hashlib.blake2b(blob, digest_size=16).hexdigest()))
 
     # ---- reads --------------------------------------------------------------------------------------------------
-    def load(self) -> StoredState:
+    def load(self, duplicate_sids: str = "refuse") -> StoredState:
+        """What the store holds; ``duplicate_sids``: the server's policy, under which a stored catalog with several
+        items per SID was acknowledged (``catalog/duplicates.py``)."""
         try:
             with self._lock:
                 db = self._conn()
@@ -145,17 +147,22 @@ class StateStore:
                 cat = db.execute("SELECT version, name, grcat, digest FROM catalog").fetchone()
         except sqlite3.Error as exc:
             raise StateError(f"{self.path}: cannot read the state store ({exc})") from None
-        state = StoredState(catalog=self._catalog(*cat) if cat is not None else None)
+        state = StoredState(catalog=self._catalog(*cat, duplicate_sids) if cat is not None else None)
         for kind, key, blob in rows:
             (state.users if kind == "user" else state.items).append((int(key), np.frombuffer(blob, "<i8").copy()))
         return state
 
-    def _catalog(self, version: int, name: str, blob: bytes, digest: str) -> Catalog:
+    def _catalog(self, version: int, name: str, blob: bytes, digest: str, duplicate_sids: str) -> Catalog:
+        from grserve.catalog import CatalogError
         from grserve.catalog.io import read_catalog
 
         if hashlib.blake2b(blob, digest_size=16).hexdigest() != digest:
             raise StateError(f"{self.path}: the stored catalog {name!r} does not match its digest")
-        catalog = read_catalog(io.BytesIO(blob), ".grcat", name, len(blob))
+        try:
+            catalog = read_catalog(io.BytesIO(blob), ".grcat", name, len(blob), duplicate_sids=duplicate_sids)
+        except CatalogError as exc:
+            raise StateError(f"{self.path}: the stored catalog {name!r} (version {version}) cannot be served with "
+                             f"these flags: {exc}") from None
         catalog.version = int(version)
         return catalog
 
@@ -190,15 +197,20 @@ def _fsync_dir(path: str) -> None:
 
 
 # ---- start-up: open, restore, say so --------------------------------------------------------------------------
-def open_state(state_dir: str | None, mode: str) -> tuple[StateStore | None, StoredState]:
+def open_state(state_dir: str | None, mode: str, duplicate_sids: str = "refuse") -> tuple[StateStore | None,
+                                                                                         StoredState]:
     """The server's store and what it holds; (None, nothing) without ``--state-dir`` (memory only). A store that
-    cannot be opened or read is a usage error: a server never starts without the writes it acknowledged."""
+    cannot be opened or read is a usage error: a server never starts without the writes it acknowledged.
+    ``duplicate_sids``: the server's ``--duplicate-sids`` (a stored catalog is read under it, as a reload was)."""
     if state_dir is None:
         return None, StoredState()
+    store: StateStore | None = None
     try:
         store = StateStore(state_dir, mode)
-        return store, store.load()
+        return store, store.load(duplicate_sids)
     except StateError as exc:
+        if store is not None:
+            store.close()  # the directory's lock released: the user may start again with other flags
         raise UsageError(f"--state-dir: {exc}") from None
 
 

@@ -275,3 +275,23 @@ def test_a_stored_catalog_keeps_its_sid_text_and_is_bound_again(tmp_path):
     assert got.version == 4 and got.layout == served.layout and got.source == served.source
     np.testing.assert_array_equal(got.item_ids, served.item_ids)
     np.testing.assert_array_equal(got.sids, served.sids)
+
+
+def test_a_stored_catalog_with_duplicate_sids_is_read_under_the_servers_policy(tmp_path):
+    """Issue 41 (found by the restart matrix): a reload acknowledged under ``--duplicate-sids popularity`` must be
+    restored under it; with ``refuse`` the store says why it cannot serve it and releases the directory."""
+    from grserve.flags import UsageError
+    from grserve.state.store import open_state
+
+    base = generate_catalog(40, 3, 8, 0, 16)
+    ids = np.concatenate([base.item_ids, [900, 901]])
+    sids = np.concatenate([base.sids, base.sids[:2]])
+    dup = Catalog.from_arrays(ids, sids, base.codebook_sizes, 16, "dup.jsonl", duplicate_sids="popularity")
+    store = StateStore(str(tmp_path), "retrieval")
+    store.put_catalog(dup, 2)
+    store.close()
+    with pytest.raises(UsageError, match="cannot be served with these flags.*duplicate SID"):
+        open_state(str(tmp_path), "retrieval")
+    store, state = open_state(str(tmp_path), "retrieval", "popularity")  # the lock was released
+    assert state.catalog.version == 2 and state.catalog.num_items == 42 and len(state.catalog) == 40
+    store.close()
