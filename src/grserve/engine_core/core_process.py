@@ -112,7 +112,11 @@ def run_core(spec: CoreSpec) -> None:
     terms.append(loop)
     loop.run()
     # Stopped as told, everything answered and the sockets closed: leave without the interpreter's teardown, where
-    # extension modules torch loaded (triton's nanobind bindings) print pages of "leaked instance" noise at exit.
+    # extension modules torch loaded (triton's nanobind bindings) print pages of "leaked instance" noise at exit;
+    # multiprocessing's own exit work (its finalizers: tqdm's lock's semaphore given back) still runs.
+    from multiprocessing import util
+
+    util._exit_function()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
