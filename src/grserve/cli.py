@@ -259,10 +259,25 @@ def _with_default_serve_mode(argv: list[str]) -> list[str]:
     return argv
 
 
+def _serve_help(parser: argparse.ArgumentParser) -> int:
+    """``grserve serve --help``: the modes, then the flags of the default mode (what plain ``grserve serve`` takes)."""
+    serve = _choices(parser)["serve"]
+    serve.print_help()
+    print(f"\nThe default mode, '{DEFAULT_SERVE_MODE}' ('grserve serve [FLAGS]'):\n")
+    _choices(serve)[DEFAULT_SERVE_MODE].print_help()
+    return 0
+
+
+def _choices(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    return next(a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+
+
 def main(argv: Sequence[str] | None = None, commands: Mapping[str, Register] | None = None) -> int:
     """Run one command; ``commands`` as in ``build_parser``."""
     argv = _with_default_serve_mode(list(sys.argv[1:] if argv is None else argv))
     parser = build_parser(commands)
+    if argv in (["serve", "--help"], ["serve", "-h"]):
+        return _serve_help(parser)
     try:
         ns = parser.parse_args(argv)
     except SystemExit as exc:  # --help (0) or an argparse usage error (2, message already printed)

@@ -572,3 +572,6 @@ class ProcessConfig(Checked):
                                "--engine-process)", check=positive_int)
     engine_restarts: int = flag(3, "times a dead engine process is restarted within 10 minutes; after that the "
                                    "server answers 503 and /health says why", check=non_negative)
+    threads: int = flag(0, "torch intra-op threads of the retrieval or ranking engine (0: measured at start-up on "
+                           "the model's layer, as serve llm's --threads; the start line names the CPU and the choice)",
+                        check=non_negative)

@@ -98,6 +98,24 @@ def test_serve_help_lists_the_modes_and_the_default(capsys):
     out = capsys.readouterr().out
     assert "retrieval" in out and "ranking" in out and "llm" in out
     assert "the default" in out and "'grserve serve [FLAGS]' is 'grserve serve retrieval [FLAGS]'" in out
+    assert "--beam-width BW" in out and "--catalog-dir DIR" in out  # and the default mode's flags
+
+
+@pytest.mark.parametrize("mode, admin, state", [
+    ("retrieval", "POST /v1/catalog)", "the catalogs POST /v1/catalog loaded"),
+    ("ranking", "POST /v1/users, /v1/items)", "POST /v1/users and /v1/items"),
+    ("llm", None, None),
+])
+def test_each_mode_names_its_own_state_routes_and_only_its_flags(mode, admin, state, capsys):
+    assert cli.main(["serve", mode, "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    if admin is None:
+        assert "--admin-api-key" not in out and "--state-dir" not in out
+    else:
+        assert admin in out and f"keeps {state} across restarts" in out
+        assert ("/v1/users" in out) == (mode == "ranking") and ("/v1/catalog" in out) == (mode == "retrieval")
+    recommend_only = ("--max-include-items", "--max-history-entries", "--truncate", "--max-exclude-items")
+    assert all((flag in out) == (mode == "retrieval") for flag in recommend_only), mode
 
 
 @pytest.mark.parametrize("command", [["serve", "retrieval"], ["recommend"]])

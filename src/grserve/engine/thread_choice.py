@@ -116,3 +116,11 @@ def engine_threads(requested: int, model, packed: bool = True, cores: int | None
         torch.set_num_threads(counts[0])
         return ThreadChoice(counts[0], {}, f"model on {model.device.type}")
     return choose_threads(layer_probe(model, packed), counts)
+
+
+def serving_threads(requested: int, model, packed: bool = True) -> str:
+    """Set a serving engine's torch threads (``--threads``; 0: measured, :func:`engine_threads`) and return its
+    start line: the CPU it runs on (``model/cpu_support.py``) and the thread choice with its reason."""
+    from grserve.model.cpu_support import cpu_support
+
+    return f"CPU {cpu_support().label()}: {engine_threads(requested, model, packed).describe()}"

@@ -238,20 +238,25 @@ class EngineCoreClient:
         self.stop()
 
     # ---- the core's death (the supervisor tells, or the receiver finds it) ----------------------------------
-    def core_died(self, why: str) -> None:
-        """Fail every request in the dead core and refuse new ones until a new incarnation says hello."""
+    def core_died(self, why: str, planned: bool = False) -> None:
+        """Fail every request in the dead core and refuse new ones until a new incarnation says hello. ``planned``:
+        it exited as told (SIGTERM: it drained first), logged as such."""
         with self._lock:
             if self.state in ("restarting", "stopped"):
                 return
+            planned = planned or self.state == "draining"  # a service manager's SIGTERM reached the core too
             self.state = "restarting"
             self.deaths += 1
-        log.error("engine core died (%s): failing its requests, waiting for a new one", why)
+        if planned:
+            log.info("engine core exited as told (%s)", why)
+        else:
+            log.error("engine core died (%s): failing its requests, waiting for a new one", why)
         self._fail_open(EngineCoreDied(f"the engine-core process died ({why}); the request was not finished"))
 
-    def give_up(self, why: str) -> None:
+    def give_up(self, why: str, planned: bool = False) -> None:
         """The supervisor will not restart the core again: refuse everything from now on (503)."""
         self.gave_up = why
-        self.core_died(why)
+        self.core_died(why, planned)
         self.state = "stopped"
 
     def _fail_open(self, exc: BaseException) -> None:

@@ -111,6 +111,15 @@ def run_core(spec: CoreSpec) -> None:
     batches.append(loop.on_batch)
     terms.append(loop)
     loop.run()
+    # Stopped as told, everything answered and the sockets closed: leave without the interpreter's teardown, where
+    # extension modules torch loaded (triton's nanobind bindings) print pages of "leaked instance" noise at exit;
+    # multiprocessing's own exit work (its finalizers: tqdm's lock's semaphore given back) still runs.
+    from multiprocessing import util
+
+    util._exit_function()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 class CoreLoop:

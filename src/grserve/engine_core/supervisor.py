@@ -27,7 +27,7 @@ log = logging.getLogger("grserve.engine_core")
 class Listener(Protocol):
     def core_died(self, why: str) -> None: ...
 
-    def give_up(self, why: str) -> None: ...
+    def give_up(self, why: str, planned: bool = False) -> None: ...
 
 
 def exit_reason(code: int | None) -> str:
@@ -86,7 +86,7 @@ class CoreSupervisor:
             if proc.exitcode == 0:  # it stopped as told (SIGTERM to it: drained first): not restarted
                 self.gave_up = f"{why} (it was stopped: SIGTERM)"
                 for listener in self.listeners:
-                    listener.give_up(self.gave_up)
+                    listener.give_up(self.gave_up, planned=True)
                 return
             for listener in self.listeners:
                 listener.core_died(why)

@@ -379,7 +379,8 @@ def _train(sequences, catalog, cfg, valid, progress, log, on_epoch=None, checkpo
                     bar.set_postfix(epoch=epoch + 1, loss=f"{entry['train_loss']:.3f}", valid=f"{entry['valid_nll']:.3f}")
             entry["seconds"] = round(time.perf_counter() - t_epoch, 2)
             history.append(entry)
-            log(json.dumps(entry))
+            with bar.external_write_mode():  # the bar is cleared, the line written whole, the bar redrawn below it
+                log(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in entry.items()}))
             if stopped:
                 break
             if checkpoint is not None:

@@ -5,7 +5,11 @@ vLLM's where vLLM has one (``kv_cache_usage_perc`` is a fraction in [0, 1], as v
 - LLM (``LLMStatsCollector``): gauges ``grserve_llm_running``, ``_waiting``, ``_free_blocks``,
   ``_kv_cache_usage_perc``, the co-location split (``_running_online`` …) and ``_offline_deferred`` (per step);
   counters ``grserve_llm_preemptions_total``, ``_prefix_hit_tokens_total``, ``_prefill_tokens_total``,
-  ``_offline_preemptions_total``, ``_requests_expired_total``, ``_step_errors_total``.
+  ``_offline_preemptions_total``, ``_requests_expired_total``, ``_step_errors_total``. With the server's model name
+  (``serve llm``), each carries ``model_name`` and vLLM's families are served too: gauges
+  ``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``; counters
+  ``vllm:num_preemptions_total``, ``vllm:prefix_cache_queries_total`` (prompt tokens looked up: computed + hit)
+  and ``vllm:prefix_cache_hits_total`` (tokens).
 - Retrieval and ranking (``GRStatsCollector``): counters ``grserve_batches_run_total``,
   ``grserve_batches_failed_total``, ``grserve_requests_expired_total``; ranking adds its caches
   (``grserve_ranking_user_cache_lookups_total`` / ``_hits_total``, ``grserve_ranking_item_kv_tokens_total`` /
@@ -86,25 +90,56 @@ def _counters(prefix: str, table: tuple, stats: dict) -> Iterator[Metric]:
             yield CounterMetricFamily(f"{prefix}{name}", help_text, value=float(stats[key]))
 
 
-class LLMStatsCollector:
-    """The LLM engine's ``stats()`` as gauges and counters (module docstring)."""
+VLLM_GAUGES = (("running", "num_requests_running", "Requests in model execution batches."),
+               ("waiting", "num_requests_waiting", "Requests waiting to be processed."))
 
-    def __init__(self, stats: Callable[[], dict]) -> None:
-        self.stats = stats
+
+class LLMStatsCollector:
+    """The LLM engine's ``stats()`` as gauges and counters (module docstring); ``model_name``: their label, and
+    vLLM's families beside grserve's."""
+
+    def __init__(self, stats: Callable[[], dict], model_name: str | None = None) -> None:
+        self.stats, self.model_name = stats, model_name
 
     def describe(self) -> list:
         return []  # read at scrape time only: the families depend on what the engine reports
+
+    def _one(self, family: type, name: str, help_text: str, value: float) -> Metric:
+        if self.model_name is None:
+            return family(name, help_text, value=value)
+        m = family(name, help_text, labels=["model_name"])
+        m.add_metric([self.model_name], value)
+        return m
 
     def collect(self) -> Iterator[Metric]:
         s = _safe(self.stats)
         for key, help_text in LLM_GAUGES:
             if key in s:
-                yield GaugeMetricFamily(f"grserve_llm_{key}", help_text, value=float(s[key]))
+                yield self._one(GaugeMetricFamily, f"grserve_llm_{key}", help_text, float(s[key]))
+        used = None
         if s.get("total_blocks"):
             used = 1.0 - float(s.get("free_blocks", 0)) / float(s["total_blocks"])
-            yield GaugeMetricFamily("grserve_llm_kv_cache_usage_perc", "Fraction of the KV/hidden block pool in "
-                                    "use (0 to 1).", value=used)
-        yield from _counters("grserve_llm_", LLM_COUNTERS, s)
+            yield self._one(GaugeMetricFamily, "grserve_llm_kv_cache_usage_perc", "Fraction of the KV/hidden block "
+                            "pool in use (0 to 1).", used)
+        for key, name, help_text in LLM_COUNTERS:
+            if key in s:
+                yield self._one(CounterMetricFamily, f"grserve_llm_{name}", help_text, float(s[key]))
+        if self.model_name is None:
+            return
+        for key, name, help_text in VLLM_GAUGES:
+            if key in s:
+                yield self._one(GaugeMetricFamily, f"vllm:{name}", help_text, float(s[key]))
+        if used is not None:
+            yield self._one(GaugeMetricFamily, "vllm:kv_cache_usage_perc", "KV-cache usage (0 to 1).", used)
+        if "preemptions" in s:
+            yield self._one(CounterMetricFamily, "vllm:num_preemptions", "Cumulative number of preemptions.",
+                            float(s["preemptions"]))
+        if "prefix_hit_tokens" in s:
+            hits = float(s["prefix_hit_tokens"])
+            yield self._one(CounterMetricFamily, "vllm:prefix_cache_queries", "Prompt tokens looked up in the "
+                            "prefix cache.", hits + float(s.get("prefill_tokens", 0)))
+            yield self._one(CounterMetricFamily, "vllm:prefix_cache_hits", "Prompt tokens found in the prefix "
+                            "cache.", hits)
 
 
 class GRStatsCollector:

@@ -32,8 +32,8 @@ def create_llm_app(engine: Engine, tokenizer: Any, model_name: str, max_model_le
     app = new_app(engine, metrics, title="grserve LLM", openai=True, detail=detail, edge=edge,
                   queued_routes=QUEUED_ROUTES,
                   description="An LLM behind an OpenAI-compatible API, on the hybrid-cache continuous-batching engine.")
-    app.state.metrics.bind_llm_stats(engine.stats)
-    llm_metrics = LLMMetrics(app.state.metrics.registry, model_name)
+    app.state.metrics.bind_llm_stats(engine.stats, model_name)
+    llm_metrics = LLMMetrics(app.state.metrics.registry, model_name, max_model_len)
     app.state.llm_metrics = llm_metrics
     app.add_middleware(StatusCounter, metrics=llm_metrics)
     app.include_router(create_openai_router(engine, tokenizer, model_name, max_model_len, vocab_size, llm_metrics,

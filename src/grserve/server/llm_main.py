@@ -20,7 +20,7 @@ from grserve.config import (
     SLOConfig,
 )
 from grserve.flags import UsageError, add_flags, command_parser, from_args
-from grserve.server.startup import add_edge_flags, check_model, edge_from_args
+from grserve.server.startup import RECOMMEND_ONLY, add_edge_flags, check_model, edge_from_args
 
 
 def add_command(sub) -> None:
@@ -31,9 +31,9 @@ def add_command(sub) -> None:
                    help="the model (a preset or an HF directory), as --model; wins over --model")
     add_flags(p, d.model, title="model")
     add_flags(p, d.llm, title="engine")
-    add_flags(p, d.server, title="HTTP", skip=("max_prompt_tokens", "max_top_n", "max_exclude_items"))
+    add_flags(p, d.server, title="HTTP", skip=RECOMMEND_ONLY)
     add_flags(p, d.api, title="OpenAI API")
-    add_edge_flags(p)
+    add_edge_flags(p, None)
     add_flags(p, ClusterConfig, title="cluster (several instances on Ray; docs/cluster.md)")
     add_flags(p, SLOConfig, title="latency SLOs (PD routing, role flips, co-location)")
     add_flags(p, PDConfig, title="prefill/decode disaggregation (needs --instances >= 2; docs/cluster.md)")

@@ -72,9 +72,10 @@ class Metrics:
         """Read the admitted-but-not-queued count (``admission.py``) from ``fn`` at every scrape."""
         self._pending_fn = fn
 
-    def bind_llm_stats(self, stats: Callable[[], dict]) -> None:
-        """Export the LLM engine's gauges and counters, read from ``stats()`` at every scrape (once per registry)."""
-        self._register("llm", LLMStatsCollector(stats))
+    def bind_llm_stats(self, stats: Callable[[], dict], model_name: str | None = None) -> None:
+        """Export the LLM engine's gauges and counters, read from ``stats()`` at every scrape (once per registry),
+        labelled with ``model_name`` when given (and then also under vLLM's names)."""
+        self._register("llm", LLMStatsCollector(stats, model_name))
 
     def bind_gr_stats(self, stats: Callable[[], dict], ranking: Callable[[], dict] | None = None) -> None:
         """Export a retrieval or ranking engine's totals (and, with ``ranking``, its caches'), read at every

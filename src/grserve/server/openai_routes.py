@@ -332,6 +332,7 @@ async def generate(ctx: OpenAIContext, request: Request, body: SamplingRequest, 
         _Group(ctx.engine, handles).cancel()
         raise
     group = _Group(ctx.engine, handles)
+    ctx.metrics.request(body.n, max_tokens)
     timers = [ctx.metrics.timer(len(prompt_ids) if i == 0 else 0) for i in range(len(handles))]  # prompt once
     if body.stream:
         events, first = await _opened(request, group, timers)

@@ -26,7 +26,13 @@ from grserve.config import (
 )
 from grserve.flags import Checked, UsageError, add_flags, command_parser, flag, from_args, non_negative
 from grserve.server.retrieval_main import GR_CLUSTER_SKIP, restore_started
-from grserve.server.startup import add_edge_flags, check_model, edge_from_args
+from grserve.server.startup import (
+    RECOMMEND_ONLY,
+    add_edge_flags,
+    add_state_flags,
+    check_model,
+    edge_from_args,
+)
 
 if TYPE_CHECKING:
     from grserve.state.store import StateStore, StoredState
@@ -51,9 +57,9 @@ def add_command(sub) -> None:
     add_flags(engine, UserCacheMiB())
     add_flags(p, d.data, title="users and items")
     add_flags(p, d.limits, title="request limits")
-    add_flags(p, d.server, title="HTTP", skip=("max_prompt_tokens", "max_top_n", "max_exclude_items"))
-    add_edge_flags(p)
-    add_flags(p, d.state, title="state across restarts (docs/security.md)")
+    add_flags(p, d.server, title="HTTP", skip=RECOMMEND_ONLY)
+    add_edge_flags(p, "POST /v1/users, /v1/items")
+    add_state_flags(p, d.state, "POST /v1/users and /v1/items")
     add_flags(p, ClusterConfig, title="cluster (several instances on Ray; docs/cluster.md)", skip=GR_CLUSTER_SKIP)
     add_flags(p, ProcessConfig, title="processes (the engine in its own process; docs/architecture.md)",
               skip=("api_servers",))
@@ -90,8 +96,11 @@ def run(cfg: RankingServeConfig) -> int:
     from grserve.server.serving import serve_until_exit
     from grserve.server.ranking_app import create_ranking_app
 
+    from grserve.engine.thread_choice import serving_threads
+
     m = cfg.model
     model = load_model(m.source, dtype=m.dtype, device=m.device, seed=m.seed)
+    print(f"grserve: {serving_threads(cfg.process.threads, model, packed=False)}", flush=True)
     try:
         from grserve.ranking.startup_data import build_registry
 
@@ -172,5 +181,5 @@ def ranking_front_end(cfg: RankingServeConfig, client, info: dict):
         raise UsageError(str(e)) from None
     app = create_ranking_app(client, cfg.limits, edge=cfg.edge, store=store)
     s = cfg.server
-    return app, [state_line(store, stored), f"ranking: {reg.num_items} items, {reg.num_users} users, policy "
+    return app, [state_line(store, stored), *info.get("lines", []), f"ranking: {reg.num_items} items, {reg.num_users} users, policy "
                                             f"{info['policy']} -> http://{s.host}:{s.port}  (POST /v1/rank)"]

@@ -28,7 +28,13 @@ from grserve.config import (
     StateConfig,
 )
 from grserve.flags import UsageError, add_flags, command_parser, from_args
-from grserve.server.startup import add_edge_flags, check_catalog_dir, check_model, edge_from_args
+from grserve.server.startup import (
+    add_edge_flags,
+    add_state_flags,
+    check_catalog_dir,
+    check_model,
+    edge_from_args,
+)
 
 if TYPE_CHECKING:
     from grserve.state.store import StateStore, StoredState
@@ -48,9 +54,9 @@ def add_command(sub) -> None:
     add_flags(p, d.scheduler, title="batching")
     add_flags(p, d.prefix, title="prompt-prefix KV reuse (docs/architecture.md)")
     add_flags(p, d.server, title="HTTP")
-    add_edge_flags(p, reload=True)
+    add_edge_flags(p, "POST /v1/catalog", reload=True)
     add_flags(p, d.beams, title="OpenAI beam routes (docs/serving-gr-models.md)")
-    add_flags(p, d.state, title="state across restarts (docs/security.md)")
+    add_state_flags(p, d.state, "the catalogs POST /v1/catalog loaded")
     add_flags(p, d.accel, title="accelerator (docs/gpu.md)")
     add_flags(p, ClusterConfig, title="cluster (several instances on Ray; docs/cluster.md)", skip=GR_CLUSTER_SKIP)
     add_flags(p, ProcessConfig, title="processes (the engine in its own process, HTTP front ends; "
@@ -105,7 +111,11 @@ def run(cfg: ServeConfig) -> int:
         app = create_app_for(engine, cfg, metrics, store, popularity)  # a bad --prompt-template fails here
     except (ValueError, KeyError, OSError) as exc:  # CatalogError is a ValueError: bad file, vocab mismatch...
         raise _usage_error(exc) from None
+    from grserve.engine.thread_choice import serving_threads
+
     print(f"grserve: {state_line(store, stored)}", flush=True)
+    print(f"grserve: {serving_threads(cfg.process.threads, engine.runner.model, cfg.accel.cpu_packed_linears)}",
+          flush=True)
     cat = engine.catalogs.current()
     print_layout(engine)
     print(f"grserve: model {cfg.model.source} ({cfg.model.dtype}, {cfg.model.device}), catalog {len(cat):,} items "

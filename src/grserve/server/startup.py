@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Mapping
+from typing import Any
 
 from grserve.config import (
     ADMIN_API_KEY_ENV,
@@ -18,11 +19,38 @@ from grserve.config import (
 from grserve.flags import ConfigError, UsageError, add_flags, from_args
 
 
-def add_edge_flags(parser: argparse.ArgumentParser, reload: bool = False) -> None:
-    """The API-edge flags every server shares (``EdgeConfig``), plus catalog reload (retrieval)."""
-    add_flags(parser, EdgeConfig, title="security and limits (docs/security.md)")
+# ServerConfig flags only /v1/recommend reads (the LLM and ranking servers leave them out of their --help)
+RECOMMEND_ONLY = ("max_prompt_tokens", "max_top_n", "max_exclude_items", "max_include_items", "max_history_entries",
+                  "truncate")
+
+
+def add_edge_flags(parser: argparse.ArgumentParser, admin_routes: str | None, reload: bool = False) -> None:
+    """The API-edge flags every server shares (``EdgeConfig``), plus catalog reload (retrieval). ``admin_routes``:
+    the mode's routes that change state, named in ``--admin-api-key``'s help (None: the mode has none, no flag)."""
+    add_flags(parser, EdgeConfig, title="security and limits (docs/security.md)",
+              skip=() if admin_routes else ("admin_api_key",))
+    if admin_routes:
+        reword(parser, "admin_api_key", f"the key of the routes that change state ({admin_routes}); default: "
+                                        f"${ADMIN_API_KEY_ENV}; unset: those routes are off (403)")
     if reload:
         add_flags(parser, CatalogReloadConfig, title="catalog reload (POST /v1/catalog)")
+
+
+def add_state_flags(parser: argparse.ArgumentParser, state: Any, writes: str) -> None:
+    """``--state-dir``, its help naming what this mode keeps (``writes``)."""
+    add_flags(parser, state, title="state across restarts (docs/security.md)")
+    reword(parser, "state_dir", f"directory of the SQLite store that keeps {writes} across restarts and kills, "
+                                "one server per directory (created if missing; unset: memory only, a restart "
+                                "loses them)")
+
+
+def reword(parser: argparse.ArgumentParser, dest: str, help: str) -> None:
+    """Say what a shared flag means in this mode (its ``--help`` line)."""
+    for action in parser._actions:
+        if action.dest == dest:
+            action.help = help
+            return
+    raise KeyError(dest)
 
 
 def edge_from_args(ns: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> EdgeConfig:

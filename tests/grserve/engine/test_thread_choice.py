@@ -94,3 +94,16 @@ def test_serve_builds_its_engine_with_the_measured_count(monkeypatch):
     monkeypatch.setattr("grserve.engine.thread_choice.usable_cores", lambda: 2)
     picked = AsyncLLMEngine.build(cfg, pick_threads=True)
     assert picked.thread_choice.threads == torch.get_num_threads() and set(picked.thread_choice.probe_ms) == {1, 2}
+
+
+def test_a_serving_engine_names_its_cpu_and_threads(tiny_model):
+    """The retrieval and ranking start line (``--threads``): the CPU's label and the choice with its reason."""
+    from grserve.engine.thread_choice import serving_threads
+    from grserve.model.cpu_support import cpu_support
+
+    before = torch.get_num_threads()
+    try:
+        line = serving_threads(1, tiny_model(seed=0))
+        assert line == f"CPU {cpu_support().label()}: 1 torch threads (--threads)" and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

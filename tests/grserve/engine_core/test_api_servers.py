@@ -90,6 +90,8 @@ def test_sigterm_drains_the_engine_process_then_stops_it(tmp_path):
         assert proc.wait(60) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal it handled once shut down
         time.sleep(0.5)
         assert not pid_alive(core)
+        out = proc.stdout.read()  # no noise at shutdown (issue 44): no leak report, no death taken for a crash
+        assert not any(word in out for word in ("nanobind", "leaked", "died", "Traceback")), out[-2000:]
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -1,6 +1,7 @@
 """The generalized GR trainer (grserve.recipe): the dropout forward is the served forward, the catalog loss is the
 served (renormalized) score, overlapping windows, and the SID tokenizer's ids are the catalog layout's."""
 
+import json
 
 import numpy as np
 import pytest
@@ -200,6 +201,8 @@ def test_a_run_resumed_from_its_checkpoint_ends_with_the_uninterrupted_weights(c
     resumed = train_gr(hist, catalog, cfg, valid=(hist[:4], nxt[:4]), progress=False, checkpoint=ckpt, resume=True,
                        log=logs.append)
     assert any("resuming" in m and "after epoch 2" in m for m in logs)
+    epochs = [json.loads(m) for m in logs if m.startswith("{")]  # one whole JSON line per epoch, rounded
+    assert [e["epoch"] for e in epochs] == [3] and all(len(str(v)) <= 12 for v in epochs[0].values())
     assert resumed.steps == whole.steps and resumed.best_epoch == whole.best_epoch
     assert [e["train_loss"] for e in resumed.history] == [e["train_loss"] for e in whole.history]
     for k, v in resumed.model.state_dict().items():

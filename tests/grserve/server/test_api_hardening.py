@@ -233,3 +233,42 @@ def test_the_grafana_dashboard_names_only_metrics_the_servers_export(llm, tiny_m
             "grserve_llm_preemptions_total", "grserve_llm_prefix_hit_tokens_total",
             "grserve_ranking_user_cache_hit_rate", "grserve_ranking_item_kv_hit_rate",
             "grserve_request_latency_seconds_bucket"} <= names
+
+
+# the families a vLLM dashboard (vLLM's examples/online_serving grafana.json) and its usual alerts query
+VLLM_FAMILIES = {
+    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+    "vllm:num_preemptions_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+    "vllm:request_success_total", "vllm:time_to_first_token_seconds_bucket",
+    "vllm:inter_token_latency_seconds_bucket", "vllm:time_per_output_token_seconds_bucket",
+    "vllm:e2e_request_latency_seconds_bucket", "vllm:request_queue_time_seconds_bucket",
+    "vllm:request_prefill_time_seconds_bucket", "vllm:request_decode_time_seconds_bucket",
+    "vllm:request_inference_time_seconds_bucket", "vllm:request_prompt_tokens_bucket",
+    "vllm:request_generation_tokens_bucket", "vllm:request_params_n_bucket",
+    "vllm:request_params_max_tokens_bucket", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+}
+
+
+def test_a_vllm_dashboard_reads_the_llm_server(llm):  # noqa: F811
+    """Issue 44 item 3: vLLM's metric names beside grserve's, every series labelled with the model's name, the
+    counts agreeing with grserve's own families."""
+    eng, client = llm(EdgeConfig())
+    eng.start()
+    try:
+        r = client.post("/v1/completions", json={"model": "m", "prompt": [1, 2, 3], "max_tokens": 3, "n": 2,
+                                                 "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        text = client.get("/metrics").text
+    finally:
+        eng.stop()
+    samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+    vllm = {s.name for s in samples if s.name.startswith("vllm:")}
+    assert VLLM_FAMILIES - vllm == set(), sorted(VLLM_FAMILIES - vllm)
+    assert all(s.labels.get("model_name") == "m" for s in samples
+               if s.name.startswith(("vllm:", "grserve_llm_"))), "a series without model_name"
+    value = {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
+             for s in samples}
+    assert value[("vllm:generation_tokens_total", ())] == value[("grserve_llm_generation_tokens_total", ())] == 6
+    assert value[("vllm:request_params_n_count", ())] == 1 and value[("vllm:request_params_n_sum", ())] == 2
+    assert value[("vllm:request_generation_tokens_count", ())] == 2  # one per generated sequence
+    assert value[("vllm:request_prompt_tokens_sum", ())] == 3  # the prompt once per request
