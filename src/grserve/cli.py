@@ -6,6 +6,7 @@
     grserve bench retrieval | cache | ranking | serve | quality | cluster | pd | peers     the lab package, grserve_bench
     grserve catalog generate | validate | convert | build
     grserve recommend                                recommend_main.py (offline, JSONL in and out)
+    grserve check precision                          precision_check.py (a lower precision against float32)
 
 Each command module has ``add_command(sub)``: it adds its subcommand to a group with flags generated from config
 dataclasses (:mod:`grserve.flags`: every flag, its default and its check are defined once, in a dataclass field) and
@@ -43,7 +44,7 @@ from grserve.flags import (
 )
 from grserve.movielens import build as movielens_build
 from grserve.server import llm_main, ranking_main, retrieval_main
-from grserve import recommend_main
+from grserve import precision_check, recommend_main
 
 CATALOG_EXTENSIONS = (".jsonl", ".csv", ".grcat", ".json")
 DEFAULT_SERVE_MODE = "retrieval"
@@ -249,6 +250,10 @@ def build_parser(commands: Mapping[str, Register] | None = None) -> argparse.Arg
     _add_catalog_commands(catalog)
     movielens_build.add_command(catalog)
     recommend_main.add_command(sub)
+    check = command_group(sub, "check", "checks of a model before it serves (precision)",
+                          "Checks of a model before it serves: 'grserve check precision' compares a lower precision's "
+                          "recommendations with float32's.", "CHECK")
+    precision_check.add_command(check)
     return parser
 
 

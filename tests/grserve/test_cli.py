@@ -55,7 +55,7 @@ def test_the_command_list():
                 ("bench", "cache"), ("bench", "ranking"), ("bench", "serve"), ("bench", "quality"), ("bench", "cluster"),
                 ("bench", "pd"), ("bench", "peers"), ("bench", "prefix"),
                 ("catalog", "generate"), ("catalog", "validate"), ("catalog", "convert"), ("catalog", "build"),
-                ("recommend",)}
+                ("recommend",), ("check", "precision")}
     assert expected == set(LEAVES)
 
 
@@ -90,7 +90,7 @@ def test_help_imports_no_torch():
             "print(len(paths))\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert int(r.stdout) == 21  # the root, 3 groups, 17 commands
+    assert int(r.stdout) == 23  # the root, 4 groups, 18 commands
 
 
 def test_serve_help_lists_the_modes_and_the_default(capsys):
