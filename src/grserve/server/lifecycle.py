@@ -111,7 +111,7 @@ def check_catalog_version(result: Any, catalog: Any) -> Any:
     ``engine_state_behind`` with ``Retry-After`` (engine_core/client.py brings a restarted engine level first;
     this is the last guard)."""
     served, wanted = int(result.catalog_version), int(catalog.version)
-    if served < wanted:
+    if 0 < served < wanted:  # 0: not reported (a stand-in engine); a catalog store counts from 1
         log.error("engine answered from catalog version %d, the front end serves %d: refused", served, wanted)
         raise ApiError(503, f"the engine serves catalog version {served}, older than the front end's {wanted}; "
                             "retry shortly", None, "engine_state_behind", {"Retry-After": "1"})

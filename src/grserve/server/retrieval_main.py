@@ -114,8 +114,10 @@ def run(cfg: ServeConfig) -> int:
     from grserve.engine.thread_choice import serving_threads
 
     print(f"grserve: {state_line(store, stored)}", flush=True)
-    print(f"grserve: {serving_threads(cfg.process.threads, engine.runner.model, cfg.accel.cpu_packed_linears)}",
-          flush=True)
+    runner = getattr(engine, "runner", None)  # a stand-in engine (tests) may have none
+    if runner is not None:
+        print(f"grserve: {serving_threads(cfg.process.threads, runner.model, cfg.accel.cpu_packed_linears)}",
+              flush=True)
     cat = engine.catalogs.current()
     print_layout(engine)
     print(f"grserve: model {cfg.model.source} ({cfg.model.dtype}, {cfg.model.device}), catalog {len(cat):,} items "

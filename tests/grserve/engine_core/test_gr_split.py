@@ -186,3 +186,21 @@ def test_several_front_ends_refuse_catalog_reloads(tmp_path, capsys):
 
     assert main(["serve", "retrieval", "--api-servers", "2", "--catalog-dir", str(tmp_path)]) == 2
     assert "--api-servers > 1 with --catalog-dir" in capsys.readouterr().err
+
+
+def test_an_answer_from_an_older_catalog_is_a_503_never_a_normal_answer():
+    """The retrieval routes' last guard: an engine behind its front end's catalog answers 503 with Retry-After; a
+    newer catalog (a reload that landed meanwhile) and an unreported version (0: a stand-in engine) pass."""
+    from types import SimpleNamespace
+
+    from grserve.server.errors import ApiError
+    from grserve.server.lifecycle import check_catalog_version
+
+    front = SimpleNamespace(version=3)
+    for served in (3, 4, 0):
+        result = SimpleNamespace(catalog_version=served)
+        assert check_catalog_version(result, front) is result
+    with pytest.raises(ApiError) as exc:
+        check_catalog_version(SimpleNamespace(catalog_version=2), front)
+    assert exc.value.status == 503 and exc.value.type == "engine_state_behind"
+    assert exc.value.headers == {"Retry-After": "1"}

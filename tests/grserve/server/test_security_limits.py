@@ -205,7 +205,7 @@ def test_keys_come_from_the_environment_and_are_checked():
     from grserve.server.startup import add_edge_flags, edge_from_args
 
     p = argparse.ArgumentParser()
-    add_edge_flags(p)
+    add_edge_flags(p, "POST /v1/catalog")
     env = {"GRSERVE_API_KEY": "from-env", "GRSERVE_ADMIN_API_KEY": "adm-env"}
     assert edge_from_args(p.parse_args([]), env) == EdgeConfig(api_key="from-env", admin_api_key="adm-env")
     assert edge_from_args(p.parse_args(["--api-key", "flag"]), env).api_key == "flag"  # the flag wins
