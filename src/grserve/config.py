@@ -572,3 +572,16 @@ class ProcessConfig(Checked):
                                "--engine-process)", check=positive_int)
     engine_restarts: int = flag(3, "times a dead engine process is restarted within 10 minutes; after that the "
                                    "server answers 503 and /health says why", check=non_negative)
+    onednn_cache_capacity: int = flag(128, "entries of oneDNN's primitive cache and of torch's ideep cache in the "
+                                           "engine's process (one per GEMM shape, ~280 KiB each for the tiny model; "
+                                           "their default, 1,024 each, grows the process by up to ~560 MiB as new "
+                                           "batch sizes come; 0: their defaults; ONEDNN_PRIMITIVE_CACHE_CAPACITY / "
+                                           "LRU_CACHE_CAPACITY in the environment win; grserve/memory.py)",
+                                      check=non_negative)
+    malloc_arena_max: int = flag(2, "glibc malloc arenas of the engine's process (mallopt M_ARENA_MAX; glibc's "
+                                    "default, 8 per core, lets memory freed on one thread's arena pile up beside "
+                                    "the others'; 0: glibc's default; a MALLOC_ARENA_MAX in the environment wins; "
+                                    "grserve/memory.py)", check=non_negative)
+    malloc_trim_s: float = flag(10.0, "seconds between two malloc_trim(0) calls in the engine's process, giving the "
+                                      "heap memory glibc keeps after freeing tensors of varying shapes back to the OS "
+                                      "(grserve/memory.py; 0: never)", check=non_negative)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import math
 import os
 import random
 import shlex
@@ -188,7 +189,7 @@ def percentile(xs: list[float], q: float) -> float | None:
     if not xs:
         return None
     s = sorted(xs)
-    return s[min(len(s) - 1, max(0, int(round(q / 100 * len(s) + 0.5)) - 1))]
+    return s[min(len(s) - 1, max(0, math.ceil(q / 100 * len(s) - 1e-9) - 1))]
 
 
 def rss_growth(series: dict[str, list[tuple[float, float, float]]], from_s: float, end_s: float) -> dict[str, dict]:
@@ -397,9 +398,10 @@ def wait_ready(base: str, proc: subprocess.Popen | None, timeout_s: float, log: 
 
 
 def stop_server(proc: subprocess.Popen) -> None:
-    """SIGINT to the server's process group (it drains and stops its core), SIGKILL after 60 s."""
+    """SIGTERM to the server's process group (it drains and stops its core; not SIGINT, which a shell's
+    background job -- nohup ... & -- ignores, and its children with it), SIGKILL after 60 s."""
     if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGINT)
+        os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
@@ -463,6 +465,10 @@ def soak(cfg: SoakBenchConfig, base: str, root: int, pids, known: dict[int, str]
 def run(cfg: SoakBenchConfig) -> int:
     from grserve_bench.machine import machine_info
 
+    def _terminated(*_):
+        raise KeyboardInterrupt  # SIGTERM: stop the server on the way out (the finally below)
+
+    signal.signal(signal.SIGTERM, _terminated)
     proc = None
     log = Path(cfg.log or f"soak-{cfg.mode}-server.log").resolve()
     result: dict = {"bench": "soak", "mode": cfg.mode, "minutes": cfg.minutes, "clients": cfg.clients,
