@@ -1,17 +1,25 @@
-"""Handing freed heap memory back to the OS in a long-running engine process (issue 41: memory that stays flat).
+"""What keeps a long-running engine process's memory flat (issue 41; the soaks are in ``docs/reliability.md``).
 
-PyTorch's CPU allocator does not cache: every tensor is a ``posix_memalign`` / ``free`` of glibc's malloc. A server
-whose batches vary in shape (retrieval: histories of 4-300 tokens at beam widths 8-64; the LLM: prompts and batches
-of every length) frees blocks of every size on several threads (the engine's, the I/O thread, OpenMP's), and glibc
-keeps what it frees: in the arenas' free lists and, for a large tensor, below a ``mmap`` threshold that glibc raises
-to the size of every large block freed (up to 32 MiB), so the next ones of that size come from the heap and stay
-there. The engine process's RSS then climbs for many minutes (a soak of the retrieval server: +13 % in five
-minutes, +38 % in seven in the issue) although nothing is live: one ``malloc_trim(0)`` of that process gave back
-420 MiB of 1,589 (``docs/reliability.md``).
+Two things grew the engine process of a server whose batches vary in shape (retrieval: histories of 4-300 tokens at
+beam widths 8-64; the LLM: prompts and batches of every length):
 
-``MallocTrimmer`` calls glibc's ``malloc_trim(0)`` (which also returns the free pages inside every arena, not only
-the heap's top) every ``interval_s`` seconds on a daemon thread of its own. Nothing to install; on a C library
-without ``malloc_trim`` (musl, macOS) it does nothing. ``--malloc-trim-s`` sets the interval (0: off).
+- **oneDNN's kernel caches.** The packed projections (``model/packed_linear.py``) run oneDNN matmuls, and a oneDNN
+  kernel is made, and kept, per GEMM shape, i.e. per token count M of a call: in oneDNN's primitive cache
+  (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``) and in ideep's computation cache inside torch (``LRU_CACHE_CAPACITY``),
+  1,024 entries each by default, ~280 KiB an entry for the ``tiny`` model. Both fill as new batch sizes come, over
+  many minutes: up to ~560 MiB (the issue's soak: 1,446 -> 2,000 MiB). ``bound_onednn_caches`` sets both to
+  ``--onednn-cache-capacity`` (128): the shapes that repeat (decode steps) stay cached, a miss costs less than the
+  memory traffic of the big caches (``docs/reliability.md``, the micro-benchmark).
+- **glibc's malloc.** PyTorch's CPU allocator does not cache: every tensor is a ``posix_memalign`` / ``free``. glibc
+  keeps what it frees, in up to 8 arenas per core (one per thread that met a locked arena), and raises its ``mmap``
+  threshold to the size of every large block freed (up to 32 MiB), so large tensors come from the arenas too. One
+  ``malloc_trim(0)`` of a loaded retrieval engine process gave back 420 MiB of 1,589. ``limit_arenas``
+  (``--malloc-arena-max`` 2) and ``MallocTrimmer`` (``malloc_trim(0)``, which also returns the free pages inside
+  every arena, every ``--malloc-trim-s`` 10 s on a daemon thread) keep the freed memory from piling up.
+
+Nothing to install (ctypes into the C library); on a C library without ``malloc_trim`` / ``mallopt`` (musl, macOS)
+those two do nothing. ``settle_allocator`` applies all three from a ``ProcessConfig``: first thing in the engine-core
+process (``engine_core/core_process.py``), and on the in-process paths before the engine is built.
 """
 
 from __future__ import annotations

@@ -109,3 +109,50 @@ def test_start_trimmer_returns_a_started_trimmer():
         assert t.running == t.available
     finally:
         t.stop()
+
+
+def test_onednn_caches_bounded_unless_the_user_chose(monkeypatch):
+    from grserve.memory import bound_onednn_caches
+
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "512")
+    assert bound_onednn_caches(0) == {}
+    assert bound_onednn_caches(128) == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "128"}
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "128" and os.environ["LRU_CACHE_CAPACITY"] == "512"
+
+
+GEMM_SHAPES = (
+    "import sys, torch\n"
+    "from grserve.config import ProcessConfig\n"
+    "from grserve.memory import MallocTrimmer, settle_allocator\n"
+    "from grserve.model import load_model\n"
+    "from grserve.model.packed_linear import linear, maybe_pack, projections\n"
+    "settle_allocator(ProcessConfig(onednn_cache_capacity=int(sys.argv[1]), malloc_trim_s=0))\n"
+    "torch.set_num_threads(1)\n"
+    "def rss():\n"
+    "    return next(int(x.split()[1]) for x in open('/proc/self/status') if x.startswith('VmRSS')) // 1024\n"
+    "m = load_model('tiny', seed=0)\n"
+    "p = maybe_pack(m)\n"
+    "lins = projections(m)[:7]\n"
+    "before = rss()\n"
+    "for M in range(1, 161):\n"
+    "    for lin in lins:\n"
+    "        linear(torch.randn(M, lin.in_features), lin, p)\n"
+    "MallocTrimmer(0).trim_once()\n"
+    "print(int(p is not None), rss() - before)\n")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc")
+def test_bounded_onednn_caches_keep_a_process_flat_across_gemm_shapes():
+    """160 token counts through the tiny model's 7 packed projections of a layer (1,120 GEMM shapes): with oneDNN's
+    and ideep's default caches the process keeps ~300 MiB of kernels, with 128 entries each under 100 MiB."""
+    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
+    env["PYTHONPATH"] = ":".join(sys.path)
+    grown = {}
+    for cap in (0, 128):
+        out = subprocess.run([sys.executable, "-c", GEMM_SHAPES, str(cap)], capture_output=True, text=True,
+                             check=True, env=env).stdout.split()
+        if out[0] == "0":
+            pytest.skip("no oneDNN packed projections on this CPU / torch build")
+        grown[cap] = int(out[1])
+    assert grown[128] < 100 and grown[0] > 2 * grown[128] + 100, grown
