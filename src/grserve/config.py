@@ -575,3 +575,16 @@ class ProcessConfig(Checked):
     threads: int = flag(0, "torch intra-op threads of the retrieval or ranking engine (0: measured at start-up on "
                            "the model's layer, as serve llm's --threads; the start line names the CPU and the choice)",
                         check=non_negative)
+    onednn_cache_capacity: int = flag(128, "entries of oneDNN's primitive cache and of torch's ideep cache in the "
+                                           "engine's process (one per GEMM shape, ~280 KiB each for the tiny model; "
+                                           "their default, 1,024 each, grows the process by up to ~560 MiB as new "
+                                           "batch sizes come; 0: their defaults; ONEDNN_PRIMITIVE_CACHE_CAPACITY / "
+                                           "LRU_CACHE_CAPACITY in the environment win; grserve/memory.py)",
+                                      check=non_negative)
+    malloc_arena_max: int = flag(2, "glibc malloc arenas of the engine's process (mallopt M_ARENA_MAX; glibc's "
+                                    "default, 8 per core, lets memory freed on one thread's arena pile up beside "
+                                    "the others'; 0: glibc's default; a MALLOC_ARENA_MAX in the environment wins; "
+                                    "grserve/memory.py)", check=non_negative)
+    malloc_trim_s: float = flag(10.0, "seconds between two malloc_trim(0) calls in the engine's process, giving the "
+                                      "heap memory glibc keeps after freeing tensors of varying shapes back to the OS "
+                                      "(grserve/memory.py; 0: never)", check=non_negative)

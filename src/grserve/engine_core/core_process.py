@@ -92,6 +92,9 @@ def builders() -> dict[str, Callable[[Any, Callable[[int, int], None]], tuple[An
 
 def run_core(spec: CoreSpec) -> None:
     """The spawned process's target: build the engine, serve the front ends until told to stop."""
+    from grserve.memory import settle_allocator
+
+    settle_allocator(getattr(spec.config, "process", None))  # bounded oneDNN caches, 2 arenas, malloc_trim
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent decides
     terms: list[CoreLoop] = []  # SIGTERM to this process too (a service manager's, or the interpreter exit of
     #                             its parent): drain, then stop — as the front end would order

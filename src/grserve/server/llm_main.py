@@ -66,7 +66,10 @@ def run(cfg: LLMServeConfig) -> int:
 
     from grserve.engine.async_llm import AsyncLLMEngine
     from grserve.engine_core.builders import llm_lines
+    from grserve.memory import settle_allocator
     from grserve.server.serving import serve_until_exit
+
+    settle_allocator(cfg.process)  # the engine on a thread of this process: its allocator settings here
 
     try:
         engine = AsyncLLMEngine.build(cfg, pick_threads=True)

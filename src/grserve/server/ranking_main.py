@@ -91,13 +91,14 @@ def run(cfg: RankingServeConfig) -> int:
 
     from grserve.engine.ranking_engine import RankingEngine
     from grserve.engine.ranking_runner import RankingRunner
+    from grserve.engine.thread_choice import serving_threads
+    from grserve.memory import settle_allocator
     from grserve.model import load_model
     from grserve.ranking.registry import RegistryError
     from grserve.server.serving import serve_until_exit
     from grserve.server.ranking_app import create_ranking_app
 
-    from grserve.engine.thread_choice import serving_threads
-
+    settle_allocator(cfg.process)  # the engine on a thread of this process: its allocator settings here
     m = cfg.model
     model = load_model(m.source, dtype=m.dtype, device=m.device, seed=m.seed)
     print(f"grserve: {serving_threads(cfg.process.threads, model, packed=False)}", flush=True)

@@ -100,8 +100,11 @@ def run(cfg: ServeConfig) -> int:
         return run_cluster(cfg, store, stored)
 
     from grserve.engine.retrieval_engine import RetrievalEngine
+    from grserve.memory import settle_allocator
     from grserve.server.serving import serve_until_exit
     from grserve.server.metrics import Metrics
+
+    settle_allocator(cfg.process)  # the engine on a thread of this process: its allocator settings here
 
     metrics = Metrics()
     try:
