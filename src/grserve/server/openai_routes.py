@@ -99,7 +99,7 @@ def sampling_params(body: SamplingRequest, max_tokens: int, vocab_size: int, i: 
                           stop=body.stops(), stop_token_ids=stop_ids, ignore_eos=body.ignore_eos,
                           min_tokens=body.min_tokens, presence_penalty=body.presence_penalty,
                           frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
-                          logit_bias=bias, logprobs=body.logprobs_k())
+                          logit_bias=bias, logprobs=body.logprobs_k(), structured=body.structured_spec())
 
 
 class _Group:
@@ -318,6 +318,11 @@ async def generate(ctx: OpenAIContext, request: Request, body: SamplingRequest, 
                             f"{len(prompt_ids)} and max_tokens is {max(max_tokens, 1)}",
                        "max_tokens" if body.requested_max_tokens() else "messages", "context_length_exceeded")
     extra_eos = tuple(getattr(ctx.tokenizer, "extra_eos_ids", ()))
+    if body.structured_spec() is not None and getattr(ctx.tokenizer, "tok", None) is None:
+        field = next(f for f in ("response_format", "structured_outputs", "guided_json", "guided_regex",
+                                 "guided_choice", "guided_grammar") if getattr(body, f) is not None)
+        raise ApiError(400, "structured output needs the model's tokenizer (this model directory has none)", field,
+                       "no_tokenizer")
     # every engine request carries a seed (drawn here when the client gave none), so a replay of prompt + tokens
     # so far with its SamplingParams samples the same continuation (engine/sampling.py: draws = f(seed, position))
     seed = body.seed if body.seed is not None else random.getrandbits(63)
