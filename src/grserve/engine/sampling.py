@@ -334,7 +334,10 @@ def _logprobs(raw: torch.Tensor, tokens: list[int], rows: list[SampleRow]) -> li
 def sample(logits: torch.Tensor, rows: list[SampleRow], eos_token_id: int | None = None) -> SampleOutput:
     """logits [B, V] (one row per request, any float dtype) → one token per row (+ logprobs, per-row errors)."""
     raw = logits.detach().to(torch.float64)
-    x = raw.clone() if any(r.params.processes_logits or r.allowed is not None for r in rows) else raw
+    x = raw
+    if any(r.params.processes_logits or r.allowed is not None for r in rows) and (
+            raw.data_ptr() == logits.data_ptr() or any(r.params.logprobs is not None for r in rows)):
+        x = raw.clone()  # processing works in place: keep the caller's logits, and the raw ones for logprobs
     x = process_logits(x, rows, eos_token_id)
     tokens, errors = choose(x, rows)
     return SampleOutput(tokens, _logprobs(raw, tokens, rows), errors)
