@@ -98,6 +98,15 @@ def _json_strings(grammar: Any) -> Any:
     return xgr.Grammar.from_ebnf(text.replace(_LOOSE_CHAR, _JSON_CHAR))
 
 
+def json_schema_ebnf(schema_text: str, root: str) -> str:
+    """The EBNF of a JSON schema (compact, JSON-valid strings) with its root rule named ``root``, to embed in a
+    larger grammar (a tool call's tags around it); ``GrammarError`` if it does not compile."""
+    text = str(_grammar(StructuredSpec("json_schema", schema_text)))
+    if re.search(rf"^{re.escape(root)} ::=", text, re.MULTILINE):
+        raise GrammarError(f"rule name {root!r} is taken")
+    return re.sub(r"^root ::=", f"{root} ::=", text, count=1, flags=re.MULTILINE)
+
+
 def check(spec: StructuredSpec) -> None:
     """Raise ``GrammarError`` (with xgrammar's reason) when ``spec`` cannot be compiled."""
     _grammar(spec)

@@ -29,9 +29,10 @@ from pydantic import AfterValidator, AllowInfNan, BaseModel, ConfigDict, Field, 
 
 from grserve.engine.structured import GrammarError, StructuredSpec, check
 from grserve.server.errors import ApiError
+from grserve.server.openai_tools import ToolPlan, tool_plan
 from grserve.server.openai_defaults import neutral_body
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 MAX_TOKEN_ID_DIGITS = 19  # a token id fits int64
 INT64_MIN, UINT64_END = -(2 ** 63), 2 ** 64
 
@@ -380,18 +381,19 @@ class ChatCompletionRequest(SamplingRequest):
     parallel_tool_calls: Bool | None = None
     functions: Any = None
     function_call: Any = None
+    _tools: ToolPlan | None = PrivateAttr(default=None)
+
+    @property
+    def tool_plan(self) -> ToolPlan | None:
+        """The validated tools and tool choice (``openai_tools.py``); None without tools."""
+        return self._tools
 
     @model_validator(mode="after")
     def _unsupported(self) -> "ChatCompletionRequest":
         if self.functions is not None or self.function_call is not None:
             raise unsupported("functions" if self.functions is not None else "function_call",
                               "function calling is not implemented")
-        if self.tool_choice is not None and self.tool_choice != "none":
-            raise unsupported("tool_choice", "tool calling is not implemented; only 'none' (the tools are shown "
-                                             "to the chat template, never called)")
-        if self.tools and self.tool_choice != "none":
-            raise unsupported("tools", "tool calling is not implemented; with tool_choice 'none' the tools are "
-                                       "passed to the chat template only")
+        self._tools = tool_plan(self.tools, self.tool_choice)  # 400 naming the field for a malformed one
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError(400, "'top_logprobs' requires 'logprobs': true", "top_logprobs", "invalid_value")
         return self
@@ -485,7 +487,8 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=_absent)
 
 
 class ChatChoice(BaseModel):
@@ -501,9 +504,17 @@ class ChatCompletionResponse(_Answer):
     usage: Usage
 
 
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = Field(default=None, exclude_if=_absent)
     content: str | None = Field(default=None, exclude_if=_absent)
+    tool_calls: list[ToolCallDelta] | None = Field(default=None, exclude_if=_absent)
 
 
 class ChatChunkChoice(BaseModel):
