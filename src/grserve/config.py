@@ -425,6 +425,10 @@ class LLMApiConfig(Checked):
     max_chat_messages: int = flag(2048, "most messages (and content parts) a chat request may have; at most the "
                                         "context window too (400 too_many_messages, before the chat template)",
                                   check=positive_int, metavar="N")
+    tool_call_parser: str = flag("hermes", "how a chat answer is parsed into tool_calls (vLLM's --tool-call-parser): "
+                                           "hermes (<tool_call>{...}</tool_call>: Qwen2.5/Qwen3, Hermes) or "
+                                           "llama3_json (a JSON object {name, parameters}: LLaMA-3.x)",
+                                 choices=("hermes", "llama3_json"))
 
 
 # ---- accelerator fast path (issue 15) ------------------------------------------------------------------------

@@ -62,6 +62,18 @@ class _Call:
     future: Future[Any]
 
 
+def structured_backend(tok: Any, vocab_size: int) -> Any:
+    """Structured output over ``tok``'s vocabulary (``engine/structured.py``; compiled lazily, on the first
+    constrained request), or None for an engine without an HF tokenizer."""
+    hf = getattr(tok, "tok", None)
+    if hf is None:
+        return None
+    from grserve.engine.structured import StructuredBackend
+
+    stops = [tok.eos_token_id, *getattr(tok, "extra_eos_ids", ())]
+    return StructuredBackend(hf, vocab_size, [t for t in stops if t is not None])
+
+
 class AsyncLLMEngine:
     def __init__(self, core: LLMEngine, tokenizer: Any = None, model: Any = None, edge: EdgeConfig | None = None):
         self.max_waiting = edge.max_waiting if edge is not None else None  # None: no edge (driven in code)
@@ -73,6 +85,9 @@ class AsyncLLMEngine:
         self.requests_expired = 0
         self.core = core
         self.tokenizer = tokenizer
+        spec = getattr(getattr(getattr(core, "executor", None), "model", None), "spec", None)
+        if getattr(core, "structured", False) is None and tokenizer is not None and spec is not None:
+            core.structured = structured_backend(tokenizer, spec.vocab_size)  # the served tokenizer's vocabulary
         self.model = model
         self._cv = threading.Condition()
         self._status = "stopped"
@@ -112,7 +127,8 @@ class AsyncLLMEngine:
                                   prefix_cache_policy=c.prefix_cache_policy, prefix_cache_mode=c.prefix_cache_mode,
                                   packed_linears=c.packed_linears, decode_staging=c.decode_staging,
                                   eos_token_id=tok.eos_token_id, detokenize=tok.decode,
-                                  decoder_factory=tok.decode_stream)
+                                  decoder_factory=tok.decode_stream,
+                                  structured=structured_backend(tok, model.spec.vocab_size))
         engine = cls(core, tok, model, cfg.edge)
         engine.thread_choice = choice
         return engine

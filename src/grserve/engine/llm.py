@@ -26,7 +26,7 @@ import random
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import numpy as np
 import torch
@@ -36,6 +36,7 @@ from grserve.attention.hybrid import HybridPagedContext, SeqSlice
 from grserve.config import Priority
 from grserve.kvcache.blocks import BlockPool, BlockTable, CacheKind, HybridCacheStorage
 from grserve.engine.sampling import SampleOutput, SampleRow, SamplingParams, TokenLogprobs, sample
+from grserve.engine.structured import fill_bitmasks
 from grserve.engine.types import Handover, LLMFit
 from grserve.model.cpu_support import cpu_support
 from grserve.scheduler.llm_types import LLMScheduler, PoolView, SchedulerInput, SchedulerOutput, SeqView
@@ -103,6 +104,7 @@ class Sequence:
     export_kv: bool = False  # hand out the K/V its first prefill computed (``TokenEvent.prompt_kv``)
     kv_in: torch.Tensor | None = None  # K/V [L, 2, m, width] of its first m tokens, computed elsewhere
     kv_out: torch.Tensor | None = None  # the exported K/V, until its first token's event carries it
+    grammar: Any = None  # structured output: its grammar matcher (engine/structured.py), advanced per token
 
     @property
     def tokens(self) -> list[int]:
@@ -236,8 +238,12 @@ class LLMEngine:
                  detokenize: Callable[[list[int]], str] | None = None, clock: Callable[[], float] = time.perf_counter,
                  max_model_len: int | None = None, prefix_cache: PrefixCache | None = None,
                  on_iteration: Callable[[SchedulerOutput, float], None] | None = None,
-                 decoder_factory: Callable[[list[int]], IncrementalDecoder] | None = None):
+                 decoder_factory: Callable[[list[int]], IncrementalDecoder] | None = None,
+                 structured: Any = None):
         self.scheduler = scheduler
+        # structured output (engine/structured.py's StructuredBackend): compiles a request's grammar, makes its
+        # matcher; None: a request asking for one is refused
+        self.structured = structured
         self.pool = pool
         self.executor = executor
         self.eos_token_id = eos_token_id
@@ -288,6 +294,10 @@ class LLMEngine:
         seq = Sequence(seq_id, list(prompt_ids), params, self.clock() if arrival is None else arrival, on_event)
         seq.seed = params.seed if params.seed is not None else random.getrandbits(63)
         seq.priority = priority
+        if params.structured is not None:
+            if self.structured is None:
+                raise ValueError("structured output needs the model's tokenizer (this engine has none)")
+            seq.grammar = self.structured.matcher(params.structured)  # GrammarError (a ValueError): no compile
         if self.decoder_factory is not None:
             seq.decoder = self.decoder_factory(seq.prompt_ids)
         self._resume(seq, handover)
@@ -305,6 +315,9 @@ class LLMEngine:
         if handover.pause_after is not None:
             seq.pause_at = seq.resumed + handover.pause_after
         seq.export_kv, seq.kv_in = handover.export_kv, handover.prompt_kv
+        for tok in seq.output_ids if seq.grammar is not None else ():
+            if not seq.grammar.accept_token(tok):
+                raise ValueError(f"the delivered token {tok} does not follow the request's grammar")
         if seq.decoder is not None:
             for tok in seq.output_ids:
                 self._new_text(seq, tok, final=False)
@@ -450,6 +463,20 @@ class LLMEngine:
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleOutput:
         """Sample every row at once; if that raises, row by row, so a failure is confined to its own row."""
         rows = [SampleRow(s.params, s.seed, s.num_tokens, s.prompt_ids, s.output_ids) for s in seqs]
+        constrained = [i for i, s in enumerate(seqs) if s.grammar is not None]
+        if constrained:  # each grammar's allowed tokens now (a failure here fails only its request, below)
+            try:
+                masks = fill_bitmasks([seqs[i].grammar for i in constrained], self.structured.words)
+                for j, i in enumerate(constrained):
+                    rows[i].allowed = masks[j]
+            except Exception:  # noqa: BLE001
+                log.exception("filling the grammar masks failed; row by row")
+                for i in constrained:
+                    try:
+                        rows[i].allowed = fill_bitmasks([seqs[i].grammar], self.structured.words)[0]
+                    except Exception as exc:  # noqa: BLE001
+                        rows[i].allowed = np.zeros(self.structured.words, dtype=np.int32)  # -> this row's error
+                        log.warning("request %s: grammar mask failed: %s", seqs[i].seq_id, exc)
         try:
             return sample(logits, rows, self.eos_token_id)
         except Exception:  # noqa: BLE001
@@ -528,6 +555,8 @@ class LLMEngine:
     def _append_token(self, seq: Sequence, tok: int, now: float, lp: TokenLogprobs | None = None) -> TokenEvent | None:
         if seq.finished:
             return None
+        if seq.grammar is not None and not seq.grammar.accept_token(tok):  # the mask allowed only what it accepts
+            raise ValueError(f"token {tok} does not follow the request's grammar")
         seq.output_ids.append(tok)
         seq.token_times.append(now)
         p = seq.params
@@ -535,6 +564,8 @@ class LLMEngine:
         if not p.ignore_eos and self.eos_token_id is not None and tok == self.eos_token_id:
             reason = "stop"
         elif tok in p.stop_token_ids:
+            reason = "stop"
+        elif seq.grammar is not None and seq.grammar.is_terminated():  # it accepted a stop token: complete
             reason = "stop"
         delta = self._new_text(seq, tok, reason is not None) if seq.decoder is not None else ""
         if delta is None:  # a stop string ended the text

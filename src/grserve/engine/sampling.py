@@ -3,7 +3,9 @@
 One ``sample(logits, rows)`` call per engine step: the logits of every request that samples a token now (one row
 each) go through
 
-1. **logit processing** (``process_logits``; vLLM's order and semantics): ``logit_bias`` added, ``min_tokens``
+1. **logit processing** (``process_logits``; vLLM's order and semantics): a structured-output request's grammar
+   mask first (``SampleRow.allowed``: its matcher's allowed-token bitmask, ``engine/structured.py``; every other
+   token's logit becomes −inf), then ``logit_bias`` added, ``min_tokens``
    masking EOS and ``stop_token_ids`` while too few tokens are out, then repetition (prompt + output tokens:
    positive logits ÷ r, negative × r), frequency (− f · count in the output) and presence (− p if in the output)
    penalties. Each is one batched tensor operation over the rows that use it;
@@ -31,7 +33,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+from grserve.engine.structured import StructuredSpec, mask_logits
 
 SAMPLING_EPS = 1e-5  # temperature below this is greedy
 MASK64 = (1 << 64) - 1
@@ -55,6 +60,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
     logprobs: int | None = None  # None: none; k >= 0: the chosen token's log-probability and the top k
+    structured: StructuredSpec | None = None  # structured output: a grammar masks the tokens (engine/structured.py)
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
@@ -87,7 +93,7 @@ class SamplingParams:
     @property
     def processes_logits(self) -> bool:
         return bool(self.logit_bias or self.min_tokens or self.presence_penalty or self.frequency_penalty
-                    or self.repetition_penalty != 1.0)
+                    or self.repetition_penalty != 1.0 or self.structured is not None)
 
     @property
     def plain_greedy(self) -> bool:
@@ -104,6 +110,7 @@ class SampleRow:
     position: int  # absolute position of the token being sampled (tokens before it)
     prompt_ids: Sequence[int] = ()
     output_ids: Sequence[int] = ()
+    allowed: np.ndarray | None = None  # int32 bitmask [ceil(V / 32)] of the tokens its grammar allows (None: all)
 
 
 @dataclass
@@ -161,6 +168,9 @@ def process_logits(x: torch.Tensor, rows: list[SampleRow], eos_token_id: int | N
     vectorised over the rows that use it; returns ``x`` (modified in place)."""
     B, V = x.shape
     dev = x.device
+    sel = [i for i, r in enumerate(rows) if r.allowed is not None]
+    if sel:
+        mask_logits(x, sel, np.stack([rows[i].allowed for i in sel]))
     sel = [i for i, r in enumerate(rows) if r.params.logit_bias]
     if sel:
         ids = _padded([[t for t, _ in rows[i].params.logit_bias] for i in sel], V, dev)
@@ -324,7 +334,10 @@ def _logprobs(raw: torch.Tensor, tokens: list[int], rows: list[SampleRow]) -> li
 def sample(logits: torch.Tensor, rows: list[SampleRow], eos_token_id: int | None = None) -> SampleOutput:
     """logits [B, V] (one row per request, any float dtype) → one token per row (+ logprobs, per-row errors)."""
     raw = logits.detach().to(torch.float64)
-    x = raw.clone() if any(r.params.processes_logits for r in rows) else raw
+    x = raw
+    if any(r.params.processes_logits or r.allowed is not None for r in rows) and (
+            raw.data_ptr() == logits.data_ptr() or any(r.params.logprobs is not None for r in rows)):
+        x = raw.clone()  # processing works in place: keep the caller's logits, and the raw ones for logprobs
     x = process_logits(x, rows, eos_token_id)
     tokens, errors = choose(x, rows)
     return SampleOutput(tokens, _logprobs(raw, tokens, rows), errors)

@@ -22,7 +22,7 @@ QUEUED_ROUTES = frozenset({("POST", "/v1/completions"), ("POST", "/v1/chat/compl
 
 def create_llm_app(engine: Engine, tokenizer: Any, model_name: str, max_model_len: int, vocab_size: int,
                    metrics: Metrics | None = None, edge: EdgeConfig | None = None, *, max_n: int = 16,
-                   max_logprobs: int = 20, max_messages: int = 2048) -> FastAPI:
+                   max_logprobs: int = 20, max_messages: int = 2048, tool_call_parser: str = "hermes") -> FastAPI:
     """The LLM app around a started (or to-be-started) LLM engine; the caller owns start/stop."""
 
     def detail() -> dict:
@@ -37,5 +37,6 @@ def create_llm_app(engine: Engine, tokenizer: Any, model_name: str, max_model_le
     app.state.llm_metrics = llm_metrics
     app.add_middleware(StatusCounter, metrics=llm_metrics)
     app.include_router(create_openai_router(engine, tokenizer, model_name, max_model_len, vocab_size, llm_metrics,
-                                            max_n=max_n, max_logprobs=max_logprobs, max_messages=max_messages))
+                                            max_n=max_n, max_logprobs=max_logprobs, max_messages=max_messages,
+                                            tool_call_parser=tool_call_parser))
     return app

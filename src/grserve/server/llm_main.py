@@ -135,7 +135,8 @@ def _llm_app(cfg: LLMServeConfig, engine, tok, max_model_len: int, vocab_size: i
 
     name = cfg.llm.served_model_name or cfg.model.source
     return create_llm_app(engine, tok, name, max_model_len, vocab_size, edge=cfg.edge, max_n=cfg.api.max_n,
-                          max_logprobs=cfg.api.max_logprobs, max_messages=cfg.api.max_chat_messages)
+                          max_logprobs=cfg.api.max_logprobs, max_messages=cfg.api.max_chat_messages,
+                          tool_call_parser=cfg.api.tool_call_parser)
 
 
 def tokenizer_line(tok) -> str:

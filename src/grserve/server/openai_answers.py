@@ -22,9 +22,12 @@ from grserve.server.openai_schemas import (
     CompletionLogprobs,
     CompletionResponse,
     PromptTokensDetails,
+    ToolCall,
+    ToolCallDelta,
     TopLogprob,
     Usage,
 )
+from grserve.server.openai_tools import ToolPlan, parse_tool_calls
 
 
 class Choice:
@@ -138,6 +141,22 @@ class CompletionShape(Shape):
 
 
 class ChatShape(Shape):
+    """With tools the model may call (``tool_choice`` not ``none``), the answer is parsed into ``tool_calls`` by the
+    server's parser (``openai_tools.py``); streamed, the text is held until the choice ends, then sent as one
+    delta of its content (if any) and its calls (OpenAI's ``tool_calls`` deltas: index, id, name, arguments)."""
+
+    def __init__(self, rid: str, created: int, model: str, tokenizer: Any, tools: ToolPlan | None = None,
+                 tool_parser: str = "hermes") -> None:
+        super().__init__(rid, created, model, tokenizer)
+        self.tools = tools if tools is not None and tools.parses else None
+        self.tool_parser = tool_parser
+
+    def _parsed(self, c: Choice) -> tuple[str | None, list[dict], str]:
+        if self.tools is None:
+            return c.text, [], c.reason
+        content, calls = parse_tool_calls(c.text, self.tool_parser)
+        return content, calls, "tool_calls" if calls and c.reason == "stop" else c.reason
+
     def _logprobs(self, lps: list[TokenLogprobs]) -> ChatLogprobs:
         def top(t: int, v: float) -> TopLogprob:
             s, b = _text(self.tokenizer, t)
@@ -157,7 +176,15 @@ class ChatShape(Shape):
         return [self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))
                              for i in range(n)])]
 
-    def delta(self, i: int, ev: Any, choice: Choice) -> BaseModel:
+    def delta(self, i: int, ev: Any, choice: Choice) -> BaseModel | None:
+        if self.tools is not None:  # held until the end: only then is it known what is a call
+            if not ev.finished:
+                return None
+            content, calls, reason = self._parsed(choice)
+            lp = self._logprobs(choice.logprobs) if choice.logprobs else None
+            deltas = [ToolCallDelta(index=k, **c) for k, c in enumerate(calls)] or None
+            return self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(content=content or None, tool_calls=deltas),
+                                                logprobs=lp, finish_reason=reason)])  # type: ignore[arg-type]
         lp = self._logprobs(ev.logprobs) if ev.logprobs else None
         reason = choice.reason if ev.finished else None
         return self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(content=ev.text or None), logprobs=lp,
@@ -169,7 +196,10 @@ class ChatShape(Shape):
     def whole(self, choices: list[Choice], usage: Usage) -> BaseModel:
         return ChatCompletionResponse(
             id=self.rid, created=self.created, model=self.model, usage=usage,
-            choices=[ChatChoice(index=i, message=AssistantMessage(content=c.text),
-                                finish_reason=c.reason,  # type: ignore[arg-type]
-                                logprobs=self._logprobs(c.logprobs) if c.logprobs else None)
-                     for i, c in enumerate(choices)])
+            choices=[self._choice(i, c) for i, c in enumerate(choices)])
+
+    def _choice(self, i: int, c: Choice) -> ChatChoice:
+        content, calls, reason = self._parsed(c)
+        msg = AssistantMessage(content=content, tool_calls=[ToolCall(**x) for x in calls] or None)
+        return ChatChoice(index=i, message=msg, finish_reason=reason,  # type: ignore[arg-type]
+                          logprobs=self._logprobs(c.logprobs) if c.logprobs else None)

@@ -30,6 +30,7 @@ from fastapi.responses import StreamingResponse
 
 from grserve.engine.protocol import Engine, EngineStepFailed, RequestHandle
 from grserve.engine.sampling import SamplingParams, mix64
+from grserve.engine.structured import GrammarError, StructuredSpec
 from grserve.engine.tokenizer import ChatTemplateError, MissingTokenizerError
 from grserve.engine.types import LLMRequest
 from grserve.server.bodies import body_route
@@ -39,6 +40,7 @@ from grserve.server.llm_metrics import LLMMetrics, RequestTimer
 from grserve.server.offload import off_loop
 from grserve.server.openai_answers import Choice, CompletionShape, ChatShape, Shape, sse, sse_error, usage
 from grserve.server.openai_limits import PromptLimits, prechecks
+from grserve.server.openai_tools import PARSERS, tool_spec
 from grserve.server.openai_schemas import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -77,7 +79,8 @@ def choice_seed(seed: int | None, i: int) -> int | None:
 
 
 def sampling_params(body: SamplingRequest, max_tokens: int, vocab_size: int, i: int = 0,
-                    extra_eos: tuple[int, ...] = (), seed: int | None = None) -> SamplingParams:
+                    extra_eos: tuple[int, ...] = (), seed: int | None = None,
+                    structured: StructuredSpec | None = None) -> SamplingParams:
     """The engine's sampling parameters of choice ``i`` (token ids checked against the vocabulary: 400);
     ``extra_eos`` (the model's other end-of-sequence ids) stop like EOS unless ``ignore_eos``; ``seed`` the
     request's seed (default ``body.seed``)."""
@@ -99,7 +102,8 @@ def sampling_params(body: SamplingRequest, max_tokens: int, vocab_size: int, i: 
                           stop=body.stops(), stop_token_ids=stop_ids, ignore_eos=body.ignore_eos,
                           min_tokens=body.min_tokens, presence_penalty=body.presence_penalty,
                           frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
-                          logit_bias=bias, logprobs=body.logprobs_k())
+                          logit_bias=bias, logprobs=body.logprobs_k(),
+                          structured=structured or body.structured_spec())
 
 
 class _Group:
@@ -236,7 +240,9 @@ async def _stream(group: _Group, shape: Shape, timers: list[RequestTimer], n_pro
             timers[i].on_event(ev)
             choices[i].add(ev)
             if ev.text or ev.finished or ev.logprobs:
-                yield chunk(shape.delta(i, ev, choices[i]))
+                d = shape.delta(i, ev, choices[i])
+                if d is not None:  # None: held back (a chat answer that may be a tool call)
+                    yield chunk(d)
             if ev.finished:
                 timers[i].done(choices[i].reason)
         done = True
@@ -309,8 +315,9 @@ class OpenAIContext:
 
 
 async def generate(ctx: OpenAIContext, request: Request, body: SamplingRequest, prompt_ids: list[int],
-                   max_tokens: int | None, shape: Shape) -> Any:
-    """Submit the request's n choices and answer whole or as an SSE stream."""
+                   max_tokens: int | None, shape: Shape, structured: StructuredSpec | None = None) -> Any:
+    """Submit the request's n choices and answer whole or as an SSE stream (``structured``: a grammar beyond the
+    body's own, a tool choice's)."""
     if max_tokens is None:  # chat without max_tokens: what fits, at most the default
         max_tokens = min(DEFAULT_CHAT_MAX_TOKENS, ctx.max_model_len - len(prompt_ids))
     if max_tokens < 1 or len(prompt_ids) + max_tokens > ctx.max_model_len:
@@ -318,10 +325,16 @@ async def generate(ctx: OpenAIContext, request: Request, body: SamplingRequest, 
                             f"{len(prompt_ids)} and max_tokens is {max(max_tokens, 1)}",
                        "max_tokens" if body.requested_max_tokens() else "messages", "context_length_exceeded")
     extra_eos = tuple(getattr(ctx.tokenizer, "extra_eos_ids", ()))
+    if (structured or body.structured_spec()) is not None and getattr(ctx.tokenizer, "tok", None) is None:
+        field = next(f for f in ("tool_choice", "response_format", "structured_outputs", "guided_json", "guided_regex",
+                                 "guided_choice", "guided_grammar") if getattr(body, f) is not None)
+        raise ApiError(400, "structured output needs the model's tokenizer (this model directory has none)", field,
+                       "no_tokenizer")
     # every engine request carries a seed (drawn here when the client gave none), so a replay of prompt + tokens
     # so far with its SamplingParams samples the same continuation (engine/sampling.py: draws = f(seed, position))
     seed = body.seed if body.seed is not None else random.getrandbits(63)
-    params = [sampling_params(body, max_tokens, ctx.vocab_size, i, extra_eos, seed) for i in range(body.n)]
+    params = [sampling_params(body, max_tokens, ctx.vocab_size, i, extra_eos, seed, structured)
+              for i in range(body.n)]
     handles: list[RequestHandle] = []
     try:
         for i, p in enumerate(params):
@@ -345,10 +358,12 @@ async def generate(ctx: OpenAIContext, request: Request, body: SamplingRequest, 
 
 def create_openai_router(engine: Engine, tokenizer: Any, model_name: str, max_model_len: int, vocab_size: int,
                          metrics: LLMMetrics, max_n: int = 16, max_logprobs: int = 20,
-                         max_messages: int = 2048) -> APIRouter:
+                         max_messages: int = 2048, tool_call_parser: str = "hermes") -> APIRouter:
     """The OpenAI routes around an LLM engine (the Engine protocol; events are ``TokenEvent``\\ s). Bodies are
     parsed and validated off the event loop after the cheap length checks of ``openai_limits.py``; templates and
     the tokenizer run off it too (``offload.py``)."""
+    if tool_call_parser not in PARSERS:
+        raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}, got {tool_call_parser!r}")
     limits = PromptLimits(max_model_len, getattr(tokenizer, "max_token_chars", None), max_messages)
     router = APIRouter(route_class=body_route(prechecks(limits)))
     ctx = OpenAIContext(engine, tokenizer, model_name, max_model_len, vocab_size, metrics, max_n, max_logprobs)
@@ -372,9 +387,19 @@ def create_openai_router(engine: Engine, tokenizer: Any, model_name: str, max_mo
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         ctx.check_model(body.model)
         ctx.check_limits(body)
+        plan = body.tool_plan
+        try:
+            spec = await off_loop(tool_spec, plan, tool_call_parser)  # required / a named function: a grammar
+        except GrammarError as exc:
+            raise ApiError(400, f"tools: a tool's parameters cannot be compiled: {exc}", "tools",
+                           "invalid_value") from None
+        if spec is not None and body.structured_spec() is not None:
+            raise ApiError(400, "tool_choice 'required' or a named function cannot be combined with a structured "
+                                "output field", "tool_choice", "invalid_value")
         ids = await off_loop(ctx.chat_ids, body.messages, body.tools or None)
-        shape = ChatShape(f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), model_name, tokenizer)
-        return await generate(ctx, request, body, ids, body.requested_max_tokens(), shape)
+        shape = ChatShape(f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), model_name, tokenizer, plan,
+                          tool_call_parser)
+        return await generate(ctx, request, body, ids, body.requested_max_tokens(), shape, spec)
 
     add_utility_routes(router, ctx)
     return router

@@ -10,20 +10,29 @@ Requests are strict and closed:
   no-ops: ``user`` / ``metadata`` (OpenAI's own bookkeeping fields), any parameter sent as ``null`` (its default
   applies) and OpenAI parameters sent at their default (``openai_defaults.py``).
 
+Structured output (``engine/structured.py``): ``response_format`` ``{"type": "json_object"}`` or ``{"type":
+"json_schema", "json_schema": {"name", "schema", "strict"}}`` (chat and completions, as vLLM), or vLLM's
+``structured_outputs`` ``{"json" | "regex" | "choice" | "grammar" | "json_object": ...}`` (and its older
+``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``): at most one of them; a schema, regex or
+grammar that xgrammar cannot compile is a 400 naming the field (``structured_spec``).
+
 Fields that are ``None`` in a streamed delta or a chunk's ``usage`` are left out of the JSON, as OpenAI does.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, AllowInfNan, BaseModel, ConfigDict, Field, Strict, field_validator, \
-    model_validator
+from pydantic import AfterValidator, AllowInfNan, BaseModel, ConfigDict, Field, PrivateAttr, Strict, \
+    field_validator, model_validator
 
+from grserve.engine.structured import GrammarError, StructuredSpec, check
 from grserve.server.errors import ApiError
+from grserve.server.openai_tools import ToolPlan, tool_plan
 from grserve.server.openai_defaults import neutral_body
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 MAX_TOKEN_ID_DIGITS = 19  # a token id fits int64
 INT64_MIN, UINT64_END = -(2 ** 63), 2 ** 64
 
@@ -89,6 +98,15 @@ class SamplingRequest(BaseModel):
     stop_token_ids: list[TokenId] | None = None
     # grserve's extra: co-location class (docs/llm.md "Online/offline co-location"); online work preempts offline
     priority: Literal["online", "offline"] = "online"
+    # structured output (OpenAI's response_format; vLLM's structured_outputs and guided_* extras)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Text | dict[str, Any] | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
+    _spec: StructuredSpec | None = PrivateAttr(default=None)
+    _spec_checked: bool = PrivateAttr(default=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -118,6 +136,30 @@ class SamplingRequest(BaseModel):
                 raise ValueError(f"key {shown!r} is not a token id")
         return v
 
+    @model_validator(mode="after")
+    def _structured(self) -> "SamplingRequest":
+        self.structured_spec()  # a 400 now, naming the field, for what cannot compile
+        return self
+
+    def structured_spec(self) -> StructuredSpec | None:
+        """The structured-output spec the request asks for (None: free text); ``ApiError`` 400 naming the field
+        for a malformed one or one xgrammar cannot compile. Checked once, cached."""
+        if self._spec_checked:
+            return self._spec
+        found = [(f, sp) for f, sp in _structured_fields(self) if sp is not None]
+        if len(found) > 1:
+            raise ApiError(400, f"give at most one structured-output field, got {', '.join(f for f, _ in found)}",
+                           found[1][0], "invalid_value")
+        spec = found[0][1] if found else None
+        if spec is not None:
+            try:
+                check(spec)
+            except GrammarError as exc:
+                raise ApiError(400, f"{found[0][0]}: cannot be compiled: {exc}", found[0][0], "invalid_value") \
+                    from None
+        self._spec, self._spec_checked = spec, True
+        return spec
+
     def stops(self) -> tuple[str, ...]:
         return () if self.stop is None else ((self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
 
@@ -135,6 +177,96 @@ class SamplingRequest(BaseModel):
     def continuous_usage(self) -> bool:
         """Usage in every streamed chunk: vLLM's ``continuous_usage_stats``, which needs ``include_usage``."""
         return bool(self.include_usage and self.stream_options.continuous_usage_stats)  # type: ignore[union-attr]
+
+
+def _bad(field: str, message: str) -> ApiError:
+    return ApiError(400, f"{field}: {message}", field, "invalid_value")
+
+
+def _schema_text(field: str, schema: Any) -> str:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError:
+            raise _bad(field, "not valid JSON") from None
+    if not isinstance(schema, (dict, bool)):
+        raise _bad(field, "a JSON schema must be an object")
+    return json.dumps(schema)
+
+
+def _response_format(rf: dict[str, Any]) -> tuple[str, StructuredSpec | None]:
+    kind = rf.get("type")
+    if kind == "text":
+        if set(rf) != {"type"}:
+            raise _bad("response_format", "{'type': 'text'} takes no other fields")
+        return "response_format", None
+    if kind == "json_object":
+        if set(rf) != {"type"}:
+            raise _bad("response_format", "{'type': 'json_object'} takes no other fields")
+        return "response_format", StructuredSpec("json_object")
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        if set(rf) != {"type", "json_schema"} or not isinstance(js, dict):
+            raise _bad("response_format.json_schema", "required: an object with 'name' and 'schema'")
+        extra = set(js) - {"name", "schema", "strict", "description"}
+        if extra:
+            raise _bad(f"response_format.json_schema.{sorted(extra)[0]}", "unknown field")
+        if not isinstance(js.get("name"), str) or not isinstance(js.get("strict", False), (bool, type(None))):
+            raise _bad("response_format.json_schema", "'name' must be a string and 'strict' a boolean")
+        if "schema" not in js:
+            raise _bad("response_format.json_schema.schema", "required")
+        field = "response_format.json_schema.schema"
+        return field, StructuredSpec("json_schema", _schema_text(field, js["schema"]))
+    raise _bad("response_format.type", f"must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+
+
+def _structured_fields(body: SamplingRequest) -> list[tuple[str, StructuredSpec | None]]:
+    out: list[tuple[str, StructuredSpec | None]] = []
+    if body.response_format is not None:
+        out.append(_response_format(body.response_format))
+    so = body.structured_outputs
+    if so is not None:
+        given = {k: v for k, v in so.items() if v is not None and v is not False}
+        unknown = set(given) - {"json", "regex", "choice", "grammar", "json_object"}
+        if unknown:
+            raise ApiError(400, f"structured_outputs.{sorted(unknown)[0]} is not supported by this server (json, "
+                                "regex, choice, grammar, json_object are)", f"structured_outputs.{sorted(unknown)[0]}",
+                           "unsupported_parameter")
+        if len(given) > 1:
+            raise _bad("structured_outputs", f"give one of json, regex, choice, grammar, json_object; got "
+                                             f"{', '.join(sorted(given))}")
+        for k, v in given.items():
+            out.append(_structured_value(f"structured_outputs.{k}", k, v))
+    for k in ("json", "regex", "choice", "grammar"):
+        v = getattr(body, f"guided_{k}")
+        if v is not None:
+            out.append(_structured_value(f"guided_{k}", k, v))
+    return out
+
+
+def _structured_value(field: str, kind: str, v: Any) -> tuple[str, StructuredSpec]:
+    if kind == "json":
+        return field, StructuredSpec("json_schema", _schema_text(field, v))
+    if kind == "json_object":
+        if v is not True:
+            raise _bad(field, "must be true")
+        return field, StructuredSpec("json_object")
+    if kind == "choice":
+        if not isinstance(v, list) or not v or not all(isinstance(c, str) and c for c in v):
+            raise _bad(field, "must be a non-empty list of non-empty strings")
+        for c in v:
+            _text(field, c)
+        return field, StructuredSpec("choice", json.dumps(v))
+    if not isinstance(v, str) or not v:
+        raise _bad(field, "must be a non-empty string")
+    return field, StructuredSpec(kind, _text(field, v))
+
+
+def _text(field: str, v: str) -> str:
+    try:
+        return _utf8(v)
+    except ValueError as exc:
+        raise _bad(field, str(exc)) from None
 
 
 class CompletionRequest(SamplingRequest):
@@ -244,26 +376,24 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: Annotated[int, Strict(), Field(ge=1)] | None = None
     logprobs: Bool = False
     top_logprobs: Annotated[int, Strict(), Field(ge=0)] | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Text | dict[str, Any] | None = None
     parallel_tool_calls: Bool | None = None
     functions: Any = None
     function_call: Any = None
+    _tools: ToolPlan | None = PrivateAttr(default=None)
+
+    @property
+    def tool_plan(self) -> ToolPlan | None:
+        """The validated tools and tool choice (``openai_tools.py``); None without tools."""
+        return self._tools
 
     @model_validator(mode="after")
     def _unsupported(self) -> "ChatCompletionRequest":
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise unsupported("response_format", "only {'type': 'text'} (structured output is not implemented)")
         if self.functions is not None or self.function_call is not None:
             raise unsupported("functions" if self.functions is not None else "function_call",
                               "function calling is not implemented")
-        if self.tool_choice is not None and self.tool_choice != "none":
-            raise unsupported("tool_choice", "tool calling is not implemented; only 'none' (the tools are shown "
-                                             "to the chat template, never called)")
-        if self.tools and self.tool_choice != "none":
-            raise unsupported("tools", "tool calling is not implemented; with tool_choice 'none' the tools are "
-                                       "passed to the chat template only")
+        self._tools = tool_plan(self.tools, self.tool_choice)  # 400 naming the field for a malformed one
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError(400, "'top_logprobs' requires 'logprobs': true", "top_logprobs", "invalid_value")
         return self
@@ -357,7 +487,8 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=_absent)
 
 
 class ChatChoice(BaseModel):
@@ -373,9 +504,17 @@ class ChatCompletionResponse(_Answer):
     usage: Usage
 
 
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = Field(default=None, exclude_if=_absent)
     content: str | None = Field(default=None, exclude_if=_absent)
+    tool_calls: list[ToolCallDelta] | None = Field(default=None, exclude_if=_absent)
 
 
 class ChatChunkChoice(BaseModel):

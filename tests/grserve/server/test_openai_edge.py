@@ -166,9 +166,9 @@ def test_404_405_and_openapi_bodies(http):
 
 # ---- finding 5 ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("path,extra,param", [
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
-    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice"),
+    ("/v1/chat/completions", {"response_format": {"type": "yaml"}}, "response_format.type"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {}}]}, "tools[0].function.name"),
+    ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
     ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, "messages[0]"),
