@@ -151,6 +151,9 @@ class SamplingRequest(BaseModel):
             raise ApiError(400, f"give at most one structured-output field, got {', '.join(f for f, _ in found)}",
                            found[1][0], "invalid_value")
         spec = found[0][1] if found else None
+        if spec is not None and self.min_tokens:  # it masks EOS where the grammar may allow only EOS
+            raise ApiError(400, "min_tokens cannot be combined with structured output (the grammar decides where "
+                                "the answer ends)", "min_tokens", "invalid_value")
         if spec is not None:
             try:
                 check(spec)

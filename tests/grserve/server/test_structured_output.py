@@ -163,6 +163,7 @@ def test_stop_string_cuts_constrained_output(server):
     ("/v1/completions", {"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
     ("/v1/completions", {"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
     ("/v1/completions", {"guided_json": "{not json"}, "guided_json"),
+    ("/v1/completions", {"guided_regex": "a+", "min_tokens": 3}, "min_tokens"),
 ])
 def test_uncompilable_is_400_naming_the_field(server, path, extra, param):
     body = {"model": "test-model", "max_tokens": 5, **extra}
