@@ -13,6 +13,18 @@ import pytest
 from grserve.config import LLMServeConfig, RankingServeConfig, ServeConfig
 from grserve.memory import MallocTrimmer, _libc_malloc_trim, limit_arenas, start_trimmer
 
+RSS_MIB = ("def rss():\n"
+           "    return next(int(x.split()[1]) for x in open('/proc/self/status') if x.startswith('VmRSS')) // 1024\n")
+
+
+def _child(code: str, *args: str, drop: tuple[str, ...] = (), inherit: bool = True) -> list[str]:
+    """The words ``code`` prints, run by a fresh interpreter (mallopt, oneDNN's caches: process-wide settings stay
+    there) on this test's ``sys.path``, with this environment less ``drop`` (``inherit`` False: none of it)."""
+    env = {k: v for k, v in os.environ.items() if k not in drop} if inherit else {}
+    env["PYTHONPATH"] = ":".join(sys.path)
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, check=True,
+                          env=env).stdout.split()
+
 
 def test_trimmer_calls_trim_every_interval_and_stops():
     calls = []
@@ -74,9 +86,7 @@ def test_settle_allocator_limits_arenas_and_starts_the_trimmer():
         "heaps = {l.split()[0] for l in maps if l.split()[1].startswith('rw') and len(l.split()) == 5\n"
         "         and int(l.split('-')[0], 16) % (64 << 20) == 0}\n"
         "print(t.running, t.stats.calls, len(heaps))\n")
-    env = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={**env, "PYTHONPATH": ":".join(sys.path)}).stdout.split()
+    out = _child(code, drop=("MALLOC_ARENA_MAX",))
     running, calls, heaps = out[0] == "True", int(out[1]), int(out[2])
     assert running and calls >= 2
     assert heaps <= 2  # one arena besides the main heap (a 64 MiB-aligned mapping per arena heap)
@@ -89,17 +99,14 @@ def test_malloc_trim_gives_a_fragmented_heap_back():
     # shrink from its top, its free pages stay resident until malloc_trim(0) returns them
     code = (
         "from grserve.memory import MallocTrimmer\n"
-        "def rss():\n"
-        "    return next(int(x.split()[1]) for x in open('/proc/self/status') if x.startswith('VmRSS')) // 1024\n"
+        + RSS_MIB +
         "objs = [bytes(2000) for _ in range(150_000)]\n"
         "keep = objs[::64]\n"
         "del objs\n"
         "freed = rss()\n"
         "gave = MallocTrimmer(0).trim_once()\n"
         "print(freed, rss(), int(gave))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={"PYTHONPATH": ":".join(sys.path)}).stdout.split()
-    freed, trimmed, gave = map(int, out)
+    freed, trimmed, gave = map(int, _child(code, inherit=False))
     assert gave == 1 and freed - trimmed > 150, (freed, trimmed)
 
 
@@ -129,8 +136,7 @@ GEMM_SHAPES = (
     "from grserve.model.packed_linear import linear, maybe_pack, projections\n"
     "settle_allocator(ProcessConfig(onednn_cache_capacity=int(sys.argv[1]), malloc_trim_s=0))\n"
     "torch.set_num_threads(1)\n"
-    "def rss():\n"
-    "    return next(int(x.split()[1]) for x in open('/proc/self/status') if x.startswith('VmRSS')) // 1024\n"
+    + RSS_MIB +
     "m = load_model('tiny', seed=0)\n"
     "p = maybe_pack(m)\n"
     "lins = projections(m)[:7]\n"
@@ -146,12 +152,9 @@ GEMM_SHAPES = (
 def test_bounded_onednn_caches_keep_a_process_flat_across_gemm_shapes():
     """160 token counts through the tiny model's 7 packed projections of a layer (1,120 GEMM shapes): with oneDNN's
     and ideep's default caches the process keeps ~300 MiB of kernels, with 128 entries each under 100 MiB."""
-    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
-    env["PYTHONPATH"] = ":".join(sys.path)
     grown = {}
     for cap in (0, 128):
-        out = subprocess.run([sys.executable, "-c", GEMM_SHAPES, str(cap)], capture_output=True, text=True,
-                             check=True, env=env).stdout.split()
+        out = _child(GEMM_SHAPES, str(cap), drop=("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"))
         if out[0] == "0":
             pytest.skip("no oneDNN packed projections on this CPU / torch build")
         grown[cap] = int(out[1])

@@ -182,5 +182,6 @@ def ranking_front_end(cfg: RankingServeConfig, client, info: dict):
         raise UsageError(str(e)) from None
     app = create_ranking_app(client, cfg.limits, edge=cfg.edge, store=store)
     s = cfg.server
-    return app, [state_line(store, stored), *info.get("lines", []), f"ranking: {reg.num_items} items, {reg.num_users} users, policy "
-                                            f"{info['policy']} -> http://{s.host}:{s.port}  (POST /v1/rank)"]
+    return app, [state_line(store, stored), *info.get("lines", []),
+                 f"ranking: {reg.num_items} items, {reg.num_users} users, policy {info['policy']} -> "
+                 f"http://{s.host}:{s.port}  (POST /v1/rank)"]

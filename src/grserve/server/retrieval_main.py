@@ -100,6 +100,7 @@ def run(cfg: ServeConfig) -> int:
         return run_cluster(cfg, store, stored)
 
     from grserve.engine.retrieval_engine import RetrievalEngine
+    from grserve.engine.thread_choice import serving_threads
     from grserve.memory import settle_allocator
     from grserve.server.serving import serve_until_exit
     from grserve.server.metrics import Metrics
@@ -114,8 +115,6 @@ def run(cfg: ServeConfig) -> int:
         app = create_app_for(engine, cfg, metrics, store, popularity)  # a bad --prompt-template fails here
     except (ValueError, KeyError, OSError) as exc:  # CatalogError is a ValueError: bad file, vocab mismatch...
         raise _usage_error(exc) from None
-    from grserve.engine.thread_choice import serving_threads
-
     print(f"grserve: {state_line(store, stored)}", flush=True)
     runner = getattr(engine, "runner", None)  # a stand-in engine (tests) may have none
     if runner is not None:
