@@ -85,9 +85,11 @@ class AsyncLLMEngine:
         self.requests_expired = 0
         self.core = core
         self.tokenizer = tokenizer
+        # structured output over the served tokenizer's vocabulary, unless the core was given a backend (build()
+        # and every hand-built core alike get it here)
         spec = getattr(getattr(getattr(core, "executor", None), "model", None), "spec", None)
         if getattr(core, "structured", False) is None and tokenizer is not None and spec is not None:
-            core.structured = structured_backend(tokenizer, spec.vocab_size)  # the served tokenizer's vocabulary
+            core.structured = structured_backend(tokenizer, spec.vocab_size)
         self.model = model
         self._cv = threading.Condition()
         self._status = "stopped"
@@ -127,8 +129,7 @@ class AsyncLLMEngine:
                                   prefix_cache_policy=c.prefix_cache_policy, prefix_cache_mode=c.prefix_cache_mode,
                                   packed_linears=c.packed_linears, decode_staging=c.decode_staging,
                                   eos_token_id=tok.eos_token_id, detokenize=tok.decode,
-                                  decoder_factory=tok.decode_stream,
-                                  structured=structured_backend(tok, model.spec.vocab_size))
+                                  decoder_factory=tok.decode_stream)
         engine = cls(core, tok, model, cfg.edge)
         engine.thread_choice = choice
         return engine

@@ -326,8 +326,7 @@ async def generate(ctx: OpenAIContext, request: Request, body: SamplingRequest, 
                        "max_tokens" if body.requested_max_tokens() else "messages", "context_length_exceeded")
     extra_eos = tuple(getattr(ctx.tokenizer, "extra_eos_ids", ()))
     if (structured or body.structured_spec()) is not None and getattr(ctx.tokenizer, "tok", None) is None:
-        field = next(f for f in ("tool_choice", "response_format", "structured_outputs", "guided_json", "guided_regex",
-                                 "guided_choice", "guided_grammar") if getattr(body, f) is not None)
+        field = "tool_choice" if structured is not None else body.structured_field
         raise ApiError(400, "structured output needs the model's tokenizer (this model directory has none)", field,
                        "no_tokenizer")
     # every engine request carries a seed (drawn here when the client gave none), so a replay of prompt + tokens

@@ -106,6 +106,7 @@ class SamplingRequest(BaseModel):
     guided_choice: list[Text] | None = None
     guided_grammar: Text | None = None
     _spec: StructuredSpec | None = PrivateAttr(default=None)
+    _spec_field: str | None = PrivateAttr(default=None)
     _spec_checked: bool = PrivateAttr(default=False)
 
     @model_validator(mode="before")
@@ -160,8 +161,15 @@ class SamplingRequest(BaseModel):
             except GrammarError as exc:
                 raise ApiError(400, f"{found[0][0]}: cannot be compiled: {exc}", found[0][0], "invalid_value") \
                     from None
-        self._spec, self._spec_checked = spec, True
+        self._spec, self._spec_field, self._spec_checked = spec, found[0][0] if found else None, True
         return spec
+
+    @property
+    def structured_field(self) -> str | None:
+        """The field that asks for structured output (``response_format``, ``structured_outputs``, a
+        ``guided_*``), as a 400 names it; None for free text."""
+        self.structured_spec()
+        return self._spec_field
 
     def stops(self) -> tuple[str, ...]:
         return () if self.stop is None else ((self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
