@@ -84,14 +84,24 @@ def _safe(fn: Callable[[], dict]) -> dict:
         return {}
 
 
-def _counters(prefix: str, table: tuple, stats: dict) -> Iterator[Metric]:
+def _family(kind: type, name: str, help_text: str, value: float, model_name: str | None = None) -> Metric:
+    """One value as a family of ``kind``, labelled with ``model_name`` when given."""
+    if model_name is None:
+        return kind(name, help_text, value=value)
+    m = kind(name, help_text, labels=["model_name"])
+    m.add_metric([model_name], value)
+    return m
+
+
+def _counters(prefix: str, table: tuple, stats: dict, model_name: str | None = None) -> Iterator[Metric]:
     for key, name, help_text in table:
         if key in stats:
-            yield CounterMetricFamily(f"{prefix}{name}", help_text, value=float(stats[key]))
+            yield _family(CounterMetricFamily, f"{prefix}{name}", help_text, float(stats[key]), model_name)
 
 
 VLLM_GAUGES = (("running", "num_requests_running", "Requests in model execution batches."),
                ("waiting", "num_requests_waiting", "Requests waiting to be processed."))
+VLLM_COUNTERS = (("preemptions", "num_preemptions", "Cumulative number of preemptions."),)
 
 
 class LLMStatsCollector:
@@ -104,12 +114,8 @@ class LLMStatsCollector:
     def describe(self) -> list:
         return []  # read at scrape time only: the families depend on what the engine reports
 
-    def _one(self, family: type, name: str, help_text: str, value: float) -> Metric:
-        if self.model_name is None:
-            return family(name, help_text, value=value)
-        m = family(name, help_text, labels=["model_name"])
-        m.add_metric([self.model_name], value)
-        return m
+    def _one(self, kind: type, name: str, help_text: str, value: float) -> Metric:
+        return _family(kind, name, help_text, value, self.model_name)
 
     def collect(self) -> Iterator[Metric]:
         s = _safe(self.stats)
@@ -121,9 +127,7 @@ class LLMStatsCollector:
             used = 1.0 - float(s.get("free_blocks", 0)) / float(s["total_blocks"])
             yield self._one(GaugeMetricFamily, "grserve_llm_kv_cache_usage_perc", "Fraction of the KV/hidden block "
                             "pool in use (0 to 1).", used)
-        for key, name, help_text in LLM_COUNTERS:
-            if key in s:
-                yield self._one(CounterMetricFamily, f"grserve_llm_{name}", help_text, float(s[key]))
+        yield from _counters("grserve_llm_", LLM_COUNTERS, s, self.model_name)
         if self.model_name is None:
             return
         for key, name, help_text in VLLM_GAUGES:
@@ -131,9 +135,7 @@ class LLMStatsCollector:
                 yield self._one(GaugeMetricFamily, f"vllm:{name}", help_text, float(s[key]))
         if used is not None:
             yield self._one(GaugeMetricFamily, "vllm:kv_cache_usage_perc", "KV-cache usage (0 to 1).", used)
-        if "preemptions" in s:
-            yield self._one(CounterMetricFamily, "vllm:num_preemptions", "Cumulative number of preemptions.",
-                            float(s["preemptions"]))
+        yield from _counters("vllm:", VLLM_COUNTERS, s, self.model_name)
         if "prefix_hit_tokens" in s:
             hits = float(s["prefix_hit_tokens"])
             yield self._one(CounterMetricFamily, "vllm:prefix_cache_queries", "Prompt tokens looked up in the "
