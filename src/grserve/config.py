@@ -577,7 +577,9 @@ class ProcessConfig(Checked):
     engine_restarts: int = flag(3, "times a dead engine process is restarted within 10 minutes; after that the "
                                    "server answers 503 and /health says why", check=non_negative)
     threads: int = flag(0, "torch intra-op threads of the retrieval or ranking engine (0: measured at start-up on "
-                           "the model's layer, as serve llm's --threads; the start line names the CPU and the choice)",
+                           "the model's layer, as serve llm's --threads; the start line names the CPU and the choice; "
+                           "a restarted engine process keeps it; fp32 scores can differ in their last bits with "
+                           "another count, so pin it when a new server must answer as the last one, to the bit)",
                         check=non_negative)
     onednn_cache_capacity: int = flag(128, "entries of oneDNN's primitive cache and of torch's ideep cache in the "
                                            "engine's process (one per GEMM shape, ~280 KiB each for the tiny model; "

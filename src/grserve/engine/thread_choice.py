@@ -118,9 +118,15 @@ def engine_threads(requested: int, model, packed: bool = True, cores: int | None
     return choose_threads(layer_probe(model, packed), counts)
 
 
-def serving_threads(requested: int, model, packed: bool = True) -> str:
-    """Set a serving engine's torch threads (``--threads``; 0: measured, :func:`engine_threads`) and return its
-    start line: the CPU it runs on (``model/cpu_support.py``) and the thread choice with its reason."""
+def start_line(choice: ThreadChoice) -> str:
+    """A serving engine's start line: the CPU it runs on (``model/cpu_support.py``) and the thread choice with its
+    reason."""
     from grserve.model.cpu_support import cpu_support
 
-    return f"CPU {cpu_support().label()}: {engine_threads(requested, model, packed).describe()}"
+    return f"CPU {cpu_support().label()}: {choice.describe()}"
+
+
+def serving_threads(requested: int, model, packed: bool = True) -> str:
+    """Set a serving engine's torch threads (``--threads``; 0: measured, :func:`engine_threads`) and return its
+    :func:`start_line`."""
+    return start_line(engine_threads(requested, model, packed))

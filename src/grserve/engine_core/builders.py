@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from grserve.engine.thread_choice import serving_threads
+from grserve.engine.thread_choice import engine_threads, start_line
 
 
 def llm_lines(engine: Any, cfg: Any) -> list[str]:
@@ -30,7 +30,7 @@ def build_llm(cfg: Any, on_batch: Any = None) -> tuple[Any, dict]:
     engine = AsyncLLMEngine.build(cfg, pick_threads=True)
     spec = engine.model.spec
     info = {"fit": engine.core.fit, "max_model_len": spec.max_position_embeddings, "vocab_size": spec.vocab_size,
-            "lines": llm_lines(engine, cfg)}
+            "lines": llm_lines(engine, cfg), "threads": engine.thread_choice.threads}
     return engine, info
 
 
@@ -45,14 +45,15 @@ def build_retrieval(cfg: Any, on_batch: Any = None) -> tuple[Any, dict]:
     from grserve.engine.retrieval_engine import RetrievalEngine
 
     engine = RetrievalEngine.build(cfg, on_batch=on_batch)
-    threads = serving_threads(cfg.process.threads, engine.runner.model, cfg.accel.cpu_packed_linears)
+    choice = engine_threads(cfg.process.threads, engine.runner.model, cfg.accel.cpu_packed_linears)
     if cfg.search.warmup:  # before the first heartbeat: the front end takes requests only after it
         t0 = time.perf_counter()
         engine.warm_up(log=lambda line: print(f"grserve: {line}", flush=True))
         print(f"grserve: warmed up in {time.perf_counter() - t0:.1f} s", flush=True)
     describe = getattr(engine.runner, "describe", None)
-    info = {"vocab_size": engine.vocab_size, "catalog_version": engine.catalogs.version,
-            "lines": [threads, describe()] if callable(describe) else [threads]}
+    lines = [start_line(choice), describe()] if callable(describe) else [start_line(choice)]
+    info = {"vocab_size": engine.vocab_size, "catalog_version": engine.catalogs.version, "lines": lines,
+            "threads": choice.threads}
     return engine, info
 
 
@@ -66,9 +67,10 @@ def build_ranking(cfg: Any, on_batch: Any = None) -> tuple[Any, dict]:
 
     m = cfg.model
     model = load_model(m.source, dtype=m.dtype, device=m.device, seed=m.seed)
-    threads = serving_threads(cfg.process.threads, model, packed=False)  # BAT runs F.linear
+    choice = engine_threads(cfg.process.threads, model, packed=False)  # BAT runs F.linear
     reg = build_registry(cfg.data, model.spec.vocab_size)
     runner = RankingRunner(model, reg, cfg.ranking, progress=True)
     engine = RankingEngine(runner, on_batch=on_batch, edge=cfg.edge)
     engine.beat = lambda: {"ranking_stats": runner.stats}  # the front end's /v1/ranking/stats
-    return engine, {"vocab_size": model.spec.vocab_size, "policy": runner.policy.name, "lines": [threads]}
+    return engine, {"vocab_size": model.spec.vocab_size, "policy": runner.policy.name,
+                    "lines": [start_line(choice)], "threads": choice.threads}

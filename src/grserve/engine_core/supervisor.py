@@ -17,6 +17,7 @@ import signal
 import threading
 import time
 from collections import deque
+from dataclasses import replace
 from typing import Any, Protocol
 
 from grserve.engine_core.core_process import CoreSpec, Endpoints, run_core
@@ -61,6 +62,21 @@ class CoreSupervisor:
         self._watcher.start()
         return self
 
+    def started(self, info: dict) -> None:
+        """The first core is ready (``info``: its start-up facts). Every later incarnation runs the torch thread
+        count this one chose: at fp32 a few kernels (SDPA with one query row, MKL's sgemm on row counts that are not
+        a multiple of 8) sum in another order with another thread count, so a count measured anew after a crash
+        could move scores in their last bits -- a restart must not change an answer (issue 41)."""
+        self.ready = True
+        threads = info.get("threads")
+        if threads:
+            self.config = keep_threads(self.kind, self.config, int(threads))
+
+    def _kept(self) -> str:
+        part = getattr(self.config, "llm" if self.kind == "llm" else "process", None)
+        threads = getattr(part, "threads", 0)
+        return f", {threads} torch threads as before" if threads else ""
+
     def alive(self) -> bool:
         return self.proc is not None and self.proc.is_alive()
 
@@ -104,7 +120,7 @@ class CoreSupervisor:
                 return
             self.restarts.append(now)
             log.error("grserve: %s; starting engine incarnation %d", why, self.incarnation + 1)
-            print(f"grserve: {why}; restarting it (incarnation {self.incarnation + 1})", flush=True)
+            print(f"grserve: {why}; restarting it (incarnation {self.incarnation + 1}{self._kept()})", flush=True)
             self._spawn()
 
     def stop(self, timeout_s: float = 15.0) -> None:
@@ -122,3 +138,13 @@ class CoreSupervisor:
         if self._watcher is not None and self._watcher is not threading.current_thread():
             self._watcher.join(timeout=2)
         self.endpoints.remove()
+
+
+def keep_threads(kind: str, config: Any, threads: int) -> Any:
+    """``config`` with the engine's ``--threads`` set to ``threads`` (serve llm's own flag, or the retrieval and
+    ranking engines' ``ProcessConfig.threads``); a count the user gave is kept as given."""
+    part = "llm" if kind == "llm" else "process"
+    section = getattr(config, part, None)
+    if section is None or getattr(section, "threads", 1) != 0:
+        return config
+    return replace(config, **{part: replace(section, threads=threads)})

@@ -47,7 +47,7 @@ def start_core(kind: str, cfg: Any, max_restarts: int, max_waiting: int | None) 
             reason = f"{exc}; see its error above"
         client.stop()
         raise UsageError(reason) from None
-    sup.ready = True
+    sup.started(info)  # the next incarnation keeps this one's thread count
     return sup, client, info
 
 
