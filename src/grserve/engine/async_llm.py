@@ -24,7 +24,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,6 +98,10 @@ class AsyncLLMEngine:
         self._live: dict[str, tuple[int, Sequence, RequestHandle]] = {}  # the loop's: requests in the core
         self.errors = 0
         self.step_hooks: tuple[Callable[[], None], Callable[[], None]] | None = None  # around each iteration
+        # structured requests whose grammar is not compiled yet: compiled on a thread of their own first, so a
+        # large schema's compile (over a second) never stalls the step loop and every other request with it
+        self._grammars: ThreadPoolExecutor | None = None
+        self._compiling: dict[str, bool] = {}  # request id -> cancelled while its grammar compiles
 
     @classmethod
     def build(cls, cfg: LLMServeConfig, pick_threads: bool = False) -> "AsyncLLMEngine":
@@ -162,6 +166,9 @@ class AsyncLLMEngine:
         if self._thread is not None:
             self._thread.join(timeout=10)
             self._thread = None
+        if self._grammars is not None:  # queued compiles fail their requests (EngineStopped); a running one ends
+            self._grammars.shutdown(wait=False, cancel_futures=True)
+            self._grammars = None
         while self._inbox:  # the loop is gone: this thread has the core now
             msg = self._inbox.popleft()
             if isinstance(msg, _Submit):
@@ -190,14 +197,48 @@ class AsyncLLMEngine:
             raise EngineOverloaded(f"{depth} requests waiting (max_waiting={self.max_waiting})")
         handle: RequestHandle[LLMResult] = RequestHandle(req.request_id, self.cancel)
         self._open.add(req.request_id)
-        self._post(_Submit(req, handle, time.monotonic()))
+        msg = _Submit(req, handle, time.monotonic())
+        spec, backend = req.params.structured, getattr(self.core, "structured", None)
+        if spec is not None and backend is not None and not backend.has(spec):
+            self._compile_first(msg, backend, spec)
+        else:
+            self._post(msg)
         return handle
+
+    def _compile_first(self, msg: _Submit, backend: Any, spec: Any) -> None:
+        """Compile ``msg``'s grammar off the step loop, then post it (its matcher is then a cache hit); a compile
+        error or a cancel in the meantime fails its handle, as the loop would have."""
+        rid = msg.request.request_id
+        with self._cv:
+            if self._grammars is None:
+                self._grammars = ThreadPoolExecutor(1, thread_name_prefix="grserve-grammar")
+            self._compiling[rid] = False
+            job = self._grammars.submit(backend.compiled, spec)
+
+        def done(fut: Future) -> None:
+            with self._cv:
+                cancelled = self._compiling.pop(rid, False)
+            error = fut.exception() if not fut.cancelled() else EngineStopped("engine stopped")
+            if cancelled or error is not None:
+                self._open.discard(rid)
+                _fail(msg.handle, RequestCancelled(f"request {rid} cancelled") if cancelled else error)
+                return
+            try:
+                self._post(msg)
+            except EngineStopped as exc:
+                _fail(msg.handle, exc)
+
+        job.add_done_callback(done)
 
     def cancel(self, request_id: str) -> bool:
         """Ask the loop to cancel a request (its handle fails with ``RequestCancelled`` between two steps). False
         when it is unknown or has ended."""
         if request_id not in self._open:
             return False
+        with self._cv:
+            if request_id in self._compiling:  # not posted yet: it fails when its compile ends
+                self._compiling[request_id] = True
+                return True
         self._post(_Cancel(request_id))
         return True
 
@@ -276,8 +317,9 @@ class AsyncLLMEngine:
     # ---- state ---------------------------------------------------------------------------------------------
     @property
     def queue_depth(self) -> int:
-        """Requests waiting for their first schedule: in the core's queue, or still in the inbox."""
-        return len(self.core.waiting) + sum(isinstance(m, _Submit) for m in list(self._inbox))
+        """Requests waiting for their first schedule: in the core's queue, in the inbox, or their grammar compiling."""
+        return (len(self.core.waiting) + sum(isinstance(m, _Submit) for m in list(self._inbox))
+                + len(self._compiling))
 
     @property
     def prefix_cache(self):

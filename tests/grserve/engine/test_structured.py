@@ -139,3 +139,60 @@ def test_bad_spec_refused_at_add_request(setup):
     make, tok = setup
     with pytest.raises(GrammarError):
         make().add_request(tok.encode("x"), SamplingParams(structured=StructuredSpec("regex", "(ab")))
+
+
+def _async_engine(setup, backend):
+    from grserve.engine.async_llm import AsyncLLMEngine
+
+    make, tok = setup
+    core = make()
+    core.structured = backend
+    return AsyncLLMEngine(core, tokenizer=tok).start(), tok
+
+
+def test_a_grammar_compiles_off_the_step_loop(setup, tmp_path):
+    """A structured request whose grammar is still compiling holds up no other request: its compile runs on a
+    thread of its own (here it waits until the unconstrained request has finished; compiled on the step loop, as
+    it was, that request would never finish and this test would time out), then it runs as before. A request
+    cancelled while its grammar compiles fails as cancelled; a grammar that does not compile fails its request."""
+    import threading
+
+    from grserve.engine.protocol import RequestCancelled
+    from grserve.engine.types import LLMRequest
+
+    _, tok = setup
+    backend = structured_backend(tok, SPEC.vocab_size)
+    release, compiling = threading.Event(), threading.Event()
+    real = backend.compiled
+
+    def slow(spec):
+        if spec.text.startswith("[a-z]"):
+            compiling.set()
+            assert release.wait(60)
+        return real(spec)
+
+    backend.compiled = slow
+    eng, tok = _async_engine(setup, backend)
+    try:
+        slow_spec = StructuredSpec("regex", "[a-z]{5,9}")
+        held = eng.submit(LLMRequest(tok.encode("c"), SamplingParams(max_tokens=40, temperature=0.0,
+                                                                     structured=slow_spec)))
+        assert compiling.wait(30)
+        dropped = eng.submit(LLMRequest(tok.encode("d"), SamplingParams(max_tokens=40, structured=slow_spec)))
+        assert eng.queue_depth >= 2 and eng.cancel(dropped.request_id)
+        free = eng.submit(LLMRequest(tok.encode("free"), SamplingParams(max_tokens=8, temperature=0.0,
+                                                                        ignore_eos=True)))
+        assert len(free.future.result(timeout=60).output_ids) == 8
+        assert not held.future.done()
+        release.set()
+        text = held.future.result(timeout=60).text
+        assert 5 <= len(text) <= 9 and text.isalpha(), text
+        with pytest.raises(RequestCancelled):
+            dropped.future.result(timeout=60)
+        bad = eng.submit(LLMRequest(tok.encode("x"), SamplingParams(structured=StructuredSpec("regex", "(ab"))))
+        with pytest.raises(GrammarError):
+            bad.future.result(timeout=60)
+        assert eng.queue_depth == 0
+    finally:
+        release.set()
+        eng.stop()
