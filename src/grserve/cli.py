@@ -2,7 +2,7 @@
 
 ::
 
-    grserve serve [retrieval] | ranking | llm        server/retrieval_main.py, ranking_main.py, llm_main.py
+    grserve serve [retrieval] | ranking | llm        server/retrieval/command.py, ranking_main.py, llm_main.py
     grserve bench retrieval | cache | ranking | serve | quality | cluster | pd | peers     the lab package, grserve_bench
     grserve catalog generate | validate | convert | build
     grserve recommend                                recommend_main.py (offline, JSONL in and out)
@@ -43,7 +43,9 @@ from grserve.flags import (
     from_args,
 )
 from grserve.movielens import build as movielens_build
-from grserve.server import llm_main, ranking_main, retrieval_main
+from grserve.server.llm import command as llm_main
+from grserve.server.ranking import command as ranking_main
+from grserve.server.retrieval import command as retrieval_main
 from grserve import precision_check, recommend_main
 
 CATALOG_EXTENSIONS = (".jsonl", ".csv", ".grcat", ".json")

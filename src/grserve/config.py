@@ -203,7 +203,7 @@ class BeamApiConfig(Checked):
     prompt_template: str | None = flag(None, "a Jinja template file: history_items / history_sids are written into "
                                              "it as the model's own prompt ({{ history }}: the items' SID text "
                                              "joined by ', '; {{ items }}, {{ item_ids }}; "
-                                             "server/prompt_template.py); default: the bare SID tokens",
+                                             "inputs/prompt_template.py); default: the bare SID tokens",
                                        metavar="FILE")
     prompt_format: str = flag("text", "how the rendered --prompt-template is encoded: text (as /v1/completions "
                                       "encodes a prompt) or chat (one user message in the model's chat template)",

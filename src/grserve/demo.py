@@ -78,9 +78,9 @@ def _serving(cfg: Any, console: Any) -> Iterator[tuple[_Http, Any, dict]]:
     import uvicorn
 
     from grserve.engine.retrieval_engine import RetrievalEngine
-    from grserve.server.retrieval_app import create_app
-    from grserve.server.retrieval_main import load_popularity
-    from grserve.server.metrics import Metrics
+    from grserve.server.retrieval.app import create_app
+    from grserve.server.retrieval.command import load_popularity
+    from grserve.server.http.metrics import Metrics
 
     metrics = Metrics()
     engine = RetrievalEngine.build(cfg, on_batch=metrics.on_batch)

@@ -123,7 +123,7 @@ class Recommender:
         from grserve.engine.retrieval_engine import RetrievalEngine
 
         from grserve.catalog.popularity import Popularity
-        from grserve.server.openai_beams import BeamContext
+        from grserve.server.retrieval.beams import BeamContext
 
         self.config = config if config is not None else serve_config(**kwargs)
         self.engine = RetrievalEngine.build(self.config)
@@ -131,7 +131,7 @@ class Recommender:
         self.popularity = Popularity.load(pop) if pop else Popularity()  # the cold-start order, as the server's
         # what the server's conversion needs besides the engine (thinking's limit, the tokenizer); no HTTP metrics
         self._beams = BeamContext(self.engine, self.config.server, self.config.beams, "grserve", None)
-        from grserve.server.retrieval_app import recommend_precheck, text_limits
+        from grserve.server.retrieval.app import recommend_precheck, text_limits
 
         # the server's cheap checks of a raw body (history lengths: --max-history-entries, 413 with truncate none;
         # exclude_items / include_items counts; a text prompt's characters)
@@ -189,7 +189,7 @@ class Recommender:
                     continue
                 dropped_by[id(req)] = dropped, user
                 if _cold(req):  # a new user: the popularity order, as the server answers it
-                    from grserve.server.retrieval_app import cold_start
+                    from grserve.server.retrieval.app import cold_start
 
                     done = batches.add_result(req, cold_start(req, self.catalog, self.popularity))
                 else:
@@ -216,9 +216,9 @@ class Recommender:
         """One input → the engine's request, through the server's own schema and conversion."""
         from pydantic import ValidationError
 
-        from grserve.server.errors import ApiError
-        from grserve.server.prompt_template import PromptTemplateError
-        from grserve.server.schemas import RecommendRequest
+        from grserve.server.http.errors import ApiError
+        from grserve.inputs.prompt_template import PromptTemplateError
+        from grserve.inputs.house_schemas import RecommendRequest
 
         user = None
         try:
@@ -230,7 +230,7 @@ class Recommender:
                 user = raw.pop("user_id", None)
                 self._precheck(raw)
                 body = RecommendRequest.model_validate(raw)
-            from grserve.server.retrieval_app import retrieval_request
+            from grserve.server.retrieval.app import retrieval_request
 
             return (*retrieval_request(body, self.catalog, self.engine, self.config.server, self._beams), user)
         except ValidationError as exc:
@@ -278,7 +278,7 @@ def _json_container(text: str) -> bool:
 def _validation_error(exc):
     from fastapi.exceptions import RequestValidationError
 
-    from grserve.server.errors import house_validation_error
+    from grserve.server.http.errors import house_validation_error
 
     return house_validation_error(RequestValidationError(exc.errors()), ("history",))
 

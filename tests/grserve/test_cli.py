@@ -24,7 +24,9 @@ from grserve_bench.ranking import RankingBenchConfig
 from grserve_bench.retrieval import RetrievalBenchConfig
 from grserve_bench.serve import ServeBenchConfig
 from grserve.config import LLMServeConfig, RankingServeConfig, ServeConfig
-from grserve.server import llm_main, ranking_main, retrieval_main
+from grserve.server.llm import command as llm_main
+from grserve.server.ranking import command as ranking_main
+from grserve.server.retrieval import command as retrieval_main
 
 
 def _subparsers(p: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:

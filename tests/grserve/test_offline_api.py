@@ -63,7 +63,7 @@ def as_server_body(r):
 
 def test_api_results_equal_the_servers(cfg, rec):
     from grserve.engine.retrieval_engine import RetrievalEngine
-    from grserve.server.retrieval_app import create_app
+    from grserve.server.retrieval.app import create_app
 
     reqs = requests_of(rec.catalog)
     ours = rec.recommend(reqs, top_n=BW, progress=False)
@@ -85,7 +85,7 @@ def test_api_results_equal_the_servers(cfg, rec):
 
 def test_api_refuses_what_the_server_refuses_with_its_message(cfg, rec):
     from grserve.engine.retrieval_engine import RetrievalEngine
-    from grserve.server.retrieval_app import create_app
+    from grserve.server.retrieval.app import create_app
 
     bad = [{"history_items": [1, 2, 10**9]}, {"history_sids": [[1, 2]]}, {"history_item": [1]},
            {"history_items": [1], "history_tokens": [20]}, {"history_items": [1], "top_n": BW + 1},
@@ -106,7 +106,7 @@ def test_cold_start_and_truncation_equal_the_servers(cfg, rec, tmp_path):
     (``history_dropped``) come back from the API as the server answers them, in input order among model answers."""
     from grserve.catalog.popularity import Popularity
     from grserve.engine.retrieval_engine import RetrievalEngine
-    from grserve.server.retrieval_app import create_app
+    from grserve.server.retrieval.app import create_app
 
     ids = rec.catalog.item_ids
     counts = {str(int(i)): int(n) for i, n in zip(ids[:40], range(40, 0, -1))}
@@ -227,7 +227,7 @@ def test_recommend_command_streams_jsonl_and_names_bad_lines(tmp_path, catalog_f
 
 def test_llm_generate_equals_the_servers_completions():
     from grserve import LLM, SamplingParams
-    from grserve.server.llm_app import create_llm_app
+    from grserve.server.llm.app import create_llm_app
 
     prompts = ["Hello there", "a b c", "The quick brown fox", "x"]
     with LLM("tiny-mha", scheduler="fcfs", num_blocks=256) as llm:
@@ -255,7 +255,7 @@ def test_llm_chat_equals_the_servers_chat_completions():
     """``LLM.chat`` renders each conversation with the chat template as ``/v1/chat/completions`` does: the same
     greedy text, one conversation or several."""
     from grserve import LLM, SamplingParams
-    from grserve.server.llm_app import create_llm_app
+    from grserve.server.llm.app import create_llm_app
 
     convs = [[{"role": "user", "content": "Hello there"}],
              [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a b c"}]]
@@ -274,7 +274,7 @@ def test_llm_chat_equals_the_servers_chat_completions():
         assert len(one) == 1 and one[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
         from types import SimpleNamespace
 
-        from grserve.server import openai_routes
+        from grserve.server.llm import routes as openai_routes
 
         later = openai_routes.time.time() + 1000  # created is the answer's time, not the server's start
         real, openai_routes.time = openai_routes.time, SimpleNamespace(time=lambda: later)

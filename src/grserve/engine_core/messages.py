@@ -141,7 +141,7 @@ def decode_out(frame: bytes) -> list[list]:
 
 
 def rebuild_error(name: str, message: str) -> BaseException:
-    """A failure the core reported, as the class the routes map to an answer (``server/lifecycle.py``)."""
+    """A failure the core reported, as the class the routes map to an answer (``server/http/lifecycle.py``)."""
     return ERRORS.get(name, EngineStepFailed)(message)
 
 

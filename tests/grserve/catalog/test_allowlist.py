@@ -15,7 +15,7 @@ from grserve.config import AccelConfig, SearchConfig, ServerConfig
 from grserve.engine.retrieval import RetrievalRunner
 from grserve.engine.retrieval_engine import RetrievalEngine
 from grserve.engine.types import RetrievalRequest
-from grserve.server.retrieval_app import create_app
+from grserve.server.retrieval.app import create_app
 
 BW = 16
 

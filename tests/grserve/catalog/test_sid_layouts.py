@@ -342,7 +342,7 @@ def test_catalog_commands_validate_against_a_model_and_convert(minionerec_dir, t
 def test_start_up_prints_the_layout_and_what_it_inferred(onerec_dir, tmp_path, capsys):
     from grserve.config import CatalogConfig, ModelConfig, ServeConfig
     from grserve.engine.retrieval_engine import RetrievalEngine
-    from grserve.server.retrieval_main import print_layout
+    from grserve.server.retrieval.command import print_layout
 
     codes = tmp_path / "codes.jsonl"  # no header: nothing declared
     codes.write_text("".join(json.dumps({"item_id": i, "sid": [int(c) for c in s]}) + "\n"

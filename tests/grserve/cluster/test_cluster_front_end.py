@@ -95,7 +95,7 @@ def test_request_timeout_applies_while_waiting_at_the_front_end():
 def test_http_429_with_retry_after_and_503_queue_timeout():
     from fastapi.testclient import TestClient
 
-    from grserve.server.llm_app import create_llm_app
+    from grserve.server.llm.app import create_llm_app
 
     eng, _ = _engine(max_waiting=1, timeout_s=0.3)
     app = create_llm_app(eng, None, "m", 256, 300, edge=EdgeConfig(max_waiting=1, request_timeout=0.3))

@@ -160,8 +160,8 @@ def test_ranking_prefers_the_instance_with_the_users_kv(clusters, references):
 
 
 def test_http_apps_admin_changes_reach_every_instance(clusters, references, tmp_path):
-    from grserve.server.ranking_app import create_ranking_app
-    from grserve.server.retrieval_main import cluster_app, create_app_for
+    from grserve.server.ranking.app import create_ranking_app
+    from grserve.server.retrieval.command import cluster_app, create_app_for
 
     ret, rank = clusters
     client = TestClient(cluster_app(rank, lambda m: create_ranking_app(rank, KCFG.limits, m, edge=KCFG.edge)),
@@ -297,7 +297,8 @@ def test_instances_flag_on_serve_and_serve_ranking():
     """``grserve serve --instances N`` (the default mode) and ``serve ranking --instances N`` carry the cluster flags
     that apply; the LLM-only ones are not offered."""
     from grserve.cli import _with_default_serve_mode, build_parser
-    from grserve.server import ranking_main, retrieval_main
+    from grserve.server.ranking import command as ranking_main
+    from grserve.server.retrieval import command as retrieval_main
 
     parser = build_parser()
     ns = parser.parse_args(_with_default_serve_mode(["serve", "--instances", "3", "--routing", "round_robin",

@@ -154,7 +154,7 @@ def test_role_flips_each_way_from_the_rule(cluster, reference):
     from fastapi.testclient import TestClient
 
     from grserve.cluster.core.metrics import ClusterCollector
-    from grserve.server.llm_app import create_llm_app
+    from grserve.server.llm.app import create_llm_app
 
     pd = cluster.pd
     pids = [inst.info.pid for inst in cluster.instances]

@@ -122,7 +122,7 @@ def test_http_app_and_metrics(cluster, cfg):
     from fastapi.testclient import TestClient
 
     from grserve.cluster.core.metrics import ClusterCollector
-    from grserve.server.llm_app import create_llm_app
+    from grserve.server.llm.app import create_llm_app
 
     info = cluster.instances[0].info
     app = create_llm_app(cluster, cluster.tokenizer, "m", info.max_model_len, info.vocab_size)

@@ -27,7 +27,7 @@ def test_check_pd_refuses_what_cannot_work():
 
 def test_serve_llm_pd_needs_two_instances():
     from grserve.flags import UsageError
-    from grserve.server.llm_main import run
+    from grserve.server.llm.command import run
 
     with pytest.raises(UsageError, match="--pd needs --instances >= 2"):
         run(LLMServeConfig(pd=PDConfig(pd=True)))

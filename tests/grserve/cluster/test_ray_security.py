@@ -95,7 +95,7 @@ def test_a_refused_cluster_is_never_joined(fake_ray, monkeypatch):
 
 def test_cli_flags():
     from grserve.cli import build_parser
-    from grserve.server import ranking_main
+    from grserve.server.ranking import command as ranking_main
 
     ns = build_parser().parse_args(["serve", "ranking", "--ray-address", "10.0.0.1:6379", "--allow-open-ray",
                                     "--ray-dashboard"])

@@ -92,7 +92,7 @@ def test_a_template_error_is_a_400(tmp_path, random_decoder):
     from grserve.engine.llm import build_model_engine
     from grserve.model import ModelSpec
     from grserve.scheduler.llm_factory import make_llm_scheduler
-    from grserve.server.llm_app import create_llm_app
+    from grserve.server.llm.app import create_llm_app
 
     tok = HFTokenizer(_hf_dir(tmp_path, "{{ raise_exception('bad conversation') }}"))
     spec = ModelSpec(family="qwen3", vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -167,8 +167,8 @@ def test_stop_strings_are_matched_on_new_text_across_tokens(random_decoder):
 
 
 def test_generation_config_eos_ids_stop_like_eos(tmp_path):
-    from grserve.server.openai_routes import sampling_params
-    from grserve.server.openai_schemas import CompletionRequest
+    from grserve.server.llm.routes import sampling_params
+    from grserve.inputs.openai_schemas import CompletionRequest
 
     d = _hf_dir(tmp_path)
     (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7, 9]}))
@@ -182,7 +182,7 @@ def test_generation_config_eos_ids_stop_like_eos(tmp_path):
 
 def test_serve_llm_prints_the_tokenizer_directory(tmp_path, monkeypatch, capsys):
     """`grserve serve llm MODEL` writes a preset's tokenizer and prints its directory (aiperf --tokenizer DIR)."""
-    import grserve.server.serving as core
+    import grserve.server.launch.serving as core
     from grserve import cli
 
     monkeypatch.setattr(core, "serve_until_exit", lambda app, host, port, level, stop: stop() or 0)

@@ -64,7 +64,8 @@ def test_the_device_path_captures_every_bucket_at_warm_up(tiny_model, catalog):
 def test_serve_listens_only_after_the_warm_up(monkeypatch, capsys):
     """``grserve serve``: the warm-up lines are printed and the engine is warm and started before uvicorn runs."""
     from grserve.config import CatalogConfig, ProcessConfig, ServeConfig
-    from grserve.server import retrieval_main, serving
+    from grserve.server.retrieval import command as retrieval_main
+    from grserve.server.launch import serving
 
     seen = {}
 
@@ -88,7 +89,8 @@ def test_serve_with_an_engine_process_listens_only_after_its_warm_up(monkeypatch
     """The same with the engine in its own process (the default): it warms up before its first heartbeat, so the
     front end is ready (and uvicorn runs) only after; the warm-up lines come from the engine process."""
     from grserve.config import CatalogConfig, ServeConfig
-    from grserve.server import retrieval_main, serving
+    from grserve.server.retrieval import command as retrieval_main
+    from grserve.server.launch import serving
 
     seen = {}
 

@@ -19,7 +19,7 @@ from grserve.engine.async_llm import AsyncLLMEngine
 from grserve.engine.protocol import EngineStopped, RequestCancelled
 from grserve.engine.sampling import SamplingParams
 from grserve.engine.types import LLMRequest
-from grserve.server.api_servers import start_core
+from grserve.server.launch.processes import start_core
 from grserve.engine_core.builders import llm_precheck
 from grserve.engine_core.client import pid_alive
 from grserve.engine_core.messages import EngineCoreDied, decode_out, encode_out, event_row, token_event
@@ -153,7 +153,7 @@ def test_drain_finishes_then_stop_ends_the_process(cfg):
 
 def test_a_core_whose_server_is_killed_exits(tmp_path):
     """kill -9 of the server process: its engine process must not live on holding the model."""
-    code = ("import sys, time; from grserve.config import *; from grserve.server.api_servers import start_core\n"
+    code = ("import sys, time; from grserve.config import *; from grserve.server.launch.processes import start_core\n"
             f"cfg = LLMServeConfig(model=ModelConfig(source='tiny'), llm=LLMConfig(num_blocks=32, threads=1), "
             f"api=LLMApiConfig(tokenizer_cache={str(tmp_path)!r}))\n"
             "sup, client, _ = start_core('llm', cfg, 1, None)\n"

@@ -22,7 +22,7 @@ from grserve.config import (
     ServeConfig,
 )
 from grserve.engine.types import RankingRequest, RetrievalRequest
-from grserve.server.api_servers import start_core
+from grserve.server.launch.processes import start_core
 
 
 def _wait(cond, timeout_s=120.0):
@@ -44,7 +44,7 @@ def _restart(client):
 
 def test_retrieval_same_answers_reload_and_restart():
     from grserve.engine.retrieval_engine import RetrievalEngine
-    from grserve.server.retrieval_main import retrieval_front_end
+    from grserve.server.retrieval.command import retrieval_front_end
 
     cfg = ServeConfig(model=ModelConfig(source="tiny", seed=0), catalog=CatalogConfig(num_items=400, seed=3),
                       search=SearchConfig(beam_width=8, warmup=False))
@@ -79,7 +79,7 @@ def test_ranking_same_answers_registrations_and_restart():
     from grserve.engine.ranking_runner import RankingRunner
     from grserve.model import load_model
     from grserve.ranking.startup_data import build_registry
-    from grserve.server.ranking_main import ranking_front_end
+    from grserve.server.ranking.command import ranking_front_end
 
     cfg = RankingServeConfig(model=ModelConfig(source="tiny", seed=0), ranking=RankingConfig(policy="recompute"),
                              data=RankingDataConfig(num_items=40, num_users=6))
@@ -156,7 +156,7 @@ def test_a_core_that_refuses_the_recorded_state_never_serves():
     state."""
     from grserve.cluster.wire import CatalogReplace
     from grserve.engine.protocol import EngineStopped
-    from grserve.server.retrieval_main import retrieval_front_end
+    from grserve.server.retrieval.command import retrieval_front_end
 
     cfg = ServeConfig(model=ModelConfig(source="tiny", seed=0), catalog=CatalogConfig(num_items=400, seed=3),
                       search=SearchConfig(beam_width=8, warmup=False))
@@ -193,8 +193,8 @@ def test_an_answer_from_an_older_catalog_is_a_503_never_a_normal_answer():
     newer catalog (a reload that landed meanwhile) and an unreported version (0: a stand-in engine) pass."""
     from types import SimpleNamespace
 
-    from grserve.server.errors import ApiError
-    from grserve.server.lifecycle import check_catalog_version
+    from grserve.server.http.errors import ApiError
+    from grserve.server.http.lifecycle import check_catalog_version
 
     front = SimpleNamespace(version=3)
     for served in (3, 4, 0):

@@ -169,7 +169,7 @@ def test_serve_llm_flags_build_a_prefix_cache():
     from grserve.cli import build_parser
     from grserve.cli import main as cli_main
     from grserve.engine.async_llm import AsyncLLMEngine
-    from grserve.server.llm_main import config_from_args
+    from grserve.server.llm.command import config_from_args
 
     cfg = config_from_args(build_parser().parse_args(["serve", "llm", "--model", "tiny", "--scheduler", "fcfs",
                                                       "--num-blocks", "64", "--prefix-cache-tokens", "256",

@@ -211,7 +211,7 @@ def test_openai_usage_reports_cached_prompt_tokens(tmp_path):
     from grserve.engine.tokenizer import load_tokenizer
     from grserve.model import load_model
     from grserve.scheduler.fcfs import FCFSScheduler
-    from grserve.server.llm_app import create_llm_app
+    from grserve.server.llm.app import create_llm_app
 
     model = load_model("tiny", seed=0)
     tok = load_tokenizer("tiny", model.spec.vocab_size, model.spec.max_position_embeddings, tmp_path)

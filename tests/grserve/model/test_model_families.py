@@ -142,7 +142,7 @@ def test_llm_server_on_a_model_dir_without_tokenizer_refuses_text_not_token_ids(
     from grserve.engine.llm import build_model_engine
     from grserve.engine.tokenizer import load_tokenizer
     from grserve.scheduler.fcfs import FCFSScheduler
-    from grserve.server.llm_app import create_llm_app
+    from grserve.server.llm.app import create_llm_app
 
     _hf("qwen3", True).save_pretrained(tmp_path)
     model = load_model(str(tmp_path))

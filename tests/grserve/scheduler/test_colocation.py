@@ -278,7 +278,7 @@ def app_client(small, tmp_path_factory):
 
     from grserve.engine.async_llm import AsyncLLMEngine
     from grserve.engine.tokenizer import load_tokenizer
-    from grserve.server.llm_app import create_llm_app
+    from grserve.server.llm.app import create_llm_app
 
     model = small
     spec = model.spec

@@ -164,9 +164,9 @@ def test_llm_metrics_are_counters_usage_fractions_and_phase_histograms(llm):  # 
 def _gr_apps(tiny_model, ranking_engine):  # noqa: F811
     from grserve.catalog import CatalogStore, generate_catalog
     from grserve.engine.retrieval_engine import RetrievalEngine
-    from grserve.server.metrics import Metrics
-    from grserve.server.ranking_app import create_ranking_app
-    from grserve.server.retrieval_app import create_app
+    from grserve.server.http.metrics import Metrics
+    from grserve.server.ranking.app import create_ranking_app
+    from grserve.server.retrieval.app import create_app
 
     model = tiny_model(seed=0)
     metrics = Metrics()

@@ -17,8 +17,8 @@ from grserve.catalog import CatalogError, CatalogStore, generate_catalog, save_c
 from grserve.catalog.io import MAX_LINE_CHARS, read_catalog
 from grserve.config import CatalogReloadConfig, EdgeConfig, SearchConfig, ServerConfig
 from grserve.engine.protocol import EngineHealth
-from grserve.server import catalog_reload
-from grserve.server.retrieval_app import create_app
+from grserve.server.retrieval import catalog_reload
+from grserve.server.retrieval.app import create_app
 
 ADMIN = {"Authorization": "Bearer adm"}
 

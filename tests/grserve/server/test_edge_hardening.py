@@ -19,7 +19,7 @@ from conftest import live_server
 from grserve.config import EdgeConfig, RankingLimits, SchedulerConfig, SearchConfig, ServerConfig
 from grserve.engine.batching import BatchedEngine, BatchingCore
 from grserve.engine.types import RetrievalResult, RetrievedItem
-from grserve.server.retrieval_app import create_app
+from grserve.server.retrieval.app import create_app
 from test_security_limits import HangingEngine, llm, ranking_engine  # noqa: F401 - shared fixtures
 
 JSON = {"content-type": "application/json"}
@@ -75,7 +75,7 @@ def _as_served():
     at load 9, seen with a gc callback), a stall the server never has; and the test runs ahead of the other
     processes of a busy shared machine (``_cpu_priority``: on 2 cores at load 12-17 the same run took 0.15-0.7 s
     without it, 0.08-0.17 s with it). The bound asserted is unchanged."""
-    from grserve.server.serving import settle_heap
+    from grserve.server.launch.serving import settle_heap
 
     settle_heap()
     try:
@@ -180,7 +180,7 @@ def test_retrieval_health_stays_fast_while_huge_histories_are_refused():
 
 
 def test_ranking_health_stays_fast_while_huge_requests_are_refused(ranking_engine):  # noqa: F811
-    from grserve.server.ranking_app import create_ranking_app
+    from grserve.server.ranking.app import create_ranking_app
 
     client = TestClient(create_ranking_app(ranking_engine, RankingLimits(), edge=EdgeConfig()))
     hostile = [("/v1/rank", json.dumps({"user_tokens": _ints(1_000_000), "candidates": [0]}).encode()),
@@ -225,8 +225,8 @@ def test_prompts_are_tokenized_off_the_event_loop_and_never_past_the_character_b
 def test_max_chat_messages_is_a_flag_and_bounds_chats_below_the_window():
     import argparse
 
-    from grserve.server.llm_main import add_command, config_from_args
-    from grserve.server.openai_limits import PromptLimits
+    from grserve.server.llm.command import add_command, config_from_args
+    from grserve.inputs.limits import PromptLimits
 
     parser = argparse.ArgumentParser()
     add_command(parser.add_subparsers())
@@ -321,7 +321,7 @@ def test_admission_counts_requests_until_the_engine_queue_takes_them(llm):  # no
         adm.admit({})
         adm.admit(scope := {})
         assert adm.refusal() is not None and adm.refusal(holding=True) is None
-        from grserve.server.admission import hand_over
+        from grserve.server.http.admission import hand_over
 
         hand_over(scope)
         hand_over(scope)  # once only
@@ -407,7 +407,7 @@ def test_a_client_reusing_another_clients_request_id_cancels_only_its_own():
 def test_a_request_id_with_control_characters_is_a_400_naming_it(rid, ranking_engine):  # noqa: F811
     """CR/LF in a request id reached the logs: a forged log line. Control, format and line-separator characters
     are refused (400 naming request_id) on both routes that take one."""
-    from grserve.server.ranking_app import create_ranking_app
+    from grserve.server.ranking.app import create_ranking_app
 
     engine = GatedEngine().start()
     engine.gate.set()  # answers at once (before the fix: a 200 echoing the id)
@@ -423,7 +423,7 @@ def test_a_request_id_with_control_characters_is_a_400_naming_it(rid, ranking_en
 
 
 def test_ranking_keys_its_requests_itself_and_echoes_the_clients_id(ranking_engine):  # noqa: F811
-    from grserve.server.ranking_app import create_ranking_app
+    from grserve.server.ranking.app import create_ranking_app
 
     keys: list[str] = []
     real = ranking_engine.submit
@@ -561,9 +561,9 @@ def test_text_histories_are_tokenized_off_the_event_loop_and_never_past_the_char
 def test_the_text_routes_bound_brackets_by_what_a_valid_prompt_can_quote(preset_tok):
     """A tokenizer makes text prompts possible, and text may quote '[' and '{': the bracket bound grows to the
     characters a prompt can hold (at most the LLM's MAX_BRACKETS); without one it stays --max-prompt-tokens + 64."""
-    from grserve.server.bodies import MAX_BRACKETS
-    from grserve.server.openai_limits import PromptTokenLimits
-    from grserve.server.retrieval_app import max_brackets
+    from grserve.server.http.bodies import MAX_BRACKETS
+    from grserve.inputs.limits import PromptTokenLimits
+    from grserve.server.retrieval.app import max_brackets
 
     server = ServerConfig(max_prompt_tokens=64, max_history_entries=64)  # a truncated history holds up to 64 entries
     assert max_brackets(server, PromptTokenLimits(64, None, 3)) == 128

@@ -225,8 +225,8 @@ def test_hostile_inputs_on_every_retrieval_and_ranking_route_are_never_a_5xx(tin
     from grserve.catalog import CatalogStore, generate_catalog
     from grserve.config import RankingLimits, SchedulerConfig, SearchConfig, ServerConfig
     from grserve.engine.retrieval_engine import RetrievalEngine
-    from grserve.server.ranking_app import create_ranking_app
-    from grserve.server.retrieval_app import create_app
+    from grserve.server.ranking.app import create_ranking_app
+    from grserve.server.retrieval.app import create_app
 
     model = tiny_model(seed=0)
     eng = RetrievalEngine(model, CatalogStore(generate_catalog(300, 3, 8, 1), vocab_size=model.spec.vocab_size),

@@ -12,7 +12,7 @@ from grserve.catalog import CatalogStore, generate_catalog
 from grserve.catalog.history import items_in_tokens
 from grserve.config import SearchConfig, ServerConfig
 from grserve.engine.retrieval_engine import RetrievalEngine
-from grserve.server.retrieval_app import create_app
+from grserve.server.retrieval.app import create_app
 
 TOP = 64
 

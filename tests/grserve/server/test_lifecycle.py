@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from grserve.engine.protocol import EngineError
-from grserve.server.lifecycle import engine_failure
+from grserve.server.http.lifecycle import engine_failure
 
 
 class _Busy(EngineError):

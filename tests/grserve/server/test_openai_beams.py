@@ -24,7 +24,7 @@ from grserve.config import (  # noqa: E402
     ServerConfig,
 )
 from grserve.engine.retrieval_engine import RetrievalEngine  # noqa: E402
-from grserve.server.retrieval_app import create_app  # noqa: E402
+from grserve.server.retrieval.app import create_app  # noqa: E402
 
 
 # ---- the reference: HF transformers on the model directory, nothing of grserve -----------------------------------
@@ -494,7 +494,7 @@ def test_created_is_the_answers_time_not_the_servers_start(onerec, monkeypatch):
     import time
     from types import SimpleNamespace
 
-    from grserve.server import openai_beams
+    from grserve.server.retrieval import beams as openai_beams
 
     _, _, client, _ = onerec
     later = time.time() + 1000

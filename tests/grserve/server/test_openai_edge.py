@@ -20,7 +20,7 @@ from grserve.engine.llm import build_model_engine  # noqa: E402
 from grserve.engine.tokenizer import load_tokenizer  # noqa: E402
 from grserve.model import ModelSpec  # noqa: E402
 from grserve.scheduler.llm_factory import make_llm_scheduler  # noqa: E402
-from grserve.server.llm_app import create_llm_app  # noqa: E402
+from grserve.server.llm.app import create_llm_app  # noqa: E402
 
 SPEC = ModelSpec(family="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512)

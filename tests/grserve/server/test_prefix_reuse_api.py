@@ -22,8 +22,8 @@ from grserve.config import (  # noqa: E402
     ServerConfig,
 )
 from grserve.engine.retrieval_engine import RetrievalEngine  # noqa: E402
-from grserve.server.metrics import Metrics  # noqa: E402
-from grserve.server.retrieval_app import create_app  # noqa: E402
+from grserve.server.http.metrics import Metrics  # noqa: E402
+from grserve.server.retrieval.app import create_app  # noqa: E402
 
 TOL = 1e-4
 

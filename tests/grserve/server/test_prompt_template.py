@@ -15,8 +15,8 @@ from fastapi.testclient import TestClient  # noqa: E402
 from gr_fixtures import INSTRUCTION  # noqa: E402
 from grserve.config import BeamApiConfig, CatalogConfig, ModelConfig, SearchConfig, ServeConfig, ServerConfig  # noqa: E402
 from grserve.engine.retrieval_engine import RetrievalEngine  # noqa: E402
-from grserve.server.prompt_template import PromptTemplateError  # noqa: E402
-from grserve.server.retrieval_app import create_app  # noqa: E402
+from grserve.inputs.prompt_template import PromptTemplateError  # noqa: E402
+from grserve.server.retrieval.app import create_app  # noqa: E402
 
 HIST = [5, 77, 130, 12]
 
@@ -153,7 +153,7 @@ def test_a_templated_history_is_rendered_off_the_event_loop(mini, monkeypatch):
     one long history never stalls the other requests (a 16,000-item history took 0.05-0.5 s on the loop)."""
     import asyncio
 
-    from grserve.server.prompt_template import PromptTemplate
+    from grserve.inputs.prompt_template import PromptTemplate
 
     d, _, _, client, _ = mini
     on_loop: list[bool] = []

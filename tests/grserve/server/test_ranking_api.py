@@ -19,8 +19,8 @@ from grserve.engine.ranking_runner import RankingRunner
 from grserve.ranking.layouts import build_prompt
 from grserve.ranking.registry import synthetic_registry
 from grserve.ranking.scoring import score_candidates
-from grserve.server.ranking_app import create_ranking_app
-from grserve.server.ranking_main import config_from_args
+from grserve.server.ranking.app import create_ranking_app
+from grserve.server.ranking.command import config_from_args
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from grserve.engine.ranking_engine import RankingEngine
 from grserve.engine.ranking_runner import RankingRunner
 from grserve.ranking.layouts import build_prompt
 from grserve.ranking.registry import synthetic_registry
-from grserve.server.ranking_app import create_ranking_app
+from grserve.server.ranking.app import create_ranking_app
 
 DOC = Path(__file__).resolve().parents[3] / "docs" / "ranking.md"
 LIMITS = RankingLimits(max_candidates=20, max_profile_tokens=100, max_item_tokens=16)

@@ -15,7 +15,7 @@ from grserve.catalog import CatalogError, CatalogStore, generate_catalog
 from grserve.catalog.popularity import Popularity
 from grserve.config import SearchConfig, ServerConfig
 from grserve.engine.retrieval_engine import RetrievalEngine
-from grserve.server.retrieval_app import create_app
+from grserve.server.retrieval.app import create_app
 
 DEPTH, CODEBOOK, OFFSET = 3, 8, 16
 

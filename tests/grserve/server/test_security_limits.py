@@ -29,9 +29,9 @@ from grserve.config import (
 from grserve.engine.batching import BatchingCore
 from grserve.engine.protocol import EngineHealth, RequestHandle, RequestTimedOut
 from grserve.engine.types import RetrievalRequest, RetrievalResult
-from grserve.server.edge import EdgeMiddleware
-from grserve.server.errors import house_error
-from grserve.server.retrieval_app import create_app
+from grserve.server.http.edge import EdgeMiddleware
+from grserve.server.http.errors import house_error
+from grserve.server.retrieval.app import create_app
 
 KEY, ADMIN_KEY = "k-123", "adm-456"
 BEARER, ADMIN = {"Authorization": f"Bearer {KEY}"}, {"Authorization": f"Bearer {ADMIN_KEY}"}
@@ -118,7 +118,7 @@ def llm(tmp_path_factory):
     from grserve.model.decoder import Decoder
     from grserve.model.loader import _random_init
     from grserve.scheduler.fcfs import FCFSScheduler
-    from grserve.server.llm_app import create_llm_app
+    from grserve.server.llm.app import create_llm_app
 
     spec = ModelSpec(family="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=4, head_dim=16, max_position_embeddings=256)
@@ -170,7 +170,7 @@ def test_admin_routes_are_off_without_an_admin_key_and_need_it(tmp_path):
 
 
 def test_ranking_registration_needs_the_admin_key(ranking_engine):
-    from grserve.server.ranking_app import create_ranking_app
+    from grserve.server.ranking.app import create_ranking_app
 
     users = {"users": [{"user_id": 500, "tokens": [20, 21]}]}
     items = {"items": [{"item_id": 500, "tokens": [20, 21, 22]}]}
@@ -202,7 +202,7 @@ def test_keys_come_from_the_environment_and_are_checked():
     import argparse
 
     from grserve.flags import ConfigError
-    from grserve.server.startup import add_edge_flags, edge_from_args
+    from grserve.server.launch.startup import add_edge_flags, edge_from_args
 
     p = argparse.ArgumentParser()
     add_edge_flags(p, "POST /v1/catalog")
@@ -223,7 +223,7 @@ def test_keys_come_from_the_environment_and_are_checked():
 # finding 3 (+4's 20 MB body): the request-body limit, checked while the body streams in
 # ----------------------------------------------------------------------------------------------------------
 def test_a_20_mb_body_is_413_on_every_server(llm, ranking_engine):
-    from grserve.server.ranking_app import create_ranking_app
+    from grserve.server.ranking.app import create_ranking_app
 
     big = b'{"history_tokens": [' + b"1," * (10 << 20) + b"1]}"
     edge = EdgeConfig(max_body_bytes=1 << 20)
@@ -382,8 +382,8 @@ def test_shutdown_drains_then_answers_503_stopped(tmp_path, monkeypatch):
     import uvicorn
 
     from grserve.config import CatalogReloadConfig
-    from grserve.server import catalog_reload
-    from grserve.server import serving as core
+    from grserve.server.retrieval import catalog_reload
+    from grserve.server.launch import serving as core
 
     monkeypatch.setattr(core, "SHUTDOWN_GRACE_S", 0.5)
     stuck = threading.Event()
@@ -487,7 +487,7 @@ def test_a_client_that_leaves_while_queued_is_never_computed():
 # finding 7: ranking registration limits and identifier collisions
 # ----------------------------------------------------------------------------------------------------------
 def test_ranking_limits_and_identifier_collisions(ranking_engine):
-    from grserve.server.ranking_app import create_ranking_app
+    from grserve.server.ranking.app import create_ranking_app
 
     reg = ranking_engine.registry
     limits = RankingLimits(max_users=reg.num_users + 1, max_items=reg.num_items + 2)

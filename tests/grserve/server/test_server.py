@@ -19,9 +19,9 @@ from grserve.cli import main as cli_main
 from grserve.config import CatalogReloadConfig, EdgeConfig, SchedulerConfig, SearchConfig, ServerConfig
 from grserve.engine.protocol import EngineHealth, EngineOverloaded, EngineStopped, RequestHandle
 from grserve.engine.types import RetrievalRequest, RetrievalResult, RetrievedItem
-from grserve.server.errors import field_path
-from grserve.server.metrics import Metrics
-from grserve.server.retrieval_app import create_app
+from grserve.server.http.errors import field_path
+from grserve.server.http.metrics import Metrics
+from grserve.server.retrieval.app import create_app
 
 
 DEPTH, CODEBOOK, OFFSET, VOCAB = 3, 8, 16, 64  # SID tokens occupy [16, 40)
@@ -612,8 +612,8 @@ def test_cli_bench_builds_the_bench_config(monkeypatch):
 def test_serve_until_exit_stops_the_engine_and_passes_uvicorns_exit_code(monkeypatch):
     """The one run-and-stop used by `grserve serve`, `serve ranking` and `serve llm`: uvicorn exits 1 when it
     cannot bind; the engine is stopped either way."""
-    from grserve.server import serving as core
-    from grserve.server.serving import serve_until_exit
+    from grserve.server.launch import serving as core
+    from grserve.server.launch.serving import serve_until_exit
 
     stopped = []
 
@@ -630,7 +630,7 @@ def test_serve_until_exit_stops_the_engine_and_passes_uvicorns_exit_code(monkeyp
 def test_cli_serve_builds_and_runs(monkeypatch, capsys, tmp_path):
     """serve (the engine on a thread) wires config → engine.build(on_batch=metrics.on_batch) → create_app → uvicorn,
     then stops."""
-    from grserve.server import serving as core
+    from grserve.server.launch import serving as core
 
     built = {}
 

@@ -23,7 +23,7 @@ from grserve.engine.llm import build_model_engine  # noqa: E402
 from grserve.engine.tokenizer import load_tokenizer  # noqa: E402
 from grserve.model import ModelSpec, load_model  # noqa: E402
 from grserve.scheduler.llm_factory import make_llm_scheduler  # noqa: E402
-from grserve.server.llm_app import create_llm_app  # noqa: E402
+from grserve.server.llm.app import create_llm_app  # noqa: E402
 
 SPEC = ModelSpec(family="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=4, head_dim=16, max_position_embeddings=1024)
@@ -69,8 +69,8 @@ def server(request, tmp_path_factory):
 
 def _split_server(d):
     from grserve.config import LLMApiConfig, LLMConfig, LLMServeConfig, ModelConfig
-    from grserve.server.api_servers import start_core
-    from grserve.server.llm_main import llm_front_end
+    from grserve.server.launch.processes import start_core
+    from grserve.server.llm.command import llm_front_end
 
     cfg = LLMServeConfig(model=ModelConfig(source=str(d)),
                          llm=LLMConfig(scheduler="fcfs", num_blocks=512, block_size=8, threads=1,

@@ -19,7 +19,7 @@ from grserve.engine.llm import build_model_engine  # noqa: E402
 from grserve.engine.sampling import SamplingParams  # noqa: E402
 from grserve.engine.tokenizer import load_tokenizer  # noqa: E402
 from grserve.scheduler.llm_factory import make_llm_scheduler  # noqa: E402
-from grserve.server.openai_tools import parse_tool_calls, tool_plan, tool_spec  # noqa: E402
+from grserve.inputs.openai_tools import parse_tool_calls, tool_plan, tool_spec  # noqa: E402
 
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "days"],
            "properties": {"city": {"type": "string", "maxLength": 10}, "days": {"type": "integer", "minimum": 1,

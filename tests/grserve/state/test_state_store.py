@@ -166,7 +166,7 @@ def ranking(tiny_model, tmp_path):
     from grserve.engine.ranking_engine import RankingEngine
     from grserve.engine.ranking_runner import RankingRunner
     from grserve.ranking.registry import synthetic_registry
-    from grserve.server.ranking_app import create_ranking_app
+    from grserve.server.ranking.app import create_ranking_app
 
     model = tiny_model(seed=4)
     make = lambda: synthetic_registry(model.spec.vocab_size, 20, (3, 5), [10, 12], seed=1)  # noqa: E731
@@ -212,7 +212,7 @@ def test_a_write_the_store_cannot_take_is_refused_and_not_applied(ranking, tmp_p
     from test_catalog_reload import CatalogOnlyEngine
 
     from grserve.config import CatalogReloadConfig, ServerConfig
-    from grserve.server.retrieval_app import create_app
+    from grserve.server.retrieval.app import create_app
 
     eng, broken = CatalogOnlyEngine(), StateStore(str(tmp_path / "retrieval-state"), "retrieval")
     broken.close()
