@@ -2,7 +2,7 @@
 
 ::
 
-    grserve serve [retrieval] | ranking | llm        server/retrieval/command.py, ranking_main.py, llm_main.py
+    grserve serve [retrieval] | ranking | llm        server/{retrieval,ranking,llm}/command.py
     grserve bench retrieval | cache | ranking | serve | quality | cluster | pd | peers     the lab package, grserve_bench
     grserve catalog generate | validate | convert | build
     grserve recommend                                recommend_main.py (offline, JSONL in and out)

@@ -94,8 +94,7 @@ class LLM:
                              use_tqdm=use_tqdm)
 
     def _encode(self, prompt: Any, index: int) -> tuple[str | None, list[int]]:
-        from grserve.server.http.errors import ApiError
-        from grserve.inputs.refusal import token_ids
+        from grserve.inputs.refusal import ApiError, token_ids
 
         vocab = int(self.engine.model.spec.vocab_size)
         text = prompt.get("prompt") if isinstance(prompt, dict) else prompt if isinstance(prompt, str) else None

@@ -3,8 +3,8 @@
 It is the retrieval server without HTTP. ``Recommender`` builds the engine ``grserve serve`` builds, from the same
 ``ServeConfig`` (``Recommender.from_config``), or from keyword arguments named like the serve flags
 (``model``, ``catalog``, ``dtype``, ``device``, ``beam_width``, ``scoring``, ``token_capacity``, ...). Each input is
-turned into the engine's request by the function ``POST /v1/recommend`` uses (``retrieval_app.retrieval_request``:
-the same schema, the same checks, the same error messages), so an input the server takes, the API takes, and the
+turned into the engine's request by the function ``POST /v1/recommend`` uses (``inputs/retrieval.py``:
+``retrieval_request``; the same schema, the same checks, the same error messages), so an input the server takes, the API takes, and the
 results are the same (tested). An input is:
 
 - a ``/v1/recommend`` body as a dict: ``{"history_items": [...], "top_n": 20, "exclude_items": [...]}``,
@@ -123,7 +123,7 @@ class Recommender:
         from grserve.engine.retrieval_engine import RetrievalEngine
 
         from grserve.catalog.popularity import Popularity
-        from grserve.server.retrieval.beams import BeamContext
+        from grserve.inputs.sid_prompts import BeamContext
 
         self.config = config if config is not None else serve_config(**kwargs)
         self.engine = RetrievalEngine.build(self.config)
@@ -131,7 +131,7 @@ class Recommender:
         self.popularity = Popularity.load(pop) if pop else Popularity()  # the cold-start order, as the server's
         # what the server's conversion needs besides the engine (thinking's limit, the tokenizer); no HTTP metrics
         self._beams = BeamContext(self.engine, self.config.server, self.config.beams, "grserve", None)
-        from grserve.server.retrieval.app import recommend_precheck, text_limits
+        from grserve.inputs.retrieval import recommend_precheck, text_limits
 
         # the server's cheap checks of a raw body (history lengths: --max-history-entries, 413 with truncate none;
         # exclude_items / include_items counts; a text prompt's characters)
@@ -189,7 +189,7 @@ class Recommender:
                     continue
                 dropped_by[id(req)] = dropped, user
                 if _cold(req):  # a new user: the popularity order, as the server answers it
-                    from grserve.server.retrieval.app import cold_start
+                    from grserve.inputs.history import cold_start
 
                     done = batches.add_result(req, cold_start(req, self.catalog, self.popularity))
                 else:
@@ -216,7 +216,7 @@ class Recommender:
         """One input → the engine's request, through the server's own schema and conversion."""
         from pydantic import ValidationError
 
-        from grserve.server.http.errors import ApiError
+        from grserve.inputs.refusal import ApiError
         from grserve.inputs.prompt_template import PromptTemplateError
         from grserve.inputs.house_schemas import RecommendRequest
 
@@ -230,7 +230,7 @@ class Recommender:
                 user = raw.pop("user_id", None)
                 self._precheck(raw)
                 body = RecommendRequest.model_validate(raw)
-            from grserve.server.retrieval.app import retrieval_request
+            from grserve.inputs.retrieval import retrieval_request
 
             return (*retrieval_request(body, self.catalog, self.engine, self.config.server, self._beams), user)
         except ValidationError as exc:
@@ -276,11 +276,9 @@ def _json_container(text: str) -> bool:
 
 
 def _validation_error(exc):
-    from fastapi.exceptions import RequestValidationError
+    from grserve.inputs.refusal import house_validation_error
 
-    from grserve.server.http.errors import house_validation_error
-
-    return house_validation_error(RequestValidationError(exc.errors()), ("history",))
+    return house_validation_error(exc, ("history",))
 
 
 def _cold(req) -> bool:

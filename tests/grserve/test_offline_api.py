@@ -274,7 +274,7 @@ def test_llm_chat_equals_the_servers_chat_completions():
         assert len(one) == 1 and one[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
         from types import SimpleNamespace
 
-        from grserve.server.llm import routes as openai_routes
+        from grserve.server.llm import app as openai_routes
 
         later = openai_routes.time.time() + 1000  # created is the answer's time, not the server's start
         real, openai_routes.time = openai_routes.time, SimpleNamespace(time=lambda: later)

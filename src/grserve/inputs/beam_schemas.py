@@ -1,5 +1,5 @@
 """Wire types of the retrieval server's OpenAI routes: ``/v1/chat/completions`` and ``/v1/completions`` answered with
-SID beams, one catalog item per choice (``openai_beams.py``; docs/serving-gr-models.md lists every parameter).
+SID beams, one catalog item per choice (``server/retrieval/beams.py``; docs/serving-gr-models.md lists every parameter).
 
 Requests are strict and closed like the LLM server's (``openai_schemas.py``): strict types, UTF-8 strings, unknown
 fields a 400 naming them. The accepted parameters are what GR clients send:

@@ -10,7 +10,7 @@ import numpy as np
 
 from grserve.catalog.allowlist import Allow
 from grserve.config import ServerConfig
-from grserve.server.http.errors import ApiError
+from grserve.inputs.refusal import ApiError
 from grserve.inputs.house_schemas import RecommendRequest
 from grserve.inputs.refusal import INT64_MAX, INT64_MIN
 

@@ -1,5 +1,5 @@
 """The cheap length checks of the OpenAI routes: what a request can be refused by from its raw JSON, before it is
-validated, rendered by the chat template or tokenized (``bodies.py`` runs them first; docs/security.md).
+validated, rendered by the chat template or tokenized (``server/http/bodies.py`` runs them first; docs/security.md).
 
 A token of the served tokenizer covers at most ``max_token_chars`` characters of text (its longest vocabulary
 entry: bytes for a byte-level BPE, which are at least as many as the characters), so a prompt of more than
@@ -20,7 +20,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from grserve.server.http.errors import ApiError
+from grserve.inputs.refusal import ApiError
+
+Precheck = Callable[[Any], None]  # a route's cheap checks of its raw JSON body: raises the ApiError it earns
+MAX_BRACKETS = 1 << 17  # JSON arrays + objects of a body, ~1 MB of bracket-dense text: more than any context holds
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,26 @@ class PromptLimits:
                            "too_many_messages")
         self.check_text("messages", chars)
 
+    # the prechecks of the LLM server's routes (on the raw JSON body; ``server/llm/app.py``'s route table)
+    def completion_precheck(self, raw: Any) -> None:
+        self.check_prompt(_field(raw, "prompt"))
+
+    def chat_precheck(self, raw: Any) -> None:
+        self.check_messages(_field(raw, "messages"))
+
+    def tokenize_precheck(self, raw: Any) -> None:
+        self.completion_precheck(raw)
+        self.chat_precheck(raw)
+
+    def detokenize_precheck(self, raw: Any) -> None:
+        tokens = _field(raw, "tokens")
+        if isinstance(tokens, list):
+            self.check_ids("tokens", tokens)
+
+
+def _field(raw: Any, name: str) -> Any:
+    return raw.get(name) if isinstance(raw, dict) else None
+
 
 @dataclass(frozen=True)
 class PromptTokenLimits(PromptLimits):
@@ -93,29 +116,3 @@ class PromptTokenLimits(PromptLimits):
     def too_long(self, param: str, n: int, what: str) -> ApiError:
         return ApiError(413, f"{param}: the prompt has {n} {what}, more than the limit of {self.max_model_len} tokens "
                              f"(--max-prompt-tokens) can hold", param, "prompt_too_long")
-
-
-def _field(raw: Any, name: str) -> Any:
-    return raw.get(name) if isinstance(raw, dict) else None
-
-
-def prechecks(limits: PromptLimits) -> dict[str, Callable[[Any], None]]:
-    """The prechecks of the OpenAI routes, by path (``bodies.body_route``)."""
-
-    def completion(raw: Any) -> None:
-        limits.check_prompt(_field(raw, "prompt"))
-
-    def chat(raw: Any) -> None:
-        limits.check_messages(_field(raw, "messages"))
-
-    def tokenize(raw: Any) -> None:
-        completion(raw)
-        chat(raw)
-
-    def detokenize(raw: Any) -> None:
-        tokens = _field(raw, "tokens")
-        if isinstance(tokens, list):
-            limits.check_ids("tokens", tokens)
-
-    return {"/v1/completions": completion, "/v1/chat/completions": chat, "/tokenize": tokenize,
-            "/detokenize": detokenize}

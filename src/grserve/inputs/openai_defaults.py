@@ -10,7 +10,7 @@ default or as ``null``: ``"logprobs": false``, ``"stop": null``, ``"frequency_pe
   is a 400 naming it (``unsupported_parameter``), because the route cannot honour it.
 
 ``neutral_body(raw, fields)`` applies both to a raw request body; the request models call it before validating
-(``openai_schemas.SamplingRequest``, ``openai_beam_schemas.BeamRequest``).
+(``openai_schemas.SamplingRequest``, ``beam_schemas.BeamRequest``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
-from grserve.server.http.errors import ApiError
+from grserve.inputs.refusal import ApiError
 
 # OpenAI's (and vLLM's) parameters that ask for nothing at these values
 NEUTRAL: dict[str, tuple[Any, ...]] = {

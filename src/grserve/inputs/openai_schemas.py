@@ -28,7 +28,7 @@ from pydantic import AfterValidator, AllowInfNan, BaseModel, ConfigDict, Field, 
     field_validator, model_validator
 
 from grserve.engine.structured import GrammarError, StructuredSpec, check
-from grserve.server.http.errors import ApiError
+from grserve.inputs.refusal import ApiError
 from grserve.inputs.openai_tools import ToolPlan, tool_plan
 from grserve.inputs.openai_defaults import neutral_body
 
@@ -566,3 +566,9 @@ class DetokenizeResponse(BaseModel):
 
 class VersionResponse(BaseModel):
     version: str
+
+
+def usage(n_prompt: int, n_out: int, cached: int = 0) -> Usage:
+    """OpenAI usage; ``cached``: prompt tokens served from the prefix cache (``prompt_tokens_details``)."""
+    return Usage(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))

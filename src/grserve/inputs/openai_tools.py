@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from grserve.engine.structured import StructuredSpec, json_schema_ebnf
-from grserve.server.http.errors import ApiError
+from grserve.inputs.refusal import ApiError
 
 PARSERS = ("hermes", "llama3_json")
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)

@@ -161,7 +161,8 @@ def test_ranking_prefers_the_instance_with_the_users_kv(clusters, references):
 
 def test_http_apps_admin_changes_reach_every_instance(clusters, references, tmp_path):
     from grserve.server.ranking.app import create_ranking_app
-    from grserve.server.retrieval.command import cluster_app, create_app_for
+    from grserve.server.launch.modes import cluster_app
+    from grserve.server.retrieval.command import create_app_for
 
     ret, rank = clusters
     client = TestClient(cluster_app(rank, lambda m: create_ranking_app(rank, KCFG.limits, m, edge=KCFG.edge)),

@@ -167,7 +167,7 @@ def test_stop_strings_are_matched_on_new_text_across_tokens(random_decoder):
 
 
 def test_generation_config_eos_ids_stop_like_eos(tmp_path):
-    from grserve.server.llm.routes import sampling_params
+    from grserve.inputs.generation import sampling_params
     from grserve.inputs.openai_schemas import CompletionRequest
 
     d = _hf_dir(tmp_path)

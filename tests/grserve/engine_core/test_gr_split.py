@@ -193,7 +193,7 @@ def test_an_answer_from_an_older_catalog_is_a_503_never_a_normal_answer():
     newer catalog (a reload that landed meanwhile) and an unreported version (0: a stand-in engine) pass."""
     from types import SimpleNamespace
 
-    from grserve.server.http.errors import ApiError
+    from grserve.inputs.refusal import ApiError
     from grserve.server.http.lifecycle import check_catalog_version
 
     front = SimpleNamespace(version=3)

@@ -321,7 +321,7 @@ def test_admission_counts_requests_until_the_engine_queue_takes_them(llm):  # no
         adm.admit({})
         adm.admit(scope := {})
         assert adm.refusal() is not None and adm.refusal(holding=True) is None
-        from grserve.server.http.admission import hand_over
+        from grserve.server.http.edge import hand_over
 
         hand_over(scope)
         hand_over(scope)  # once only

@@ -19,7 +19,7 @@ from grserve.cli import main as cli_main
 from grserve.config import CatalogReloadConfig, EdgeConfig, SchedulerConfig, SearchConfig, ServerConfig
 from grserve.engine.protocol import EngineHealth, EngineOverloaded, EngineStopped, RequestHandle
 from grserve.engine.types import RetrievalRequest, RetrievalResult, RetrievedItem
-from grserve.server.http.errors import field_path
+from grserve.inputs.refusal import field_path
 from grserve.server.http.metrics import Metrics
 from grserve.server.retrieval.app import create_app
 

@@ -3,7 +3,8 @@
 FastAPI parses and validates a body on the event loop, before the route runs: a 7 MB list of ints costs ~0.25 s
 there, a chat of 100k messages ~2 s (pydantic runs each message's validators), and every other client — ``/health``
 included — waits. ``body_route(prechecks)`` is the route class of an app's routes that does that work on a
-heavy-work thread (``offload.py``) instead, for bodies over ``INLINE_BYTES`` (smaller ones inline), in this order:
+heavy-work thread (``off_loop``, below) instead, for bodies over ``INLINE_BYTES`` (smaller ones inline), in this
+order:
 
 1. ``max_brackets``: a body with more ``[`` and ``{`` bytes than that (an upper bound on its JSON arrays and
    objects) is refused unparsed (413 ``body_too_complex``) — building many containers is what makes the garbage
@@ -12,35 +13,62 @@ heavy-work thread (``offload.py``) instead, for bodies over ``INLINE_BYTES`` (sm
    ``MAX_BRACKETS``, as prompts may quote code;
 2. the JSON is parsed with hooks on every object and number, so the C scanner re-enters the interpreter, which can
    switch to the event loop between two values;
-3. the route's precheck (``prechecks[path]``, on the raw JSON: list lengths, characters, message counts — the
-   limits a request can be refused by without validating or tokenizing it) raises its 4xx;
+3. the route's precheck (its row of the app's route table, ``routes.py``; on the raw JSON: list lengths,
+   characters, message counts — the limits a request can be refused by without validating or tokenizing it) raises its 4xx;
 4. the route's body model validates it.
 
 The validated body is handed to FastAPI as the request's JSON (``_Prepared``); FastAPI's own validation passes a
 model instance through unchanged, so a body is parsed and validated once. Errors are FastAPI's, unchanged: a JSON
 syntax error is its ``json_invalid`` validation error, another parse failure its 400, a schema violation its
 ``RequestValidationError`` — each answered in the app's error shape (``errors.py``).
+
+Heavy request work off the event loop (``off_loop``): JSON parsing and validation of large bodies, tokenization,
+chat-template rendering. It runs in one small pool of ``HEAVY_WORKERS`` threads shared by every app of the process,
+so a huge request costs a worker, never the event loop that answers ``/health`` and every other client; how many
+requests can wait for a worker is bounded by admission (``--max-waiting``, ``edge.py``) on the routes that queue
+work. The tokenizers' Rust code releases the GIL while it encodes; pure-Python work (templates, validators) lets the
+interpreter switch threads every few milliseconds; C work that holds the GIL (the JSON scanner) is bounded by the
+body limit and made interruptible by the hooks of ``parse``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import email.message
 import json
-from collections.abc import Callable, Coroutine, Mapping
-from typing import Any
+import threading
+from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from fastapi import HTTPException, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 
-from grserve.server.http.errors import ApiError
-from grserve.server.http.offload import off_loop
+from grserve.inputs.limits import MAX_BRACKETS, Precheck
+from grserve.inputs.refusal import ApiError
+from grserve.server.http.routes import RouteTable
+
+T = TypeVar("T")
 
 INLINE_BYTES = 64 << 10
-MAX_BRACKETS = 1 << 17  # ~1 MB of bracket-dense text: more than any context window holds
-
-Precheck = Callable[[Any], None]
+HEAVY_WORKERS = 2
 _NOT_PREPARED = object()
+_pool: ThreadPoolExecutor | None = None
+_lock = threading.Lock()
+
+
+def _executor() -> ThreadPoolExecutor:
+    global _pool
+    with _lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(HEAVY_WORKERS, thread_name_prefix="grserve-heavy")
+        return _pool
+
+
+async def off_loop(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` on a heavy-work thread; its exception is raised here."""
+    return await asyncio.get_running_loop().run_in_executor(_executor(), fn, *args)
 
 
 class _Prepared(Request):
@@ -105,10 +133,10 @@ def prepare(raw: bytes, precheck: Precheck | None, field: Any, max_brackets: int
     return value
 
 
-def body_route(prechecks: Mapping[str, Precheck] | None = None, max_brackets: int = MAX_BRACKETS) -> type[APIRoute]:
-    """The route class of an app's (or router's) routes: a route with one JSON body model has it parsed, prechecked
-    (``prechecks[path]``) and validated as the module docstring says."""
-    checks = dict(prechecks or {})
+def body_route(table: RouteTable) -> type[APIRoute]:
+    """The route class of an app's routes: a route with one JSON body model has it parsed, prechecked (its row of
+    ``table``) and validated as the module docstring says, at most ``table.max_brackets`` containers."""
+    max_brackets = table.max_brackets
 
     class BodyRoute(APIRoute):
         def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
@@ -116,7 +144,7 @@ def body_route(prechecks: Mapping[str, Precheck] | None = None, max_brackets: in
             params = self.dependant.body_params
             if len(params) != 1 or self.body_field is None:
                 return inner
-            field, check = params[0], checks.get(self.path)
+            field, check = params[0], table.precheck(self.path)
 
             async def handler(request: Request) -> Response:
                 prepared = _Prepared(request.scope, request.receive)

@@ -1,8 +1,19 @@
 """The edge: a pure-ASGI gate in front of every route of the three apps, before routing and before the body is
 read or parsed (``EdgeConfig``, docs/security.md): the API key (every path but ``OPEN_PATHS``), the admin routes
 (the admin key; off while it is unset), the request-body size limit, and admission on the routes that queue work
-(``admission.py``). A refusal costs no parsing; it is answered in the app's error shape and labelled in the metrics
-by the route it targeted."""
+(``Admission``, below). Which routes want the admin key and which queue is the app's route table (``routes.py``). A
+refusal costs no parsing; it is answered in the route's error shape and labelled in the metrics by the route it
+targeted.
+
+Admission on the routes that queue work: a request accepted at the edge counts against ``--max-waiting`` from
+that moment — while its body arrives, is parsed, validated, tokenized — until the engine's queue takes it
+(``hand_over``, which ``lifecycle.finish`` calls) or its answer ends. So a burst past capacity is refused at the
+edge, before its bodies are read (429 ``overloaded`` with ``Retry-After``), instead of piling up in front of an
+engine queue that looks short (the issue: 500 concurrent LLM requests, ``--max-waiting 64``, never a 429, 40 s at the
+median). The engine's own check at submit stays the authority for its queue.
+
+Only the event loop touches the count (the edge and the routes run there): no lock.
+"""
 
 from __future__ import annotations
 
@@ -13,11 +24,46 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from grserve.config import EdgeConfig
-from grserve.server.http.admission import Admission, hand_over
-from grserve.server.http.errors import ApiError, body_too_large, openai_error, unauthorized
+from grserve.engine.protocol import Engine
+from grserve.inputs.refusal import ApiError, body_too_large, overloaded, unauthorized
+from grserve.server.http.errors import house_error, openai_error
+from grserve.server.http.routes import RouteTable
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # answered without the API key (load balancers, Prometheus)
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+TICKET = "grserve.admission"  # the scope key of an admitted request's place
+
+
+class Admission:
+    """Requests admitted at the edge and not yet in the engine's queue (``pending``), bounded together with the
+    engine's queue by its ``max_waiting``."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.pending = 0
+
+    def refusal(self, holding: bool = False) -> ApiError | None:
+        """429 when the engine's queue and the pending requests fill ``max_waiting`` (``holding``: the asking
+        request is admitted already and does not count against itself), else None."""
+        bound = getattr(self.engine, "max_waiting", None)  # the engine's queue bound (absent or None: none)
+        if bound is None:
+            return None
+        depth, pending = int(self.engine.queue_depth), self.pending - int(holding)
+        if depth + pending < bound:
+            return None
+        return overloaded(f"{depth} requests waiting and {pending} being read or tokenized (max_waiting={bound})")
+
+    def admit(self, scope: dict) -> None:
+        self.pending += 1
+        scope[TICKET] = self
+
+
+def hand_over(scope: dict) -> None:
+    """The request is in the engine's queue now, or its answer has ended: it no longer counts as pending (a second
+    call does nothing)."""
+    admission = scope.pop(TICKET, None)
+    if admission is not None:
+        admission.pending -= 1
 
 
 def same_key(given: str, key: str) -> bool:
@@ -48,26 +94,27 @@ class EdgeMiddleware:
     """Pure-ASGI gate in front of the routes: the API key (every path but ``OPEN_PATHS``), the admin routes (the
     admin key, off while it is unset), the request-body size limit, checked on the declared ``Content-Length``
     and again while the body streams in (never more than the limit is buffered), and — on the routes that queue
-    work (``queued_routes``: in the engine, or in the heavy-work pool) — admission (``admission.py``): the engine's
+    work (``queued`` in the route table: in the engine, or in the heavy-work pool) — admission: the engine's
     queue and the requests admitted before it, checked before the body is read, parsed or tokenized, so that a
     refusal under a burst costs almost nothing. A refusal is answered here, in the app's error shape, labelled in the
     metrics by the route it targeted (``router``); an accepted body is replayed to the app, then ``receive`` passes
     through (so the app still sees a client disconnect)."""
 
-    def __init__(self, app: Any, edge: EdgeConfig, render: Callable[[ApiError], JSONResponse],
-                 admin_routes: frozenset[tuple[str, str]] = frozenset(), admission: Admission | None = None,
-                 queued_routes: frozenset[tuple[str, str]] = frozenset(), router: Any = None,
-                 openai_paths: frozenset[str] = frozenset()) -> None:
-        self.app, self.edge, self._render, self.admin_routes = app, edge, render, admin_routes
-        self.admission, self.queued_routes, self.router = admission, queued_routes, router
-        self.openai_paths = openai_paths  # answered in OpenAI's shape (errors.py)
+    def __init__(self, app: Any, edge: EdgeConfig, render: Callable[[ApiError], JSONResponse] | None = None,
+                 table: RouteTable | None = None, admission: Admission | None = None, router: Any = None) -> None:
+        """``table``: the app's route table (admin and queued routes, each route's error shape); ``render``: one
+        error shape for every path instead (a middleware in front of an app without a table)."""
+        self.app, self.edge, self._render, self.admission, self.router = app, edge, render, admission, router
+        self.table = table if table is not None else RouteTable(())
         self._routes: list[Any] | None = None
 
     def render(self, exc: ApiError, scope: dict) -> JSONResponse:
-        return (openai_error if scope["path"] in self.openai_paths else self._render)(exc)
+        if self._render is not None:
+            return self._render(exc)
+        return (openai_error if self.table.openai_shape(scope["path"]) else house_error)(exc)
 
     def queued(self, scope: dict) -> bool:
-        return self.admission is not None and (scope["method"], scope["path"]) in self.queued_routes
+        return self.admission is not None and self.table.queued(scope["method"], scope["path"])
 
     def label(self, scope: dict) -> None:
         """Put the route whose path template ``scope``'s path matches into it (as routing would), for the metrics
@@ -83,7 +130,7 @@ class EdgeMiddleware:
         """Why the request may not proceed (401/403), or None."""
         key, admin_key = self.edge.api_key, self.edge.admin_api_key
         given = bearer_token(scope)
-        if (scope["method"], scope["path"]) in self.admin_routes:
+        if self.table.admin(scope["method"], scope["path"]):
             if admin_key is None:
                 return ApiError(403, "this route changes server state and is off: start the server with "
                                      "--admin-api-key to enable it", None, "admin_disabled")

@@ -1,6 +1,6 @@
-"""The errors of the three HTTP apps: ``ApiError`` (status, message, field, type), its two JSON shapes (one per
-API family), the translation of FastAPI/pydantic validation errors into it, the handlers that answer every error
-of an app in its family's shape, and the refusals the edge and the request lifecycle share (401, 413, 429, 503).
+"""The errors of the three HTTP apps: the two JSON shapes of an ``ApiError`` (one per API family; the error itself,
+the refusals and the wording of validation errors are transport-free: ``inputs/refusal.py``) and the handlers that
+answer every error of an app in the shape its route table gives (``routes.py``).
 
 Error conventions — one per API family, each applied to every route of that family
 =====================================================================================
@@ -64,37 +64,19 @@ resources freed) and is logged with status 499 in the metrics (nobody is left to
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from grserve.inputs.refusal import ApiError, house_validation_error, openai_validation_error
+from grserve.server.http.routes import RouteTable
+
 log = logging.getLogger("grserve.server")
 
 CLIENT_CLOSED = 499  # nginx's "client closed request": the status the metrics record for a cancelled request
-
-# pydantic error types that mean "a value of the right type, out of its allowed range": 400, not 422
-VALUE_ERRORS = frozenset({
-    "greater_than", "greater_than_equal", "less_than", "less_than_equal", "multiple_of", "finite_number",
-    "too_short", "too_long", "string_too_short", "string_too_long", "literal_error", "enum", "value_error",
-})
-_UNION_TAGS = frozenset({"str", "int", "float", "bool", "none", "list", "dict"})
-
-
-class ApiError(Exception):
-    """A request error: HTTP status, message, the offending field path, and a machine-readable type."""
-
-    def __init__(self, status: int, message: str, field: str | None = None, type: str = "invalid_value",
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.field = field
-        self.type = type
-        self.headers = headers
 
 
 class ClientDisconnected(Exception):
@@ -116,96 +98,16 @@ def openai_error(exc: ApiError) -> JSONResponse:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# validation-error translation
-# ----------------------------------------------------------------------------------------------------------
-def field_path(loc: Sequence[Any]) -> str | None:
-    """("body", "history_sids", 3, 1) -> "history_sids[3][1]"; None for the body itself. Union-member tags
-    that pydantic puts in a location ("list[int]", "str", "function-after[...]") are left out."""
-    parts = list(loc)
-    if parts and parts[0] == "body":
-        parts = parts[1:]
-    out = ""
-    for p in parts:
-        if isinstance(p, int):
-            out += f"[{p}]"
-        elif str(p).isidentifier() and str(p) not in _UNION_TAGS:
-            out += ("." if out else "") + str(p)
-    return out or None
-
-
-def _body_error(exc: RequestValidationError, err: dict) -> ApiError | None:
-    """The errors about the body as a whole: not JSON, not JSON-typed, absent, not an object."""
-    etype, loc = str(err.get("type")), tuple(err.get("loc", ()))
-    if etype == "json_invalid":
-        ctx = err.get("ctx") or {}
-        pos = loc[1] if len(loc) > 1 else "?"
-        return ApiError(400, f"request body is not valid JSON: {ctx.get('error', 'decode error')} at position "
-                             f"{pos}", None, "invalid_json")
-    if loc == ("body",) and isinstance(getattr(exc, "body", None), (bytes, bytearray)):
-        return ApiError(415, "request body must be JSON (Content-Type: application/json)", None,
-                        "unsupported_media_type")
-    if loc == ("body",) and etype == "missing":
-        return ApiError(422, "request body is required", None, etype)
-    if loc == ("body",) and etype == "model_attributes_type":
-        return ApiError(422, "request body must be a JSON object", None, etype)
-    return None
-
-
-def house_validation_error(exc: RequestValidationError, groups: Sequence[str] = ()) -> ApiError:
-    """FastAPI/pydantic validation error → the house ApiError (400 a bad value, 415, 422 a schema violation).
-    ``groups`` name the request's one-of field groups: ``<group>_missing`` / ``_ambiguous`` names the group."""
-    errors = exc.errors()
-    if not errors:
-        return ApiError(422, "invalid request", None, "validation_error")
-    err = errors[0]
-    body = _body_error(exc, err)
-    if body is not None:
-        return body
-    etype = str(err.get("type", "validation_error"))
-    group, _, kind = etype.rpartition("_")
-    if group in groups and kind in ("missing", "ambiguous"):
-        return ApiError(422, str(err.get("msg")), group, etype)
-    field = field_path(err.get("loc", ()))
-    msg = str(err.get("msg", "invalid value"))
-    if etype == "extra_forbidden":
-        msg = f"unknown field {field!r}"
-    elif field is not None:
-        msg = f"{field}: {msg}"
-    if len(errors) > 1:
-        msg += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
-    return ApiError(400 if etype in VALUE_ERRORS else 422, msg, field, etype)
-
-
-def openai_validation_error(exc: RequestValidationError) -> ApiError:
-    """FastAPI/pydantic validation error → a 400 ApiError worded as OpenAI words it, ``param`` the field."""
-    errors = exc.errors()
-    err = errors[0] if errors else {"type": "validation_error", "loc": ()}
-    body = _body_error(exc, err)
-    if body is not None:
-        return ApiError(400, body.message, None, body.type)
-    param = field_path(err.get("loc", ()))
-    if err.get("type") == "missing":
-        msg = f"'{param}' is a required property"
-    elif param is None:  # a check of the whole request: its message alone, never "invalid 'None'"
-        msg = str(err.get("msg", "invalid value"))
-    else:
-        msg = f"invalid '{param}': {err.get('msg', 'invalid value')}"
-    return ApiError(400, msg, param, str(err.get("type", "invalid_value")))
-
-
-# ----------------------------------------------------------------------------------------------------------
 # the handlers
 # ----------------------------------------------------------------------------------------------------------
-def install_error_handlers(app: FastAPI, render: Callable[[ApiError], JSONResponse],
-                           translate: Callable[[RequestValidationError], ApiError],
-                           openai_paths: frozenset[str] = frozenset()) -> None:
-    """Answer every error of ``app`` through ``render`` (one API family's shape); on ``openai_paths`` (the
-    retrieval server's OpenAI beam routes) in OpenAI's shape."""
+def install_error_handlers(app: FastAPI, table: RouteTable) -> None:
+    """Answer every error of ``app`` in the shape its route table gives the path (``routes.py``: OpenAI's, or the
+    house shape with the table's one-of field groups)."""
 
     def shape(request: Request) -> tuple[Callable[[ApiError], JSONResponse], Callable]:
-        if request.url.path in openai_paths:
+        if table.openai_shape(request.url.path):
             return openai_error, openai_validation_error
-        return render, translate
+        return house_error, lambda exc: house_validation_error(exc, table.groups)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -235,34 +137,3 @@ def install_error_handlers(app: FastAPI, render: Callable[[ApiError], JSONRespon
         # repr: a percent-decoded path may hold control characters (ESC: terminal escapes in a log viewer)
         log.exception("unhandled error on %s %r", request.method, request.url.path)
         return shape(request)[0](ApiError(500, f"internal error: {type(exc).__name__}", None, "internal"))
-
-
-
-# ----------------------------------------------------------------------------------------------------------
-# the refusals shared by the edge and the request lifecycle
-# ----------------------------------------------------------------------------------------------------------
-def unauthorized() -> ApiError:
-    return ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'", None, "invalid_api_key",
-                    {"WWW-Authenticate": "Bearer"})
-
-
-def body_too_large(limit: int) -> ApiError:
-    return ApiError(413, f"request body is larger than the limit of {limit} bytes", None, "body_too_large")
-
-
-def overloaded(detail: str = "") -> ApiError:
-    """429 ``overloaded`` with ``Retry-After``: the queue is full."""
-    return ApiError(429, f"server overloaded: {detail}" if detail else "server overloaded, retry later", None,
-                    "overloaded", {"Retry-After": "1"})
-
-
-def stopped(exc: BaseException) -> ApiError:
-    """503 ``stopped`` with ``Retry-After``: the server is draining or stopped."""
-    return ApiError(503, f"server is not taking requests: {exc}" if str(exc) else "server is stopping", None,
-                    "stopped", {"Retry-After": "1"})
-
-
-def queue_timeout(exc: BaseException) -> ApiError:
-    """503 ``queue_timeout`` with ``Retry-After``: the request waited past its deadline, dropped uncomputed."""
-    return ApiError(503, f"{exc}; it was dropped without being computed (server busy, retry later)", None,
-                    "queue_timeout", {"Retry-After": "1"})

@@ -19,8 +19,9 @@ from grserve.engine.protocol import (
     RequestHandle,
     RequestTimedOut,
 )
-from grserve.server.http.admission import hand_over
-from grserve.server.http.errors import ApiError, ClientDisconnected, overloaded, queue_timeout, stopped
+from grserve.server.http.edge import hand_over
+from grserve.inputs.refusal import ApiError, overloaded, queue_timeout, stopped
+from grserve.server.http.errors import ClientDisconnected
 
 log = logging.getLogger("grserve.server")
 

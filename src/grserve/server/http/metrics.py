@@ -3,7 +3,7 @@ one process (tests).
 
 All modes: ``grserve_requests_total{route,status}`` and ``grserve_request_latency_seconds{route}`` (route
 templates only; "unmatched" for unknown paths; buckets up to 120 s, past the default queue deadline),
-``grserve_queue_depth``, ``grserve_requests_pending`` (admitted, not yet queued: ``admission.py``).
+``grserve_queue_depth``, ``grserve_requests_pending`` (admitted, not yet queued: ``edge.py``).
 Retrieval/ranking: the batch histograms (``on_batch``), ``grserve_items_returned``, and the engine's totals
 (``bind_gr_stats``). LLM: the engine's gauges and counters (``bind_llm_stats``). Both read ``stats()`` at scrape
 time (``engine_metrics.py``).
@@ -69,7 +69,7 @@ class Metrics:
         self._queue_depth_fn = fn
 
     def bind_pending(self, fn: Callable[[], int]) -> None:
-        """Read the admitted-but-not-queued count (``admission.py``) from ``fn`` at every scrape."""
+        """Read the admitted-but-not-queued count (``edge.Admission``) from ``fn`` at every scrape."""
         self._pending_fn = fn
 
     def bind_llm_stats(self, stats: Callable[[], dict], model_name: str | None = None) -> None:

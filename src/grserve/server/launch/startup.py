@@ -23,6 +23,10 @@ from grserve.flags import ConfigError, UsageError, add_flags, from_args
 RECOMMEND_ONLY = ("max_prompt_tokens", "max_top_n", "max_exclude_items", "max_include_items", "max_history_entries",
                   "truncate")
 
+# ClusterConfig flags of the LLM cluster that retrieval/ranking instances have no use for (no prefix blocks, no
+# decode phase, no KV snapshots: a request is recomputed when its instance dies)
+GR_CLUSTER_SKIP = ("kv_block_size", "decode_weight", "kv_snapshot")
+
 
 def add_edge_flags(parser: argparse.ArgumentParser, admin_routes: str | None, reload: bool = False) -> None:
     """The API-edge flags every server shares (``EdgeConfig``), plus catalog reload (retrieval). ``admin_routes``:

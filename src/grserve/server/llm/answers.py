@@ -3,7 +3,6 @@ usage, logprobs in each API's shape, the streamed error event)."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from pydantic import BaseModel
@@ -21,7 +20,6 @@ from grserve.inputs.openai_schemas import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
-    PromptTokensDetails,
     ToolCall,
     ToolCallDelta,
     TopLogprob,
@@ -52,25 +50,6 @@ class Choice:
     @property
     def text(self) -> str:
         return "".join(self.parts)
-
-
-def sse(chunk: BaseModel) -> str:
-    return f"data: {chunk.model_dump_json()}\n\n"
-
-
-def sse_error(message: str, status: int, code: str | None = None) -> str:
-    """The streamed error event (OpenAI's error shape under ``error``; the ``openai`` client raises on it);
-    ``code`` the house type (default ``internal`` for a 5xx, ``invalid_value`` for a 4xx)."""
-    code = code or ("internal" if status >= 500 else "invalid_value")
-    err = {"message": message, "type": "server_error" if status >= 500 else "invalid_request_error",
-           "param": None, "code": code}
-    return f"data: {json.dumps({'error': err})}\n\n"
-
-
-def usage(n_prompt: int, n_out: int, cached: int = 0) -> Usage:
-    """OpenAI usage; ``cached``: prompt tokens served from the prefix cache (``prompt_tokens_details``)."""
-    return Usage(prompt_tokens=n_prompt, completion_tokens=n_out, total_tokens=n_prompt + n_out,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
 def _text(tokenizer: Any, token_id: int) -> tuple[str, bytes]:
@@ -142,7 +121,7 @@ class CompletionShape(Shape):
 
 class ChatShape(Shape):
     """With tools the model may call (``tool_choice`` not ``none``), the answer is parsed into ``tool_calls`` by the
-    server's parser (``openai_tools.py``); streamed, the text is held until the choice ends, then sent as one
+    server's parser (``inputs/openai_tools.py``); streamed, the text is held until the choice ends, then sent as one
     delta of its content (if any) and its calls (OpenAI's ``tool_calls`` deltas: index, id, name, arguments)."""
 
     def __init__(self, rid: str, created: int, model: str, tokenizer: Any, tools: ToolPlan | None = None,

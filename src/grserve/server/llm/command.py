@@ -20,6 +20,7 @@ from grserve.config import (
     SLOConfig,
 )
 from grserve.flags import UsageError, add_flags, command_parser, from_args
+from grserve.server.launch.modes import Deployments, deploy
 from grserve.server.launch.startup import RECOMMEND_ONLY, add_edge_flags, check_model, edge_from_args
 
 
@@ -57,13 +58,11 @@ def run(cfg: LLMServeConfig) -> int:
     check_model(cfg.model)
     if cfg.pd.pd and cfg.cluster.instances < 2:
         raise UsageError("--pd needs --instances >= 2 (docs/cluster.md)")
-    if cfg.cluster.instances > 1 or cfg.cluster.ray_address:
-        return run_cluster(cfg, cfg.cluster)
-    if cfg.process.api_servers > 1 and not cfg.process.engine_process:
-        raise UsageError("--api-servers > 1 needs --engine-process (the front ends share one engine process)")
-    if cfg.process.engine_process:
-        return run_engine_process(cfg)
+    return deploy(cfg, Deployments(run_in_thread, run_engine_process, run_cluster))
 
+
+def run_in_thread(cfg: LLMServeConfig) -> int:
+    """The LLM engine on a thread of this process (``--no-engine-process``)."""
     from grserve.engine.async_llm import AsyncLLMEngine
     from grserve.engine_core.builders import llm_lines
     from grserve.memory import settle_allocator
@@ -84,7 +83,7 @@ def run(cfg: LLMServeConfig) -> int:
     return serve_until_exit(app, s.host, s.port, s.log_level, engine.stop)
 
 
-def run_cluster(cfg: LLMServeConfig, cluster: ClusterConfig) -> int:
+def run_cluster(cfg: LLMServeConfig) -> int:
     """``--instances N`` (or ``--ray-address``): N engine instance actors on Ray behind this front end."""
     from grserve.cluster.core.metrics import ClusterCollector
     from grserve.cluster.llm.front_end import ClusterLLMEngine
@@ -94,10 +93,10 @@ def run_cluster(cfg: LLMServeConfig, cluster: ClusterConfig) -> int:
         print("grserve: note: --prefix-cache-tokens is 0: KV-aware routing sees no cached prefix and requests "
               "of a dead instance are recomputed (no KV snapshots)", flush=True)
     try:
-        engine = ClusterLLMEngine.launch(cfg, cluster)
+        engine = ClusterLLMEngine.launch(cfg, cfg.cluster)
     except (ValueError, OSError) as exc:
         raise UsageError(str(exc)) from None
-    c, s = cfg.llm, cfg.server
+    c, s, cluster = cfg.llm, cfg.server, cfg.cluster
     name = c.served_model_name or cfg.model.source
     engine.start()
     info = engine.instances[0].info

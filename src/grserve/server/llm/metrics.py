@@ -19,7 +19,7 @@ last token).
 with the same ``model_name`` label, so a vLLM dashboard or alert reads grserve unchanged; both families also have
 vLLM's per-request histograms ``request_prompt_tokens``, ``request_generation_tokens`` (per generated sequence),
 ``request_params_n`` and ``request_params_max_tokens``. The engine's gauges and counters under vLLM's names
-(``vllm:num_requests_running`` …) are ``engine_metrics.py``'s.
+(``vllm:num_requests_running`` …) are ``server/http/engine_metrics.py``'s.
 """
 
 from __future__ import annotations

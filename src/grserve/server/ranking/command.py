@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from grserve.config import (
     ClusterConfig,
@@ -25,17 +24,15 @@ from grserve.config import (
     StateConfig,
 )
 from grserve.flags import Checked, UsageError, add_flags, command_parser, flag, from_args, non_negative
-from grserve.server.retrieval.command import GR_CLUSTER_SKIP, restore_started
+from grserve.server.launch.modes import Deployments, cluster_app, deploy, restore_started
 from grserve.server.launch.startup import (
+    GR_CLUSTER_SKIP,
     RECOMMEND_ONLY,
     add_edge_flags,
     add_state_flags,
     check_model,
     edge_from_args,
 )
-
-if TYPE_CHECKING:
-    from grserve.state.store import StateStore, StoredState
 
 MiB = 1 << 20
 
@@ -79,16 +76,12 @@ def config_from_args(ns: argparse.Namespace) -> RankingServeConfig:
 
 
 def run(cfg: RankingServeConfig) -> int:
-    from grserve.state.store import open_state, restore_registry, state_line
-
     check_model(cfg.model)
-    cluster = cfg.cluster.instances > 1 or cfg.cluster.ray_address
-    if cfg.process.engine_process and not cluster:
-        return run_engine_process(cfg)
-    store, stored = open_state(cfg.state.state_dir, "ranking")  # before anything heavy: a locked dir fails fast
-    if cfg.cluster.instances > 1 or cfg.cluster.ray_address:
-        return run_cluster(cfg, store, stored)
+    return deploy(cfg, Deployments(run_in_thread, run_engine_process, run_cluster))
 
+
+def run_in_thread(cfg: RankingServeConfig) -> int:
+    """The ranking engine on a thread of this process (``--no-engine-process``)."""
     from grserve.engine.ranking_engine import RankingEngine
     from grserve.engine.ranking_runner import RankingRunner
     from grserve.engine.thread_choice import serving_threads
@@ -97,7 +90,9 @@ def run(cfg: RankingServeConfig) -> int:
     from grserve.ranking.registry import RegistryError
     from grserve.server.launch.serving import serve_until_exit
     from grserve.server.ranking.app import create_ranking_app
+    from grserve.state.store import open_state, restore_registry, state_line
 
+    store, stored = open_state(cfg.state.state_dir, "ranking")  # before anything heavy: a locked dir fails fast
     settle_allocator(cfg.process)  # the engine on a thread of this process: its allocator settings here
     m = cfg.model
     model = load_model(m.source, dtype=m.dtype, device=m.device, seed=m.seed)
@@ -121,7 +116,7 @@ def run(cfg: RankingServeConfig) -> int:
     return serve_until_exit(app, s.host, s.port, s.log_level, engine.stop)
 
 
-def run_cluster(cfg: RankingServeConfig, store: StateStore | None, stored: StoredState) -> int:
+def run_cluster(cfg: RankingServeConfig) -> int:
     """``--instances N`` (or ``--ray-address``): N ranking engine actors on Ray behind this front end, which owns the
     state store: the instances are sent what it holds once started (and again when one is restarted)."""
     from grserve.cluster.gr.kv_workers import kv_cache_workers
@@ -129,9 +124,9 @@ def run_cluster(cfg: RankingServeConfig, store: StateStore | None, stored: Store
     from grserve.ranking.registry import RegistryError
     from grserve.server.launch.serving import serve_until_exit
     from grserve.server.ranking.app import create_ranking_app
-    from grserve.server.retrieval.command import cluster_app
-    from grserve.state.store import state_line
+    from grserve.state.store import open_state, state_line
 
+    store, stored = open_state(cfg.state.state_dir, "ranking")  # before anything heavy: a locked dir fails fast
     n = kv_cache_workers(cfg, cfg.cluster.instances)
     where = f"the item KV on {n} KV-cache workers (HRCS)" if n else "each precomputes the item KV"
     print(f"grserve ranking: starting {cfg.cluster.instances} instances ({where})", file=sys.stderr, flush=True)

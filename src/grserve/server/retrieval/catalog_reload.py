@@ -38,7 +38,7 @@ from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
 from grserve.config import CatalogReloadConfig
-from grserve.server.http.errors import ApiError
+from grserve.inputs.refusal import ApiError
 from grserve.state.store import StateError, StateStore
 
 CATALOG_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}\.(jsonl|csv|json|grcat)")

@@ -28,7 +28,9 @@ from grserve.config import (
     StateConfig,
 )
 from grserve.flags import UsageError, add_flags, command_parser, from_args
+from grserve.server.launch.modes import Deployments, cluster_app, deploy, restore_started, usage_error
 from grserve.server.launch.startup import (
+    GR_CLUSTER_SKIP,
     add_edge_flags,
     add_state_flags,
     check_catalog_dir,
@@ -38,11 +40,6 @@ from grserve.server.launch.startup import (
 
 if TYPE_CHECKING:
     from grserve.state.store import StateStore, StoredState
-
-# ClusterConfig flags of the LLM cluster that retrieval/ranking instances have no use for (no prefix blocks, no
-# decode phase, no KV snapshots: a request is recomputed when its instance dies)
-GR_CLUSTER_SKIP = ("kv_block_size", "decode_weight", "kv_snapshot")
-
 
 def add_command(sub) -> None:
     p = command_parser(sub, "retrieval", help="serve GR retrieval: POST /v1/recommend (the default mode)",
@@ -89,22 +86,19 @@ def run(cfg: ServeConfig) -> int:
         raise UsageError(f"catalog file not found: {cfg.catalog.path}")
     check_model(cfg.model)
     check_catalog_dir(cfg.reload)
-    cluster = cfg.cluster.instances > 1 or cfg.cluster.ray_address
-    if cfg.process.engine_process and not cluster:
-        return run_engine_process(cfg)
-    from grserve.state.store import open_state, restore_catalog, state_line
+    return deploy(cfg, Deployments(run_in_thread, run_engine_process, run_cluster))
 
-    # before anything heavy: a locked dir fails fast
-    store, stored = open_state(cfg.state.state_dir, "retrieval", cfg.catalog.duplicate_sids)
-    if cfg.cluster.instances > 1 or cfg.cluster.ray_address:
-        return run_cluster(cfg, store, stored)
 
+def run_in_thread(cfg: ServeConfig) -> int:
+    """The retrieval engine on a thread of this process (``--no-engine-process``)."""
     from grserve.engine.retrieval_engine import RetrievalEngine
     from grserve.engine.thread_choice import serving_threads
     from grserve.memory import settle_allocator
-    from grserve.server.launch.serving import serve_until_exit
     from grserve.server.http.metrics import Metrics
+    from grserve.server.launch.serving import serve_until_exit
+    from grserve.state.store import restore_catalog, state_line
 
+    store, stored = _open_state(cfg)  # before anything heavy: a locked dir fails fast
     settle_allocator(cfg.process)  # the engine on a thread of this process: its allocator settings here
 
     metrics = Metrics()
@@ -114,7 +108,7 @@ def run(cfg: ServeConfig) -> int:
         restore_catalog(engine.catalogs, stored.catalog)
         app = create_app_for(engine, cfg, metrics, store, popularity)  # a bad --prompt-template fails here
     except (ValueError, KeyError, OSError) as exc:  # CatalogError is a ValueError: bad file, vocab mismatch...
-        raise _usage_error(exc) from None
+        raise usage_error(exc) from None
     print(f"grserve: {state_line(store, stored)}", flush=True)
     runner = getattr(engine, "runner", None)  # a stand-in engine (tests) may have none
     if runner is not None:
@@ -131,6 +125,12 @@ def run(cfg: ServeConfig) -> int:
     return serve_until_exit(app, cfg.server.host, cfg.server.port, cfg.server.log_level, engine.stop)
 
 
+def _open_state(cfg: ServeConfig) -> tuple[StateStore | None, StoredState]:
+    from grserve.state.store import open_state
+
+    return open_state(cfg.state.state_dir, "retrieval", cfg.catalog.duplicate_sids)
+
+
 def _warm_up(engine) -> None:
     """The engine's warm-up with a line per batch (``start()`` would do it silently); the server listens after."""
     t0 = time.perf_counter()
@@ -145,28 +145,24 @@ def load_popularity(cfg: ServeConfig):
     return Popularity.load(cfg.catalog.popularity) if cfg.catalog.popularity else None
 
 
-def _usage_error(exc: Exception) -> UsageError:
-    """A start-up error the user can fix (a bad catalog file, a vocab mismatch, a missing key) as a usage error."""
-    return UsageError(exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc))
-
-
 def _url(server) -> str:
     host = f"[{server.host}]" if ":" in server.host else server.host
     return f"http://{host}:{server.port}"
 
 
-def run_cluster(cfg: ServeConfig, store: StateStore | None, stored: StoredState) -> int:
+def run_cluster(cfg: ServeConfig) -> int:
     """``--instances N`` (or ``--ray-address``): N retrieval engine actors on Ray behind this front end, which owns
     the state store: the instances are sent what it holds once started (and again when one is restarted)."""
     from grserve.cluster.gr.modes import ClusterRetrievalEngine
     from grserve.server.launch.serving import serve_until_exit
     from grserve.state.store import state_line
 
+    store, stored = _open_state(cfg)  # before anything heavy: a locked dir fails fast
     try:
         popularity = load_popularity(cfg)
         engine = ClusterRetrievalEngine.launch(cfg, cfg.cluster)
     except (ValueError, KeyError, OSError) as exc:
-        raise _usage_error(exc) from None
+        raise usage_error(exc) from None
     app = cluster_app(engine, lambda m: create_app_for(engine, cfg, m, store, popularity))
     cat = engine.catalogs.current()
     print_layout(engine)
@@ -179,18 +175,6 @@ def run_cluster(cfg: ServeConfig, store: StateStore | None, stored: StoredState)
     restore_started(engine, stored)
     print(f"grserve: {state_line(store, stored)}", flush=True)
     return serve_until_exit(app, cfg.server.host, cfg.server.port, cfg.server.log_level, engine.stop)
-
-
-def restore_started(engine, stored: StoredState) -> None:
-    """The front end's store replayed on a started cluster (``engine.restore``): an instance that fails to apply it
-    is fenced and restarted with it. A store that does not fit the served model stops the engine (usage error)."""
-    try:
-        engine.restore(stored)
-    except BaseException as exc:
-        engine.stop()
-        if isinstance(exc, ValueError):
-            raise _usage_error(exc) from None
-        raise
 
 
 def served_model_name(cfg: ServeConfig) -> str:
@@ -213,21 +197,6 @@ def create_app_for(engine, cfg: ServeConfig, metrics, store: StateStore | None =
                       popularity)
 
 
-def cluster_app(engine, make_app):
-    """The unchanged app around a cluster front end, its /metrics with the cluster's collectors and every
-    instance's batches in the batch histograms."""
-    from grserve.cluster.gr.modes import GRClusterCollector
-    from grserve.cluster.core.metrics import ClusterCollector
-    from grserve.server.http.metrics import Metrics
-
-    metrics = Metrics()
-    app = make_app(metrics)
-    engine.on_batch = metrics.on_batch
-    metrics.registry.register(ClusterCollector(engine))
-    metrics.registry.register(GRClusterCollector(engine))
-    return app
-
-
 def run_engine_process(cfg: ServeConfig) -> int:
     """The retrieval engine in an engine-core process (``engine_core/``), this process the HTTP front end; with
     ``--api-servers N`` > 1, N front-end processes on the port."""
@@ -248,9 +217,9 @@ def retrieval_front_end(cfg: ServeConfig, client, info: dict):
     from grserve.engine.tokenizer import model_tokenizer
     from grserve.cluster.gr.state_change import BroadcastCatalogStore
     from grserve.server.http.metrics import Metrics
-    from grserve.state.store import open_state, restore_catalog, state_line
+    from grserve.state.store import restore_catalog, state_line
 
-    store, stored = open_state(cfg.state.state_dir, "retrieval", cfg.catalog.duplicate_sids)
+    store, stored = _open_state(cfg)
     try:
         popularity = load_popularity(cfg)
         client.tokenizer = model_tokenizer(cfg.model.source)
@@ -264,7 +233,7 @@ def retrieval_front_end(cfg: ServeConfig, client, info: dict):
         client.on_batch = metrics.on_batch
         app = create_app_for(client, cfg, metrics, store, popularity)
     except (ValueError, KeyError, OSError) as exc:
-        raise _usage_error(exc) from None
+        raise usage_error(exc) from None
     cat = client.catalogs.current()
     lines = [state_line(store, stored), *info.get("lines", [])]
     if client.layout_note:

@@ -1,11 +1,7 @@
-"""OpenAI-compatible routes: ``/v1/completions``, ``/v1/chat/completions`` (SSE streaming or not), ``/v1/models``,
-``/v1/models/{id}``, and vLLM's ``/tokenize``, ``/detokenize``, ``/version``.
-
-Typed bodies and responses (``openai_schemas.py``, which also rejects every parameter that is not implemented);
-errors in OpenAI's shape (the LLM app installs that family's handlers, ``server/http/errors.py``). A request runs on the
-LLM engine through the Engine protocol: ``submit`` → its handle's token events (streamed as chunks, or collected)
-→ ``result()``; ``n > 1`` submits n engine requests (choice i seeded ``choice_seed(seed, i)``). A client that
-disconnects has its requests cancelled, which frees their blocks at once.
+"""One generation request through the LLM engine, seen from the OpenAI routes (``app.py``): ``submit`` → its
+handle's token events (streamed as chunks, or collected) → ``result()``; ``n > 1`` submits n engine requests
+(choice i seeded ``choice_seed(seed, i)``, ``inputs/generation.py``). A client that disconnects has its requests
+cancelled, which frees their blocks at once.
 
 An engine error is never a normal finish: non-streaming, a 500 in OpenAI's error shape; streaming, the status
 line waits for the request's first event (``_opened``), so a request that never starts (queue deadline, engine
@@ -20,90 +16,26 @@ import asyncio
 import logging
 import random
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
+from fastapi import Request
 
 from grserve.engine.protocol import Engine, EngineStepFailed, RequestHandle
-from grserve.engine.sampling import SamplingParams, mix64
-from grserve.engine.structured import GrammarError, StructuredSpec
-from grserve.engine.tokenizer import ChatTemplateError, MissingTokenizerError
+from grserve.engine.structured import StructuredSpec
+from grserve.engine.tokenizer import ChatTemplateError
 from grserve.engine.types import LLMRequest
-from grserve.server.http.bodies import body_route
-from grserve.server.http.errors import ApiError
+from grserve.inputs.generation import encode, fitting_max_tokens, sampling_params
+from grserve.inputs.openai_schemas import ChatCompletionRequest, ChatMessage, ModelCard, SamplingRequest, usage
+from grserve.inputs.refusal import ApiError
+from grserve.server.http.bodies import off_loop
 from grserve.server.http.lifecycle import engine_failure, finish, submit
+from grserve.server.http.sse import DONE, event_stream, sse, sse_error
+from grserve.server.llm.answers import Choice, Shape
 from grserve.server.llm.metrics import LLMMetrics, RequestTimer
-from grserve.server.http.offload import off_loop
-from grserve.server.llm.answers import Choice, CompletionShape, ChatShape, Shape, sse, sse_error, usage
-from grserve.inputs.limits import PromptLimits, prechecks
-from grserve.inputs.openai_tools import PARSERS, tool_spec
-from grserve.inputs.openai_schemas import (
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatMessage,
-    CompletionRequest,
-    CompletionResponse,
-    DetokenizeRequest,
-    DetokenizeResponse,
-    ModelCard,
-    ModelList,
-    SamplingRequest,
-    TokenizeRequest,
-    TokenizeResponse,
-    VersionResponse,
-)
-from grserve.inputs.refusal import token_ids
 
 log = logging.getLogger("grserve.server")
-_ERRORS: dict[int | str, dict[str, Any]] = {k: {} for k in (400, 404, 500, 503)}
-DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI
-DEFAULT_CHAT_MAX_TOKENS = 256  # /v1/chat/completions without max_tokens: at most this, at most what fits
-
-
-def encode(tokenizer: Any, text: str, field: str, **kwargs: Any) -> list[int]:
-    """Text → token ids; a model directory without tokenizer files is a 400 naming the field (never a made-up
-    tokenizer)."""
-    try:
-        return tokenizer.encode(text, **kwargs)
-    except MissingTokenizerError as exc:
-        raise ApiError(400, str(exc), field, "no_tokenizer") from None
-
-
-def choice_seed(seed: int | None, i: int) -> int | None:
-    """Choice 0 uses the request's seed; choice i > 0 a stable mix of (seed, i)."""
-    return seed if seed is None or i == 0 else mix64(seed, i) >> 1
-
-
-def sampling_params(body: SamplingRequest, max_tokens: int, vocab_size: int, i: int = 0,
-                    extra_eos: tuple[int, ...] = (), seed: int | None = None,
-                    structured: StructuredSpec | None = None) -> SamplingParams:
-    """The engine's sampling parameters of choice ``i`` (token ids checked against the vocabulary: 400);
-    ``extra_eos`` (the model's other end-of-sequence ids) stop like EOS unless ``ignore_eos``; ``seed`` the
-    request's seed (default ``body.seed``)."""
-    bias = tuple((int(k), float(v)) for k, v in (body.logit_bias or {}).items())
-    for t, _ in bias:
-        if t >= vocab_size:
-            raise ApiError(400, f"logit_bias: token {t} is out of range [0, {vocab_size})", "logit_bias",
-                           "out_of_range")
-    stop_ids = tuple(token_ids(body.stop_token_ids, vocab_size, "stop_token_ids").tolist()) \
-        if body.stop_token_ids else ()
-    if not body.ignore_eos:
-        stop_ids += tuple(t for t in extra_eos if t not in stop_ids and t < vocab_size)
-    if body.min_tokens > max_tokens:
-        raise ApiError(400, f"min_tokens ({body.min_tokens}) is more than max_tokens ({max_tokens})", "min_tokens",
-                       "invalid_value")
-    return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                          top_k=max(body.top_k or 0, 0), min_p=body.min_p,
-                          seed=choice_seed(body.seed if seed is None else seed, i),
-                          stop=body.stops(), stop_token_ids=stop_ids, ignore_eos=body.ignore_eos,
-                          min_tokens=body.min_tokens, presence_penalty=body.presence_penalty,
-                          frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
-                          logit_bias=bias, logprobs=body.logprobs_k(),
-                          structured=structured or body.structured_spec())
 
 
 class _Group:
@@ -213,7 +145,7 @@ def _stream_failure(exc: Exception, rid: str) -> ApiError:
     return engine_failure(exc, rid)
 
 
-async def _stream(group: _Group, shape: Shape, timers: list[RequestTimer], n_prompt: int, body: SamplingRequest,
+async def _events(group: _Group, shape: Shape, timers: list[RequestTimer], n_prompt: int, body: SamplingRequest,
                   metrics: LLMMetrics, events: AsyncIterator[tuple[int, Any]],
                   first: tuple[int, Any] | None) -> AsyncIterator[str]:
     """SSE chunks of one request (its n choices), from its ``first`` event on (``_opened``); with
@@ -252,7 +184,7 @@ async def _stream(group: _Group, shape: Shape, timers: list[RequestTimer], n_pro
         if body.include_usage:
             cached = getattr(results[0], "cached_tokens", 0)
             yield sse(shape.usage(usage(n_prompt, sum(c.n_out for c in choices), cached)))
-        yield "data: [DONE]\n\n"
+        yield DONE
     except Exception as exc:  # noqa: BLE001 - the status line is sent: an error event, never a clean finish
         done = True
         group.cancel()
@@ -318,12 +250,7 @@ async def generate(ctx: OpenAIContext, request: Request, body: SamplingRequest, 
                    max_tokens: int | None, shape: Shape, structured: StructuredSpec | None = None) -> Any:
     """Submit the request's n choices and answer whole or as an SSE stream (``structured``: a grammar beyond the
     body's own, a tool choice's)."""
-    if max_tokens is None:  # chat without max_tokens: what fits, at most the default
-        max_tokens = min(DEFAULT_CHAT_MAX_TOKENS, ctx.max_model_len - len(prompt_ids))
-    if max_tokens < 1 or len(prompt_ids) + max_tokens > ctx.max_model_len:
-        raise ApiError(400, f"this model's maximum context length is {ctx.max_model_len} tokens; the prompt has "
-                            f"{len(prompt_ids)} and max_tokens is {max(max_tokens, 1)}",
-                       "max_tokens" if body.requested_max_tokens() else "messages", "context_length_exceeded")
+    max_tokens = fitting_max_tokens(body, len(prompt_ids), max_tokens, ctx.max_model_len)
     extra_eos = tuple(getattr(ctx.tokenizer, "extra_eos_ids", ()))
     if (structured or body.structured_spec()) is not None and getattr(ctx.tokenizer, "tok", None) is None:
         field = "tool_choice" if structured is not None else body.structured_field
@@ -348,92 +275,6 @@ async def generate(ctx: OpenAIContext, request: Request, body: SamplingRequest, 
     timers = [ctx.metrics.timer(len(prompt_ids) if i == 0 else 0) for i in range(len(handles))]  # prompt once
     if body.stream:
         events, first = await _opened(request, group, timers)
-        return StreamingResponse(_stream(group, shape, timers, len(prompt_ids), body, ctx.metrics, events, first),
-                                 media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return event_stream(_events(group, shape, timers, len(prompt_ids), body, ctx.metrics, events, first))
     choices = await finish(request, group, handles[0], _collect_all(group, timers))
     return shape.whole(choices, usage(len(prompt_ids), sum(c.n_out for c in choices), choices[0].cached_tokens))
-
-
-def create_openai_router(engine: Engine, tokenizer: Any, model_name: str, max_model_len: int, vocab_size: int,
-                         metrics: LLMMetrics, max_n: int = 16, max_logprobs: int = 20,
-                         max_messages: int = 2048, tool_call_parser: str = "hermes") -> APIRouter:
-    """The OpenAI routes around an LLM engine (the Engine protocol; events are ``TokenEvent``\\ s). Bodies are
-    parsed and validated off the event loop after the cheap length checks of ``openai_limits.py``; templates and
-    the tokenizer run off it too (``offload.py``)."""
-    if tool_call_parser not in PARSERS:
-        raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}, got {tool_call_parser!r}")
-    limits = PromptLimits(max_model_len, getattr(tokenizer, "max_token_chars", None), max_messages)
-    router = APIRouter(route_class=body_route(prechecks(limits)))
-    ctx = OpenAIContext(engine, tokenizer, model_name, max_model_len, vocab_size, metrics, max_n, max_logprobs)
-
-    @router.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
-    async def completions(body: CompletionRequest, request: Request) -> Any:
-        ctx.check_model(body.model)
-        ctx.check_limits(body)
-        p = body.prompt
-        if isinstance(p, list) and isinstance(p[0], int):
-            ids = token_ids(p, vocab_size, "prompt").tolist()  # type: ignore[arg-type]
-            text = await off_loop(tokenizer.decode, ids) if body.echo else ""
-        else:
-            text = p[0] if isinstance(p, list) else p
-            ids = await ctx.encode(text, "prompt")
-        shape = CompletionShape(f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time()), model_name, tokenizer,
-                                text if body.echo else "")
-        return await generate(ctx, request, body, ids, body.requested_max_tokens() or DEFAULT_MAX_TOKENS, shape)
-
-    @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-        ctx.check_model(body.model)
-        ctx.check_limits(body)
-        plan = body.tool_plan
-        try:
-            spec = await off_loop(tool_spec, plan, tool_call_parser)  # required / a named function: a grammar
-        except GrammarError as exc:
-            raise ApiError(400, f"tools: a tool's parameters cannot be compiled: {exc}", "tools",
-                           "invalid_value") from None
-        if spec is not None and body.structured_spec() is not None:
-            raise ApiError(400, "tool_choice 'required' or a named function cannot be combined with a structured "
-                                "output field", "tool_choice", "invalid_value")
-        ids = await off_loop(ctx.chat_ids, body.messages, body.tools or None)
-        shape = ChatShape(f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), model_name, tokenizer, plan,
-                          tool_call_parser)
-        return await generate(ctx, request, body, ids, body.requested_max_tokens(), shape, spec)
-
-    add_utility_routes(router, ctx)
-    return router
-
-
-def add_utility_routes(router: APIRouter, ctx: OpenAIContext) -> None:
-    """``/v1/models``, ``/v1/models/{id}``, ``/tokenize``, ``/detokenize``, ``/version``."""
-
-    @router.get("/v1/models", response_model=ModelList)
-    async def models() -> ModelList:
-        return ModelList(data=[ctx.card()])
-
-    @router.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_ERRORS)
-    async def model(model_id: str) -> ModelCard:
-        ctx.check_model(model_id)
-        return ctx.card()
-
-    @router.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
-    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
-        ctx.check_model(body.model)
-        if body.messages is not None:
-            ids = await off_loop(ctx.chat_ids, body.messages, None, body.add_generation_prompt,
-                                 bool(body.add_special_tokens))
-        else:
-            ids = await ctx.encode(body.prompt, "prompt", body.add_special_tokens is not False)
-        return TokenizeResponse(count=len(ids), max_model_len=ctx.max_model_len, tokens=ids)
-
-    @router.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
-    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
-        ctx.check_model(body.model)
-        ids = token_ids(body.tokens, ctx.vocab_size, "tokens").tolist()
-        return DetokenizeResponse(prompt=await off_loop(ctx.tokenizer.decode, ids))
-
-    @router.get("/version", response_model=VersionResponse)
-    async def version() -> VersionResponse:
-        from grserve import __version__
-
-        return VersionResponse(version=__version__)
