@@ -54,7 +54,7 @@ def test_offline_apis_load_no_http_module(module):
 
 
 def _modules(folder: Path) -> int:
-    return sum(1 for p in folder.glob("*.py"))
+    return sum(1 for p in folder.glob("*.py") if p.name != "__init__.py")  # modules, as the issue counts them
 
 
 def test_folders_stay_small():
