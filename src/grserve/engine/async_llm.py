@@ -107,7 +107,7 @@ class AsyncLLMEngine:
     def build(cls, cfg: LLMServeConfig, pick_threads: bool = False) -> "AsyncLLMEngine":
         """Model (preset or HF dir), tokenizer, scheduling policy (ρ profiled at start-up for Apt-Serve unless
         given), block pool and optional prefix cache, from one config. ``pick_threads``: set torch's thread
-        count from ``--threads`` (0: measured on the model, ``engine/thread_choice.py``) before anything is
+        count from ``--threads`` (0: measured on the model, ``model/thread_choice.py``) before anything is
         profiled; the choice is ``thread_choice``. Without it the caller's thread count stays."""
         from grserve.engine.llm import build_model_engine, calibrate_rho
         from grserve.engine.tokenizer import load_tokenizer
@@ -120,7 +120,7 @@ class AsyncLLMEngine:
                              model.spec.max_position_embeddings, cfg.api.tokenizer_cache)
         choice = None
         if pick_threads:
-            from grserve.engine.thread_choice import engine_threads
+            from grserve.model.thread_choice import engine_threads
 
             choice = engine_threads(c.threads, model, c.packed_linears)
         rho = c.rho if c.rho is not None else (calibrate_rho(model) if c.scheduler == "aptserve" else 0.0)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from grserve.engine.thread_choice import engine_threads, start_line
+from grserve.model.thread_choice import engine_threads, start_line
 
 
 def llm_lines(engine: Any, cfg: Any) -> list[str]:

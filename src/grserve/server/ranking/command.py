@@ -84,7 +84,7 @@ def run_in_thread(cfg: RankingServeConfig) -> int:
     """The ranking engine on a thread of this process (``--no-engine-process``)."""
     from grserve.engine.ranking_engine import RankingEngine
     from grserve.engine.ranking_runner import RankingRunner
-    from grserve.engine.thread_choice import serving_threads
+    from grserve.model.thread_choice import serving_threads
     from grserve.memory import settle_allocator
     from grserve.model import load_model
     from grserve.ranking.registry import RegistryError

@@ -92,7 +92,7 @@ def run(cfg: ServeConfig) -> int:
 def run_in_thread(cfg: ServeConfig) -> int:
     """The retrieval engine on a thread of this process (``--no-engine-process``)."""
     from grserve.engine.retrieval_engine import RetrievalEngine
-    from grserve.engine.thread_choice import serving_threads
+    from grserve.model.thread_choice import serving_threads
     from grserve.memory import settle_allocator
     from grserve.server.http.metrics import Metrics
     from grserve.server.launch.serving import serve_until_exit

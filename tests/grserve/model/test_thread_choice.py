@@ -1,4 +1,4 @@
-"""``--threads 0``: the engine's torch thread count is measured at start-up (engine/thread_choice.py) -- more
+"""``--threads 0``: the engine's torch thread count is measured at start-up (model/thread_choice.py) -- more
 threads only when they are faster by more than the margin; an explicit count is kept; the probe runs the model's
 own layer; ``serve llm`` builds its engine that way and names the choice."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grserve.engine.thread_choice import ThreadChoice, candidates, choose_threads, engine_threads, layer_probe
+from grserve.model.thread_choice import ThreadChoice, candidates, choose_threads, engine_threads, layer_probe
 
 
 @pytest.fixture(autouse=True)
@@ -91,14 +91,14 @@ def test_serve_builds_its_engine_with_the_measured_count(monkeypatch):
     torch.set_num_threads(1)
     plain = AsyncLLMEngine.build(cfg)
     assert plain.thread_choice is None and torch.get_num_threads() == 1  # the caller's count stays
-    monkeypatch.setattr("grserve.engine.thread_choice.usable_cores", lambda: 2)
+    monkeypatch.setattr("grserve.model.thread_choice.usable_cores", lambda: 2)
     picked = AsyncLLMEngine.build(cfg, pick_threads=True)
     assert picked.thread_choice.threads == torch.get_num_threads() and set(picked.thread_choice.probe_ms) == {1, 2}
 
 
 def test_a_serving_engine_names_its_cpu_and_threads(tiny_model):
     """The retrieval and ranking start line (``--threads``): the CPU's label and the choice with its reason."""
-    from grserve.engine.thread_choice import serving_threads
+    from grserve.model.thread_choice import serving_threads
     from grserve.model.cpu_support import cpu_support
 
     before = torch.get_num_threads()
