@@ -9,8 +9,9 @@ scheduler, pool, executor and tokenizer) is driven directly, on this thread, wit
 HTTP: ``concurrency`` requests of ``--prompt`` random tokens each are added at once and stepped until they finish
 (``--max-tokens`` each, ``ignore_eos``), ``--rounds`` times (the first round is warm-up and not counted).
 
-Timers (``time.perf_counter`` around the parts of ``LLMEngine.step``, wrapped at run time; the wrappers are the
-only change) split each decode step (a step whose every request computes one token) into:
+Timers (this thread's CPU time, ``time.thread_time``, so other tenants of the machine do not count; with the
+default ``--threads 1`` every op runs on this thread; ``--clock wall`` for wall time) around the parts of
+``LLMEngine.step``, wrapped at run time (the wrappers are the only change), split each decode step (a step whose every request computes one token) into:
 
 * ``scheduler``: the policy's ``schedule`` and the ``SchedulerInput`` built for it;
 * ``attention index building``: the attention context's construction (block tables → rows, masks, positions);
@@ -37,6 +38,7 @@ from collections import defaultdict
 
 import torch
 
+CLOCK = time.thread_time  # the breakdown: this thread's CPU time (robust to other tenants); --clock wall
 PARTS = ("scheduler", "attention index building", "attention", "model math", "greedy head", "logits", "sampler",
          "token events", "other Python")
 
@@ -53,11 +55,11 @@ class Timers:
         def timed(*a, **kw):
             if not timers.on:
                 return fn(*a, **kw)
-            t = time.perf_counter()
+            t = CLOCK()
             try:
                 return fn(*a, **kw)
             finally:
-                timers.acc[part] += time.perf_counter() - t
+                timers.acc[part] += CLOCK() - t
 
         object.__setattr__(obj, name, timed)  # on the instance itself (a wrapper policy forwards setattr)
 
@@ -75,10 +77,16 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3, help="rounds per concurrency, the first one warm-up")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--fast-index", type=int, choices=(0, 1), default=None)
+    ap.add_argument("--greedy-band", choices=("chunks", "topk"), default=None,
+                    help="the greedy head's candidate search (engine/greedy_head.py); default: the head's own")
+    ap.add_argument("--clock", choices=("thread", "wall"), default="thread",
+                    help="the breakdown's clock: this thread's CPU time (default) or wall time")
     ap.add_argument("--torch-profile", action="store_true", help="also print torch.profiler's top ops (1 round)")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
+    global CLOCK
+    CLOCK = time.thread_time if args.clock == "thread" else time.perf_counter
     from grserve.attention import hybrid
     from grserve.engine import llm as llm_mod
     from grserve.engine.async_llm import AsyncLLMEngine
@@ -91,9 +99,12 @@ def main() -> int:
     eng = AsyncLLMEngine.build(llm_config(args.model, dtype=args.dtype, num_blocks=4096))
     core = eng.core
     ex = core.executor
+    if args.greedy_band is not None and ex.greedy_head is not None:
+        ex.greedy_head.band = args.greedy_band
     print(f"# {cpu_support().label()}; torch {torch.__version__}, {torch.get_num_threads()} thread(s); "
           f"{args.model} {args.dtype}; {ex.describe()}; fast index "
-          f"{getattr(hybrid, 'FAST_DECODE_INDEX', 'n/a')}; load {os.getloadavg()[0]:.2f}", flush=True)
+          f"{getattr(hybrid, 'FAST_DECODE_INDEX', 'n/a')}; greedy band "
+          f"{getattr(ex.greedy_head, 'band', 'n/a')}; load {os.getloadavg()[0]:.2f}", flush=True)
 
     t = Timers()
     t.wrap(core.scheduler, "schedule", "scheduler")
@@ -109,18 +120,18 @@ def main() -> int:
 
     class TimedContext(ctx_cls):  # type: ignore[misc, valid-type]
         def __init__(self, *a, **kw):
-            s = time.perf_counter()
+            s = CLOCK()
             super().__init__(*a, **kw)
             if t.on:
-                t.acc["attention index building"] += time.perf_counter() - s
+                t.acc["attention index building"] += CLOCK() - s
 
         def attend(self, *a, **kw):
-            s = time.perf_counter()
+            s = CLOCK()
             try:
                 return super().attend(*a, **kw)
             finally:
                 if t.on:
-                    t.acc["attention"] += time.perf_counter() - s
+                    t.acc["attention"] += CLOCK() - s
 
     llm_mod.HybridPagedContext = TimedContext
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -139,13 +150,13 @@ def main() -> int:
             decoding = bool(core.running) and not core.waiting and all(
                 s.num_computed == s.num_tokens - 1 for s in core.running)
             t.on = forward.on = count and decoding
-            s = time.perf_counter()
+            s, w = CLOCK(), time.perf_counter()
             evs = core.step()
             if t.on:
-                t.acc["step"] += time.perf_counter() - s
+                t.acc["step"] += CLOCK() - s
                 decode_steps += 1
                 tokens += len(evs)
-                t_first = s if t_first is None else t_first
+                t_first = w if t_first is None else t_first
             t.on = forward.on = False
         wall = time.perf_counter() - t_first if t_first is not None else 0.0
         tpots = [(q.token_times[-1] - q.token_times[0]) / (len(q.token_times) - 1) for q in core.finished
@@ -166,11 +177,13 @@ def main() -> int:
         named = sum(acc.get(p, 0.0) for p in PARTS if p != "other Python")
         acc["other Python"] = acc["step"] - named
         print(f"\n## concurrency {conc}: {steps} decode steps, load {os.getloadavg()[0]:.2f}")
-        print("| ms per decode step | |\n|---|---|")
+        print(f"| ms of {args.clock} time per decode step | |\n|---|---|")
         for p in PARTS:
             if acc.get(p):
                 print(f"| {p} | {acc[p] / steps * 1e3:.3f} |")
         print(f"| **step** | **{acc['step'] / steps * 1e3:.3f}** |")
+        if ex.greedy_head is not None:
+            print(f"greedy head: {ex.greedy_head.stats}")
         print(f"TPOT p50 {statistics.median(tpot) * 1e3:.2f} ms; output {statistics.median(tps):.0f} tok/s "
               f"(median of {len(tpot)} rounds: TPOT {', '.join(f'{x * 1e3:.2f}' for x in tpot)})", flush=True)
         if args.torch_profile:
