@@ -55,6 +55,11 @@ def block_matrix(seqs: list[SeqSlice], num_planes: int) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.int64)
 
 
+def _pure_kv_decode(seqs: list[SeqSlice]) -> bool:
+    """Every request brings one new token after at least one cached, into K/V blocks."""
+    return bool(seqs) and all(s.num_new == 1 and s.start > 0 and s.table.kind == "kv" for s in seqs)
+
+
 class _HybridBase:
     def __init__(self, storage: HybridCacheStorage, seqs: list[SeqSlice], kv_from_hidden: KVFromHidden,
                  num_kv_heads: int, head_dim: int):
@@ -142,6 +147,9 @@ class _HybridBase:
         return x[:, : self.storage.hidden_size]
 
 
+FAST_DECODE_INDEX = True  # pure-KV decode passes build their indices directly (``HybridPagedContext``); tests flip it
+
+
 class HybridPagedContext(_HybridBase):
     """Fast path: padded [S, Tmax] key layout and one SDPA per layer for the whole mixed batch.
 
@@ -150,10 +158,20 @@ class HybridPagedContext(_HybridBase):
     are gathered from the pool in **one** ``index_select`` per plane (padding reads row 0 and is masked);
     hidden requests get their past K/V re-projected from the gathered x and their new K/V from this pass. A
     pure decode batch (one new token each) needs no query packing.
+
+    A pure-KV decode pass (every request one new token after ≥ 1 cached, K/V blocks) with ``fast_index`` (and
+    the module's ``FAST_DECODE_INDEX``) builds only what such a pass reads (``_init_decode``): each request's
+    new-token row in both planes (one lookup in its block table), the key mask from the start positions, and
+    the padded gather rows only when the step reads the pool (a staging rebuild or no staging); the general
+    construction stays the reference (``tests/grserve/attention/test_decode_index.py``: identical indices).
     """
 
     def __init__(self, storage: HybridCacheStorage, seqs: list[SeqSlice], kv_from_hidden: KVFromHidden,
-                 num_kv_heads: int, head_dim: int, staging: DecodeStaging | None = None, keys: tuple | None = None):
+                 num_kv_heads: int, head_dim: int, staging: DecodeStaging | None = None, keys: tuple | None = None,
+                 fast_index: bool = True):
+        if fast_index and FAST_DECODE_INDEX and _pure_kv_decode(seqs):
+            self._init_decode(storage, seqs, kv_from_hidden, num_kv_heads, head_dim, staging, keys)
+            return
         super().__init__(storage, seqs, kv_from_hidden, num_kv_heads, head_dim)
         dev = storage.data.device
         n_seq = len(seqs)
@@ -203,6 +221,57 @@ class HybridPagedContext(_HybridBase):
             if mode is not None:
                 self._stage = (staging, mode, keys)
                 self._stage_at = (torch.arange(n_seq, device=dev), self._starts.to(dev))
+
+    def _init_decode(self, storage: HybridCacheStorage, seqs: list[SeqSlice], kv_from_hidden: KVFromHidden,
+                     num_kv_heads: int, head_dim: int, staging: DecodeStaging | None, keys: tuple | None) -> None:
+        """The pure-KV decode pass's indices, straight from the block tables (the general path's values)."""
+        self.storage, self.seqs, self.kv_from_hidden = storage, seqs, kv_from_hidden
+        self.hkv, self.d = num_kv_heads, head_dim
+        self._h = None
+        dev = storage.data.device
+        b = storage.pool.block_size
+        n_seq = len(seqs)
+        starts = [s.start for s in seqs]
+        k_rows, v_rows = [], []
+        for s in seqs:
+            g, off = divmod(s.start, b)
+            planes = s.table.planes
+            if g >= len(planes[0]):
+                raise ValueError("block table too short for start + num_new tokens")
+            k_rows.append(planes[0][g] * b + off)
+            v_rows.append(planes[1][g] * b + off)
+        self.num_planes = 2
+        self._starts = torch.tensor(starts, dtype=torch.int64)
+        self._nnew = torch.ones(n_seq, dtype=torch.int64)
+        self._is_kv = torch.ones(n_seq, dtype=torch.bool)
+        self.all_kv = self.any_kv = True
+        self.num_tokens = n_seq
+        self._tok_seq = torch.arange(n_seq)
+        self._tok_pos = self._starts
+        self._kv_src, self._kv_all = None, True
+        self._k_dst = torch.tensor(k_rows, dtype=torch.int64, device=dev)
+        self._v_dst = torch.tensor(v_rows, dtype=torch.int64, device=dev)
+        self._h_src, self._h_dst = None, []
+        self._stage = None
+        self.t_max = max(starts) + 1
+        self.q_max = 1
+        self.lone_prefill = False
+        self.pure_decode = True
+        # key t of request s is visible iff t ≤ start_s (the query's own position)
+        self._mask = (torch.arange(self.t_max)[None, :] <= self._starts[:, None])[:, None, None, :].to(dev)
+        self._new_dst = self._ph = None
+        mode = staging.plan(keys, starts) if staging is not None and keys is not None else None
+        if mode is not None:
+            self._stage = (staging, mode, keys)
+            self._stage_at = (torch.arange(n_seq, device=dev), self._starts.to(dev))
+        self._kv_rows = None
+        if mode != "append":  # the step reads the pool: the padded gather rows, as the general path builds them
+            self._blocks = block_matrix(seqs, 2)
+            flat_seq = torch.arange(n_seq).repeat_interleave(self.t_max)
+            flat_pos = torch.arange(self.t_max).repeat(n_seq)
+            ok = flat_pos <= self._starts[flat_seq]
+            rows = self._rows(flat_seq, flat_pos)
+            self._kv_rows = (torch.where(ok, rows[0], 0).to(dev), torch.where(ok, rows[1], 0).to(dev))
 
     def finish(self) -> None:
         """Every layer ran: a staged step's buffer now holds its tokens (the executor calls this after the

@@ -149,6 +149,8 @@ class ModelExecutor:
         # pure decode steps read K/V from a persistent head-major copy (attention/decode_staging.py); None: gather
         # GRSERVE_CPU_ISA=reference (model/cpu_support.py): every fast path off, the reference paths run
         fast = cpu_support().fast_paths or storage.data.device.type != "cpu"
+        # pure-KV decode passes build their attention indices straight from the block tables (attention/hybrid.py)
+        self.fast_index = fast
         self.staging = DecodeStaging(spec.num_hidden_layers, self.hkv, self.d, dtype=storage.data.dtype,
                                      device=storage.data.device) if decode_staging and fast else None
         # exact greedy argmax through a bf16 screen of the LM head (engine/greedy_head.py), fp32 models only; its
@@ -193,7 +195,8 @@ class ModelExecutor:
                 rows.append(len(ids) - 1)
         dev = self.storage.data.device
         keys = tuple((it.seq.seq_id, it.seq.num_preemptions) for it in items) if self.staging is not None else None
-        ctx = HybridPagedContext(self.storage, slices, self.model.kv_from_hidden, self.hkv, self.d, self.staging, keys)
+        ctx = HybridPagedContext(self.storage, slices, self.model.kv_from_hidden, self.hkv, self.d, self.staging, keys,
+                                 fast_index=self.fast_index)
         with torch.inference_mode():
             try:
                 h = self.model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), ctx, packed=self.packed)

@@ -165,3 +165,45 @@ def test_reference_level_runs_full_logits_and_gives_the_same_tokens(forced_cpu_i
     assert ex.greedy_head is None and ex.staging is None and ex.packed is None
     assert "full logits" in ex.describe() and "reference" in ex.describe()
     assert ref.generate(prompts, sp) == want
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("vocab", [40, 128, 1000, 32000])
+def test_chunk_band_equals_topk_band_and_fp32_argmax(seed, vocab):
+    """The candidate band from 128-token chunk maxima (the default) and from the screen's top k (the reference)
+    give the fp32 argmax, on random rows and on rows whose top tokens tie or nearly tie within one chunk and
+    across chunks (exact ties: the lowest id, as ``torch.argmax``), over vocabularies that are and are not
+    multiples of the chunk."""
+    g = torch.Generator().manual_seed(seed)
+    d = 32
+    w = torch.randn(vocab, d, generator=g) * 0.1
+    h = torch.randn(12, d, generator=g)
+    best = _ref(h, w)
+    for r in range(0, 12, 2):  # copy each even row's winner elsewhere: an exact tie, then near-ties
+        j = int((best[r] + 1 + 97 * r) % vocab)
+        if j != int(best[r]):
+            w[j] = w[best[r]] * (1.0 if r % 4 == 0 else 1 + 1e-6)
+    want = _ref(h, w)
+    heads = {band: ScreenedGreedyHead(w, screen_max_rows=ALL_ROWS, band=band) for band in ("chunks", "topk")}
+    for head in heads.values():
+        head.weight_lo_packed = None if seed % 2 else head.weight_lo_packed  # both screens
+        assert torch.equal(head.argmax(h), want)
+    assert heads["chunks"].stats["rows"] == heads["topk"].stats["rows"] == 12
+
+
+def test_chunk_band_ties_across_chunks_take_the_lowest_id():
+    d = 8
+    w = torch.zeros(1000, d)
+    w[:, 1] = -1.0
+    for j in (900, 130, 517):  # identical winners in three chunks
+        w[j] = torch.tensor([1.0] + [0.0] * (d - 1))
+    h = torch.zeros(3, d)
+    h[:, 0] = 1.0
+    head = ScreenedGreedyHead(w, screen_max_rows=ALL_ROWS)
+    assert head.argmax(h).tolist() == [130, 130, 130] == _ref(h, w).tolist()
+    assert head.stats["candidates"] == 3 * 3  # each row's band: the three ties, recomputed exactly
+
+
+def test_band_name_is_checked():
+    with pytest.raises(ValueError):
+        ScreenedGreedyHead(torch.zeros(4, 4), band="sort")

@@ -1,0 +1,199 @@
+"""Where a decode step of the tiny LLM goes (issue 43 item 2): a per-step breakdown, TPOT and output tok/s.
+
+    PYTHONPATH=src .venv/bin/python scripts/decode_profile.py                       # c8 and c32, greedy
+    PYTHONPATH=src .venv/bin/python scripts/decode_profile.py --temperature 0.8 --top-p 0.95
+    PYTHONPATH=src .venv/bin/python scripts/decode_profile.py --torch-profile       # + torch.profiler's op table
+
+The engine ``grserve serve llm`` builds (``AsyncLLMEngine.build``: the preset model with seeded weights, its
+scheduler, pool, executor and tokenizer) is driven directly, on this thread, without the step loop's thread or
+HTTP: ``concurrency`` requests of ``--prompt`` random tokens each are added at once and stepped until they finish
+(``--max-tokens`` each, ``ignore_eos``), ``--rounds`` times (the first round is warm-up and not counted).
+
+Timers (this thread's CPU time, ``time.thread_time``, so other tenants of the machine do not count; with the
+default ``--threads 1`` every op runs on this thread; ``--clock wall`` for wall time) around the parts of
+``LLMEngine.step``, wrapped at run time (the wrappers are the only change), split each decode step (a step whose every request computes one token) into:
+
+* ``scheduler``: the policy's ``schedule`` and the ``SchedulerInput`` built for it;
+* ``attention index building``: the attention context's construction (block tables → rows, masks, positions);
+* ``attention``: the context's ``attend`` over every layer (K/V writes, staging, SDPA);
+* ``model math``: the rest of the model forward (embedding, norms, projections, RoPE, MLP);
+* ``greedy head``: the screened LM head (greedy passes), or ``logits`` (the full LM head, sampled passes);
+* ``sampler``: ``LLMEngine._sample`` (logit processing, the draw);
+* ``token events``: appending tokens, stop rules, detokenization, events;
+* ``other Python``: the step minus the parts above (the executor's token/position lists, block-table growth,
+  bookkeeping of the step).
+
+TPOT is (last token time − first token time) / (tokens − 1) per request, median over requests; output tok/s is
+the decode tokens of a round over its wall time from the first decode step. Pass ``--fast-index 0|1`` to force
+the pure-decode index path (``attention/hybrid.py``'s ``FAST_DECODE_INDEX``) for an A/B in one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+
+CLOCK = time.thread_time  # the breakdown: this thread's CPU time (robust to other tenants); --clock wall
+PARTS = ("scheduler", "attention index building", "attention", "model math", "greedy head", "logits", "sampler",
+         "token events", "other Python")
+
+
+class Timers:
+    def __init__(self) -> None:
+        self.acc: dict[str, float] = defaultdict(float)
+        self.on = False
+
+    def wrap(self, obj, name: str, part: str) -> None:
+        fn = getattr(obj, name)
+        timers = self
+
+        def timed(*a, **kw):
+            if not timers.on:
+                return fn(*a, **kw)
+            t = CLOCK()
+            try:
+                return fn(*a, **kw)
+            finally:
+                timers.acc[part] += CLOCK() - t
+
+        object.__setattr__(obj, name, timed)  # on the instance itself (a wrapper policy forwards setattr)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[8, 32])
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=3, help="rounds per concurrency, the first one warm-up")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--fast-index", type=int, choices=(0, 1), default=None)
+    ap.add_argument("--greedy-band", choices=("chunks", "topk"), default=None,
+                    help="the greedy head's candidate search (engine/greedy_head.py); default: the head's own")
+    ap.add_argument("--clock", choices=("thread", "wall"), default="thread",
+                    help="the breakdown's clock: this thread's CPU time (default) or wall time")
+    ap.add_argument("--torch-profile", action="store_true", help="also print torch.profiler's top ops (1 round)")
+    args = ap.parse_args()
+
+    torch.set_num_threads(args.threads)
+    global CLOCK
+    CLOCK = time.thread_time if args.clock == "thread" else time.perf_counter
+    from grserve.attention import hybrid
+    from grserve.engine import llm as llm_mod
+    from grserve.engine.async_llm import AsyncLLMEngine
+    from grserve.engine.sampling import SamplingParams
+    from grserve.llm_api import llm_config
+    from grserve.model.cpu_support import cpu_support
+
+    if args.fast_index is not None:
+        hybrid.FAST_DECODE_INDEX = bool(args.fast_index)
+    eng = AsyncLLMEngine.build(llm_config(args.model, dtype=args.dtype, num_blocks=4096))
+    core = eng.core
+    ex = core.executor
+    if args.greedy_band is not None and ex.greedy_head is not None:
+        ex.greedy_head.band = args.greedy_band
+    print(f"# {cpu_support().label()}; torch {torch.__version__}, {torch.get_num_threads()} thread(s); "
+          f"{args.model} {args.dtype}; {ex.describe()}; fast index "
+          f"{getattr(hybrid, 'FAST_DECODE_INDEX', 'n/a')}; greedy band "
+          f"{getattr(ex.greedy_head, 'band', 'n/a')}; load {os.getloadavg()[0]:.2f}", flush=True)
+
+    t = Timers()
+    t.wrap(core.scheduler, "schedule", "scheduler")
+    t.wrap(core, "scheduler_input", "scheduler")
+    t.wrap(core, "_sample", "sampler")
+    t.wrap(core, "_append_token", "token events")
+    t.wrap(ex.model, "logits", "logits")
+    if ex.greedy_head is not None:
+        t.wrap(ex.greedy_head, "argmax", "greedy head")
+    forward = Timers()  # the whole forward (the model math is it minus attention and index building)
+    forward.wrap(ex.model, "forward", "forward")
+    ctx_cls = llm_mod.HybridPagedContext
+
+    class TimedContext(ctx_cls):  # type: ignore[misc, valid-type]
+        def __init__(self, *a, **kw):
+            s = CLOCK()
+            super().__init__(*a, **kw)
+            if t.on:
+                t.acc["attention index building"] += CLOCK() - s
+
+        def attend(self, *a, **kw):
+            s = CLOCK()
+            try:
+                return super().attend(*a, **kw)
+            finally:
+                if t.on:
+                    t.acc["attention"] += CLOCK() - s
+
+    llm_mod.HybridPagedContext = TimedContext
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, ignore_eos=True, seed=None if args.temperature == 0 else 7)
+    vocab = ex.model.spec.vocab_size
+    gen = torch.Generator().manual_seed(0)
+
+    def one_round(conc: int, count: bool) -> tuple[float, float, int]:
+        prompts = [torch.randint(3, vocab - 1, (args.prompt,), generator=gen).tolist() for _ in range(conc)]
+        core.keep_finished = True
+        core.finished.clear()
+        for p in prompts:
+            core.add_request(p, params)
+        decode_steps, t_first, tokens = 0, None, 0
+        while core.has_work():
+            decoding = bool(core.running) and not core.waiting and all(
+                s.num_computed == s.num_tokens - 1 for s in core.running)
+            t.on = forward.on = count and decoding
+            s, w = CLOCK(), time.perf_counter()
+            evs = core.step()
+            if t.on:
+                t.acc["step"] += CLOCK() - s
+                decode_steps += 1
+                tokens += len(evs)
+                t_first = w if t_first is None else t_first
+            t.on = forward.on = False
+        wall = time.perf_counter() - t_first if t_first is not None else 0.0
+        tpots = [(q.token_times[-1] - q.token_times[0]) / (len(q.token_times) - 1) for q in core.finished
+                 if len(q.token_times) > 1]
+        return statistics.median(tpots) if tpots else 0.0, tokens / wall if wall else 0.0, decode_steps
+
+    for conc in args.concurrency:
+        one_round(conc, False)  # warm-up
+        t.acc.clear()
+        forward.acc.clear()
+        tpot, tps, steps = [], [], 0
+        for _ in range(args.rounds - 1):
+            a, b, n = one_round(conc, True)
+            tpot.append(a), tps.append(b)
+            steps += n
+        acc = dict(t.acc)
+        acc["model math"] = forward.acc["forward"] - acc.get("attention", 0.0)
+        named = sum(acc.get(p, 0.0) for p in PARTS if p != "other Python")
+        acc["other Python"] = acc["step"] - named
+        print(f"\n## concurrency {conc}: {steps} decode steps, load {os.getloadavg()[0]:.2f}")
+        print(f"| ms of {args.clock} time per decode step | |\n|---|---|")
+        for p in PARTS:
+            if acc.get(p):
+                print(f"| {p} | {acc[p] / steps * 1e3:.3f} |")
+        print(f"| **step** | **{acc['step'] / steps * 1e3:.3f}** |")
+        if ex.greedy_head is not None:
+            print(f"greedy head: {ex.greedy_head.stats}")
+        print(f"TPOT p50 {statistics.median(tpot) * 1e3:.2f} ms; output {statistics.median(tps):.0f} tok/s "
+              f"(median of {len(tpot)} rounds: TPOT {', '.join(f'{x * 1e3:.2f}' for x in tpot)})", flush=True)
+        if args.torch_profile:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                one_round(conc, False)
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
