@@ -11,8 +11,9 @@
   fp32 there), the reference lane (``GRSERVE_CPU_ISA=reference``: every fast path off), a CPU whose trial says bf16
   is not faster. The reason names which, and is printed on every mode's start line.
 
-The timed trial runs once per process (≈ 0.2–0.4 s on a 2-core EPYC) and is cached; ``refresh()`` forgets it
-(tests). A name other than ``auto`` is returned as given, with the reason ``"asked for"``.
+The timed trial runs once per process (≈ 0.15–0.4 s on a 2-core EPYC) and is cached; processes started after it
+(an engine-core process, local Ray actors) inherit its times through ``GRSERVE_BF16_TRIAL`` and so choose the same;
+``refresh()`` forgets it (tests). A name other than ``auto`` is returned as given, with the reason ``"asked for"``.
 
 Scores stay fp32 whatever this picks: the beam search's logits, masked log-softmax and beam scores are fp32 buffers
 (``search/beam_search.py``), the staged attention's log-sum-exp merge runs in fp32 (``attention/staged.py``).
@@ -21,6 +22,7 @@ Scores stay fp32 whatever this picks: the beam search's logits, masked log-softm
 from __future__ import annotations
 
 import functools
+import os
 import time
 from dataclasses import dataclass
 
@@ -32,6 +34,9 @@ AUTO = "auto"
 MIN_SPEEDUP = 1.2  # bf16 must beat fp32 by this much in the timed trial to be chosen
 TRIAL_SHAPE = (64, 1024, 1024)  # rows, in features, out features
 TRIAL_REPEATS = 7
+# The trial's two times, handed to the processes this one starts (an engine-core process, local Ray actors), so
+# every process of one server makes the same choice: "<fp32 seconds> <bf16 seconds>".
+TRIAL_ENV = "GRSERVE_BF16_TRIAL"
 
 
 @dataclass(frozen=True)
@@ -42,7 +47,7 @@ class DtypeChoice:
 
     def label(self, device: str = "") -> str:
         """For start lines: ``bfloat16: auto, CPU computes bf16 4.1x faster than fp32, cpu``."""
-        head = self.name if self.asked != AUTO else f"{self.name}: {self.reason}"
+        head = f"{self.name}: {self.reason}"
         return f"{head}, {device}" if device else head
 
     def to_dict(self) -> dict:
@@ -72,6 +77,14 @@ def bf16_speedup() -> tuple[float, float, float]:
     """(fp32 seconds, bf16 seconds, fp32 / bf16) of the timed trial: one thread, best of ``TRIAL_REPEATS``.
     Both through oneDNN-packed weights (the serving path where oneDNN bf16 works), fp32 through ``F.linear`` when
     oneDNN fp32 packing does not work here."""
+    inherited = os.environ.get(TRIAL_ENV, "").split()
+    if len(inherited) == 2:
+        try:
+            fp32, bf16 = float(inherited[0]), float(inherited[1])
+            if fp32 > 0 and bf16 > 0:
+                return fp32, bf16, fp32 / bf16
+        except ValueError:
+            pass
     m, k, n = TRIAL_SHAPE
     g = torch.Generator().manual_seed(0)
     x = torch.randn(m, k, generator=g)
@@ -84,6 +97,7 @@ def bf16_speedup() -> tuple[float, float, float]:
             bf16 = _time_linear(x.to(torch.bfloat16), w.to(torch.bfloat16), packed=True)
     finally:
         torch.set_num_threads(threads)
+    os.environ[TRIAL_ENV] = f"{fp32:.9f} {bf16:.9f}"
     return fp32, bf16, fp32 / bf16
 
 
@@ -115,6 +129,18 @@ def choice(asked: str, device: str = "cpu") -> DtypeChoice:
     return DtypeChoice("bfloat16", f"auto, CPU computes bf16 {speedup:.1f}x faster than fp32", AUTO)
 
 
+def dtype_label(model_cfg) -> str:
+    """A ``ModelConfig``'s dtype for start lines: ``bfloat16: auto, CPU computes bf16 2.0x faster than fp32, cpu``."""
+    c = choice(model_cfg.dtype, str(model_cfg.device))
+    return f"{c.name}: {c.reason}, {model_cfg.device}"
+
+
+def model_label(model, model_cfg) -> str:
+    """What a built model runs in (its ``dtype_choice``, set by ``load_model``), else ``dtype_label(model_cfg)``."""
+    chosen = getattr(model, "dtype_choice", None)
+    return chosen.label(str(model_cfg.device)) if chosen is not None else dtype_label(model_cfg)
+
+
 def resolve(asked: str, device: str | torch.device = "cpu") -> str:
     """The dtype name to build the model in (``auto`` resolved)."""
     return choice(asked, str(device)).name
@@ -122,4 +148,5 @@ def resolve(asked: str, device: str | torch.device = "cpu") -> str:
 
 def refresh() -> None:
     """Forget the cached timed trial (tests)."""
+    os.environ.pop(TRIAL_ENV, None)
     bf16_speedup.cache_clear()
