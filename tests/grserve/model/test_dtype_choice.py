@@ -11,8 +11,9 @@ from grserve.model.cpu_support import cpu_support
 from grserve.model.dtype_choice import MIN_SPEEDUP, choice, choose_dtype
 
 
-def test_auto_is_the_config_default():
-    assert ModelConfig().dtype == "auto"
+def test_auto_is_accepted_by_the_config():
+    # opt-in for now: as the default it changed answers of 15 exactness tests (HF / fp32 comparisons), not yet pinned
+    assert ModelConfig(dtype="auto").dtype == "auto" and ModelConfig().dtype == "float32"
 
 
 def test_a_named_dtype_is_used_as_asked():
