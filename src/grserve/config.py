@@ -33,7 +33,7 @@ from grserve.flags import (
 
 Scoring = Literal["renormalized", "hf"]
 TopBWImpl = Literal["vectorized", "heap"]
-DTYPES = ("float32", "bfloat16", "float16", "float64")
+DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 RANKING_POLICIES = ("bat", "user_prefix", "item_prefix", "greedy_size", "recompute")
 LLM_SCHEDULERS = ("fcfs", "chunked", "aptserve", "aptserve-kv")
@@ -46,7 +46,9 @@ class ModelConfig(Checked):
     source: str = flag("tiny", "a model preset (tiny, tiny-mha, tiny-bat, qwen3-0.6b, qwen3-1.7b, qwen2-1.5b; "
                                "seeded random weights) or a Hugging Face-format directory (config.json + "
                                "*.safetensors)", name="model", metavar="PRESET_OR_DIR")
-    dtype: str = flag("float32", "model weights and activations dtype", choices=DTYPES)
+    dtype: str = flag("float32", "model weights and activations dtype; auto: bfloat16 on CUDA and where this CPU "
+                              "computes bf16 faster than fp32 (a timed trial at start-up), else float32 "
+                              "(model/dtype_choice.py; the start line says which and why)", choices=DTYPES)
     device: str = flag("cpu", "where the model runs", check=device_name, metavar="cpu|cuda|cuda:N")
     seed: int = flag(0, "seed of a preset's random weights (and of generated data)", check=non_negative)
 
@@ -463,6 +465,9 @@ class AccelConfig(Checked):
     prefill_compile: bool = flag(False, "torch.compile the prefill's layers in two pieces around the attention, "
                                         "static shapes per --prompt-bucket tokens (model/prefill_compile.py; no gain "
                                         "measured on CPU, ~90 s compile; for GPUs to measure)")
+    batch_invariant: bool = flag(True, "retrieval runs each projection and the SID LM head as one GEMM per request "
+                                       "(RowGroups, model/packed_linear.py): a request's items and scores do not "
+                                       "depend on what else shares its batch (costs a few %% at low load)")
     cpu_packed_linears: bool = flag(True, "retrieval on a CPU runs the decoder's projections on oneDNN-prepacked "
                                           "weights where this CPU has them (model/packed_linear.py)")
 

@@ -62,6 +62,11 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self.engine.start()
 
+    @property
+    def dtype_choice(self):
+        """The dtype the model runs in and why (``model/dtype_choice.py``: ``--dtype auto`` resolved)."""
+        return getattr(self.engine.model, "dtype_choice", None)
+
     def close(self) -> None:
         self.engine.stop()
 

@@ -129,9 +129,11 @@ def run_check(cfg: Any, check: PrecisionCheck) -> tuple[Comparison, dict]:
             targets.append(t)
         want = ref.recommend(bodies, top_n=check.top_n, progress=not check.json_only)
     with Recommender(cfg) as low:
+        used = low.dtype_choice  # --dtype auto: what this machine chose (fp32 here compares fp32 with itself)
         got = low.recommend(bodies, top_n=check.top_n, progress=not check.json_only)
     result = compare(want, got, {int(i) for i in catalog.item_ids}, check.top_n, targets, check.recall_k)
-    record = {"check": "precision", "model": cfg.model.source, "dtype": cfg.model.dtype, "reference": "float32",
+    record = {"check": "precision", "model": cfg.model.source, "dtype": used.name, "dtype_asked": cfg.model.dtype,
+              "dtype_reason": used.reason, "quantization": "none", "reference": "float32",
               "beam_width": cfg.search.beam_width, "top_n": check.top_n, **result.__dict__,
               "recall_k": check.recall_k, "passes": result.passes(check),
               "gate": {"min_overlap": check.min_overlap, "min_top1": check.min_top1, "invalid": 0},
@@ -162,7 +164,8 @@ def table(result: Comparison, record: dict) -> str:
                      f"{result.recall_reference:.4f} / {result.recall_test:.4f} (± {result.recall_stderr:.4f})"))
     rows.append(("gate", "passes" if record["passes"] else "FAILS"))
     width = max(len(k) for k, _ in rows)
-    head = f"{record['model']}: {record['dtype']} against float32, beam width {record['beam_width']}, " \
+    asked = f" ({record['dtype_reason']})" if record.get("dtype_asked") == "auto" else ""
+    head = f"{record['model']}: {record['dtype']}{asked} against float32, beam width {record['beam_width']}, " \
            f"on {record['machine']['cpu']}"
     return "\n".join([head, *(f"  {k:<{width}}  {v}" for k, v in rows)])
 
@@ -174,7 +177,7 @@ def add_command(sub) -> None:
                                               "recall gate)", description=__doc__)
     d = ServeConfig()
     add_flags(p, PrecisionCheck, title="the check")
-    add_flags(p, d.model, title="model (--dtype: the precision checked)")
+    add_flags(p, d.model, title="model (--dtype: the precision checked; auto: the one this machine would serve)")
     add_flags(p, d.catalog, title="catalog (default: a generated one, as grserve serve's)")
     add_flags(p, d.search, title="search")
     p.set_defaults(handler=lambda ns: main(ns))

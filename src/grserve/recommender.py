@@ -146,6 +146,11 @@ class Recommender:
     def catalog(self):
         return self.engine.catalogs.current()
 
+    @property
+    def dtype_choice(self):
+        """The dtype the model runs in and why (``model/dtype_choice.py``: ``--dtype auto`` resolved)."""
+        return getattr(self.engine.model, "dtype_choice", None)
+
     def close(self) -> None:
         self.engine.runner.close()
 

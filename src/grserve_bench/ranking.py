@@ -34,7 +34,7 @@ from grserve.flags import Checked, comma_list, config_command, flag, non_negativ
 SYSTEMS = RANKING_POLICIES  # bat, user_prefix, item_prefix, greedy_size, recompute
 LABELS = {"bat": "BAT", "user_prefix": "UP", "item_prefix": "IP", "greedy_size": "greedy-by-size",
           "recompute": "recompute"}
-BENCH_DTYPES = ("bfloat16", "float32")  # choices on the command line
+BENCH_DTYPES = ("auto", "bfloat16", "float32")  # choices on the command line
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,8 @@ class RankingBenchConfig(Checked):
 
     model: str = flag("tiny-bat", "preset or HF directory (tiny-bat: Qwen2-1.5B's linear-vs-attention FLOP mix at "
                                   "tiny cost)", metavar="PRESET_OR_DIR")
-    dtype: str = flag("float32", "model dtype", choices=BENCH_DTYPES)
+    dtype: str = flag("float32", "model dtype (auto: what grserve serve would pick here, model/dtype_choice.py)",
+                      choices=BENCH_DTYPES)
     scale: float = flag(1.0, "profile-length scale (1.0 = the paper's lengths; candidates stay 100)", check=positive)
     full_scale: bool = flag(False, "same as --scale 1.0")
     users: int = flag(25, "distinct users in the one-hour trace", check=positive_int)
@@ -126,6 +127,7 @@ def run(a: RankingBenchConfig) -> int:
                   f"{wstats['cacheable_share_ceiling']:.3f} of user + item tokens")
 
     out = {
+        "dtype": model.dtype_choice.name, "dtype_reason": model.dtype_choice.reason, "quantization": "none",
         "scale": scale, "requests": len(reqs), "batch": a.batch, "threads": a.threads, "timing": "process_cpu",
         "user_cache_bytes": budget,
         "user_cache_fraction_of_distinct_users": budget / max(distinct_user_bytes, 1),

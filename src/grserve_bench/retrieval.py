@@ -7,6 +7,11 @@ JSON object (``speedup_vs_hf``, ``kv_bytes_per_request``, ``kv_bytes_formula``, 
 host thread's mask building (overlapping the forward) and the selection (masked softmax, top-k, top-BW, reorder).
 The RecIF shape: ``--num-items 1500000 --codebook-size 8192 --depth 4`` (a preset's vocabulary is grown to hold the
 catalog's SID tokens).
+
+The precision is a dimension (issue 42): ``--dtype float32,bfloat16,auto`` runs the whole benchmark once per dtype, in
+that order, one JSON line each; every line names the dtype used (``auto`` resolved), why (``dtype_reason``), the
+quantization (``"none"``), whether retrieval ran batch-invariant (``--batch-invariant``, the default) and the machine
+(CPU model, ISA, fast bf16 or not).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import wait
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -46,7 +51,11 @@ class RetrievalBenchConfig(Checked):
 
     model: str = flag("tiny", "preset or HF-format directory", metavar="PRESET_OR_DIR")
     device: str = flag("cpu", "where the model runs", check=device_name, metavar="cpu|cuda|cuda:N")
-    dtype: str = flag("float32", "model dtype", choices=DTYPES)
+    dtype: str = flag("auto", "model dtype, or a comma-separated list of them (the benchmark runs once per dtype, one "
+                              "JSON line each); auto: what grserve serve would pick here (model/dtype_choice.py)",
+                      check=comma_list(str, allowed=DTYPES), metavar="DTYPE[,DTYPE...]")
+    batch_invariant: bool = flag(True, "grserve runs one GEMM per request (a request's answer does not depend on its "
+                                       "batch; AccelConfig.batch_invariant)")
     prompt_len: int = flag(512, "prompt tokens per request", check=positive_int)
     beam_widths: str = flag("16,64,128", "comma-separated beam widths", check=comma_list(int, each=positive_int))
     headline_bw: int | None = flag(None, "beam width reported in the JSON headline (default: the largest)",
@@ -95,6 +104,15 @@ class RetrievalBenchConfig(Checked):
                                    "prompt, the full last layer, no graphs) and the top-k agreement with it")
     hf_ctx: str | None = flag(None, "--suite p2: run HF at these grid contexts only (default: every context)",
                               check=comma_list(int, each=positive_int), metavar="CTX,...")
+
+
+def precision_fields(asked: str, chosen=None) -> dict:
+    """What every JSON line says of its arithmetic: dtype used, why, what was asked, quantization."""
+    if chosen is None:
+        from grserve.model.dtype_choice import choice
+
+        chosen = choice(asked)
+    return {"dtype": chosen.name, "dtype_reason": chosen.reason, "dtype_asked": asked, "quantization": "none"}
 
 
 def add_command(sub) -> None:
@@ -247,13 +265,15 @@ def _print_results(console, cfg: RetrievalBenchConfig, sweep: list[dict], b_tok:
 
 
 def _summary(cfg: RetrievalBenchConfig, sweep: list[dict], headline: int, catalog, b_tok: int, t_cat: float,
-             warm_s: dict) -> dict:
+             warm_s: dict, chosen=None) -> dict:
     """The final JSON line: the headline beam width's numbers, then the per-width sweep."""
     head = next(r for r in sweep if r["beam_width"] == headline)
     return {
         "benchmark": "retrieval",
         "model": cfg.model,
         "device": cfg.device,
+        **precision_fields(cfg.dtype, chosen),
+        "batch_invariant": cfg.batch_invariant,
         "machine": machine_info(),
         "prompt_len": cfg.prompt_len,
         "beam_width": headline,
@@ -298,13 +318,24 @@ def _baselines(cfg: RetrievalBenchConfig, model):
 
 
 def run(cfg: RetrievalBenchConfig) -> int:
+    """Once per dtype of ``--dtype`` (the module docstring)."""
+    if cfg.suite == "p2" or (cfg.suite == "auto" and cfg.device.startswith("cuda")):
+        return run_one(cfg)  # the device suite: its own --p2-dtype
+    for dtype in split_commas(cfg.dtype, str):
+        rc = run_one(replace(cfg, dtype=dtype))
+        if rc:
+            return rc
+    return 0
+
+
+def run_one(cfg: RetrievalBenchConfig) -> int:
     import torch
     from rich.console import Console
     from tqdm import tqdm
 
     from grserve_bench.workload import bench_layout, history_prompts
     from grserve.catalog import CatalogStore, generate_catalog
-    from grserve.config import SchedulerConfig, SearchConfig
+    from grserve.config import AccelConfig, SchedulerConfig, SearchConfig
     from grserve.engine.retrieval_engine import RetrievalEngine
     from grserve.engine.retrieval import RetrievalRunner
     from grserve.model import load_model
@@ -327,22 +358,25 @@ def run(cfg: RetrievalBenchConfig) -> int:
     t_cat = time.perf_counter() - t_cat
     model = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, seed=cfg.seed,
                        min_vocab=catalog.layout.num_tokens)
+    chosen = model.dtype_choice
     spec = model.spec
     catalog = bench_layout(catalog, cfg.sid_layout, spec.vocab_size, cfg.seed)
     catalog.layout.check_vocab(spec.vocab_size)
     b_tok = spec.kv_bytes_per_token(torch.empty((), dtype=model.dtype).element_size())
     prompts = history_prompts(catalog, max(cfg.requests, cfg.hf_requests, cfg.naive_requests), cfg.prompt_len, cfg.seed)
     console.print(
-        f"[bold]grserve bench retrieval[/]: model={cfg.model} ({spec.num_parameters() / 1e6:.1f}M params, {cfg.dtype}, "
-        f"{cfg.device}), catalog={len(catalog)} items × {cfg.depth} SID tokens ({cfg.codebook_size} codes per level, "
+        f"[bold]grserve bench retrieval[/]: model={cfg.model} ({spec.num_parameters() / 1e6:.1f}M params, "
+        f"{chosen.label(cfg.device)}, batch-invariant {cfg.batch_invariant}), catalog={len(catalog)} items × {cfg.depth} SID tokens ({cfg.codebook_size} codes per level, "
         f"generated in {t_cat:.1f} s), prompt={cfg.prompt_len}, "
         f"beam widths={bws}, torch threads={torch.get_num_threads()}"
     )
     sched = SchedulerConfig(token_capacity=cfg.batch * cfg.prompt_len, max_batch_requests=cfg.batch, max_inflight_batches=1)
-    engine = RetrievalEngine(model, CatalogStore(catalog), SearchConfig(scoring=cfg.scoring), sched).start()
+    accel = AccelConfig(batch_invariant=cfg.batch_invariant)
+    engine = RetrievalEngine(model, CatalogStore(catalog), SearchConfig(scoring=cfg.scoring), sched,
+                             accel=accel).start()
     hf, naive = _baselines(cfg, model)
-    runner = RetrievalRunner(model, SearchConfig(scoring=cfg.scoring))  # one batch, timed alone
-    hf_runner = RetrievalRunner(model, SearchConfig(scoring="hf"))  # exactness check against HF
+    runner = RetrievalRunner(model, SearchConfig(scoring=cfg.scoring), accel)  # one batch, timed alone
+    hf_runner = RetrievalRunner(model, SearchConfig(scoring="hf"), accel)  # exactness check against HF
 
     sweep = []
     steps = len(bws) * (1 + (hf is not None) + (naive is not None))
@@ -358,5 +392,5 @@ def run(cfg: RetrievalBenchConfig) -> int:
         hf_runner.close()
 
     _print_results(console, cfg, sweep, b_tok, warm_s)
-    print(json.dumps(_summary(cfg, sweep, headline, catalog, b_tok, t_cat, warm_s)))
+    print(json.dumps(_summary(cfg, sweep, headline, catalog, b_tok, t_cat, warm_s, chosen)))
     return 0

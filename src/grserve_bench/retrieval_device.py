@@ -212,7 +212,7 @@ def _summary(cfg, rows, use_graphs: bool, model, compile_failed: str | None = No
                                                default=None)
     return {
         "benchmark": "retrieval", "suite": "p2", "device": _device_name(cfg.device), "model": cfg.p2_model,
-        "dtype": cfg.p2_dtype, "attention_backend": cfg.attention_backend, "cuda_graphs": use_graphs,
+        "dtype": cfg.p2_dtype, "quantization": "none", "attention_backend": cfg.attention_backend, "cuda_graphs": use_graphs,
         "sid_layout": cfg.sid_layout, "catalog_items": cfg.num_items, "codebook_size": cfg.codebook_size,
         "prefill": {"attention": varlen.resolve(cfg.prefill_attention, model.device, model.dtype),
                     "flash_failed": varlen.flash_failure(), "last_rows": cfg.prefill_last_rows,

@@ -10,6 +10,10 @@ online-softmax rule (the paper's "local maxima and sums"; ``lse = m + log l`` in
 
 An empty stage has ``lse = -inf`` and ``o = 0`` and drops out of the merge exactly.
 
+Whatever the model dtype, the log-sum-exps are fp32 (each stage's scores are reduced in fp32) and the merge runs in
+fp32, rounding the merged output to the model dtype once (issue 42: scores and merges stay fp32 in bf16). In fp32
+these are the same operations as before.
+
 The shared stage is one matrix-matrix product per KV head (all BW beam queries × the GQA group hit the same
 keys) instead of BW matrix-vector products: this is where the prompt KV is read once per request, not per beam.
 """
@@ -17,6 +21,11 @@ keys) instead of BW matrix-vector products: this is where the prompt KV is read 
 from __future__ import annotations
 
 import torch
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in at least fp32 (bf16/fp16 → fp32; fp32 and fp64 as they are)."""
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()
 
 
 def shared_stage(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,7 +43,7 @@ def shared_stage(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[tor
     qg = q.view(b, h_kv, g, d).permute(1, 0, 2, 3).reshape(1, h_kv, b * g, d)
     o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qg, k.unsqueeze(0), v.unsqueeze(0))
     o = o.view(h_kv, b, g, d).permute(1, 0, 2, 3).reshape(b, h_q, d)
-    lse = lse.to(q.dtype).view(h_kv, b, g).permute(1, 0, 2).reshape(b, h_q)
+    lse = _wide(lse).view(h_kv, b, g).permute(1, 0, 2).reshape(b, h_q)  # fp32: the kernel's own
     return o, lse
 
 
@@ -44,11 +53,11 @@ def shared_stage_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) ->
     h_kv = k.shape[0]
     g = h_q // h_kv
     if k.shape[1] == 0:
-        return torch.zeros_like(q), q.new_full((b, h_q), float("-inf"))
+        return torch.zeros_like(q), q.new_full((b, h_q), float("-inf"), dtype=_wide(q).dtype)
     qg = q.view(b, h_kv, g, d).permute(1, 0, 2, 3).reshape(h_kv, b * g, d)
-    scores = torch.bmm(qg, k.transpose(1, 2)).mul_(d**-0.5)  # [Hkv, B*G, L]
+    scores = _wide(torch.bmm(qg, k.transpose(1, 2))).mul_(d**-0.5)  # [Hkv, B*G, L], fp32
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)
-    probs = scores.sub_(lse).exp_()
+    probs = scores.sub_(lse).exp_().to(v.dtype)
     o = torch.bmm(probs, v)  # [Hkv, B*G, D]
     o = o.view(h_kv, b, g, d).permute(1, 0, 2, 3).reshape(b, h_q, d)
     lse = lse.view(h_kv, b, g).permute(1, 0, 2).reshape(b, h_q)
@@ -63,12 +72,12 @@ def unshared_stage(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[t
     b, h_q, d = q.shape
     t, h_kv = k.shape[1], k.shape[2]
     if t == 0:
-        return torch.zeros_like(q), q.new_full((b, h_q), float("-inf"))
+        return torch.zeros_like(q), q.new_full((b, h_q), float("-inf"), dtype=_wide(q).dtype)
     g = h_q // h_kv
     qg = q.view(b, h_kv, g, d)
-    scores = torch.einsum("bhgd,bthd->bhgt", qg, k).mul_(d**-0.5)  # [B, Hkv, G, T]
+    scores = _wide(torch.einsum("bhgd,bthd->bhgt", qg, k)).mul_(d**-0.5)  # [B, Hkv, G, T], fp32
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)
-    probs = scores.sub_(lse).exp_()
+    probs = scores.sub_(lse).exp_().to(v.dtype)
     o = torch.einsum("bhgt,bthd->bhgd", probs, v)
     return o.reshape(b, h_q, d), lse.reshape(b, h_q)
 
@@ -76,12 +85,15 @@ def unshared_stage(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[t
 def merge_states(
     o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Online-softmax merge of two partial attention states over disjoint key sets."""
+    """Online-softmax merge of two partial attention states over disjoint key sets: in fp32, the output rounded to
+    ``o_a``'s dtype once, the log-sum-exp fp32."""
+    lse_a, lse_b = _wide(lse_a), _wide(lse_b)
     lse = torch.logaddexp(lse_a, lse_b)
     # exp(-inf - (-inf)) would be NaN when both stages are empty; such rows keep weight 0.
     w_a = torch.nan_to_num(torch.exp(lse_a - lse), nan=0.0)
     w_b = torch.nan_to_num(torch.exp(lse_b - lse), nan=0.0)
-    return o_a * w_a[..., None] + o_b * w_b[..., None], lse
+    out = _wide(o_a) * w_a[..., None] + _wide(o_b) * w_b[..., None]
+    return out.to(o_a.dtype), lse
 
 
 def staged_attention(

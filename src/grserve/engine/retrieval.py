@@ -19,6 +19,13 @@ other requests of the batch are prefilled packed as usual.
 With a prefix cache (``self.prefix``, ``kvcache/prefix_blocks.py``) each prompt's longest cached block-aligned
 prefix is copied into its ``shared_kv`` slot first and only the rest is prefilled (a thinking request's text stage
 starts from it too); after the prefill the prompts' new full blocks are stored. The beam search is unchanged.
+
+Batch invariance (``accel.batch_invariant``, on by default): every projection of the prefill and the beam steps and
+the SID LM head run one GEMM per request (``RowGroups``, ``model/packed_linear.py``), and attention is per request
+already (the prefill's per-prompt causal attention, the staged shared stage per request, the unshared stage per
+beam), so a request's items and scores are the same bits alone as in any batch, at any position in it
+(``tests/grserve/engine/test_batch_invariance.py``). Not covered: ``prefill_compile`` (one compiled call over the
+packed prompts) and a prompt whose prefix came from the prefix cache (its rest is prefilled with another M).
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ from grserve.engine.think import ThinkSpec, Thought, think
 from grserve.kvcache.beam import BeamKV
 from grserve.kvcache.prefix_blocks import PrefixBlockCache, PrefixMatch
 from grserve.model import Decoder
-from grserve.model.packed_linear import PackedLinears, shared_pack
+from grserve.model.packed_linear import PackedLinears, RowGroups, shared_pack
 from grserve.model.prefill_compile import CompiledPrefill
 from grserve.search.beam_search import BeamSearch, Hit
 
@@ -89,8 +96,11 @@ class RetrievalRunner:
         t0 = time.perf_counter()
         kv, last, thoughts, cached = self._prefill(prompts, beam_width, depth, think or [None] * r)
         lens = kv.prompt_lens
-        self._level_logits(last, catalog, 0, beams)
-        beams.select_first(self._full_lse(last) if hf else None)
+        invariant = self.accel.batch_invariant
+        one = RowGroups.uniform(r, 1) if invariant else None  # the level-0 head: one row per request
+        per_beam = RowGroups.uniform(r, beam_width) if invariant else None  # a beam step: BW rows per request
+        self._level_logits(last, catalog, 0, beams, one)
+        beams.select_first(self._full_lse(last, one) if hf else None)
         events.append(("prefill", t0, time.perf_counter()))
 
         base_pos = torch.tensor(lens, device=dev).repeat_interleave(beam_width)
@@ -98,9 +108,9 @@ class RetrievalRunner:
             t_fwd = time.perf_counter()
             mask_job = self._submit_mask(beams, level, events)
             hidden = model(beams.next_tokens, base_pos + (level - 1), BeamDecodeContext(kv, step=level - 1),
-                           packed=self.packed)
-            self._level_logits(hidden, catalog, level, beams)
-            lse = self._full_lse(hidden) if hf else None
+                           packed=self.packed, groups=per_beam)
+            self._level_logits(hidden, catalog, level, beams, per_beam)
+            lse = self._full_lse(hidden, per_beam) if hf else None
             events.append((f"forward{level}", t_fwd, time.perf_counter()))
             if mask_job is not None:
                 mask_job.result()
@@ -143,8 +153,11 @@ class RetrievalRunner:
             positions = torch.cat([torch.arange(cached[i], lens[i]) for i in fresh]).to(dev)
             ctx = PrefillContext(kv, None if len(fresh) == len(prompts) else fresh, cached if any(cached) else None,
                                  self.accel.prefill_attention)
-            rows = torch.from_numpy(np.cumsum([lens[i] - cached[i] for i in fresh]) - 1).to(dev)
-            last[fresh] = prefill_rows(model, self.accel, tokens, positions, ctx, rows, self.packed, self.compiled)
+            sizes = [lens[i] - cached[i] for i in fresh]
+            rows = torch.from_numpy(np.cumsum(sizes) - 1).to(dev)
+            groups = RowGroups(sizes) if self.accel.batch_invariant else None
+            last[fresh] = prefill_rows(model, self.accel, tokens, positions, ctx, rows, self.packed, self.compiled,
+                                       groups)
         for i, t in enumerate(thoughts):
             if t is not None:
                 for layer in range(spec.num_hidden_layers):
@@ -169,22 +182,25 @@ class RetrievalRunner:
             return None
         return self._mask_pool.submit(build)
 
-    def _level_logits(self, hidden: torch.Tensor, catalog: Catalog, level: int, beams: BeamSearch) -> None:
-        beams.logits[level].copy_(self.model.logits(hidden, beams.heads.rows[level]))
+    def _level_logits(self, hidden: torch.Tensor, catalog: Catalog, level: int, beams: BeamSearch,
+                      groups: RowGroups | None = None) -> None:
+        # fp32 from here on whatever the model dtype: the masked log-softmax and the beam scores (search/)
+        beams.logits[level].copy_(self.model.logits(hidden, beams.heads.rows[level], groups))
 
-    def _full_lse(self, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.logsumexp(self.model.logits(hidden).float(), dim=-1, keepdim=True)
+    def _full_lse(self, hidden: torch.Tensor, groups: RowGroups | None = None) -> torch.Tensor:
+        return torch.logsumexp(self.model.logits(hidden, None, groups).float(), dim=-1, keepdim=True)
 
 
 def prefill_rows(model: Decoder, accel: AccelConfig, tokens: torch.Tensor, positions: torch.Tensor, ctx,
-                 rows: torch.Tensor, packed: PackedLinears | None = None, compiled: CompiledPrefill | None = None
-                 ) -> torch.Tensor:
+                 rows: torch.Tensor, packed: PackedLinears | None = None, compiled: CompiledPrefill | None = None,
+                 groups: RowGroups | None = None) -> torch.Tensor:
     """The prefill of both runners: every token's K/V into ``ctx``'s cache, each prompt's last hidden row [S, H]
     back (``rows``: their packed indices). ``accel.prefill_last_rows``: the last layer past K/V on those rows only;
-    ``compiled``: the layers through ``model/prefill_compile.py``."""
+    ``compiled``: the layers through ``model/prefill_compile.py``; ``groups``: each prompt's rows, one GEMM per
+    prompt (batch invariance; not honoured by ``compiled``)."""
     keep = rows if accel.prefill_last_rows else None
     if compiled is not None:
         h = compiled(tokens, positions, ctx, keep)
     else:
-        h = model(tokens, positions, ctx, packed=packed, last_rows=keep)
+        h = model(tokens, positions, ctx, packed=packed, last_rows=keep, groups=groups)
     return h if keep is not None else h[rows]

@@ -16,7 +16,8 @@ def llm_lines(engine: Any, cfg: Any) -> list[str]:
     pc = engine.prefix_cache
     prefix = (f", prefix cache {pc.capacity} tokens ({pc.bytes / 2**20:.0f} MiB, {c.prefix_cache_policy})"
               if pc is not None else "")
-    lines = [f"LLM {name} ({cfg.model.dtype}), scheduler {c.scheduler}, {c.num_blocks} blocks x {c.block_size} "
+    from grserve.model.dtype_choice import model_label  # lazy: torch
+    lines = [f"LLM {name} ({model_label(getattr(engine, 'model', None), cfg.model)}), scheduler {c.scheduler}, {c.num_blocks} blocks x {c.block_size} "
              f"tokens{prefix}, {engine.thread_choice.describe()} -> http://{s.host}:{s.port}/v1"]
     describe = getattr(engine.core.executor, "describe", None)
     if describe is not None:  # the CPU fast paths chosen on this machine, and why (model/cpu_support.py)
@@ -53,7 +54,7 @@ def build_retrieval(cfg: Any, on_batch: Any = None) -> tuple[Any, dict]:
     describe = getattr(engine.runner, "describe", None)
     lines = [start_line(choice), describe()] if callable(describe) else [start_line(choice)]
     info = {"vocab_size": engine.vocab_size, "catalog_version": engine.catalogs.version, "lines": lines,
-            "threads": choice.threads}
+            "threads": choice.threads, "dtype": engine.model.dtype_choice.label(str(cfg.model.device))}
     return engine, info
 
 
@@ -73,4 +74,5 @@ def build_ranking(cfg: Any, on_batch: Any = None) -> tuple[Any, dict]:
     engine = RankingEngine(runner, on_batch=on_batch, edge=cfg.edge)
     engine.beat = lambda: {"ranking_stats": runner.stats}  # the front end's /v1/ranking/stats
     return engine, {"vocab_size": model.spec.vocab_size, "policy": runner.policy.name,
-                    "lines": [start_line(choice)], "threads": choice.threads}
+                    "lines": [start_line(choice), f"model {m.source} ({model.dtype_choice.label(str(m.device))})"],
+                    "threads": choice.threads}

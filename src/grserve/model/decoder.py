@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from grserve.attention.context import AttentionContext
-from grserve.model.packed_linear import PackedLinears, linear
+from grserve.model.dtype_choice import DtypeChoice
+from grserve.model.packed_linear import PackedLinears, RowGroups, grouped_linear, linear
 from grserve.model.spec import ModelSpec
 
 
@@ -95,6 +96,8 @@ class Decoder(nn.Module):
         self.to_empty(device=device)
         self.tie_weights()
         self._inv_freq: torch.Tensor | None = None  # fp32, deliberately not a buffer (survives .to(bf16))
+        name = str(dtype).removeprefix("torch.")
+        self.dtype_choice = DtypeChoice(name, "asked for", name)  # load_model sets what --dtype auto chose
 
     def tie_weights(self) -> None:
         if self._spec.tie_word_embeddings:
@@ -128,7 +131,8 @@ class Decoder(nn.Module):
         return cos, sin
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
-                packed: PackedLinears | None = None, last_rows: torch.Tensor | None = None) -> torch.Tensor:
+                packed: PackedLinears | None = None, last_rows: torch.Tensor | None = None,
+                groups: RowGroups | None = None) -> torch.Tensor:
         """input_ids, positions: int64 [N] (packed tokens, absolute positions) → final-normed hidden [N, H].
         ``packed``: the projections' oneDNN-packed weights (``model/packed_linear.py``); None: ``F.linear``.
 
@@ -136,7 +140,11 @@ class Decoder(nn.Module):
         (a prefill that needs only those rows' hidden states: the LM head reads them, the K/V of every row go to
         the cache) → hidden [S, H]. The last layer then computes K/V for every row, but its queries, attention,
         o_proj and MLP for those S rows only (``ctx.attend_last``; a context without it runs the full layer and
-        the rows are picked after). The same arithmetic per row as the full layer: tests check ≤ 1e-5 in fp32."""
+        the rows are picked after). The same arithmetic per row as the full layer: tests check ≤ 1e-5 in fp32.
+
+        ``groups``: the rows of each request (``RowGroups``, in ``ctx``'s order): every projection runs one GEMM per
+        request, so a request's hidden states do not depend on the other rows (batch invariance; with
+        ``last_rows``, one row per prompt past the pruned layer's K/V)."""
         cos, sin = self.rope(positions)
         x = F.embedding(input_ids, self.model.embed_tokens.weight)
         n = x.shape[0]
@@ -149,23 +157,25 @@ class Decoder(nn.Module):
             h = layer.input_layernorm(x)
             if observe is not None:
                 observe(i, h)
-            k = linear(h, a.k_proj, packed).view(n, a.hkv, a.d)
-            v = linear(h, a.v_proj, packed).view(n, a.hkv, a.d)
+            k = grouped_linear(h, a.k_proj, packed, groups).view(n, a.hkv, a.d)
+            v = grouped_linear(h, a.v_proj, packed, groups).view(n, a.hkv, a.d)
             if i == prune_at:  # only the last rows go on past K/V (the docstring)
                 h, x = h.index_select(0, last_rows), x.index_select(0, last_rows)
                 qc, qs = cos.index_select(0, last_rows), sin.index_select(0, last_rows)
+                if groups is not None:
+                    groups = RowGroups.uniform(len(last_rows), 1)
             else:
                 qc, qs = cos, sin
-            q = linear(h, a.q_proj, packed).view(h.shape[0], a.hq, a.d)
+            q = grouped_linear(h, a.q_proj, packed, groups).view(h.shape[0], a.hq, a.d)
             if a.q_norm is not None:
                 q, k = a.q_norm(q), a.k_norm(k)
             q, k = _rotate(q, qc, qs), _rotate(k, cos, sin)
             o = ctx.attend_last(i, q, k, v) if i == prune_at else ctx.attend(i, q, k, v)
-            x = x + linear(o.reshape(h.shape[0], a.hq * a.d), a.o_proj, packed)
+            x = x + grouped_linear(o.reshape(h.shape[0], a.hq * a.d), a.o_proj, packed, groups)
             m = layer.mlp
             h = layer.post_attention_layernorm(x)
-            g = F.silu(linear(h, m.gate_proj, packed)) * linear(h, m.up_proj, packed)
-            x = x + linear(g, m.down_proj, packed)
+            g = F.silu(grouped_linear(h, m.gate_proj, packed, groups)) * grouped_linear(h, m.up_proj, packed, groups)
+            x = x + grouped_linear(g, m.down_proj, packed, groups)
         if last_rows is not None and prune_at < 0:
             x = x.index_select(0, last_rows)
         return self.model.norm(x)
@@ -185,9 +195,11 @@ class Decoder(nn.Module):
         cos, sin = self.rope(positions)
         return _rotate(k, cos, sin), v
 
-    def logits(self, hidden: torch.Tensor, token_range: tuple[int, int] | torch.Tensor | None = None) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, token_range: tuple[int, int] | torch.Tensor | None = None,
+               groups: RowGroups | None = None) -> torch.Tensor:
         """hidden [N, H] → logits [N, V]; [N, b-a] for token_range=(a, b) (only those vocab rows are used); [N, K]
-        for an int64 tensor of K token ids (a gather of those rows: a SID level whose ids are not contiguous)."""
+        for an int64 tensor of K token ids (a gather of those rows: a SID level whose ids are not contiguous).
+        ``groups``: one GEMM per request's rows (batch invariance, ``model/packed_linear.py``)."""
         w = self.lm_head.weight
         if isinstance(token_range, torch.Tensor):
             w = w.index_select(0, token_range)
@@ -196,4 +208,7 @@ class Decoder(nn.Module):
             if not 0 <= a < b <= w.shape[0]:
                 raise ValueError(f"token_range {token_range} out of bounds for vocab size {w.shape[0]}")
             w = w[a:b]
-        return F.linear(hidden.to(w.dtype), w)
+        hidden = hidden.to(w.dtype)
+        if groups is not None:
+            return groups.apply(lambda rows: F.linear(rows, w), hidden)
+        return F.linear(hidden, w)

@@ -11,7 +11,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from grserve.model import dtype_choice
 from grserve.model.decoder import Decoder
+from grserve.model.dtype_choice import AUTO, DtypeChoice
 from grserve.model.spec import PRESETS, ModelSpec
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -46,16 +48,18 @@ def resolve_spec(source: str | Path) -> ModelSpec:
     return ModelSpec.from_hf_config(cfg)
 
 
-# dtype names accepted on command lines and in configs
+# dtype names accepted on command lines and in configs ("auto": model/dtype_choice.py picks one of them)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
-def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    """A torch dtype, or its name in ``DTYPES``."""
+def resolve_dtype(dtype: torch.dtype | str, device: torch.device | str = "cpu") -> torch.dtype:
+    """A torch dtype, its name in ``DTYPES``, or ``"auto"``: what ``model/dtype_choice.py`` picks on ``device``."""
     if isinstance(dtype, torch.dtype):
         return dtype
+    if dtype == AUTO:
+        dtype = dtype_choice.resolve(AUTO, device)
     if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)} or {AUTO!r}")
     return DTYPES[dtype]
 
 
@@ -63,13 +67,19 @@ def load_model(source: str | Path, *, dtype: torch.dtype | str = torch.float32, 
                seed: int = 0, min_vocab: int | None = None) -> Decoder:
     """Preset name → seeded random weights; directory → weights from its safetensors files.
 
-    ``dtype`` is a torch dtype or a name in ``DTYPES``. ``min_vocab``: a preset's vocabulary is grown to at least
+    ``dtype`` is a torch dtype, a name in ``DTYPES`` or ``"auto"`` (``model/dtype_choice.py``); the model's
+    ``dtype_choice`` says which dtype was used and why (start lines, benchmarks). ``min_vocab``: a preset's vocabulary is grown to at least
     this (rounded up to a multiple of 64) — a synthetic catalog whose SID tokens do not fit the preset's."""
     spec = resolve_spec(source)
     is_preset = isinstance(source, str) and source in PRESETS
     if is_preset and min_vocab is not None and min_vocab > spec.vocab_size:
         spec = dataclasses.replace(spec, vocab_size=-(-int(min_vocab) // 64) * 64)
-    model = Decoder(spec, dtype=resolve_dtype(dtype), device=device)
+    if isinstance(dtype, torch.dtype):
+        chosen = DtypeChoice(str(dtype).removeprefix("torch."), "asked for", str(dtype).removeprefix("torch."))
+    else:
+        chosen = dtype_choice.choice(dtype, str(device))
+    model = Decoder(spec, dtype=resolve_dtype(chosen.name), device=device)
+    model.dtype_choice = chosen
     if is_preset:
         _random_init(model, seed)
     else:

@@ -13,6 +13,14 @@ decoder's logits against the unpacked model and HF, and greedy tokens through th
 Memory: the packed copy doubles the projection weights (the originals stay: ``save_pretrained``, the reference
 path); embeddings and the LM head are not packed.
 
+``RowGroups`` (batch invariance, issue 42): a GEMM kernel's blocking, and so the order of its fp32/bf16
+accumulation, depends on the row count M (MKL's sgemm and oneDNN's matmul both: a row's result moves in its last
+bits, ~2e-7 relative in fp32, enough to flip near-tied beams). A projection over the rows of several requests
+therefore gives a request answers that depend on what else shares its batch. ``grouped_linear(x, lin, packed,
+groups)`` runs one GEMM per request (its rows, contiguous in ``x``) instead: the same M whatever the batch, so the
+same bits. The retrieval runner uses it for the prefill, the beam steps and the SID LM head when
+``AccelConfig.batch_invariant`` is on (the default).
+
 Chosen by capability (``available``): fp32 packing wherever oneDNN's fp32 matmul works, bf16 only where the CPU has
 fast bf16 (on others oneDNN refuses the reorder); ``F.linear`` everywhere else, and under ``GRSERVE_CPU_ISA=reference``.
 """
@@ -20,6 +28,7 @@ fast bf16 (on others oneDNN refuses the reorder); ``F.linear`` everywhere else, 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -108,3 +117,54 @@ def linear(x: torch.Tensor, lin: nn.Linear, packed: PackedLinears | None = None)
     if w is None:
         return F.linear(x, lin.weight, lin.bias)
     return torch.ops.mkldnn._linear_pointwise(x, w, lin.bias, "none", [], "")
+
+
+class RowGroups:
+    """The rows of a packed [N, ...] tensor grouped by request: request ``g`` owns rows
+    ``bounds[g]:bounds[g + 1]`` (contiguous, in order). ``apply(fn, x)`` runs a row-wise ``fn`` (a GEMM) once per
+    group and stacks the results, so each request's rows see the same kernel call alone as in any batch."""
+
+    __slots__ = ("bounds",)
+
+    def __init__(self, sizes: Sequence[int]):
+        bounds = [0]
+        for size in sizes:
+            bounds.append(bounds[-1] + int(size))
+        self.bounds = tuple(bounds)
+
+    @classmethod
+    def uniform(cls, groups: int, size: int) -> "RowGroups":
+        """``groups`` requests of ``size`` rows each (a beam step: R requests × BW beams; a LM head: R × 1)."""
+        return cls([size] * groups)
+
+    def __len__(self) -> int:
+        return len(self.bounds) - 1
+
+    @property
+    def rows(self) -> int:
+        return self.bounds[-1]
+
+    def apply(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] != self.rows:
+            raise ValueError(f"RowGroups of {self.rows} rows applied to a tensor of {x.shape[0]}")
+        spans = [(a, b) for a, b in zip(self.bounds, self.bounds[1:]) if b > a]
+        if len(spans) <= 1:
+            return fn(x)
+        a, b = spans[0]
+        first = fn(x[a:b])
+        out = first.new_empty((self.rows, *first.shape[1:]))
+        out[a:b] = first
+        for a, b in spans[1:]:
+            out[a:b] = fn(x[a:b])
+        return out
+
+    def __repr__(self) -> str:
+        return f"RowGroups({[b - a for a, b in zip(self.bounds, self.bounds[1:])]})"
+
+
+def grouped_linear(x: torch.Tensor, lin: nn.Linear, packed: PackedLinears | None = None,
+                   groups: RowGroups | None = None) -> torch.Tensor:
+    """``linear``, one GEMM per request of ``groups`` (None: one GEMM over every row)."""
+    if groups is None:
+        return linear(x, lin, packed)
+    return groups.apply(lambda rows: linear(rows, lin, packed), x)

@@ -97,6 +97,7 @@ def run_in_thread(cfg: RankingServeConfig) -> int:
     m = cfg.model
     model = load_model(m.source, dtype=m.dtype, device=m.device, seed=m.seed)
     print(f"grserve: {serving_threads(cfg.process.threads, model, packed=False)}", flush=True)
+    print(f"grserve: model {m.source} ({model.dtype_choice.label(str(m.device))})", flush=True)
     try:
         from grserve.ranking.startup_data import build_registry
 
@@ -140,8 +141,10 @@ def run_cluster(cfg: RankingServeConfig) -> int:
         print(f"grserve: {line}", flush=True)
     s = cfg.server
     reg = engine.registry
-    print(f"grserve ranking: {reg.num_items} items, {reg.num_users} users, policy {engine.runner.policy.name}, "
-          f"{cfg.cluster.instances} instances -> http://{s.host}:{s.port}  (POST /v1/rank)", flush=True)
+    from grserve.model.dtype_choice import dtype_label
+
+    print(f"grserve ranking: model {cfg.model.source} ({dtype_label(cfg.model)}), {reg.num_items} items, "
+          f"{reg.num_users} users, policy {engine.runner.policy.name}, {cfg.cluster.instances} instances -> http://{s.host}:{s.port}  (POST /v1/rank)", flush=True)
     restore_started(engine, stored)
     print(f"grserve: {state_line(store, stored)}", flush=True)
     return serve_until_exit(app, s.host, s.port, s.log_level, engine.stop)

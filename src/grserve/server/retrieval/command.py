@@ -116,7 +116,8 @@ def run_in_thread(cfg: ServeConfig) -> int:
               flush=True)
     cat = engine.catalogs.current()
     print_layout(engine)
-    print(f"grserve: model {cfg.model.source} ({cfg.model.dtype}, {cfg.model.device}), catalog {len(cat):,} items "
+    from grserve.model.dtype_choice import model_label  # lazy: torch
+    print(f"grserve: model {cfg.model.source} ({model_label(getattr(engine, 'model', None), cfg.model)}), catalog {len(cat):,} items "
           f"(depth {cat.depth}, codebooks {list(cat.codebook_sizes)}), default beam width {cfg.search.beam_width} "
           f"-> {_url(cfg.server)}", flush=True)
     if cfg.search.warmup and hasattr(engine, "warm_up"):  # a stand-in engine (tests) may have none
@@ -168,7 +169,8 @@ def run_cluster(cfg: ServeConfig) -> int:
     print_layout(engine)
     for line in engine.describe():
         print(f"grserve: {line}", flush=True)
-    print(f"grserve: model {cfg.model.source} ({cfg.model.dtype}, {cfg.model.device}) on {cfg.cluster.instances} "
+    from grserve.model.dtype_choice import dtype_label  # lazy: torch
+    print(f"grserve: model {cfg.model.source} ({dtype_label(cfg.model)}) on {cfg.cluster.instances} "
           f"instances, catalog {len(cat):,} items, default beam width {cfg.search.beam_width} "
           f"-> {_url(cfg.server)}", flush=True)
     engine.start()
@@ -238,8 +240,9 @@ def retrieval_front_end(cfg: ServeConfig, client, info: dict):
     lines = [state_line(store, stored), *info.get("lines", [])]
     if client.layout_note:
         lines.append(client.layout_note)
+    dtype = info.get("dtype") or f"{cfg.model.dtype}, {cfg.model.device}"  # the engine process's choice
     lines += [f"SID layout: {cat.layout.describe()}",
-              f"model {cfg.model.source} ({cfg.model.dtype}, {cfg.model.device}), catalog {len(cat):,} items (depth "
+              f"model {cfg.model.source} ({dtype}), catalog {len(cat):,} items (depth "
               f"{cat.depth}, codebooks {list(cat.codebook_sizes)}), default beam width {cfg.search.beam_width} -> "
               f"{_url(cfg.server)}"]
     return app, lines
