@@ -13,11 +13,10 @@ import torch
 from grserve.attention import hybrid
 from grserve.attention.decode_staging import DecodeStaging
 from grserve.attention.hybrid import HybridPagedContext, SeqSlice
-from grserve.engine.llm import build_model_engine
 from grserve.engine.sampling import SamplingParams
 from grserve.kvcache.blocks import BlockPool, HybridCacheStorage
 from grserve.scheduler.llm_factory import make_llm_scheduler
-from grserve.scheduler.llm_types import SchedulerOutput
+from llm_fixtures import Preempting, run_joining
 
 FIELDS = ("_k_dst", "_v_dst", "_mask", "_starts", "_nnew", "_tok_seq", "_tok_pos", "t_max", "q_max", "all_kv",
           "any_kv", "num_tokens", "pure_decode", "lone_prefill", "_kv_src", "_h_src", "_new_dst", "_ph")
@@ -82,33 +81,9 @@ def test_fast_index_only_for_pure_kv_decode():
         HybridPagedContext(storage, [SeqSlice(kv, 12, 1)], None, 2, 4)  # past the table
 
 
-class _Preempting:
-    """Every fourth iteration it preempts the newest running request instead of scheduling."""
-
-    name = "preempting"
-
-    def __init__(self, inner):
-        self.inner, self.i = inner, 0
-
-    def schedule(self, inp):
-        self.i += 1
-        if self.i % 4 == 0 and len(inp.running) >= 2:
-            return SchedulerOutput("decode", [], [inp.running[-1].seq_id])
-        return self.inner.schedule(inp)
-
-
 def _generate(ours, sched, prompts, params, staging: bool):
-    policy = _Preempting(make_llm_scheduler("fcfs")) if sched == "preempting" else make_llm_scheduler(sched)
-    eng = build_model_engine(ours, policy, num_blocks=96, block_size=4, decode_staging=staging)
-    eng.keep_finished = True
-    ids = [eng.add_request(p, sp) for p, sp in zip(prompts[:4], params[:4])]
-    for _ in range(3):
-        eng.step()
-    ids += [eng.add_request(p, sp) for p, sp in zip(prompts[4:], params[4:])]
-    while eng.has_work():
-        eng.step()
-    done = {s.seq_id: s.output_ids for s in eng.finished}
-    return [done[i] for i in ids]
+    policy = Preempting(make_llm_scheduler("fcfs")) if sched == "preempting" else make_llm_scheduler(sched)
+    return run_joining(ours, policy, prompts, params, decode_staging=staging)[0]
 
 
 @pytest.mark.parametrize("sched", ["fcfs", "preempting"])

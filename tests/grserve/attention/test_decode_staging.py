@@ -13,12 +13,11 @@ import torch
 
 from grserve.attention.decode_staging import GROW_TOKENS, DecodeStaging
 from grserve.attention.hybrid import HybridPagedContext, SeqSlice
-from grserve.engine.llm import build_model_engine
 from grserve.engine.sampling import SamplingParams
 from grserve.kvcache.blocks import BlockPool, HybridCacheStorage
 from grserve.scheduler.llm_factory import make_llm_scheduler
-from grserve.scheduler.llm_types import SchedulerOutput
 from grserve.model.cpu_support import cpu_support
+from llm_fixtures import Preempting, run_joining
 
 VOCAB = 300
 
@@ -89,33 +88,10 @@ def test_staged_logits_equal_gather_path(hf_qwen3):
         assert float((a - b).abs().max()) <= 1e-5
 
 
-class _Preempting:
-    """Wraps a policy; every fourth iteration it preempts the newest running request instead."""
-
-    name = "preempting"
-
-    def __init__(self, inner):
-        self.inner, self.i = inner, 0
-
-    def schedule(self, inp):
-        self.i += 1
-        if self.i % 4 == 0 and len(inp.running) >= 2:
-            return SchedulerOutput("decode", [], [inp.running[-1].seq_id])
-        return self.inner.schedule(inp)
-
-
 def _run(ours, sched, staging, prompts, params):
-    policy = _Preempting(make_llm_scheduler("fcfs")) if sched == "preempting" else make_llm_scheduler(sched)
-    eng = build_model_engine(ours, policy, num_blocks=96, block_size=4, decode_staging=staging)
-    eng.keep_finished = True
-    ids = [eng.add_request(p, sp) for p, sp in zip(prompts[:4], params[:4])]
-    for _ in range(3):
-        eng.step()
-    ids += [eng.add_request(p, sp) for p, sp in zip(prompts[4:], params[4:])]  # join a running batch
-    while eng.has_work():
-        eng.step()
-    done = {s.seq_id: s.output_ids for s in eng.finished}
-    return [done[i] for i in ids], eng.executor.staging
+    policy = Preempting(make_llm_scheduler("fcfs")) if sched == "preempting" else make_llm_scheduler(sched)
+    out, eng = run_joining(ours, policy, prompts, params, decode_staging=staging)
+    return out, eng.executor.staging
 
 
 @pytest.mark.parametrize("sched", ["fcfs", "chunked", "aptserve", "preempting"])

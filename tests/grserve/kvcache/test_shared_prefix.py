@@ -69,23 +69,6 @@ def _params():
     return SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
 
 
-class _Preempting:
-    """Wraps a scheduler; every third iteration it preempts the newest running request instead."""
-
-    name = "preempting"
-
-    def __init__(self, inner):
-        self.inner, self.i = inner, 0
-
-    def schedule(self, inp):
-        from grserve.scheduler.llm_types import SchedulerOutput
-
-        self.i += 1
-        if self.i % 3 == 0 and len(inp.running) >= 2:
-            return SchedulerOutput("decode", [], [inp.running[-1].seq_id])
-        return self.inner.schedule(inp)
-
-
 def _engine(ours, sched, **kw):
     from grserve.engine.llm import build_model_engine
 
@@ -104,7 +87,9 @@ def test_shared_blocks_match_hf_concurrently(models, want, sched):
     _, ours = models
     inner = make_llm_scheduler("fcfs" if sched == "preempting" else sched, token_budget=16, ttft_slo=1e9,
                                tbt_slo=1e9)
-    eng = _engine(ours, _Preempting(inner) if sched == "preempting" else inner)
+    from llm_fixtures import Preempting
+
+    eng = _engine(ours, Preempting(inner, every=3) if sched == "preempting" else inner)
     prompts = _prompts()
     got = eng.generate(prompts[:1], _params()) + eng.generate(prompts[1:], _params())
     assert got == want
