@@ -67,7 +67,7 @@ def build_ranking(cfg: Any, on_batch: Any = None) -> tuple[Any, dict]:
     from grserve.ranking.startup_data import build_registry
 
     m = cfg.model
-    model = load_model(m.source, dtype=m.dtype, device=m.device, seed=m.seed)
+    model = load_model(m.source, dtype=m.dtype, device=m.device, seed=m.seed, quantization=m.quantization)
     choice = engine_threads(cfg.process.threads, model, packed=False)  # BAT runs F.linear
     reg = build_registry(cfg.data, model.spec.vocab_size)
     runner = RankingRunner(model, reg, cfg.ranking, progress=True)
