@@ -22,7 +22,7 @@ bf16-packed weights for bf16 ones at 8+ rows.
 A scheme this machine cannot run fast is refused at load with the reason (``QuantizationRefused``, a
 ``ConfigError``: ``grserve: error: --quantization: ...``), never run slowly: ``choose(scheme, device, dtype)``
 checks the device, ``model/cpu_support.py`` (no fast paths under ``GRSERVE_CPU_ISA=reference``; int8 needs VNNI or
-AMX-INT8, so not under ``GRSERVE_CPU_ISA=avx2``), a trial call of the op against the reference, and a timed trial:
+AMX-INT8, so not under ``GRSERVE_CPU_ISA=avx2`` or ``ONEDNN_MAX_CPU_ISA=AVX2``), a trial call of the op against the reference, and a timed trial:
 one thread, the op against the unquantized projection it replaces (oneDNN-packed weights in the model dtype, as
 ``model/dtype_choice.py`` times bf16), best of 7; it must be ``MIN_SPEEDUP`` x faster. The trial runs once per
 process and is handed to the processes this one starts (``TRIAL_ENV``), as the bf16 trial is.
@@ -356,6 +356,9 @@ def _cpu_refusal(scheme: str, dtype: torch.dtype) -> str | None:
     if scheme == "int8":
         if s.forced == "avx2":
             return "GRSERVE_CPU_ISA=avx2: no VNNI / AMX-INT8, the int8 dot products torch._int_mm needs to be fast"
+        held = os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper()
+        if held in ("SSE41", "AVX", "AVX2"):
+            return f"ONEDNN_MAX_CPU_ISA={held} holds oneDNN below VNNI / AMX-INT8, the int8 dot products it needs"
         if s.machine in ("x86_64", "AMD64", "i686") and not int8_isa():
             return f"this CPU ({s.cpu_model}) has no VNNI / AMX-INT8 int8 dot products"
     why = _trial_call(scheme, dtype)

@@ -173,6 +173,11 @@ def test_the_avx2_lane_refuses_int8_without_vnni(forced_cpu_isa, fresh_trials):
     forced_cpu_isa("avx2")
     with pytest.raises(QuantizationRefused, match="VNNI"):
         ql.choose("int8", "cpu", torch.float32)
+    forced_cpu_isa(None)
+    fresh_trials.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # the make-test lane that holds torch itself to AVX2
+    if ql.cpu_support().fast_paths:
+        with pytest.raises(QuantizationRefused, match="ONEDNN_MAX_CPU_ISA=AVX2"):
+            ql.choose("int8", "cpu", torch.float32)
 
 
 def test_fp8_is_refused_on_a_cpu():
