@@ -161,6 +161,17 @@ def test_tiny_retrieval_at_int8_keeps_the_fp32_top_20(catalog_file, int8_model):
     assert [(i.item_id, i.score) for i in alone[0].items] == [(i.item_id, i.score) for i in got[3].items]
 
 
+def test_the_offline_llm_runs_int8(int8_model):
+    from grserve import LLM
+    from grserve.llm_api import SamplingParams
+
+    greedy = SamplingParams(max_tokens=4, temperature=0)
+    with LLM("tiny", quantization="int8", num_blocks=64) as llm:
+        assert llm.engine.model.quantized is not None
+        out = llm.generate([[5, 6, 7, 8, 9]], greedy)
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
 def test_the_reference_lane_refuses_int8(forced_cpu_isa, fresh_trials):
     forced_cpu_isa("reference")
     with pytest.raises(QuantizationRefused, match="GRSERVE_CPU_ISA=reference"):
