@@ -4,8 +4,8 @@ Schemes (``SCHEMES``):
 
 - ``int8`` (W8A8): each projection weight quantized once, per output channel, symmetric int8 (scale = row
   max |w| / 127); each activation row quantized per call, per token, symmetric int8; the int8 x int8 product
-  accumulates in int32 (``torch._int_mm``) and is scaled back by (token scale x channel scale) in fp32, then cast
-  to the model dtype. Integer sums are exact, so a row's result does not depend on the other rows of the call:
+  accumulates in int32 (``torch._int_mm``; at most ``SMALL_ROWS`` rows, oneDNN's ``qlinear`` on a prepacked weight,
+  the same sums) and is scaled back by (token scale x channel scale) in fp32, then cast to the model dtype. Integer sums are exact, so a row's result does not depend on the other rows of the call:
   ``exact_rows`` lets ``grouped_linear`` run one GEMM over every request's rows and stay batch invariant.
 - ``int8-weight-only``: int8 weights as above, activations in the model dtype (``aten._weight_int8pack_mm``):
   half the bytes of bf16 weights, for decode steps bound by reading weights.
@@ -15,8 +15,8 @@ Schemes (``SCHEMES``):
 The choice of op was measured on a 2-core AMD EPYC with AVX512-VNNI (``scripts/int8_gemm_probe.py``, docs/
 benchmarks.md, "int8"): ``torch._int_mm`` with the weight stored K x N was the fastest W8A8 op at 64-1024 rows
 (3.1-5.4x fp32-packed, 1.5-2.7x bf16-packed, activation quantization included); oneDNN's ``qlinear_pointwise``
-was equal at 64 rows, faster at 8 rows of a 2048-wide layer and slower at 512, and runs a reference kernel (1000x
-slower) for signed activations; ``_weight_int8pack_mm`` runs a scalar loop for fp32 activations and is slower than
+was equal at 64 rows, faster at 1-32 rows (up to 4x on a 4096-wide layer), slower at 512, and runs a reference
+kernel (1000x slower) for signed activations, so small calls give it unsigned ones (zero point 128); ``_weight_int8pack_mm`` runs a scalar loop for fp32 activations and is slower than
 bf16-packed weights for bf16 ones at 8+ rows.
 
 A scheme this machine cannot run fast is refused at load with the reason (``QuantizationRefused``, a
@@ -110,6 +110,7 @@ class QuantizedWeight(NamedTuple):
     scale: torch.Tensor            # fp32 [N, 1]
     bias: torch.Tensor | None      # the projection's bias, in the model dtype
     kernel: torch.Tensor | None    # the op's own copy: int8 [K, N] (_int_mm), scales in the model dtype (weight-only)
+    small: tuple | None = None     # int8, <= SMALL_ROWS rows: (oneDNN-prepacked int8 weight, ones [N], zeros [N])
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -123,13 +124,37 @@ def _finish(y: torch.Tensor, w: QuantizedWeight, x: torch.Tensor) -> torch.Tenso
 
 
 # W8A8 int8
+SMALL_ROWS = 32  # at most this many rows: oneDNN's qlinear on a prepacked weight (faster there; docs/benchmarks.md)
+
+
+def _int8_sums(xq: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """The int32 sums xq @ w.q.T as fp32 [M, N]: the same bits through either op (exact integer sums, one rounding
+    to fp32; checked in the tests), so the choice by row count keeps a row's result independent of its batch."""
+    if w.small is not None and xq.shape[0] <= SMALL_ROWS:
+        packed, ones, zeros = w.small
+        u8 = torch.bitwise_xor(xq.view(torch.uint8), 128)  # v + 128 as uint8 (zero point 128): its fast path
+        return torch.ops.onednn.qlinear_pointwise(u8, 1.0, 128, packed, ones, zeros, None, 1.0, 0, torch.float32,
+                                                  "none", [], "")
+    return torch._int_mm(xq, w.kernel).float()
+
+
 def _int8_op(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
     rows = _rows(x)
     if rows.shape[0] == 0:
         return x.new_empty((*x.shape[:-1], w.q.shape[0]))
     xq, xs = quantize_int8_rows(rows)
-    y = torch._int_mm(xq, w.kernel).float().mul_(xs).mul_(w.scale.view(1, -1))
+    y = _int8_sums(xq, w).mul_(xs).mul_(w.scale.view(1, -1))
     return _finish(y, w, x)
+
+
+def _prepack_small(q: torch.Tensor) -> tuple | None:
+    """oneDNN's prepacked int8 weight for ``SMALL_ROWS``-row calls, None where this torch build lacks the op."""
+    try:
+        packed = torch.ops.onednn.qlinear_prepack(q, [SMALL_ROWS // 2, q.shape[1]])
+    except (AttributeError, RuntimeError):
+        return None
+    n = q.shape[0]
+    return packed, torch.ones(n), torch.zeros(n, dtype=torch.int64)
 
 
 def _int8_reference(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
@@ -166,7 +191,7 @@ def _fp8_reference(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
 
 # scheme -> (op name, fast op, reference, exact rows)
 _OPS = {
-    "int8": ("W8A8 via torch._int_mm", _int8_op, _int8_reference, True),
+    "int8": ("W8A8 via torch._int_mm, oneDNN qlinear at <= 32 rows", _int8_op, _int8_reference, True),
     "int8-weight-only": ("weight-only via aten._weight_int8pack_mm", _weight_only_op, _weight_only_reference, False),
     "fp8": ("W8A8 e4m3 via torch._scaled_mm, row-wise scales", _fp8_op, _fp8_reference, False),
 }
@@ -181,9 +206,8 @@ def quantize_weight(scheme: str, weight: torch.Tensor, bias: torch.Tensor | None
         q, scale = quantize_int8_rows(weight)
         if scheme == "int8":
             kernel = q.t().contiguous()  # K x N: the layout _int_mm ran fastest with (docs/benchmarks.md)
-        else:
-            kernel = scale.view(-1).to(weight.dtype)
-        return QuantizedWeight(q, scale, bias, kernel)
+            return QuantizedWeight(q, scale, bias, kernel, _prepack_small(q) if weight.device.type == "cpu" else None)
+        return QuantizedWeight(q, scale, bias, scale.view(-1).to(weight.dtype))
 
 
 def projections(model: nn.Module) -> list[nn.Linear]:
@@ -226,7 +250,7 @@ class QuantizedLinears:
         """Bytes of the quantized weights, scales and the op's copies."""
         total = 0
         for w in self.weights.values():
-            for t in (w.q, w.scale, w.kernel):
+            for t in (w.q, w.scale, w.kernel, *(w.small or ())):
                 total += 0 if t is None else t.numel() * t.element_size()
         return total
 
@@ -262,8 +286,8 @@ def _trial_call(scheme: str, dtype: torch.dtype) -> str | None:
         with torch.inference_mode():
             g = torch.Generator().manual_seed(0)
             w = quantize_weight(scheme, (torch.randn(48, 64, generator=g) * 0.05).to(dtype))
-            x = torch.randn(5, 64, generator=g).to(dtype)
-            got = _OPS[scheme][1](x, w).float()
+            x = torch.randn(SMALL_ROWS + 8, 64, generator=g).to(dtype)
+            got = torch.cat([_OPS[scheme][1](x[:5], w), _OPS[scheme][1](x[5:], w)]).float()  # small and large
             want = _OPS[scheme][2](x, w).float()
     except Exception as exc:  # noqa: BLE001 -- any failure means: not on this CPU/build
         return f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"

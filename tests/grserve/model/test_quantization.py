@@ -89,8 +89,11 @@ def test_int8_rows_do_not_depend_on_the_batch():
     g = torch.Generator().manual_seed(3)
     qw = ql.quantize_weight("int8", torch.randn(200, 256, generator=g) * 0.05)
     x = torch.randn(67, 256, generator=g)
-    whole = ql._int8_op(x, qw)
-    assert torch.equal(whole[5:6], ql._int8_op(x[5:6], qw))  # the same bits alone and among 67 rows
+    whole = ql._int8_op(x, qw)  # 67 rows: torch._int_mm
+    assert qw.small is not None or not hasattr(torch.ops.onednn, "qlinear_prepack")
+    # the same bits alone and among 67 rows, through oneDNN's qlinear (<= SMALL_ROWS rows) or torch._int_mm
+    assert torch.equal(whole[5:6], ql._int8_op(x[5:6], qw))
+    assert torch.equal(whole[10:10 + ql.SMALL_ROWS], ql._int8_op(x[10:10 + ql.SMALL_ROWS], qw))
     assert torch.equal(whole[10:43], ql._int8_op(x[10:43], qw))
 
 
