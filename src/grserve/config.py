@@ -34,6 +34,7 @@ from grserve.flags import (
 Scoring = Literal["renormalized", "hf"]
 TopBWImpl = Literal["vectorized", "heap"]
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
+QUANTIZATIONS = ("none", "int8", "int8-weight-only", "fp8")  # model/quantized_linear.py's SCHEMES
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 RANKING_POLICIES = ("bat", "user_prefix", "item_prefix", "greedy_size", "recompute")
 LLM_SCHEDULERS = ("fcfs", "chunked", "aptserve", "aptserve-kv")
@@ -51,6 +52,11 @@ class ModelConfig(Checked):
                               "(model/dtype_choice.py; the start line says which and why)", choices=DTYPES)
     device: str = flag("cpu", "where the model runs", check=device_name, metavar="cpu|cuda|cuda:N")
     seed: int = flag(0, "seed of a preset's random weights (and of generated data)", check=non_negative)
+    quantization: str = flag("none", "the decoder's projections quantized at load: int8 (W8A8: per-channel int8 "
+                                     "weights, per-token int8 activations; CPUs with VNNI / AMX-INT8), "
+                                     "int8-weight-only, fp8 (CUDA, compute capability >= 8.9); refused at start-up, "
+                                     "with the reason, where this machine cannot run it fast "
+                                     "(model/quantized_linear.py)", choices=QUANTIZATIONS)
 
 
 @dataclass(frozen=True)

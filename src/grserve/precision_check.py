@@ -1,8 +1,8 @@
 """``grserve check precision``: did a lower precision change the recommendations? (issue 42, the recall gate)
 
 The same requests run through the offline API (``Recommender``: the server's conversion, batching and search) twice:
-once at float32, the reference, and once at the precision under test (``--dtype``). Per request it compares the two
-top-N lists and reports, over all requests:
+once at float32, the reference, and once at the precision under test (``--dtype``, ``--quantization``). Per request
+it compares the two top-N lists and reports, over all requests:
 
 - ``top1``: the fraction whose first item is the same;
 - ``overlap@N``: |top-N(reference) ∩ top-N(test)| / N, mean and minimum;
@@ -115,9 +115,11 @@ def run_check(cfg: Any, check: PrecisionCheck) -> tuple[Comparison, dict]:
     from grserve.model.cpu_support import cpu_support
     from grserve.recommender import Recommender
 
-    if cfg.model.dtype == "float32":
-        raise UsageError("--dtype: give the precision to check (e.g. bfloat16); the reference is float32")
-    reference_cfg = replace(cfg, model=replace(cfg.model, dtype="float32"))
+    quantization = getattr(cfg.model, "quantization", "none")
+    if cfg.model.dtype == "float32" and quantization == "none":
+        raise UsageError("--dtype / --quantization: give the precision to check (e.g. --dtype bfloat16, "
+                         "--quantization int8); the reference is float32")
+    reference_cfg = replace(cfg, model=replace(cfg.model, dtype="float32", quantization="none"))
     bodies: list[Any] = []
     targets: list[list[int]] = []
     with Recommender(reference_cfg) as ref:
@@ -130,10 +132,12 @@ def run_check(cfg: Any, check: PrecisionCheck) -> tuple[Comparison, dict]:
         want = ref.recommend(bodies, top_n=check.top_n, progress=not check.json_only)
     with Recommender(cfg) as low:
         used = low.dtype_choice  # --dtype auto: what this machine chose (fp32 here compares fp32 with itself)
+        quantized = getattr(low.engine.model, "quantized", None)
         got = low.recommend(bodies, top_n=check.top_n, progress=not check.json_only)
     result = compare(want, got, {int(i) for i in catalog.item_ids}, check.top_n, targets, check.recall_k)
     record = {"check": "precision", "model": cfg.model.source, "dtype": used.name, "dtype_asked": cfg.model.dtype,
-              "dtype_reason": used.reason, "quantization": "none", "reference": "float32",
+              "dtype_reason": used.reason, "quantization": quantization,
+              "quantization_op": quantized.choice.op if quantized is not None else "", "reference": "float32",
               "beam_width": cfg.search.beam_width, "top_n": check.top_n, **result.__dict__,
               "recall_k": check.recall_k, "passes": result.passes(check),
               "gate": {"min_overlap": check.min_overlap, "min_top1": check.min_top1, "invalid": 0},
@@ -156,16 +160,17 @@ def _read_input(path: str) -> list[Any]:
 
 
 def table(result: Comparison, record: dict) -> str:
+    quant = f" + {record['quantization']}" if record.get("quantization", "none") != "none" else ""
     rows = [("requests", f"{result.requests}"), ("top-1 agreement", f"{result.top1:.3f}"),
             (f"overlap@{record['top_n']} mean / min", f"{result.overlap_mean:.3f} / {result.overlap_min:.3f}"),
             ("max |Δ score| (common items)", f"{result.max_score_delta:.3g}"), ("invalid items", f"{result.invalid}")]
     if result.recall_reference is not None:
-        rows.append((f"recall@{record['recall_k']} fp32 / {record['dtype']} ({result.targets} with targets)",
+        rows.append((f"recall@{record['recall_k']} fp32 / {record['dtype']}{quant} ({result.targets} with targets)",
                      f"{result.recall_reference:.4f} / {result.recall_test:.4f} (± {result.recall_stderr:.4f})"))
     rows.append(("gate", "passes" if record["passes"] else "FAILS"))
     width = max(len(k) for k, _ in rows)
     asked = f" ({record['dtype_reason']})" if record.get("dtype_asked") == "auto" else ""
-    head = f"{record['model']}: {record['dtype']}{asked} against float32, beam width {record['beam_width']}, " \
+    head = f"{record['model']}: {record['dtype']}{asked}{quant} against float32, beam width {record['beam_width']}, " \
            f"on {record['machine']['cpu']}"
     return "\n".join([head, *(f"  {k:<{width}}  {v}" for k, v in rows)])
 

@@ -144,7 +144,9 @@ def run(cfg: ServeConfig, io: RecommendIO) -> int:
         raise UsageError(str(exc)) from None
     report = lambda msg: print(f"grserve recommend: {msg}", file=sys.stderr, flush=True)
     if io.progress and rec.dtype_choice is not None:
-        report(f"model {cfg.model.source} ({rec.dtype_choice.label(cfg.model.device)})")
+        from grserve.model.dtype_choice import model_label  # lazy: torch
+
+        report(f"model {cfg.model.source} ({model_label(rec.engine.model, cfg.model)})")
     written = 0
     with rec, _open(io.input, "r") as fin, _open(io.output, "w") as fout:
         lines = _Lines(fin, io.skip_bad_lines, report)

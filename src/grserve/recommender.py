@@ -85,7 +85,8 @@ class Recommendation:
 
 
 _FLAT = {"model": (ModelConfig, "source"), "dtype": (ModelConfig, "dtype"), "device": (ModelConfig, "device"),
-         "seed": (ModelConfig, "seed"), "catalog": (CatalogConfig, "path")}
+         "seed": (ModelConfig, "seed"), "quantization": (ModelConfig, "quantization"),
+         "catalog": (CatalogConfig, "path")}
 
 
 def serve_config(**kwargs: Any) -> ServeConfig:

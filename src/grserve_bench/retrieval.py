@@ -9,9 +9,11 @@ The RecIF shape: ``--num-items 1500000 --codebook-size 8192 --depth 4`` (a prese
 catalog's SID tokens).
 
 The precision is a dimension (issue 42): ``--dtype float32,bfloat16,auto`` runs the whole benchmark once per dtype, in
-that order, one JSON line each; every line names the dtype used (``auto`` resolved), why (``dtype_reason``), the
-quantization (``"none"``), whether retrieval ran batch-invariant (``--batch-invariant``, the default) and the machine
-(CPU model, ISA, fast bf16 or not).
+that order, one JSON line each; ``--quantization none,int8`` is a second dimension (every dtype with every
+quantization, dtype-major). Every line names the dtype used (``auto`` resolved), why (``dtype_reason``), the
+quantization and its op (``model/quantized_linear.py``), whether retrieval ran batch-invariant
+(``--batch-invariant``, the default) and the machine (CPU model, ISA, fast bf16 or not). A quantization this machine
+refuses gives a line with ``"refused"`` (the reason) instead of numbers, and the run goes on.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from grserve.config import DTYPES
+from grserve.config import DTYPES, QUANTIZATIONS
 from grserve.flags import (
     Checked,
     UsageError,
@@ -54,6 +56,9 @@ class RetrievalBenchConfig(Checked):
     dtype: str = flag("auto", "model dtype, or a comma-separated list of them (the benchmark runs once per dtype, one "
                               "JSON line each); auto: what grserve serve would pick here (model/dtype_choice.py)",
                       check=comma_list(str, allowed=DTYPES), metavar="DTYPE[,DTYPE...]")
+    quantization: str = flag("none", "the projections' quantization, or a comma-separated list (each dtype runs "
+                                     "with each; model/quantized_linear.py): none, int8, int8-weight-only, fp8",
+                             check=comma_list(str, allowed=QUANTIZATIONS), metavar="Q[,Q...]")
     batch_invariant: bool = flag(True, "grserve runs one GEMM per request (a request's answer does not depend on its "
                                        "batch; AccelConfig.batch_invariant)")
     prompt_len: int = flag(512, "prompt tokens per request", check=positive_int)
@@ -106,13 +111,16 @@ class RetrievalBenchConfig(Checked):
                               check=comma_list(int, each=positive_int), metavar="CTX,...")
 
 
-def precision_fields(asked: str, chosen=None) -> dict:
-    """What every JSON line says of its arithmetic: dtype used, why, what was asked, quantization."""
+def precision_fields(asked: str, chosen=None, quantized=None, quantization: str = "none") -> dict:
+    """What every JSON line says of its arithmetic: dtype used, why, what was asked, quantization (and its op)."""
     if chosen is None:
         from grserve.model.dtype_choice import choice
 
         chosen = choice(asked)
-    return {"dtype": chosen.name, "dtype_reason": chosen.reason, "dtype_asked": asked, "quantization": "none"}
+    return {"dtype": chosen.name, "dtype_reason": chosen.reason, "dtype_asked": asked,
+            "quantization": quantized.choice.scheme if quantized is not None else quantization,
+            "quantization_op": quantized.choice.op if quantized is not None else "",
+            "quantization_reason": quantized.choice.reason if quantized is not None else ""}
 
 
 def add_command(sub) -> None:
@@ -265,14 +273,14 @@ def _print_results(console, cfg: RetrievalBenchConfig, sweep: list[dict], b_tok:
 
 
 def _summary(cfg: RetrievalBenchConfig, sweep: list[dict], headline: int, catalog, b_tok: int, t_cat: float,
-             warm_s: dict, chosen=None) -> dict:
+             warm_s: dict, chosen=None, quantized=None) -> dict:
     """The final JSON line: the headline beam width's numbers, then the per-width sweep."""
     head = next(r for r in sweep if r["beam_width"] == headline)
     return {
         "benchmark": "retrieval",
         "model": cfg.model,
         "device": cfg.device,
-        **precision_fields(cfg.dtype, chosen),
+        **precision_fields(cfg.dtype, chosen, quantized, cfg.quantization),
         "batch_invariant": cfg.batch_invariant,
         "machine": machine_info(),
         "prompt_len": cfg.prompt_len,
@@ -318,13 +326,23 @@ def _baselines(cfg: RetrievalBenchConfig, model):
 
 
 def run(cfg: RetrievalBenchConfig) -> int:
-    """Once per dtype of ``--dtype`` (the module docstring)."""
+    """Once per dtype of ``--dtype`` and quantization of ``--quantization`` (the module docstring)."""
     if cfg.suite == "p2" or (cfg.suite == "auto" and cfg.device.startswith("cuda")):
         return run_one(cfg)  # the device suite: its own --p2-dtype
+    from grserve.model.quantized_linear import QuantizationRefused
+
     for dtype in split_commas(cfg.dtype, str):
-        rc = run_one(replace(cfg, dtype=dtype))
-        if rc:
-            return rc
+        for quantization in split_commas(cfg.quantization, str):
+            one = replace(cfg, dtype=dtype, quantization=quantization)
+            try:
+                rc = run_one(one)
+            except QuantizationRefused as exc:  # a line that says why, and the other cells still run
+                print(json.dumps({"benchmark": "retrieval", "model": cfg.model, "device": cfg.device,
+                                  **precision_fields(dtype, quantization=quantization), "refused": exc.reason,
+                                  "batch_invariant": cfg.batch_invariant, "machine": machine_info()}))
+                continue
+            if rc:
+                return rc
     return 0
 
 
@@ -357,8 +375,8 @@ def run_one(cfg: RetrievalBenchConfig) -> int:
     catalog = generate_catalog(cfg.num_items, cfg.depth, cfg.codebook_size, cfg.seed)
     t_cat = time.perf_counter() - t_cat
     model = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, seed=cfg.seed,
-                       min_vocab=catalog.layout.num_tokens)
-    chosen = model.dtype_choice
+                       min_vocab=catalog.layout.num_tokens, quantization=cfg.quantization)
+    chosen, quantized = model.dtype_choice, model.quantized
     spec = model.spec
     catalog = bench_layout(catalog, cfg.sid_layout, spec.vocab_size, cfg.seed)
     catalog.layout.check_vocab(spec.vocab_size)
@@ -366,7 +384,8 @@ def run_one(cfg: RetrievalBenchConfig) -> int:
     prompts = history_prompts(catalog, max(cfg.requests, cfg.hf_requests, cfg.naive_requests), cfg.prompt_len, cfg.seed)
     console.print(
         f"[bold]grserve bench retrieval[/]: model={cfg.model} ({spec.num_parameters() / 1e6:.1f}M params, "
-        f"{chosen.label(cfg.device)}, batch-invariant {cfg.batch_invariant}), catalog={len(catalog)} items × {cfg.depth} SID tokens ({cfg.codebook_size} codes per level, "
+        f"{chosen.label(cfg.device)}, quantization {quantized.choice.label() if quantized else 'none'}, "
+        f"batch-invariant {cfg.batch_invariant}), catalog={len(catalog)} items × {cfg.depth} SID tokens ({cfg.codebook_size} codes per level, "
         f"generated in {t_cat:.1f} s), prompt={cfg.prompt_len}, "
         f"beam widths={bws}, torch threads={torch.get_num_threads()}"
     )
@@ -392,5 +411,5 @@ def run_one(cfg: RetrievalBenchConfig) -> int:
         hf_runner.close()
 
     _print_results(console, cfg, sweep, b_tok, warm_s)
-    print(json.dumps(_summary(cfg, sweep, headline, catalog, b_tok, t_cat, warm_s, chosen)))
+    print(json.dumps(_summary(cfg, sweep, headline, catalog, b_tok, t_cat, warm_s, chosen, quantized)))
     return 0

@@ -34,3 +34,26 @@ def test_bench_default_is_auto_and_batch_invariant():
 
     cfg = RetrievalBenchConfig()
     assert cfg.dtype == "auto" and cfg.batch_invariant
+
+
+def test_quantization_is_a_second_dimension_and_a_refusal_is_a_line(capsys):
+    from grserve_bench.cli import register
+
+    from grserve.model.quantized_linear import QuantizationRefused, choose
+
+    try:
+        choose("int8", "cpu", "float32")
+        int8_here = True
+    except QuantizationRefused:
+        int8_here = False
+    rc = main(["bench", "retrieval", "--dtype", "float32", "--quantization", "int8,fp8", *SMALL],
+              {"bench": register})
+    assert rc == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    assert [(x["dtype"], x["quantization"]) for x in lines] == [("float32", "int8"), ("float32", "fp8")]
+    fp8 = lines[1]
+    assert "compute capability" in fp8["refused"] and "req_per_s" not in fp8 and fp8["machine"]["cpu_model"]
+    if int8_here:
+        assert "torch._int_mm" in lines[0]["quantization_op"] and lines[0]["req_per_s"] > 0
+    else:
+        assert lines[0]["refused"]

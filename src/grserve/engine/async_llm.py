@@ -115,7 +115,7 @@ class AsyncLLMEngine:
         from grserve.scheduler.llm_factory import make_llm_scheduler
 
         m, c = cfg.model, cfg.llm
-        model = load_model(m.source, dtype=m.dtype, device=m.device, seed=m.seed)
+        model = load_model(m.source, dtype=m.dtype, device=m.device, seed=m.seed, quantization=m.quantization)
         tok = load_tokenizer(cfg.api.tokenizer or m.source, model.spec.vocab_size,
                              model.spec.max_position_embeddings, cfg.api.tokenizer_cache)
         choice = None

@@ -164,7 +164,9 @@ class ModelExecutor:
     def describe(self) -> str:
         """Which paths this executor runs on this machine, and why (the start line of ``serve llm``)."""
         sup = cpu_support()
-        if self.storage.data.device.type != "cpu":
+        if getattr(self.model, "quantized", None) is not None:
+            lin = self.model.quantized.describe()
+        elif self.storage.data.device.type != "cpu":
             lin = "F.linear"
         elif self.packed is not None:
             lin = f"oneDNN-packed {str(self.model.dtype).removeprefix('torch.')}"

@@ -68,7 +68,9 @@ class RetrievalRunner:
         self.accel = accel or AccelConfig()
         # oneDNN-prepacked projections on a CPU that has them (model/packed_linear.py), else None: F.linear
         self.packed = shared_pack(model, self.accel.cpu_packed_linears)
-        self.compiled = CompiledPrefill(model, self.accel.prompt_bucket) if self.accel.prefill_compile else None
+        # (not for a quantized model: the compiled layers run F.linear on the unquantized weights)
+        self.compiled = CompiledPrefill(model, self.accel.prompt_bucket) \
+            if self.accel.prefill_compile and getattr(model, "quantized", None) is None else None
         self.prefix: PrefixBlockCache | None = None  # the engine's prefix cache (kvcache/prefix_blocks.py), if on
         self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="grserve-mask") if search.overlap_masks else None
 

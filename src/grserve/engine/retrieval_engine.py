@@ -72,7 +72,7 @@ class RetrievalEngine(BatchedEngine):
     @classmethod
     def build(cls, cfg: ServeConfig, on_batch: Callable[[int, int], None] | None = None) -> "RetrievalEngine":
         m = cfg.model
-        model = load_model(m.source, dtype=m.dtype, device=m.device, seed=m.seed)
+        model = load_model(m.source, dtype=m.dtype, device=m.device, seed=m.seed, quantization=m.quantization)
         tokenizer = model_tokenizer(m.source)
         catalog, note, bind = served_catalog(cfg, tokenizer)
         store = CatalogStore(catalog, vocab_size=model.spec.vocab_size, bind=bind)

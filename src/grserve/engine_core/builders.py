@@ -54,8 +54,15 @@ def build_retrieval(cfg: Any, on_batch: Any = None) -> tuple[Any, dict]:
     describe = getattr(engine.runner, "describe", None)
     lines = [start_line(choice), describe()] if callable(describe) else [start_line(choice)]
     info = {"vocab_size": engine.vocab_size, "catalog_version": engine.catalogs.version, "lines": lines,
-            "threads": choice.threads, "dtype": engine.model.dtype_choice.label(str(cfg.model.device))}
+            "threads": choice.threads, "dtype": _label(engine.model, cfg.model)}
     return engine, info
+
+
+def _label(model: Any, model_cfg: Any) -> str:
+    """The model's dtype (and quantization) for the front end's start line (``model/dtype_choice.py``)."""
+    from grserve.model.dtype_choice import model_label  # lazy: torch
+
+    return model_label(model, model_cfg)
 
 
 def build_ranking(cfg: Any, on_batch: Any = None) -> tuple[Any, dict]:
@@ -67,12 +74,12 @@ def build_ranking(cfg: Any, on_batch: Any = None) -> tuple[Any, dict]:
     from grserve.ranking.startup_data import build_registry
 
     m = cfg.model
-    model = load_model(m.source, dtype=m.dtype, device=m.device, seed=m.seed)
+    model = load_model(m.source, dtype=m.dtype, device=m.device, seed=m.seed, quantization=m.quantization)
     choice = engine_threads(cfg.process.threads, model, packed=False)  # BAT runs F.linear
     reg = build_registry(cfg.data, model.spec.vocab_size)
     runner = RankingRunner(model, reg, cfg.ranking, progress=True)
     engine = RankingEngine(runner, on_batch=on_batch, edge=cfg.edge)
     engine.beat = lambda: {"ranking_stats": runner.stats}  # the front end's /v1/ranking/stats
     return engine, {"vocab_size": model.spec.vocab_size, "policy": runner.policy.name,
-                    "lines": [start_line(choice), f"model {m.source} ({model.dtype_choice.label(str(m.device))})"],
+                    "lines": [start_line(choice), f"model {m.source} ({_label(model, m)})"],
                     "threads": choice.threads}

@@ -16,7 +16,7 @@ from torch import nn
 
 from grserve.attention.context import AttentionContext
 from grserve.model.dtype_choice import DtypeChoice
-from grserve.model.packed_linear import PackedLinears, RowGroups, grouped_linear, linear
+from grserve.model.packed_linear import RowGroups, grouped_linear, linear
 from grserve.model.spec import ModelSpec
 
 
@@ -98,6 +98,9 @@ class Decoder(nn.Module):
         self._inv_freq: torch.Tensor | None = None  # fp32, deliberately not a buffer (survives .to(bf16))
         name = str(dtype).removeprefix("torch.")
         self.dtype_choice = DtypeChoice(name, "asked for", name)  # load_model sets what --dtype auto chose
+        # --quantization (model/quantized_linear.py): the projections' quantized copies, set by load_model; every
+        # forward runs them (None: the projections in the model dtype)
+        self.quantized = None
 
     def tie_weights(self) -> None:
         if self._spec.tie_word_embeddings:
@@ -131,10 +134,11 @@ class Decoder(nn.Module):
         return cos, sin
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
-                packed: PackedLinears | None = None, last_rows: torch.Tensor | None = None,
+                packed=None, last_rows: torch.Tensor | None = None,
                 groups: RowGroups | None = None) -> torch.Tensor:
         """input_ids, positions: int64 [N] (packed tokens, absolute positions) → final-normed hidden [N, H].
-        ``packed``: the projections' oneDNN-packed weights (``model/packed_linear.py``); None: ``F.linear``.
+        ``packed``: the projections' oneDNN-packed weights (``model/packed_linear.py``) or quantized ones; None:
+        ``F.linear``.
 
         ``last_rows``: int64 [S], the packed row of the last token of each prompt of ``ctx``, in ``ctx``'s order
         (a prefill that needs only those rows' hidden states: the LM head reads them, the K/V of every row go to
@@ -144,7 +148,12 @@ class Decoder(nn.Module):
 
         ``groups``: the rows of each request (``RowGroups``, in ``ctx``'s order): every projection runs one GEMM per
         request, so a request's hidden states do not depend on the other rows (batch invariance; with
-        ``last_rows``, one row per prompt past the pruned layer's K/V)."""
+        ``last_rows``, one row per prompt past the pruned layer's K/V).
+
+        A quantized model (``self.quantized``, ``--quantization``) runs its quantized projections when ``packed``
+        is None; ``packed=model.quantized.reference()`` runs their dequantize reference."""
+        if packed is None:
+            packed = self.quantized
         cos, sin = self.rope(positions)
         x = F.embedding(input_ids, self.model.embed_tokens.weight)
         n = x.shape[0]
@@ -188,8 +197,8 @@ class Decoder(nn.Module):
         """
         a = self.model.layers[layer].self_attn
         n = h.shape[0]
-        k = linear(h, a.k_proj).view(n, a.hkv, a.d)
-        v = linear(h, a.v_proj).view(n, a.hkv, a.d)
+        k = linear(h, a.k_proj, self.quantized).view(n, a.hkv, a.d)
+        v = linear(h, a.v_proj, self.quantized).view(n, a.hkv, a.d)
         if a.k_norm is not None:
             k = a.k_norm(k)
         cos, sin = self.rope(positions)

@@ -130,15 +130,30 @@ def choice(asked: str, device: str = "cpu") -> DtypeChoice:
 
 
 def dtype_label(model_cfg) -> str:
-    """A ``ModelConfig``'s dtype for start lines: ``bfloat16: auto, CPU computes bf16 2.0x faster than fp32, cpu``."""
+    """A ``ModelConfig``'s dtype for start lines: ``bfloat16: auto, CPU computes bf16 2.0x faster than fp32, cpu``;
+    its ``--quantization`` appended when asked (``; quantization int8 (W8A8 via torch._int_mm, ...)``)."""
     c = choice(model_cfg.dtype, str(model_cfg.device))
-    return f"{c.name}: {c.reason}, {model_cfg.device}"
+    return f"{c.name}: {c.reason}, {model_cfg.device}{_quantization_label(None, model_cfg)}"
 
 
 def model_label(model, model_cfg) -> str:
-    """What a built model runs in (its ``dtype_choice``, set by ``load_model``), else ``dtype_label(model_cfg)``."""
+    """What a built model runs in (its ``dtype_choice``, set by ``load_model``, and its quantization), else
+    ``dtype_label(model_cfg)``."""
     chosen = getattr(model, "dtype_choice", None)
-    return chosen.label(str(model_cfg.device)) if chosen is not None else dtype_label(model_cfg)
+    if chosen is None:
+        return dtype_label(model_cfg)
+    return chosen.label(str(model_cfg.device)) + _quantization_label(model, model_cfg)
+
+
+def _quantization_label(model, model_cfg) -> str:
+    quantized = getattr(model, "quantized", None)
+    if quantized is not None:
+        return f"; quantization {quantized.choice.label()}"
+    if getattr(model_cfg, "quantization", "none") == "none":
+        return ""
+    from grserve.model.quantized_linear import check_config
+
+    return f"; quantization {check_config(model_cfg).label()}"
 
 
 def resolve(asked: str, device: str | torch.device = "cpu") -> str:

@@ -64,12 +64,18 @@ def resolve_dtype(dtype: torch.dtype | str, device: torch.device | str = "cpu") 
 
 
 def load_model(source: str | Path, *, dtype: torch.dtype | str = torch.float32, device: torch.device | str = "cpu",
-               seed: int = 0, min_vocab: int | None = None) -> Decoder:
+               seed: int = 0, min_vocab: int | None = None, quantization: str = "none") -> Decoder:
     """Preset name → seeded random weights; directory → weights from its safetensors files.
 
     ``dtype`` is a torch dtype, a name in ``DTYPES`` or ``"auto"`` (``model/dtype_choice.py``); the model's
     ``dtype_choice`` says which dtype was used and why (start lines, benchmarks). ``min_vocab``: a preset's vocabulary is grown to at least
-    this (rounded up to a multiple of 64) — a synthetic catalog whose SID tokens do not fit the preset's."""
+    this (rounded up to a multiple of 64) — a synthetic catalog whose SID tokens do not fit the preset's.
+    ``quantization``: ``none`` or a scheme of ``model/quantized_linear.py`` (the projections quantized after the
+    weights load; ``QuantizationRefused`` where this machine cannot run it fast)."""
+    if quantization != "none":  # refused before any weight is read
+        from grserve.model import quantized_linear
+
+        quantized_linear.choose(quantization, device, resolve_dtype(dtype, device))
     spec = resolve_spec(source)
     is_preset = isinstance(source, str) and source in PRESETS
     if is_preset and min_vocab is not None and min_vocab > spec.vocab_size:
@@ -84,7 +90,12 @@ def load_model(source: str | Path, *, dtype: torch.dtype | str = torch.float32, 
         _random_init(model, seed)
     else:
         _load_safetensors(model, Path(source).expanduser())
-    return model.eval().requires_grad_(False)
+    model = model.eval().requires_grad_(False)
+    if quantization != "none":
+        from grserve.model.quantized_linear import quantize_model
+
+        model.quantized = quantize_model(model, quantization)
+    return model
 
 
 _INIT_CHUNK = 1 << 22

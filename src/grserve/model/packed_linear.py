@@ -84,8 +84,20 @@ class PackedLinears:
         return len(self.weights)
 
 
-def maybe_pack(model: nn.Module, enabled: bool = True) -> PackedLinears | None:
-    """``PackedLinears(model)`` where possible and ``enabled``, else None (``F.linear``)."""
+    def linear(self, x: torch.Tensor, lin: nn.Linear) -> torch.Tensor:
+        w = self.weights.get(lin)
+        if w is None:
+            return F.linear(x, lin.weight, lin.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, w, lin.bias, "none", [], "")
+
+
+def maybe_pack(model: nn.Module, enabled: bool = True):
+    """``PackedLinears(model)`` where possible and ``enabled``, else None (``F.linear``). A quantized model
+    (``--quantization``, ``model/quantized_linear.py``) gets its quantized projections instead, whatever
+    ``enabled`` says: they are what it was asked to run."""
+    quantized = getattr(model, "quantized", None)
+    if quantized is not None:
+        return quantized
     return PackedLinears(model) if enabled and can_pack(model) else None
 
 
@@ -102,6 +114,9 @@ def _version(w: torch.Tensor) -> int:
 def shared_pack(model: nn.Module, enabled: bool = True) -> PackedLinears | None:
     """``maybe_pack``, one packed copy per model for every caller (the retrieval runners of one engine, a bench's
     runners): packed again only when a projection weight was replaced or written in place since."""
+    quantized = getattr(model, "quantized", None)
+    if quantized is not None:
+        return quantized
     if not (enabled and can_pack(model)):
         return None
     stamp = tuple((lin.weight.data_ptr(), _version(lin.weight)) for lin in projections(model))
@@ -111,12 +126,12 @@ def shared_pack(model: nn.Module, enabled: bool = True) -> PackedLinears | None:
     return hit[1]
 
 
-def linear(x: torch.Tensor, lin: nn.Linear, packed: PackedLinears | None = None) -> torch.Tensor:
-    """``x @ lin.weight.T + lin.bias``: through ``lin``'s packed weight when ``packed`` has it, else ``F.linear``."""
-    w = packed.weights.get(lin) if packed is not None else None
-    if w is None:
+def linear(x: torch.Tensor, lin: nn.Linear, packed=None) -> torch.Tensor:
+    """``x @ lin.weight.T + lin.bias``: through ``packed`` (a ``PackedLinears``, or a model's
+    ``QuantizedLinears``: anything with ``linear(x, lin)``) when given, else ``F.linear``."""
+    if packed is None:
         return F.linear(x, lin.weight, lin.bias)
-    return torch.ops.mkldnn._linear_pointwise(x, w, lin.bias, "none", [], "")
+    return packed.linear(x, lin)
 
 
 class RowGroups:
@@ -162,9 +177,11 @@ class RowGroups:
         return f"RowGroups({[b - a for a, b in zip(self.bounds, self.bounds[1:])]})"
 
 
-def grouped_linear(x: torch.Tensor, lin: nn.Linear, packed: PackedLinears | None = None,
+def grouped_linear(x: torch.Tensor, lin: nn.Linear, packed=None,
                    groups: RowGroups | None = None) -> torch.Tensor:
-    """``linear``, one GEMM per request of ``groups`` (None: one GEMM over every row)."""
-    if groups is None:
+    """``linear``, one GEMM per request of ``groups`` (None: one GEMM over every row). Projections whose rows do
+    not depend on each other (``packed.exact_rows``: int8 W8A8, exact int32 sums) run one GEMM over every row
+    either way: the same bits."""
+    if groups is None or getattr(packed, "exact_rows", False):
         return linear(x, lin, packed)
     return groups.apply(lambda rows: linear(rows, lin, packed), x)

@@ -81,14 +81,17 @@ def choose_threads(probe: Callable[[], object], counts: Sequence[int], *, rounds
 
 def layer_probe(model, packed: bool = True, rows: int = 32) -> Callable[[], torch.Tensor]:
     """One decoder layer's projections (q, k, v, o, gate, up, down) on ``rows`` random rows, through the kind of
-    linears the engine's forward uses (oneDNN-packed copies of this layer's weights when ``packed`` and the
-    model can be packed, else ``F.linear``)."""
+    linears the engine's forward uses (a quantized model's quantized projections; oneDNN-packed copies of this
+    layer's weights when ``packed`` and the model can be packed; else ``F.linear``)."""
     from grserve.model.packed_linear import PackedLinears, can_pack, linear
 
     layer = model.model.layers[0]
     a, m = layer.self_attn, layer.mlp
-    packed = PackedLinears.of([a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj]) \
-        if packed and can_pack(model) else None
+    if getattr(model, "quantized", None) is not None:  # --quantization: the projections it runs
+        packed = model.quantized
+    else:
+        packed = PackedLinears.of([a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj]) \
+            if packed and can_pack(model) else None
     spec = model.spec
     gen = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(rows, spec.hidden_size, generator=gen).to(dtype=model.dtype, device=model.device)

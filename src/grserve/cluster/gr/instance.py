@@ -91,7 +91,7 @@ def build_ranking_engine(cfg: RankingServeConfig, item_source: ClusterItemSource
     from grserve.ranking.startup_data import build_registry
 
     m = cfg.model
-    model = load_model(m.source, dtype=m.dtype, device=m.device, seed=m.seed)
+    model = load_model(m.source, dtype=m.dtype, device=m.device, seed=m.seed, quantization=m.quantization)
     runner = RankingRunner(model, build_registry(cfg.data, model.spec.vocab_size), cfg.ranking, item_source)
     return RankingEngine(runner, edge=cfg.edge)
 

@@ -90,3 +90,7 @@ def check_model(model: ModelConfig) -> None:
 
         if not torch.cuda.is_available():
             raise UsageError(f"--device {model.device}: no CUDA device is available (use --device cpu)")
+    if model.quantization != "none":  # refused here, in the front end, not in a dying engine process
+        from grserve.model.quantized_linear import check_config
+
+        check_config(model)

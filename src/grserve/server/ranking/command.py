@@ -95,9 +95,11 @@ def run_in_thread(cfg: RankingServeConfig) -> int:
     store, stored = open_state(cfg.state.state_dir, "ranking")  # before anything heavy: a locked dir fails fast
     settle_allocator(cfg.process)  # the engine on a thread of this process: its allocator settings here
     m = cfg.model
-    model = load_model(m.source, dtype=m.dtype, device=m.device, seed=m.seed)
+    model = load_model(m.source, dtype=m.dtype, device=m.device, seed=m.seed, quantization=m.quantization)
     print(f"grserve: {serving_threads(cfg.process.threads, model, packed=False)}", flush=True)
-    print(f"grserve: model {m.source} ({model.dtype_choice.label(str(m.device))})", flush=True)
+    from grserve.model.dtype_choice import model_label  # lazy: torch
+
+    print(f"grserve: model {m.source} ({model_label(model, m)})", flush=True)
     try:
         from grserve.ranking.startup_data import build_registry
 
