@@ -4,13 +4,15 @@ Issue 24 / target P7. Three parts (``--parts``):
 
 - ``serve``: for each model shape (``tiny`` = the preset; ``medium`` = Qwen3 hidden 1024, 8 layers, 16/8 heads of
   64, MLP 3072, vocabulary 32,000; seeded random weights written as HF directories with the presets' tokenizer),
-  ``grserve serve llm DIR`` and ``vllm serve DIR --dtype float32`` are started in turn, each with its own defaults,
-  and the same client -- vLLM's ``vllm bench serve`` (random prompts of ``--input-len`` tokens, ``--output-len``
-  tokens, ignore_eos, temperature 0, streaming ``/v1/completions``) -- runs at every ``--concurrency``. The
-  systems alternate (which goes first flips every round) for ``--rounds`` rounds; the medians are reported with
-  their spread. Before its load each server answers ``--probe-prompts`` greedy prompts; the texts must be equal.
-- ``offline``: grserve's engine directly (``LLMEngine.generate``, the server's defaults) vs vLLM's ``LLM.generate``
-  on the same prompts (token ids in, token ids out; compared exactly).
+  ``grserve serve llm DIR --dtype float32`` and ``vllm serve DIR --dtype float32`` are started in turn, each with
+  its own other defaults (both in fp32: the outputs are compared exactly; grserve's default ``--dtype auto`` is bf16
+  on a CPU with fast bf16), and the same client -- vLLM's ``vllm bench serve`` (random prompts of ``--input-len``
+  tokens, ``--output-len`` tokens, ignore_eos, temperature 0, streaming ``/v1/completions``) -- runs at every
+  ``--concurrency``. The systems alternate (which goes first flips every round) for ``--rounds`` rounds; the
+  medians are reported with their spread. Before its load each server answers ``--probe-prompts`` greedy prompts;
+  the texts must be equal.
+- ``offline``: grserve's engine directly (``LLMEngine.generate``, the server's defaults but fp32) vs vLLM's
+  ``LLM.generate`` on the same prompts (token ids in, token ids out; compared exactly).
 - ``gr``: ``POST /v1/recommend`` of ``grserve serve retrieval DIR`` (tiny) at each ``--gr-beam-widths`` with a
   ``--gr-prompt-len`` prompt and 3 SID tokens, against vLLM's beam search on the same model (``use_beam_search``,
   ``n`` = beam width, 3 tokens, unconstrained: vLLM does less work); requests/s of each and their ratio.
@@ -47,6 +49,7 @@ SHAPES = {
     "medium": dict(family="qwen3", vocab_size=32000, hidden_size=1024, intermediate_size=3072, num_hidden_layers=8,
                    num_attention_heads=16, num_key_value_heads=8, head_dim=64, tie_word_embeddings=True),
 }
+GRSERVE_SERVE_FLAGS = ("--dtype", "float32")  # vLLM's dtype below: equal outputs need equal arithmetic
 VLLM_SERVE_FLAGS = ("--dtype", "float32", "--gpu-memory-utilization", "0.25", "--max-model-len", "4096",
                     "--seed", "0")
 
@@ -196,7 +199,8 @@ class Server:
 
 def server_cmd(system: str, model_dir: Path, cfg: PeersBenchConfig, vllm_bin: Path) -> list[str]:
     if system == "grserve":
-        return [sys.executable, "-m", "grserve", "serve", "llm", str(model_dir), *cfg.grserve_flags.split()]
+        return [sys.executable, "-m", "grserve", "serve", "llm", str(model_dir), *GRSERVE_SERVE_FLAGS,
+                *cfg.grserve_flags.split()]
     return [str(vllm_bin / "vllm"), "serve", str(model_dir), *VLLM_SERVE_FLAGS]
 
 
@@ -343,7 +347,7 @@ def offline_grserve(model_dir: Path, prompts: list[list[int]], max_tokens: int) 
     from grserve.engine.async_llm import AsyncLLMEngine
     from grserve.engine.sampling import SamplingParams
 
-    cfg = LLMServeConfig(model=ModelConfig(source=str(model_dir)))
+    cfg = LLMServeConfig(model=ModelConfig(source=str(model_dir), dtype="float32"))  # as vLLM's: compared exactly
     threads = torch.get_num_threads()
     try:
         core = AsyncLLMEngine.build(cfg, pick_threads=True).core
@@ -402,7 +406,7 @@ def gr_part(cfg: PeersBenchConfig, tiny: Path, vllm_bin: Path, work: Path) -> di
     bws = split_commas(cfg.gr_beam_widths, int)
     rps: dict = {"grserve": {}, "vllm": {}}
     load = os.getloadavg()[0]
-    cmd = [sys.executable, "-m", "grserve", "serve", "retrieval", "--model", str(tiny),
+    cmd = [sys.executable, "-m", "grserve", "serve", "retrieval", "--model", str(tiny), *GRSERVE_SERVE_FLAGS,
            "--max-beam-width", str(max(512, *bws))]
     with Server(cmd, work / "server-grserve-retrieval.log", cfg.startup_timeout) as srv:
         for bw in bws:
