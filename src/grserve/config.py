@@ -47,7 +47,7 @@ class ModelConfig(Checked):
     source: str = flag("tiny", "a model preset (tiny, tiny-mha, tiny-bat, qwen3-0.6b, qwen3-1.7b, qwen2-1.5b; "
                                "seeded random weights) or a Hugging Face-format directory (config.json + "
                                "*.safetensors)", name="model", metavar="PRESET_OR_DIR")
-    dtype: str = flag("float32", "model weights and activations dtype; auto: bfloat16 on CUDA and where this CPU "
+    dtype: str = flag("auto", "model weights and activations dtype; auto: bfloat16 on CUDA and where this CPU "
                               "computes bf16 faster than fp32 (a timed trial at start-up), else float32 "
                               "(model/dtype_choice.py; the start line says which and why)", choices=DTYPES)
     device: str = flag("cpu", "where the model runs", check=device_name, metavar="cpu|cuda|cuda:N")

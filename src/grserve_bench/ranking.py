@@ -43,7 +43,7 @@ class RankingBenchConfig(Checked):
 
     model: str = flag("tiny-bat", "preset or HF directory (tiny-bat: Qwen2-1.5B's linear-vs-attention FLOP mix at "
                                   "tiny cost)", metavar="PRESET_OR_DIR")
-    dtype: str = flag("float32", "model dtype (auto: what grserve serve would pick here, model/dtype_choice.py)",
+    dtype: str = flag("auto", "model dtype (auto: what grserve serve would pick here, model/dtype_choice.py)",
                       choices=BENCH_DTYPES)
     scale: float = flag(1.0, "profile-length scale (1.0 = the paper's lengths; candidates stay 100)", check=positive)
     full_scale: bool = flag(False, "same as --scale 1.0")

@@ -17,18 +17,22 @@ from __future__ import annotations
 import torch
 
 from grserve.attention import varlen
-from grserve.attention.prefix_prefill import prefix_causal_attention
+from grserve.attention.prefix_prefill import block_aligned_attention, prefix_causal_attention
 from grserve.attention.staged import merge_states, shared_stage, unshared_stage
 from grserve.kvcache.beam import BeamKV
 
 
 class PrefillContext:
     def __init__(self, kv: BeamKV, requests: list[int] | None = None, cached: list[int] | None = None,
-                 impl: str = "auto"):
+                 impl: str = "auto", align: int = 0):
         self.kv = kv
         self.requests = requests  # None: every request of the batch, packed in order
         self.cached = cached  # per request of the batch: its first cached[r] tokens' K/V are in shared_kv already
         self.impl = impl  # the packed causal attention (attention/varlen.py): auto | loop | flash
+        # > 0 (the prefix cache's block size): the loop path (every CPU) runs each prompt's attention in block-aligned
+        # query chunks, so its K/V do not depend on the prompt's length or on what came from the prefix cache
+        # (attention/prefix_prefill.py); the CUDA flash path keeps one varlen call
+        self.align = align
 
     def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> list[tuple[int, int, int]]:
         """Stores this layer's K/V; (request, packed start, packed end) per prompt of the stream."""
@@ -53,7 +57,10 @@ class PrefillContext:
         out = torch.empty_like(q)
         for r, a, b in spans:
             sk, sv = kv.shared(layer, r)
-            out[a:b] = prefix_causal_attention(q[a:b], sk, sv)
+            if self.align:
+                out[a:b] = block_aligned_attention(q[a:b], sk, sv, self.align)
+            else:
+                out[a:b] = prefix_causal_attention(q[a:b], sk, sv)
         return out
 
     def attend_last(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

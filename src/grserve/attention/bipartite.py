@@ -8,7 +8,8 @@ cached token is never recomputed. Per layer and request, with partial states ``(
 
 - computed head tokens: causal over the head;
 - computed item tokens: [head, full] ⊕ [own item, causal] — the self stage of all computed items of the whole
-  batch runs as one padded causal attention (padding sits after each item, so causality hides it);
+  batch runs as one causal attention call per item length (no padding: an item's K/V do not depend on what else
+  is packed with it, bit for bit at any dtype);
 - tail tokens: [head + every item (cached or computed), full] ⊕ [tail, causal].
 
 That is exactly the visibility of ``BipartitePrompt.visibility()``; ``MaskedPromptContext`` is the slow reference
@@ -25,7 +26,7 @@ import numpy as np
 import torch
 
 from grserve.attention.reference import reference_attention
-from grserve.attention.staged import merge_states, shared_stage, shared_stage_reference
+from grserve.attention.staged import _wide, merge_states, shared_stage, shared_stage_reference
 
 _FLASH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -38,11 +39,11 @@ def causal_states_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -
     b, n, hq, d = q.shape
     g = hq // k.shape[2]
     kr, vr = k.repeat_interleave(g, dim=2), v.repeat_interleave(g, dim=2)
-    s = torch.einsum("bqhd,bkhd->bhqk", q, kr) * (d**-0.5)
+    s = _wide(torch.einsum("bqhd,bkhd->bhqk", q, kr)) * (d**-0.5)  # scores and lse in fp32 (fp64 stays)
     causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
     s = s.masked_fill(~causal, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)  # [B, H, L]
-    o = torch.einsum("bhqk,bkhd->bqhd", torch.exp(s - lse[..., None]), vr)
+    o = torch.einsum("bhqk,bkhd->bqhd", torch.exp(s - lse[..., None]).to(v.dtype), vr)
     return o, lse.transpose(1, 2)
 
 
@@ -55,7 +56,7 @@ def causal_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[to
     kh = k.repeat_interleave(g, dim=2).transpose(1, 2)
     vh = v.repeat_interleave(g, dim=2).transpose(1, 2)
     o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qh, kh, vh, 0.0, True)
-    return o.transpose(1, 2), lse.to(q.dtype).transpose(1, 2)
+    return o.transpose(1, 2), _wide(lse).transpose(1, 2)  # the kernel's fp32 lse, not rounded to a bf16 model's
 
 
 def causal_states_1(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, exact: bool = False
@@ -75,7 +76,7 @@ def causal_states_1(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, exact: bo
     kh = k.permute(1, 0, 2).unsqueeze(0).expand(g, hkv, n, d)
     vh = v.permute(1, 0, 2).unsqueeze(0).expand(g, hkv, n, d)
     o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qh, kh, vh, 0.0, True)
-    return o.permute(2, 1, 0, 3).reshape(n, hq, d), lse.to(q.dtype).permute(2, 1, 0).reshape(n, hq)
+    return o.permute(2, 1, 0, 3).reshape(n, hq, d), _wide(lse).permute(2, 1, 0).reshape(n, hq)
 
 
 def full_states_hm(q: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, exact: bool = False
@@ -157,19 +158,39 @@ class _Packing:
         if concat_tokens != n_cat:
             raise ValueError(f"cached_items_kv has {n_cat} tokens, the candidates marked cached have {concat_tokens}")
         item_range = (i0, self.cursor)
-        # prefix buffer: [head | computed items (packed order) | cached_items_kv | other cached items]
-        n_comp = self.cursor - i0
-        if self.cursor > h0:  # computed head and items are contiguous in the packed order and in the buffer
-            self.copy_src.append(np.arange(h0, self.cursor, dtype=np.int64))
-            d0 = p0 + (0 if head_computed else n_head)  # a cached head's rows are filled from cache
-            self.copy_dst.append(np.arange(d0, d0 + (self.cursor - h0), dtype=np.int64))
-        off = p0 + n_head + n_comp
-        if req.cached_items_kv is not None and n_cat:
-            cached.append((off, req.cached_items_kv))
-            off += n_cat
-        for kv in cached_parts:
-            cached.append((off, kv))
-            off += int(kv.shape[2])
+        # prefix buffer: [head | every candidate in the prompt's order], whichever of them were computed or cached:
+        # the tail's keys are in the same order whatever the cache held (a key order that changed with the cache
+        # state changed the attention's last bits, and at bf16 the scores), and in the order of the flat reference
+        src: list[np.ndarray] = []
+        dst: list[np.ndarray] = []
+        if head_computed:
+            src.append(np.arange(h0, head[1], dtype=np.int64))
+            dst.append(np.arange(p0, p0 + n_head, dtype=np.int64))
+        off, cat, run = p0 + n_head, 0, None  # run: [buffer offset, concat start, tokens] of consecutive True entries
+        parts = iter(cached_parts)
+        for i, kv in enumerate(item_kv):
+            n = len(p.items[i])
+            if kv is True:
+                if run is None:
+                    run = [off, cat, 0]
+                run[2] += n
+                cat += n
+            else:
+                if run is not None:
+                    cached.append((run[0], req.cached_items_kv[:, :, run[1]:run[1] + run[2]]))
+                    run = None
+                if kv is None:
+                    a, b = items[i]
+                    src.append(np.arange(a, b, dtype=np.int64))
+                    dst.append(np.arange(off, off + n, dtype=np.int64))
+                else:
+                    cached.append((off, next(parts)))
+            off += n
+        if run is not None:
+            cached.append((run[0], req.cached_items_kv[:, :, run[1]:run[1] + run[2]]))
+        if src:
+            self.copy_src.append(np.concatenate(src))
+            self.copy_dst.append(np.concatenate(dst))
         self.pre = off
         tail = self._take(p.tail, p.tail_positions())
         return _Slots(head, items, item_range, tail, (f0, self.flat), (p0, self.pre), n_head, cached)
@@ -196,16 +217,25 @@ class _Packing:
         return items, cached_parts, concat_tokens
 
 
-def _item_padding(item_rows: list[tuple[int, int]], device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Padded gather indices [NI, Lmax] of all computed items and their validity mask (flattened)."""
-    if not item_rows:
-        return None, None
-    lmax = max(n for _, n in item_rows)
-    starts = torch.tensor([s for s, _ in item_rows], dtype=torch.int64)
-    lens = torch.tensor([n for _, n in item_rows], dtype=torch.int64)
-    ar = torch.arange(lmax, dtype=torch.int64)
-    valid = ar[None, :] < lens[:, None]
-    return torch.where(valid, starts[:, None] + ar[None, :], starts[:, None]).to(device), valid.reshape(-1).to(device)
+def _item_groups(item_rows: list[tuple[int, int]], device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The computed items of a batch grouped by length: per length n, gather indices [k, n] of its k items' packed
+    rows and where those rows go in the batch's flat item list [k·n]. One causal kernel call per group, no
+    padding: an item's self stage is then computed alike whatever else is packed with it (CPU flash attention
+    rounds a row differently with the sequence length it is called with; at bf16 that changed an item's K/V)."""
+    flat, off = [], 0
+    for _, n in item_rows:
+        flat.append(off)
+        off += n
+    by_len: dict[int, list[int]] = {}
+    for j, (_, n) in enumerate(item_rows):
+        by_len.setdefault(n, []).append(j)
+    groups = []
+    for n, js in sorted(by_len.items()):
+        ar = torch.arange(n, dtype=torch.int64)
+        starts = torch.tensor([item_rows[j][0] for j in js], dtype=torch.int64)
+        dst = torch.tensor([flat[j] for j in js], dtype=torch.int64)
+        groups.append(((starts[:, None] + ar).to(device), (dst[:, None] + ar).reshape(-1).to(device)))
+    return groups
 
 
 class BipartiteBatchContext:
@@ -215,8 +245,8 @@ class BipartiteBatchContext:
     assembled once in a head-major buffer ``[2, Hkv, Σ prefix, D]``: cached head / item KV is copied in (one
     copy per cached entry), computed head / item K/V with a single ``index_copy_`` for the whole batch. Per request
     the attention is then at most: one causal kernel call for a computed head, one full call items → head, one
-    full call tail → [head | items] and one causal call for the tail, plus one padded causal call for the self
-    stage of every computed item of the batch. No concatenation or GQA repetition of cached KV per layer.
+    full call tail → [head | items] and one causal call for the tail, plus one causal call per item length for the
+    self stage of every computed item of the batch. No concatenation or GQA repetition of cached KV per layer.
     """
 
     def __init__(self, requests: list[BipartiteRequest], device: torch.device | str = "cpu", exact: bool = False):
@@ -229,9 +259,9 @@ class BipartiteBatchContext:
         self.prefix_tokens = pack.pre
         self._copy_src = torch.from_numpy(np.concatenate(pack.copy_src)).to(device) if pack.copy_src else None
         self._copy_dst = torch.from_numpy(np.concatenate(pack.copy_dst)).to(device) if pack.copy_dst else None
-        # padded gather of all computed items: [NI, Lmax]; padding repeats the item's first index (ignored)
+        # the computed items, grouped by length (one causal call per length, ``_item_groups``)
         self.num_item_tokens = pack.flat
-        self._item_pad, self._item_valid = _item_padding(pack.item_rows, device)
+        self._item_groups = _item_groups(pack.item_rows, device)
         self.k: list[torch.Tensor | None] = []
         self.v: list[torch.Tensor | None] = []
 
@@ -275,13 +305,17 @@ class BipartiteBatchContext:
         ex = self.exact
         out = torch.empty_like(q)
         buf = self._prefix_buffer(layer, k, v)
-        # self stage of every computed item of the batch, at once
-        if self._item_pad is not None:
-            ni, lmax = self._item_pad.shape
+        # self stage of every computed item of the batch: one causal call per item length
+        if self._item_groups:
             causal = causal_states_reference if ex else causal_states
-            o_i, lse_i = causal(q[self._item_pad], k[self._item_pad], v[self._item_pad])
-            o_items = o_i.reshape(ni * lmax, *q.shape[1:])[self._item_valid]
-            lse_items = lse_i.reshape(ni * lmax, q.shape[1])[self._item_valid]
+            o_items = q.new_empty(self.num_item_tokens, *q.shape[1:])
+            lse_items = None
+            for idx, dst in self._item_groups:
+                o_g, lse_g = causal(q[idx], k[idx], v[idx])
+                if lse_items is None:
+                    lse_items = lse_g.new_empty(self.num_item_tokens, q.shape[1])
+                o_items[dst] = o_g.reshape(-1, *q.shape[1:])
+                lse_items[dst] = lse_g.reshape(-1, q.shape[1])
         for s in self.slots:
             hs, he = s.head
             if he > hs:

@@ -24,8 +24,10 @@ Batch invariance (``accel.batch_invariant``, on by default): every projection of
 the SID LM head run one GEMM per request (``RowGroups``, ``model/packed_linear.py``), and attention is per request
 already (the prefill's per-prompt causal attention, the staged shared stage per request, the unshared stage per
 beam), so a request's items and scores are the same bits alone as in any batch, at any position in it
-(``tests/grserve/engine/test_batch_invariance.py``). Not covered: ``prefill_compile`` (one compiled call over the
-packed prompts) and a prompt whose prefix came from the prefix cache (its rest is prefilled with another M).
+(``tests/grserve/engine/test_batch_invariance.py``). The prefill's attention runs in query chunks aligned to the
+prefix cache's blocks (``prefill_align``), so a prompt whose prefix came from the prefix cache gets the same K/V as
+computed whole, where the GEMMs' rows do not depend on the row count (its rest is prefilled with another M).
+Not covered: ``prefill_compile`` (one compiled call over the packed prompts) and a thinking request's prompt.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ import torch
 from grserve.attention.beam_context import BeamDecodeContext, PrefillContext
 from grserve.catalog import Catalog
 from grserve.catalog.allowlist import Allow, item_filter
-from grserve.config import AccelConfig, SearchConfig
+from grserve.config import AccelConfig, PrefixCacheConfig, SearchConfig
 from grserve.engine.think import ThinkSpec, Thought, think
 from grserve.kvcache.beam import BeamKV
 from grserve.kvcache.prefix_blocks import PrefixBlockCache, PrefixMatch
@@ -72,6 +74,10 @@ class RetrievalRunner:
         self.compiled = CompiledPrefill(model, self.accel.prompt_bucket) \
             if self.accel.prefill_compile and getattr(model, "quantized", None) is None else None
         self.prefix: PrefixBlockCache | None = None  # the engine's prefix cache (kvcache/prefix_blocks.py), if on
+        # the prefill's attention in query chunks aligned to the prefix cache's blocks, cache on or off (the engine
+        # sets its --prefix-block-size): a prompt's K/V and answers are then the same computed whole or after a
+        # cached prefix, and with the cache on or off (attention/prefix_prefill.py::block_aligned_attention)
+        self.prefill_align = PrefixCacheConfig().prefix_block_size
         self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="grserve-mask") if search.overlap_masks else None
 
     def close(self) -> None:
@@ -154,7 +160,7 @@ class RetrievalRunner:
             tokens = torch.from_numpy(np.concatenate([prompts[i][cached[i]:] for i in fresh]).astype(np.int64)).to(dev)
             positions = torch.cat([torch.arange(cached[i], lens[i]) for i in fresh]).to(dev)
             ctx = PrefillContext(kv, None if len(fresh) == len(prompts) else fresh, cached if any(cached) else None,
-                                 self.accel.prefill_attention)
+                                 self.accel.prefill_attention, self.prefill_align)
             sizes = [lens[i] - cached[i] for i in fresh]
             rows = torch.from_numpy(np.cumsum(sizes) - 1).to(dev)
             groups = RowGroups(sizes) if self.accel.batch_invariant else None

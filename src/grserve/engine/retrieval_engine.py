@@ -63,6 +63,7 @@ class RetrievalEngine(BatchedEngine):
         self.kv_budget = KVBudget(self.prefix_cfg.kv_budget_bytes or None)
         self.prefix = make_prefix_cache(model, self.prefix_cfg, self.kv_budget)  # None when off
         self.runner.prefix = self.prefix
+        self.runner.prefill_align = self.prefix_cfg.prefix_block_size
         self.warm = warm  # start() warms up first (engine/warmup.py); build() sets it from --warmup
         self.warmup_runs: list[WarmupRun] | None = None  # None until warmed up
         self._reference: RetrievalRunner | None = None  # made on the first batch with exclude_items (fast path)
@@ -181,6 +182,7 @@ class RetrievalEngine(BatchedEngine):
         if self._reference is None:
             self._reference = RetrievalRunner(self.model, self.search, self.accel)
             self._reference.prefix = self.prefix
+            self._reference.prefill_align = self.prefix_cfg.prefix_block_size
         return self._reference
 
 

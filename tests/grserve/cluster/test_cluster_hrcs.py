@@ -24,13 +24,18 @@ ray = pytest.importorskip("ray")
 from grserve.cluster.core.ray_runtime import new_incarnation, start_ray  # noqa: E402
 from grserve.cluster.gr.instance import build_ranking_engine, spawn_gr_instance  # noqa: E402
 from grserve.cluster.gr.modes import ClusterRankingEngine  # noqa: E402
-from grserve.config import (ClusterConfig, HRCSConfig, RankingConfig, RankingDataConfig,  # noqa: E402
-                            RankingServeConfig)
+from grserve.config import (ClusterConfig, HRCSConfig, ModelConfig, RankingConfig,  # noqa: E402
+                            RankingDataConfig, RankingServeConfig)
 from grserve.engine.types import RankingRequest  # noqa: E402
+from grserve.model.loader import resolve_dtype  # noqa: E402
 
+# The link is given in fp32 terms: at the default --dtype auto (bf16 on a CPU with fast bf16) an item's KV is half
+# the bytes, so the same link moves twice the items and HRCS would replicate fewer of them; scaled by the element
+# size, the placement (which items pay to replicate) is the one these tests were written for at any dtype.
+KV_BYTES = resolve_dtype(ModelConfig().dtype).itemsize
 CFG = RankingServeConfig(ranking=RankingConfig(policy="item_prefix"),
                          data=RankingDataConfig(num_items=120, num_users=10, scale=0.05),
-                         hrcs=HRCSConfig(hrcs_prefill_s=0.01, hrcs_link_gbps=2.0, hrcs_interval_s=0))
+                         hrcs=HRCSConfig(hrcs_prefill_s=0.01, hrcs_link_gbps=2.0 * KV_BYTES / 4, hrcs_interval_s=0))
 CC = ClusterConfig(instances=2, heartbeat_timeout_s=6.0, restart_instances=False)
 
 

@@ -77,6 +77,66 @@ def test_prefix_causal_attention_equals_the_rows_of_the_whole_prefill():
     assert torch.allclose(rest, whole[L - n:], atol=1e-12, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_aligned_attention_rows_do_not_depend_on_the_prompt_or_the_cache(dtype):
+    """The prefill's attention in block-aligned query chunks: the rows after a cached prefix are the bits of the same
+    rows of the whole prompt's prefill, and a prefix's rows the bits of a longer prompt's (the CPU's one-call causal
+    SDPA rounds a row differently with the sequence length; at bf16 that moved scores by up to 0.1)."""
+    from grserve.attention.prefix_prefill import block_aligned_attention
+
+    g = torch.Generator().manual_seed(0)
+    L, B, hq, hkv, d = 45, 4, 8, 2, 32
+    q = torch.randn(L, hq, d, generator=g).to(dtype)
+    k = torch.randn(hkv, L, d, generator=g).to(dtype)
+    v = torch.randn(hkv, L, d, generator=g).to(dtype)
+    whole = block_aligned_attention(q, k, v, B)
+    for m in (4, 16, 40):  # the rest after a cached prefix of m tokens
+        assert torch.equal(block_aligned_attention(q[m:], k, v, B), whole[m:])
+    for n in (8, 20, 33):  # a shorter prompt that is a prefix of this one: its full blocks' rows
+        short = block_aligned_attention(q[:n], k[:, :n], v[:, :n], B)
+        assert torch.equal(short[:n - n % B], whole[:n - n % B])
+    ref = prefix_causal_attention(q.double(), k.double(), v.double())
+    assert torch.allclose(whole.double(), ref, atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=0)
+    with pytest.raises(ValueError):
+        block_aligned_attention(q[3:], k, v, B)  # a cached prefix is whole blocks
+
+
+def _rows_invariant_gemms(model) -> bool:
+    """Whether this CPU's projections (as the runner runs them: oneDNN-packed where it can) give a row the same bits
+    whatever the row count, at the model's widths and dtype: the reuse is bit-equal only then (a prompt's rest is
+    projected with another row count than the whole prompt)."""
+    from grserve.model.packed_linear import grouped_linear, shared_pack
+
+    packed = shared_pack(model)
+    g = torch.Generator().manual_seed(1)
+    layer = model.model.layers[0]
+    for lin in (layer.self_attn.q_proj, layer.self_attn.o_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+        x = torch.randn(97, lin.weight.shape[1], generator=g).to(model.dtype)
+        full = grouped_linear(x, lin, packed, None)
+        if any(not torch.equal(grouped_linear(x[:m].contiguous(), lin, packed, None), full[:m]) for m in (1, 3, 17, 60)):
+            return False
+    return True
+
+
+def test_bf16_beams_with_the_cache_are_the_bits_without():
+    """At bf16 (the default --dtype auto on a CPU with fast bf16): the same items and the same score bits with the
+    prefix cache as without it, hits or not (a thinking request's prompt is not covered: engine/think.py)."""
+    from grserve.model import load_model
+
+    model = load_model("tiny", dtype="bfloat16", seed=3)
+    if not _rows_invariant_gemms(model):
+        pytest.skip("this CPU's bf16 GEMMs round a row differently with the row count: reuse is not bit-equal here")
+    catalog = grid_catalog(40, seed=0, first_id=100)
+    prompts = _workload(seed=4)
+    off = _run(_engine(model, catalog, block=8), prompts)
+    on_engine = _engine(model, catalog, 4096, block=8)
+    on = _run(on_engine, prompts)
+    assert sum(r.cached_tokens for r in on) > 0
+    for a, b in zip(off, on):
+        assert [i.item_id for i in a.items] == [i.item_id for i in b.items]
+        assert [i.score for i in a.items] == [i.score for i in b.items]
+
+
 # ---- exactness ----------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("scoring", ["renormalized", "hf"])
 @pytest.mark.parametrize("policy", ["lru", "leader", "laru"])

@@ -83,7 +83,7 @@ def test_ranking_same_answers_registrations_and_restart():
 
     cfg = RankingServeConfig(model=ModelConfig(source="tiny", seed=0), ranking=RankingConfig(policy="recompute"),
                              data=RankingDataConfig(num_items=40, num_users=6))
-    model = load_model("tiny", seed=0)
+    model = load_model("tiny", dtype=cfg.model.dtype, seed=0)  # the dtype the engine process runs (default: auto)
     ref_reg = build_registry(cfg.data, model.spec.vocab_size)
     ref = RankingEngine(RankingRunner(model, ref_reg, cfg.ranking)).start()
     _, client, info = start_core("ranking", cfg, 2, None)

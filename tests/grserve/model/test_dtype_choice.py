@@ -11,9 +11,17 @@ from grserve.model.cpu_support import cpu_support
 from grserve.model.dtype_choice import MIN_SPEEDUP, choice, choose_dtype
 
 
-def test_auto_is_accepted_by_the_config():
-    # opt-in for now: as the default it changed answers of 15 exactness tests (HF / fp32 comparisons), not yet pinned
-    assert ModelConfig(dtype="auto").dtype == "auto" and ModelConfig().dtype == "float32"
+def test_auto_is_the_default_everywhere():
+    """Every mode's ModelConfig, the offline Recommender / LLM (their ModelConfig), grserve recommend (its flags) and
+    the benches with a dtype flag default to auto."""
+    from grserve_bench.ranking import RankingBenchConfig
+    from grserve_bench.retrieval import RetrievalBenchConfig
+
+    from grserve.config import LLMServeConfig, RankingServeConfig, ServeConfig
+
+    assert ModelConfig().dtype == "auto"
+    assert ServeConfig().model.dtype == LLMServeConfig().model.dtype == RankingServeConfig().model.dtype == "auto"
+    assert RankingBenchConfig().dtype == "auto" and RetrievalBenchConfig().dtype == "auto"
 
 
 def test_a_named_dtype_is_used_as_asked():

@@ -80,7 +80,10 @@ class HFReference:
 
 
 def _engine(d, **search):
-    cfg = ServeConfig(model=ModelConfig(source=str(d.path)), catalog=CatalogConfig(path=str(d.catalog)),
+    # float32: HF transformers at fp32 is the reference these tests compare with (the default --dtype auto is bf16
+    # on a CPU with fast bf16)
+    cfg = ServeConfig(model=ModelConfig(source=str(d.path), dtype="float32"),
+                      catalog=CatalogConfig(path=str(d.catalog)),
                       search=SearchConfig(**{"scoring": "hf", "beam_width": 16, **search}))
     return RetrievalEngine.build(cfg).start()
 
@@ -358,7 +361,9 @@ def test_openai_beams_through_instances_equal_one_engine(onerec):
     from grserve.config import ClusterConfig
 
     d, engine, client, _ = onerec
-    cfg = ServeConfig(model=ModelConfig(source=str(d.path)), catalog=CatalogConfig(path=str(d.catalog)),
+    # the dtype of the engine it is compared with (float32, pinned for the HF comparisons)
+    cfg = ServeConfig(model=ModelConfig(source=str(d.path), dtype=engine.model.dtype_choice.name),
+                      catalog=CatalogConfig(path=str(d.catalog)),
                       search=SearchConfig(scoring="hf", beam_width=16))
     cc = ClusterConfig(instances=1, heartbeat_timeout_s=10.0)
     owns = start_ray(None)
