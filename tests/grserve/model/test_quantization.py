@@ -252,7 +252,7 @@ def test_the_precision_check_takes_int8(tmp_path, capsys):
     from grserve.cli import main
 
     code = main(["check", "precision", "--num-items", "300", "--seed", "3", "--beam-width", "8", "--top-n", "8",
-                 "--users", "6", "--json-only", "--no-warmup", "--quantization", "int8", "--min-overlap", "0"])
+                 "--users", "6", "--json-only", "--no-warmup", "--dtype", "float32", "--quantization", "int8", "--min-overlap", "0"])
     record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert code == 0 and record["quantization"] == "int8" and record["dtype"] == "float32"
     assert "torch._int_mm" in record["quantization_op"] and record["invalid"] == 0
