@@ -190,9 +190,8 @@ def run_cluster(cfg: ServeConfig) -> int:
         print(f"grserve: {line}", flush=True)
     from grserve.model.dtype_choice import dtype_label  # lazy: torch
     print(f"grserve: model {cfg.model.source} ({cfg.precision_gate.label(dtype_label(cfg.model))}) on "
-          f"{cfg.cluster.instances} "
-          f"instances, catalog {len(cat):,} items, default beam width {cfg.search.beam_width} "
-          f"-> {_url(cfg.server)}", flush=True)
+          f"{cfg.cluster.instances} instances, catalog {len(cat):,} items, default beam width "
+          f"{cfg.search.beam_width} -> {_url(cfg.server)}", flush=True)
     engine.start()
     restore_started(engine, stored)
     print(f"grserve: {state_line(store, stored)}", flush=True)
@@ -260,8 +259,8 @@ def retrieval_front_end(cfg: ServeConfig, client, info: dict):
     lines = [state_line(store, stored), *info.get("lines", [])]
     if client.layout_note:
         lines.append(client.layout_note)
-    dtype = cfg.precision_gate.label(info.get("dtype") or f"{cfg.model.dtype}, {cfg.model.device}")  # the engine
-    # process's choice, with the precision gate's verdict
+    # the engine process's choice, with the precision gate's verdict
+    dtype = cfg.precision_gate.label(info.get("dtype") or f"{cfg.model.dtype}, {cfg.model.device}")
     lines += [f"SID layout: {cat.layout.describe()}",
               f"model {cfg.model.source} ({dtype}), catalog {len(cat):,} items (depth "
               f"{cat.depth}, codebooks {list(cat.codebook_sizes)}), default beam width {cfg.search.beam_width} -> "
