@@ -20,6 +20,10 @@ the ``--split`` item as the history, that item the target; ``--save-input`` writ
 without either, ``--users`` sampled histories of catalog items (seeded). It prints a table and one JSON line naming the
 machine, and exits 1 when the test precision falls below the gate (``--min-overlap``, ``--min-top1``, any invalid
 item), so a deployment script can refuse a precision that changes what users get.
+
+``startup_gate`` is the same check inside ``grserve serve --precision-gate-users N`` (``PrecisionGateConfig``): N
+sampled histories before the server is built; below the gate the server falls back to float32, saying so on its
+start line, or refuses to start.
 """
 
 from __future__ import annotations
@@ -57,7 +61,7 @@ class PrecisionCheck(Checked):
                                   metavar="FILE")
     users: int = flag(64, "sampled histories when neither --input nor --dataset is given", check=positive_int)
     top_n: int = flag(20, "items compared per request (overlap@N)", check=positive_int)
-    recall_k: int = flag(10, "K of recall@K against the input's targets", check=positive_int)
+    recall_k: int = flag(10, "K of recall@K (HR@K) and NDCG@K against the input's targets", check=positive_int)
     min_overlap: float = flag(0.95, "the gate: mean overlap@N at least this (0 to 1)", metavar="X")
     min_top1: float = flag(0.0, "the gate: top-1 agreement at least this (0 to 1)", metavar="X")
     sample_seed: int = flag(0, "seed of the sampled histories")
