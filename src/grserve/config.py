@@ -178,6 +178,41 @@ class ServerConfig(Checked):
     log_level: str = flag("info", "uvicorn / grserve log level", choices=LOG_LEVELS)
 
 
+GATE_ACTIONS = ("fallback", "refuse")
+
+
+@dataclass(frozen=True)
+class PrecisionGateConfig(Checked):
+    """The recall gate at start-up (``grserve serve``; ``precision_check.startup_gate``, docs/offline-eval.md):
+    sampled histories run at float32 and at the served dtype, their top-N lists compared before the server
+    listens; below the thresholds the server serves float32 (saying so on its start line) or refuses to start."""
+
+    precision_gate_users: int = flag(0, "at start-up, run this many sampled histories at float32 and at the "
+                                        "served --dtype (when it is not float32) and compare their top-N items "
+                                        "(0 = off)", check=non_negative, metavar="N")
+    precision_gate_top_n: int = flag(20, "items compared per history (overlap@N); at most --beam-width",
+                                     check=positive_int)
+    precision_gate_min_overlap: float = flag(0.95, "the gate: mean overlap@N at least this (above 1: never passes)",
+                                             check=non_negative, metavar="X")
+    precision_gate_min_top1: float = flag(0.0, "the gate: top-1 agreement at least this (above 1: never passes)",
+                                          check=non_negative, metavar="X")
+    precision_gate_action: str = flag("fallback", "below the gate: fallback (serve float32 and say so on the start "
+                                                  "line) or refuse (exit 2 without serving)", choices=GATE_ACTIONS)
+    # what the gate found, set at start-up (not a flag): the start lines print it
+    outcome: str | None = flag(None, "the gate's verdict for the start line", cli=False)
+    fell_back: bool = flag(False, "the gate replaced the asked dtype by float32", cli=False)
+
+    @property
+    def enabled(self) -> bool:
+        return self.precision_gate_users > 0
+
+    def label(self, dtype_label: str) -> str:
+        """The start line's dtype text with the gate's verdict."""
+        if self.outcome is None:
+            return dtype_label
+        return self.outcome if self.fell_back else f"{dtype_label}; {self.outcome}"
+
+
 @dataclass(frozen=True)
 class ServeConfig:
     """``grserve serve`` (GR retrieval)."""
@@ -195,6 +230,7 @@ class ServeConfig:
     beams: "BeamApiConfig" = field(default_factory=lambda: BeamApiConfig())  # the OpenAI beam routes
     prefix: PrefixCacheConfig = field(default_factory=PrefixCacheConfig)  # prompt-prefix KV reuse (off by default)
     process: "ProcessConfig" = field(default_factory=lambda: ProcessConfig())  # engine process, --api-servers
+    precision_gate: PrecisionGateConfig = field(default_factory=PrecisionGateConfig)  # the recall gate at start-up
 
 
 @dataclass(frozen=True)

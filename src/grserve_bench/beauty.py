@@ -24,6 +24,13 @@ and ~22x at full 80-token prompts).
 The last line is one JSON object: ``hr@5`` … ``ndcg@20`` (test), ``hr@10_popularity``, ``users``,
 ``train_seconds``, ``params``, ``eval_users_per_s``, ``hf_users_per_s``, ``hf_top20_agreement``, and the
 validation metrics, settings and the speed-up.
+
+``--dtype float32,bfloat16`` (the precision as a dimension, as ``grserve_bench.quality``'s): the evaluation runs once
+per dtype, one table and JSON line each (``dtype``, ``dtype_reason``, ``quantization``, ``machine``); each line after
+the first compares the last split's lists with the first dtype's as ``grserve check precision`` does
+(``top1_vs_reference``, ``overlap@20_vs_reference`` and its minimum, ``max_score_delta_vs_reference``,
+``invalid_items``, ``recall_within_stderr``: HR@10 within one standard error of the reference's). The HF comparison
+runs once, at the first dtype.
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
-from grserve.flags import Checked, flag, non_negative
+from grserve.flags import Checked, flag, non_negative, split_commas
 from grserve_bench.machine import machine_info
 
 KS = (5, 10, 20)
@@ -105,11 +112,12 @@ def evaluate_split(rec, split, name: str, max_items: int, progress: bool, max_us
     pop = popularity(hist)
     return {"split": name, "users": n, "seconds": seconds, "users_per_s": n / seconds,
             "served": metrics([r.item_ids for r in out], targets[:n]),
-            "popularity": metrics([pop] * n, targets[:n])}
+            "popularity": metrics([pop] * n, targets[:n]),
+            "recs": out, "targets": [int(t) for t in targets[:n]]}  # for the precision comparison
 
 
 def hf_comparison(model_dir: Path, catalog_path: Path, split, max_items: int, n_users: int, beam_width: int,
-                  progress: bool, max_batch_requests: int = 64) -> dict:
+                  progress: bool, max_batch_requests: int = 64, dtype: str = "float32") -> dict:
     """HF generate vs grserve (``--scoring hf``) on every k-th test user: users/s of each and top-20 agreement."""
     from tqdm import tqdm
 
@@ -121,7 +129,7 @@ def hf_comparison(model_dir: Path, catalog_path: Path, split, max_items: int, n_
     # one batch at a time: grserve on one thread, as HF generate runs (the evaluation above runs the server's two
     # batches in flight)
     with Recommender(model=str(model_dir), catalog=str(catalog_path), beam_width=beam_width, scoring="hf",
-                     max_batch_requests=max_batch_requests, max_inflight_batches=1) as rec:
+                     max_batch_requests=max_batch_requests, max_inflight_batches=1, dtype=dtype) as rec:
         t0 = time.perf_counter()
         ours = rec.recommend([{"history_items": prompts[i], "top_n": max(KS)} for i in pick], progress=False)
         ours_s = time.perf_counter() - t0
@@ -213,6 +221,8 @@ def run(cfg, bench: BeautyBenchConfig, artifacts) -> int:
     from grserve.beauty.artifacts import ensure_beauty
     from grserve.beauty.data import load_sid_dataset
     from grserve.recommender import Recommender
+    from grserve_bench.quality import OVERLAP_N
+    from grserve_bench.retrieval import precision_fields
 
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
@@ -230,17 +240,40 @@ def run(cfg, bench: BeautyBenchConfig, artifacts) -> int:
     split = load_sid_dataset(artifacts.data_dir, artifacts.index).split()
     beam_width = cfg.beam_width or 100
     splits = ("valid", "test") if cfg.split == "test" else ("valid",)
-    with Recommender(model=str(model_dir), catalog=str(catalog_path), beam_width=beam_width, scoring=bench.scoring,
-                     max_batch_requests=bench.max_batch_requests or 64) as rec:
-        params = rec.engine.model.spec.num_parameters()
-        results = [evaluate_split(rec, split, s, max_items, cfg.progress, cfg.max_users) for s in splits]
-        items = len(rec.catalog)
-    hf = (hf_comparison(model_dir, catalog_path, split, max_items, bench.hf_users, beam_width, cfg.progress,
-                        bench.max_batch_requests or 64)
-          if bench.hf_users and "test" in splits else None)
-    meta = {"beam_width": beam_width, "scoring": bench.scoring, "params": params, "items": items,
-            "max_batch_requests": bench.max_batch_requests or 64,
-            "train_seconds": train.get("seconds"), "index": train.get("index", artifacts.index)}
-    print_table(results, hf, meta, console)
-    print(json.dumps(report_json(results, hf, meta)), flush=True)
+    first = None
+    for dtype in split_commas(cfg.dtype, str):
+        with Recommender(model=str(model_dir), catalog=str(catalog_path), beam_width=beam_width,
+                         scoring=bench.scoring, max_batch_requests=bench.max_batch_requests or 64, dtype=dtype) as rec:
+            chosen = rec.dtype_choice
+            params = rec.engine.model.spec.num_parameters()
+            results = [evaluate_split(rec, split, s, max_items, cfg.progress, cfg.max_users) for s in splits]
+            items, catalog_ids = len(rec.catalog), {int(i) for i in rec.catalog.item_ids}
+        hf = (hf_comparison(model_dir, catalog_path, split, max_items, bench.hf_users, beam_width, cfg.progress,
+                            bench.max_batch_requests or 64, dtype=dtype)
+              if bench.hf_users and "test" in splits and first is None else None)
+        meta = {"beam_width": beam_width, "scoring": bench.scoring, "params": params, "items": items,
+                "max_batch_requests": bench.max_batch_requests or 64,
+                "train_seconds": train.get("seconds"), "index": train.get("index", artifacts.index)}
+        console.print(f"dtype {chosen.label()}")
+        print_table(results, hf, meta, console)
+        line = {**report_json(results, hf, meta), **precision_fields(dtype, chosen)}
+        if first is None:
+            first = (results[-1], chosen.name)
+        else:
+            line.update(precision_reference=first[1], **precision_against(first[0], results[-1], catalog_ids,
+                                                                          min(OVERLAP_N, beam_width)))
+        print(json.dumps(line), flush=True)
     return 0 if not math.isnan(results[-1]["served"]["hr@10"]) else 1
+
+
+def precision_against(reference: dict, test: dict, catalog_ids: set[int], n: int) -> dict:
+    """One split's results at a dtype against the reference dtype's (``grserve check precision``'s comparison;
+    HR@10 with its standard error, the one target of every user)."""
+    from grserve.precision_check import compare
+
+    c = compare(reference["recs"], test["recs"], catalog_ids, n, [[t] for t in reference["targets"]], recall_k=10)
+    return {"top1_vs_reference": round(c.top1, 4), f"overlap@{n}_vs_reference": round(c.overlap_mean, 4),
+            f"overlap@{n}_min_vs_reference": round(c.overlap_min, 4),
+            "max_score_delta_vs_reference": round(c.max_score_delta, 5), "invalid_items": c.invalid,
+            "hr@10_reference": round(c.recall_reference, 4), "hr@10_stderr_reference": round(c.recall_stderr, 4),
+            "recall_within_stderr": c.recall_within_stderr, "ndcg_within_stderr": c.ndcg_within_stderr}

@@ -21,6 +21,13 @@ averaged over users. On the same users:
 
 The last output line is one JSON object: ``recall@10``, ``ndcg@10``, ``recall@10_popularity``,
 ``recall@10_random``, ``invalid_rate_masked``, ``invalid_rate_unmasked`` and the settings (keys use the actual K).
+
+The precision is a dimension (issue 42): ``--dtype float32,bfloat16`` evaluates the same users once per dtype, in
+that order, one table and one JSON line each; every line names the dtype used (``auto`` resolved), why, the
+quantization (``"none"``) and the machine, and every line after the first compares its served lists with the first
+dtype's (``precision_reference``): ``top1_vs_reference``, ``overlap@N_vs_reference`` (N = min(20, beam width)) and
+whether its Recall@K lies within one standard error of the reference's (``recall_within_stderr``), as
+``grserve check precision`` reports them (``--dataset beauty`` likewise).
 """
 
 from __future__ import annotations
@@ -34,15 +41,18 @@ from typing import Sequence
 
 import numpy as np
 
+from grserve.config import DTYPES
 from grserve.flags import (
     Checked,
     ConfigError,
     add_flags,
+    comma_list,
     command_parser,
     flag,
     from_args,
     non_negative,
     positive_int,
+    split_commas,
 )
 from grserve.movielens.artifacts import ArtifactsConfig
 from grserve_bench.machine import machine_info
@@ -147,6 +157,32 @@ def _unconstrained_beam_search(model, prompt: np.ndarray, layout, beam_width: in
 
 
 # ----------------------------------------------------------------------------------------------------------
+# the precision dimension
+# ----------------------------------------------------------------------------------------------------------
+OVERLAP_N = 20  # overlap@N of the precision comparison (at most the beam width)
+
+
+def precision_comparison(reference: Sequence[Sequence[int]], test: Sequence[Sequence[int]],
+                         ref_hits: Sequence[float], test_hits: Sequence[float], n: int = OVERLAP_N) -> dict:
+    """One dtype's served lists against the reference dtype's, per user (same users, same order): top-1 agreement,
+    mean / min overlap of the top ``n``, and whether the hit rate (Recall@K, one target per user: ``*_hits`` are
+    0/1 per user) lies within one standard error of the reference's."""
+    top1 = [bool(a) and bool(b) and a[0] == b[0] for a, b in zip(reference, test, strict=True)]
+    overlap = [len(set(a[:n]) & set(b[:n])) / max(len(a[:n]), 1) for a, b in zip(reference, test, strict=True)]
+    ref, got = np.asarray(ref_hits, dtype=float), np.asarray(test_hits, dtype=float)
+    stderr = float(np.sqrt(ref.mean() * (1 - ref.mean()) / len(ref))) if len(ref) else 0.0
+    return {"top1_vs_reference": round(float(np.mean(top1)), 4) if top1 else 1.0,
+            f"overlap@{n}_vs_reference": round(float(np.mean(overlap)), 4) if overlap else 1.0,
+            f"overlap@{n}_min_vs_reference": round(float(np.min(overlap)), 4) if overlap else 1.0,
+            "recall_stderr_reference": round(stderr, 4),
+            "recall_within_stderr": bool(abs(got.mean() - ref.mean()) <= stderr + 1e-12) if len(ref) else True}
+
+
+def hits_at_k(ranked: Sequence[Sequence[int]], targets: Sequence[int], k: int) -> list[float]:
+    return [float(int(t) in list(r)[:k]) for r, t in zip(ranked, targets, strict=True)]
+
+
+# ----------------------------------------------------------------------------------------------------------
 # the benchmark
 # ----------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
@@ -168,6 +204,10 @@ class QualityBenchConfig(Checked):
     threads: int = flag(1, "torch intra-op threads (0: torch's default); 1 avoids OpenMP spin-waiting on a busy "
                            "CPU", check=non_negative)
     progress: bool = flag(True, "progress bars")
+    dtype: str = flag("float32", "model dtype, or a comma-separated list (e.g. float32,bfloat16): the evaluation runs "
+                                 "once per dtype, one JSON line each, the later ones compared with the first "
+                                 "(top-1, overlap@20, Recall@K within one standard error); auto: what grserve "
+                                 "serve would pick here", check=comma_list(str, allowed=DTYPES))
     artifacts: ArtifactsConfig = field(default_factory=ArtifactsConfig)
 
     def check(self) -> None:
@@ -227,7 +267,7 @@ def evaluate(model, catalog, split, *, max_items: int, beam_width: int = 50, k: 
     seen = [set(int(x) for x in h) for h in histories]
 
     runner = RetrievalRunner(model, SearchConfig(beam_width=beam_width, max_beam_width=max(512, beam_width)))
-    served, excluded, invalid_masked, returned_masked = [], [], 0, 0
+    served, excluded, ranked, invalid_masked, returned_masked = [], [], [], 0, 0
     t0 = time.perf_counter()
     try:
         for a in tqdm(range(0, n_users, batch), desc="served beam search", unit="batch", disable=not progress):
@@ -239,6 +279,7 @@ def evaluate(model, catalog, split, *, max_items: int, beam_width: int = 50, k: 
             for hits in out.hits:
                 items = [h.item_id for h in hits]
                 served.append(items[:k])
+                ranked.append(items[:OVERLAP_N])
                 sids = np.array([h.sid for h in hits[:k]], dtype=np.int64).reshape(-1, catalog.depth)
                 invalid_masked += int((~catalog.contains_sids(sids)).sum()) if len(sids) else 0
                 returned_masked += len(sids)
@@ -278,6 +319,8 @@ def evaluate(model, catalog, split, *, max_items: int, beam_width: int = 50, k: 
         "returned_masked": returned_masked, "returned_unmasked": returned_unmasked,
         "served_seconds": served_s,
         "coverage": len({i for r in served for i in r}) / len(all_items),
+        "ranked": ranked,  # each user's top OVERLAP_N served items (the precision comparison)
+        "targets": [int(t) for t in targets],
     }
 
 
@@ -350,11 +393,28 @@ def run(cfg: QualityBenchConfig) -> int:
 
     split = leave_one_out(load_movielens(cfg.artifacts.root, cfg.artifacts.widedeep_wheel, log=console.print).ratings)
     catalog = load_catalog(catalog_path)
-    model = load_model(model_dir)
-    console.print(f"model {model_dir} ({model.spec.num_parameters():,} parameters), catalog {catalog_path} "
-                  f"({len(catalog)} items, codebooks {list(catalog.codebook_sizes)}), prompt = last {max_items} items")
-    r = evaluate(model, catalog, split, max_items=max_items, beam_width=cfg.beam_width or 50, k=cfg.k, batch=cfg.batch,
-                 split_name=cfg.split, max_users=cfg.max_users, seed=cfg.seed, progress=cfg.progress)
-    print_report(r, console)
-    print(json.dumps(report_json(r)), flush=True)
+    from grserve_bench.retrieval import precision_fields
+
+    first = None
+    for dtype in split_commas(cfg.dtype, str):
+        model = load_model(model_dir, dtype=dtype)
+        chosen = model.dtype_choice  # auto resolved, and why
+        console.print(f"model {model_dir} ({model.spec.num_parameters():,} parameters, "
+                      f"{model.dtype_choice.label()}), catalog {catalog_path} ({len(catalog)} items, codebooks "
+                      f"{list(catalog.codebook_sizes)}), prompt = last {max_items} items")
+        r = evaluate(model, catalog, split, max_items=max_items, beam_width=cfg.beam_width or 50, k=cfg.k,
+                     batch=cfg.batch, split_name=cfg.split, max_users=cfg.max_users, seed=cfg.seed,
+                     progress=cfg.progress)
+        del model
+        line = {**report_json(r), **precision_fields(dtype, chosen)}
+        if first is None:
+            first = (r, chosen.name)
+        else:
+            ref = first[0]
+            line.update(precision_reference=first[1], **precision_comparison(
+                ref["ranked"], r["ranked"], hits_at_k(ref["ranked"], ref["targets"], cfg.k),
+                hits_at_k(r["ranked"], r["targets"], cfg.k), n=min(OVERLAP_N, cfg.beam_width or 50)))
+        print_report(r, console)
+        print(json.dumps(line), flush=True)
     return 0
+

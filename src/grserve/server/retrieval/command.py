@@ -19,6 +19,7 @@ from grserve.config import (
     CatalogReloadConfig,
     ClusterConfig,
     ModelConfig,
+    PrecisionGateConfig,
     PrefixCacheConfig,
     ProcessConfig,
     SchedulerConfig,
@@ -58,6 +59,8 @@ def add_command(sub) -> None:
     add_flags(p, ClusterConfig, title="cluster (several instances on Ray; docs/cluster.md)", skip=GR_CLUSTER_SKIP)
     add_flags(p, ProcessConfig, title="processes (the engine in its own process, HTTP front ends; "
                                       "docs/architecture.md)")
+    add_flags(p, PrecisionGateConfig, title="precision gate at start-up: a --dtype below float32 checked against "
+                                            "float32 on sampled histories (docs/offline-eval.md, \"Precision\")")
     p.set_defaults(handler=lambda ns: run(config_from_args(ns)))
 
 
@@ -78,6 +81,7 @@ def config_from_args(ns: argparse.Namespace) -> ServeConfig:
         beams=from_args(BeamApiConfig, ns),
         prefix=from_args(PrefixCacheConfig, ns),
         process=from_args(ProcessConfig, ns),
+        precision_gate=from_args(PrecisionGateConfig, ns),
     )
 
 
@@ -86,7 +90,21 @@ def run(cfg: ServeConfig) -> int:
         raise UsageError(f"catalog file not found: {cfg.catalog.path}")
     check_model(cfg.model)
     check_catalog_dir(cfg.reload)
+    cfg = precision_gate(cfg)
     return deploy(cfg, Deployments(run_in_thread, run_engine_process, run_cluster))
+
+
+def precision_gate(cfg: ServeConfig) -> ServeConfig:
+    """``--precision-gate-users N``: the served dtype checked against float32 before anything is served; the
+    config to serve (float32 after a fallback; the verdict for the start line). Off: ``cfg`` unchanged."""
+    if not cfg.precision_gate.enabled:
+        return cfg
+    from grserve.precision_check import startup_gate
+
+    try:
+        return startup_gate(cfg, log=lambda line: print(f"grserve: {line}", flush=True))
+    except (ValueError, KeyError, OSError) as exc:  # a bad catalog or model fails here first
+        raise usage_error(exc) from None
 
 
 def run_in_thread(cfg: ServeConfig) -> int:
@@ -117,7 +135,8 @@ def run_in_thread(cfg: ServeConfig) -> int:
     cat = engine.catalogs.current()
     print_layout(engine)
     from grserve.model.dtype_choice import model_label  # lazy: torch
-    print(f"grserve: model {cfg.model.source} ({model_label(getattr(engine, 'model', None), cfg.model)}), catalog {len(cat):,} items "
+    dtype = cfg.precision_gate.label(model_label(getattr(engine, "model", None), cfg.model))
+    print(f"grserve: model {cfg.model.source} ({dtype}), catalog {len(cat):,} items "
           f"(depth {cat.depth}, codebooks {list(cat.codebook_sizes)}), default beam width {cfg.search.beam_width} "
           f"-> {_url(cfg.server)}", flush=True)
     if cfg.search.warmup and hasattr(engine, "warm_up"):  # a stand-in engine (tests) may have none
@@ -170,9 +189,9 @@ def run_cluster(cfg: ServeConfig) -> int:
     for line in engine.describe():
         print(f"grserve: {line}", flush=True)
     from grserve.model.dtype_choice import dtype_label  # lazy: torch
-    print(f"grserve: model {cfg.model.source} ({dtype_label(cfg.model)}) on {cfg.cluster.instances} "
-          f"instances, catalog {len(cat):,} items, default beam width {cfg.search.beam_width} "
-          f"-> {_url(cfg.server)}", flush=True)
+    print(f"grserve: model {cfg.model.source} ({cfg.precision_gate.label(dtype_label(cfg.model))}) on "
+          f"{cfg.cluster.instances} instances, catalog {len(cat):,} items, default beam width "
+          f"{cfg.search.beam_width} -> {_url(cfg.server)}", flush=True)
     engine.start()
     restore_started(engine, stored)
     print(f"grserve: {state_line(store, stored)}", flush=True)
@@ -240,7 +259,8 @@ def retrieval_front_end(cfg: ServeConfig, client, info: dict):
     lines = [state_line(store, stored), *info.get("lines", [])]
     if client.layout_note:
         lines.append(client.layout_note)
-    dtype = info.get("dtype") or f"{cfg.model.dtype}, {cfg.model.device}"  # the engine process's choice
+    # the engine process's choice, with the precision gate's verdict
+    dtype = cfg.precision_gate.label(info.get("dtype") or f"{cfg.model.dtype}, {cfg.model.device}")
     lines += [f"SID layout: {cat.layout.describe()}",
               f"model {cfg.model.source} ({dtype}), catalog {len(cat):,} items (depth "
               f"{cat.depth}, codebooks {list(cat.codebook_sizes)}), default beam width {cfg.search.beam_width} -> "
