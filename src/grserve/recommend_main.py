@@ -144,7 +144,7 @@ def run(cfg: ServeConfig, io: RecommendIO) -> int:
         raise UsageError(str(exc)) from None
     report = lambda msg: print(f"grserve recommend: {msg}", file=sys.stderr, flush=True)
     if io.progress and rec.dtype_choice is not None:
-        from grserve.model.dtype_choice import model_label  # lazy: torch
+        from grserve.model.precision_label import model_label  # lazy: torch
 
         report(f"model {cfg.model.source} ({model_label(rec.engine.model, cfg.model)})")
     written = 0

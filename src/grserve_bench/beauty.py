@@ -221,7 +221,7 @@ def run(cfg, bench: BeautyBenchConfig, artifacts) -> int:
     from grserve.beauty.artifacts import ensure_beauty
     from grserve.beauty.data import load_sid_dataset
     from grserve.recommender import Recommender
-    from grserve_bench.quality import OVERLAP_N
+    from grserve_bench.precision import OVERLAP_N
     from grserve_bench.retrieval import precision_fields
 
     if cfg.threads > 0:

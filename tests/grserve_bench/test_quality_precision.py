@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from grserve_bench.quality import QualityBenchConfig, hits_at_k, precision_comparison
+from grserve_bench.precision import hits_at_k, precision_comparison
+from grserve_bench.quality import QualityBenchConfig
 
 
 def test_the_comparison_with_the_reference_dtype_by_hand():

@@ -16,7 +16,7 @@ def llm_lines(engine: Any, cfg: Any) -> list[str]:
     pc = engine.prefix_cache
     prefix = (f", prefix cache {pc.capacity} tokens ({pc.bytes / 2**20:.0f} MiB, {c.prefix_cache_policy})"
               if pc is not None else "")
-    from grserve.model.dtype_choice import model_label  # lazy: torch
+    from grserve.model.precision_label import model_label  # lazy: torch
     lines = [f"LLM {name} ({model_label(getattr(engine, 'model', None), cfg.model)}), scheduler {c.scheduler}, {c.num_blocks} blocks x {c.block_size} "
              f"tokens{prefix}, {engine.thread_choice.describe()} -> http://{s.host}:{s.port}/v1"]
     describe = getattr(engine.core.executor, "describe", None)
@@ -60,7 +60,7 @@ def build_retrieval(cfg: Any, on_batch: Any = None) -> tuple[Any, dict]:
 
 def _label(model: Any, model_cfg: Any) -> str:
     """The model's dtype (and quantization) for the front end's start line (``model/dtype_choice.py``)."""
-    from grserve.model.dtype_choice import model_label  # lazy: torch
+    from grserve.model.precision_label import model_label  # lazy: torch
 
     return model_label(model, model_cfg)
 

@@ -63,9 +63,14 @@ def _time_linear(x: torch.Tensor, w: torch.Tensor, packed: bool) -> float:
     else:
         def call():
             return torch.nn.functional.linear(x, w)
-    call()  # first call: kernel selection, caches
+    return best_time(call)
+
+
+def best_time(call, repeats: int = TRIAL_REPEATS) -> float:
+    """The best wall time of ``repeats`` calls of ``call()``, after one call for kernel selection and caches."""
+    call()
     best = float("inf")
-    for _ in range(TRIAL_REPEATS):
+    for _ in range(repeats):
         t = time.perf_counter()
         call()
         best = min(best, time.perf_counter() - t)
@@ -127,33 +132,6 @@ def choice(asked: str, device: str = "cpu") -> DtypeChoice:
         return DtypeChoice("float32", f"auto, bf16 is not faster than fp32 on this CPU (trial: {speedup:.2f}x, "
                                       f"needs {MIN_SPEEDUP}x)", AUTO)
     return DtypeChoice("bfloat16", f"auto, CPU computes bf16 {speedup:.1f}x faster than fp32", AUTO)
-
-
-def dtype_label(model_cfg) -> str:
-    """A ``ModelConfig``'s dtype for start lines: ``bfloat16: auto, CPU computes bf16 2.0x faster than fp32, cpu``;
-    its ``--quantization`` appended when asked (``; quantization int8 (W8A8 via torch._int_mm, ...)``)."""
-    c = choice(model_cfg.dtype, str(model_cfg.device))
-    return f"{c.name}: {c.reason}, {model_cfg.device}{_quantization_label(None, model_cfg)}"
-
-
-def model_label(model, model_cfg) -> str:
-    """What a built model runs in (its ``dtype_choice``, set by ``load_model``, and its quantization), else
-    ``dtype_label(model_cfg)``."""
-    chosen = getattr(model, "dtype_choice", None)
-    if chosen is None:
-        return dtype_label(model_cfg)
-    return chosen.label(str(model_cfg.device)) + _quantization_label(model, model_cfg)
-
-
-def _quantization_label(model, model_cfg) -> str:
-    quantized = getattr(model, "quantized", None)
-    if quantized is not None:
-        return f"; quantization {quantized.choice.label()}"
-    if getattr(model_cfg, "quantization", "none") == "none":
-        return ""
-    from grserve.model.quantized_linear import check_config
-
-    return f"; quantization {check_config(model_cfg).label()}"
 
 
 def resolve(asked: str, device: str | torch.device = "cpu") -> str:

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import functools
 import os
-import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -49,6 +48,7 @@ from torch import nn
 
 from grserve.flags import ConfigError
 from grserve.model.cpu_support import cpu_support
+from grserve.model.dtype_choice import best_time
 
 NONE = "none"
 SCHEMES = (NONE, "int8", "int8-weight-only", "fp8")
@@ -297,16 +297,6 @@ def _trial_call(scheme: str, dtype: torch.dtype) -> str | None:
     return None
 
 
-def _best(fn) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(TRIAL_REPEATS):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
 def _inherited(key: str) -> tuple[float, float] | None:
     for part in os.environ.get(TRIAL_ENV, "").split(";"):
         name, _, times = part.partition("=")
@@ -343,10 +333,10 @@ def timed_trial(scheme: str, dtype_name: str) -> tuple[float, float, float]:
         with torch.inference_mode():
             if available(dtype):
                 pw = torch.ops.mkldnn._reorder_linear_weight(w, m)
-                base = _best(lambda: torch.ops.mkldnn._linear_pointwise(x, pw, None, "none", [], ""))
+                base = best_time(lambda: torch.ops.mkldnn._linear_pointwise(x, pw, None, "none", [], ""), TRIAL_REPEATS)
             else:
-                base = _best(lambda: F.linear(x, w))
-            quant = _best(lambda: op(x, qw))
+                base = best_time(lambda: F.linear(x, w), TRIAL_REPEATS)
+            quant = best_time(lambda: op(x, qw), TRIAL_REPEATS)
     finally:
         torch.set_num_threads(threads)
     parts = [p for p in os.environ.get(TRIAL_ENV, "").split(";") if p and not p.startswith(key + "=")]

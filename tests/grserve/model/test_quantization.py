@@ -229,7 +229,7 @@ def test_the_trial_is_handed_to_child_processes(fresh_trials):
 def test_the_flag_is_checked_and_reaches_the_start_line(int8_model):
     with pytest.raises(ConfigError, match="--quantization"):
         ModelConfig(quantization="int4")
-    from grserve.model.dtype_choice import model_label
+    from grserve.model.precision_label import model_label
 
     label = model_label(int8_model, ModelConfig(quantization="int8"))
     assert label.startswith("float32: asked for, cpu; quantization int8 (W8A8 via torch._int_mm")

@@ -104,7 +104,7 @@ def run_cluster(cfg: LLMServeConfig) -> int:
     app.state.metrics.registry.register(ClusterCollector(engine))
     for line in engine.describe():
         print(f"grserve: {line}", flush=True)
-    from grserve.model.dtype_choice import dtype_label  # lazy: torch
+    from grserve.model.precision_label import dtype_label  # lazy: torch
     print(f"grserve: LLM {name} ({dtype_label(cfg.model)}) on {cluster.instances} instances, scheduler {c.scheduler} "
           f"-> http://{s.host}:{s.port}/v1", flush=True)
     return serve_until_exit(app, s.host, s.port, s.log_level, engine.stop)

@@ -97,7 +97,7 @@ def run_in_thread(cfg: RankingServeConfig) -> int:
     m = cfg.model
     model = load_model(m.source, dtype=m.dtype, device=m.device, seed=m.seed, quantization=m.quantization)
     print(f"grserve: {serving_threads(cfg.process.threads, model, packed=False)}", flush=True)
-    from grserve.model.dtype_choice import model_label  # lazy: torch
+    from grserve.model.precision_label import model_label  # lazy: torch
 
     print(f"grserve: model {m.source} ({model_label(model, m)})", flush=True)
     try:
@@ -143,7 +143,7 @@ def run_cluster(cfg: RankingServeConfig) -> int:
         print(f"grserve: {line}", flush=True)
     s = cfg.server
     reg = engine.registry
-    from grserve.model.dtype_choice import dtype_label
+    from grserve.model.precision_label import dtype_label
 
     print(f"grserve ranking: model {cfg.model.source} ({dtype_label(cfg.model)}), {reg.num_items} items, "
           f"{reg.num_users} users, policy {engine.runner.policy.name}, {cfg.cluster.instances} instances -> http://{s.host}:{s.port}  (POST /v1/rank)", flush=True)

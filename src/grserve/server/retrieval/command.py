@@ -134,7 +134,7 @@ def run_in_thread(cfg: ServeConfig) -> int:
               flush=True)
     cat = engine.catalogs.current()
     print_layout(engine)
-    from grserve.model.dtype_choice import model_label  # lazy: torch
+    from grserve.model.precision_label import model_label  # lazy: torch
     dtype = cfg.precision_gate.label(model_label(getattr(engine, "model", None), cfg.model))
     print(f"grserve: model {cfg.model.source} ({dtype}), catalog {len(cat):,} items "
           f"(depth {cat.depth}, codebooks {list(cat.codebook_sizes)}), default beam width {cfg.search.beam_width} "
@@ -188,7 +188,7 @@ def run_cluster(cfg: ServeConfig) -> int:
     print_layout(engine)
     for line in engine.describe():
         print(f"grserve: {line}", flush=True)
-    from grserve.model.dtype_choice import dtype_label  # lazy: torch
+    from grserve.model.precision_label import dtype_label  # lazy: torch
     print(f"grserve: model {cfg.model.source} ({cfg.precision_gate.label(dtype_label(cfg.model))}) on "
           f"{cfg.cluster.instances} instances, catalog {len(cat):,} items, default beam width "
           f"{cfg.search.beam_width} -> {_url(cfg.server)}", flush=True)
