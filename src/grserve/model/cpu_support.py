@@ -98,22 +98,31 @@ def _onednn_ops() -> bool:
         return False
 
 
-def _trial(dtype: torch.dtype) -> str | None:
-    """One packed matmul in ``dtype`` against F.linear; None when it works and agrees, else why not."""
+def trial_call(compute, tol: float, disagreement: str) -> str | None:
+    """One trial of a fast op: ``compute() -> (got, want)`` runs it and its reference (under inference mode); None
+    when it runs and agrees within ``tol`` (relative, and absolute to ``want``'s largest value), else why not: the
+    exception it raised, or ``disagreement``."""
     try:
         with torch.inference_mode():
-            g = torch.Generator().manual_seed(0)
-            w = torch.randn(48, 32, generator=g).to(dtype)
-            x = torch.randn(3, 32, generator=g).to(dtype)
-            packed = torch.ops.mkldnn._reorder_linear_weight(w, 32)
-            got = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "").float()
-            want = torch.nn.functional.linear(x.float(), w.float())
+            got, want = compute()
     except Exception as exc:  # noqa: BLE001 -- any failure means: not on this CPU/build
         return f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
-    tol = 1e-4 if dtype == torch.float32 else 5e-2
     if not torch.allclose(got, want, rtol=tol, atol=tol * float(want.abs().max())):
-        return "a trial matmul disagreed with F.linear"
+        return disagreement
     return None
+
+
+def _trial(dtype: torch.dtype) -> str | None:
+    """One packed matmul in ``dtype`` against F.linear; None when it works and agrees, else why not."""
+    def compute():
+        g = torch.Generator().manual_seed(0)
+        w = torch.randn(48, 32, generator=g).to(dtype)
+        x = torch.randn(3, 32, generator=g).to(dtype)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, 32)
+        got = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "").float()
+        return got, torch.nn.functional.linear(x.float(), w.float())
+
+    return trial_call(compute, 1e-4 if dtype == torch.float32 else 5e-2, "a trial matmul disagreed with F.linear")
 
 
 def _bf16_supported() -> bool:

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from grserve.flags import ConfigError
-from grserve.model.cpu_support import cpu_support
+from grserve.model.cpu_support import cpu_support, trial_call
 from grserve.model.dtype_choice import best_time
 
 NONE = "none"
@@ -282,19 +282,15 @@ def int8_isa() -> str:
 
 def _trial_call(scheme: str, dtype: torch.dtype) -> str | None:
     """One small call of the scheme's op against its reference; None when it works and agrees, else why not."""
-    try:
-        with torch.inference_mode():
-            g = torch.Generator().manual_seed(0)
-            w = quantize_weight(scheme, (torch.randn(48, 64, generator=g) * 0.05).to(dtype))
-            x = torch.randn(SMALL_ROWS + 8, 64, generator=g).to(dtype)
-            got = torch.cat([_OPS[scheme][1](x[:5], w), _OPS[scheme][1](x[5:], w)]).float()  # small and large
-            want = _OPS[scheme][2](x, w).float()
-    except Exception as exc:  # noqa: BLE001 -- any failure means: not on this CPU/build
-        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
-    tol = 1e-4 if dtype == torch.float32 else 2e-2
-    if not torch.allclose(got, want, rtol=tol, atol=tol * float(want.abs().max())):
-        return "a trial call disagreed with the dequantize reference"
-    return None
+    def compute():
+        g = torch.Generator().manual_seed(0)
+        w = quantize_weight(scheme, (torch.randn(48, 64, generator=g) * 0.05).to(dtype))
+        x = torch.randn(SMALL_ROWS + 8, 64, generator=g).to(dtype)
+        got = torch.cat([_OPS[scheme][1](x[:5], w), _OPS[scheme][1](x[5:], w)]).float()  # small and large
+        return got, _OPS[scheme][2](x, w).float()
+
+    return trial_call(compute, 1e-4 if dtype == torch.float32 else 2e-2,
+                      "a trial call disagreed with the dequantize reference")
 
 
 def _inherited(key: str) -> tuple[float, float] | None:
