@@ -475,19 +475,16 @@ def run(cfg: PeersBenchConfig) -> int:
     result: dict = {"bench": "peers", "cpus": os.cpu_count(), "machine": machine_info(), "input_len": cfg.input_len,
                     "output_len": cfg.output_len, "dtypes": dtypes, "peer_default_dtype": peer_default_dtype(),
                     "grserve_flags": cfg.grserve_flags, "vllm_flags": " ".join(VLLM_SERVE_FLAGS)}
-    for key in ("serve", "serve_load", "offline", "gr"):
-        if key.split("_")[0] in parts:
-            result[key] = {}
     for dtype in dtypes:  # each part's results keyed by dtype
         if "serve" in parts:
             rounds = [serve_round(cfg, served, vllm_bin, r, work, dtype) for r in range(cfg.rounds)]
-            result["serve"][dtype] = summarize_serve(rounds, names, split_commas(cfg.concurrency, int))
-            result["serve_load"][dtype] = [[round(x, 2) for x in r["load_before"]] + [round(r["load_after"][0], 2)]
-                                           for r in rounds]
+            result.setdefault("serve", {})[dtype] = summarize_serve(rounds, names, split_commas(cfg.concurrency, int))
+            result.setdefault("serve_load", {})[dtype] = [
+                [round(x, 2) for x in r["load_before"]] + [round(r["load_after"][0], 2)] for r in rounds]
         if "offline" in parts:
-            result["offline"][dtype] = _guarded(offline_part, cfg, served, vllm_bin, work, dtype)
+            result.setdefault("offline", {})[dtype] = _guarded(offline_part, cfg, served, vllm_bin, work, dtype)
         if "gr" in parts:
-            result["gr"][dtype] = _guarded(gr_part, cfg, models["tiny"], vllm_bin, work, dtype)
+            result.setdefault("gr", {})[dtype] = _guarded(gr_part, cfg, models["tiny"], vllm_bin, work, dtype)
     print(json.dumps(result), flush=True)
     return 0
 
