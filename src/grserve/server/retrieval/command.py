@@ -42,6 +42,7 @@ from grserve.server.launch.startup import (
 if TYPE_CHECKING:
     from grserve.state.store import StateStore, StoredState
 
+
 def add_command(sub) -> None:
     p = command_parser(sub, "retrieval", help="serve GR retrieval: POST /v1/recommend (the default mode)",
                        description=__doc__)
