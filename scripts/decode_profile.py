@@ -114,6 +114,10 @@ def main() -> int:
     t.wrap(ex.model, "logits", "logits")
     if ex.greedy_head is not None:
         t.wrap(ex.greedy_head, "argmax", "greedy head")
+    if getattr(ex, "dtype_head", None) is not None:  # a bf16 model: greedy passes pick (its logits inside)
+        t.wrap(ex.dtype_head, "pick", "greedy head")
+        if args.temperature > 0:
+            t.wrap(ex.dtype_head, "logits", "logits")
     forward = Timers()  # the whole forward (the model math is it minus attention and index building)
     forward.wrap(ex.model, "forward", "forward")
     ctx_cls = llm_mod.HybridPagedContext

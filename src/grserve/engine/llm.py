@@ -154,12 +154,18 @@ class ModelExecutor:
         self.staging = DecodeStaging(spec.num_hidden_layers, self.hkv, self.d, dtype=storage.data.dtype,
                                      device=storage.data.device) if decode_staging and fast else None
         # exact greedy argmax through a bf16 screen of the LM head (engine/greedy_head.py), fp32 models only; its
-        # GEMMs chosen by what the CPU can do
-        self.greedy_head = None
+        # GEMMs chosen by what the CPU can do. A bf16 model: every logit from ModelDtypeHead (packed where fast),
+        # plain-greedy passes take its per-row max instead of the sampler's float64 argmax (the same token)
+        self.greedy_head = self.dtype_head = None
+        self.greedy_pick = screened_greedy  # off: every token through the sampler (the reference)
         if screened_greedy and fast and model.lm_head.weight.dtype == torch.float32:
             from grserve.engine.greedy_head import ScreenedGreedyHead
 
             self.greedy_head = ScreenedGreedyHead(model.lm_head.weight)
+        elif fast and model.lm_head.weight.dtype != torch.float32:
+            from grserve.engine.greedy_head import ModelDtypeHead
+
+            self.dtype_head = ModelDtypeHead(model.lm_head.weight)
 
     def describe(self) -> str:
         """Which paths this executor runs on this machine, and why (the start line of ``serve llm``)."""
@@ -174,7 +180,8 @@ class ModelExecutor:
             lin = "F.linear" + (f" ({sup.reason})" if sup.reason else "")
             if self.model.dtype == torch.bfloat16 and not sup.onednn_bf16:
                 lin += "; bf16 weights without fast bf16 run slower than fp32 here (--dtype float32)"
-        head = self.greedy_head.describe() if self.greedy_head is not None else "full logits + argmax"
+        head = (self.greedy_head.describe() if self.greedy_head is not None
+                else self.dtype_head.describe() if self.dtype_head is not None else "full logits + argmax")
         return (f"CPU {sup.label()}: projections {lin}; greedy head {head}; "
                 f"decode staging {'on' if self.staging is not None else 'off'}")
 
@@ -210,8 +217,14 @@ class ModelExecutor:
             if not rows:
                 return None, None
             last = h[torch.tensor(rows, device=dev)]
-            if self.greedy_head is not None and all(it.seq.params.plain_greedy for it in items if it.sample):
+            greedy = all(it.seq.params.plain_greedy for it in items if it.sample)
+            if self.greedy_head is not None and greedy:
                 return self.greedy_head.argmax(last).tolist(), None  # token ids, not logits
+            if self.dtype_head is not None:
+                if not (greedy and self.greedy_pick):
+                    return self.dtype_head.logits(last), None
+                ids, logits = self.dtype_head.pick(last)
+                return (ids.tolist() if ids is not None else logits), None
             return self.model.logits(last), None
 
 

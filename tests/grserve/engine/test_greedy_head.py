@@ -4,6 +4,8 @@ scales; and the engine takes this path only when every sampled row is greedy."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -207,3 +209,78 @@ def test_chunk_band_ties_across_chunks_take_the_lowest_id():
 def test_band_name_is_checked():
     with pytest.raises(ValueError):
         ScreenedGreedyHead(torch.zeros(4, 4), band="sort")
+
+
+def _sampler_greedy(logits):
+    """The sampler's greedy choice over the same logits (float64, NaN as -inf, the lowest id on ties)."""
+    from grserve.engine.sampling import SampleRow, SamplingParams, sample
+
+    rows = [SampleRow(SamplingParams(temperature=0.0), seed=0, position=1) for _ in range(logits.shape[0])]
+    return sample(logits, rows, eos_token_id=None).token_ids
+
+
+@pytest.mark.parametrize("packed", [True, False])
+@pytest.mark.parametrize("rows", [1, 5, 32])
+def test_model_dtype_head_picks_the_samplers_token(packed, rows):
+    """A bf16 model's greedy pick (one ``max`` per row of the bf16 logits) is the sampler's float64 argmax over
+    the same logits, ties included (bf16 logits tie often: 8 bits of mantissa); packed and F.linear logits."""
+    from grserve.engine.greedy_head import ModelDtypeHead
+
+    g = torch.Generator().manual_seed(rows)
+    w = (torch.randn(3000, 64, generator=g) * 0.05).to(torch.bfloat16)
+    w[1500:] = w[:1500]  # every logit appears twice: exact ties, the lower id must win
+    head = ModelDtypeHead(w)
+    if packed and head.packed is None:
+        pytest.skip("no fast bf16 oneDNN matmul on this CPU")
+    if not packed:
+        head.packed = None
+    h = torch.randn(rows, 64, generator=g)
+    ids, logits = head.pick(h)
+    assert logits.dtype == torch.bfloat16 and ids is not None
+    assert ids.tolist() == _sampler_greedy(logits)
+    assert max(ids.tolist()) < 1500
+    assert torch.equal(logits, head.logits(h))
+
+
+def test_model_dtype_head_sends_non_finite_rows_to_the_sampler():
+    from grserve.engine.greedy_head import ModelDtypeHead
+
+    w = torch.randn(100, 8).to(torch.bfloat16)
+    head = ModelDtypeHead(w)
+    h = torch.randn(3, 8)
+    h[1, 0] = float("nan")
+    ids, logits = head.pick(h)
+    assert ids is None and logits.shape == (3, 100)
+
+
+def test_bf16_engine_greedy_pick_equals_the_sampler(random_decoder):
+    """A bf16 model: plain-greedy passes take the executor's max; the same tokens as every pass through the
+    sampler (``screened_greedy=False``), and a mixed pass (one sampled row) gives its greedy row the same token."""
+    if not cs.cpu_support().fast_paths:
+        pytest.skip("GRSERVE_CPU_ISA=reference: full logits + the sampler everywhere")
+    from grserve.engine.llm import ModelExecutor, build_model_engine
+    from grserve.engine.sampling import SamplingParams
+    from grserve.model import ModelSpec
+    from grserve.scheduler.fcfs import FCFSScheduler
+
+    spec = ModelSpec(family="qwen3", vocab_size=400, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                     num_attention_heads=2, num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6, rope_theta=1e4,
+                     tie_word_embeddings=True, attention_bias=False, qk_norm=True, max_position_embeddings=256)
+    model = copy.deepcopy(random_decoder(spec, seed=3, std=0.3)).to(torch.bfloat16)  # the fixture's is shared
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12]]
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    fast = build_model_engine(model, FCFSScheduler(), num_blocks=64, block_size=4)
+    assert fast.executor.dtype_head is not None and fast.executor.greedy_head is None
+    assert "bfloat16 logits" in fast.executor.describe()
+    calls = []
+    orig = fast.executor.dtype_head.pick
+    fast.executor.dtype_head.pick = lambda h: calls.append(h.shape[0]) or orig(h)
+    want = fast.generate(prompts, sp)
+    assert sum(calls) == 3 * 12
+    ref = build_model_engine(model, FCFSScheduler(), num_blocks=64, block_size=4)
+    ref.executor = ModelExecutor(model, ref.executor.storage, screened_greedy=False)
+    assert ref.generate(prompts, sp) == want
+    mixed = build_model_engine(model, FCFSScheduler(), num_blocks=64, block_size=4)
+    out = mixed.generate(prompts, [sp, sp, SamplingParams(max_tokens=12, temperature=0.8, seed=1,
+                                                          ignore_eos=True)])
+    assert out[:2] == want[:2]
