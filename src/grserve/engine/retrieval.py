@@ -26,8 +26,9 @@ already (the prefill's per-prompt causal attention, the staged shared stage per 
 beam), so a request's items and scores are the same bits alone as in any batch, at any position in it
 (``tests/grserve/engine/test_batch_invariance.py``). The prefill's attention runs in query chunks aligned to the
 prefix cache's blocks (``prefill_align``), so a prompt whose prefix came from the prefix cache gets the same K/V as
-computed whole, where the GEMMs' rows do not depend on the row count (its rest is prefilled with another M).
-Not covered: ``prefill_compile`` (one compiled call over the packed prompts) and a thinking request's prompt.
+computed whole, where the GEMMs' rows do not depend on the row count (its rest is prefilled with another M). A
+thinking request's prompt is prefilled the same way (``think.ThoughtKV``: the same chunks, the same packed
+projections). Not covered: ``prefill_compile`` (one compiled call over the packed prompts).
 """
 
 from __future__ import annotations
@@ -144,7 +145,8 @@ class RetrievalRunner:
         [R, H] each request's beams start from, the thoughts and each prompt's tokens loaded from the prefix cache:
         thoughts first, then one packed prefill of the other prompts (of what the prefix cache did not have)."""
         model, spec, dev, prefix = self.model, self.model.spec, self.model.device, self.prefix
-        thoughts = [think(model, p, s, prefix) if s is not None else None for p, s in zip(prompts, specs)]
+        thoughts = [think(model, p, s, prefix, self.packed, self.prefill_align) if s is not None else None
+                    for p, s in zip(prompts, specs)]
         lens = [int(p.shape[0]) + (len(t.tokens) if t is not None else 0) for p, t in zip(prompts, thoughts)]
         kv = BeamKV(num_layers=spec.num_hidden_layers, num_kv_heads=spec.num_key_value_heads, head_dim=spec.head_dim,
                     prompt_lens=lens, beam_width=beam_width, decode_steps=depth, dtype=model.dtype, device=dev)

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from grserve.attention.context import SequenceKVContext
+from grserve.attention.prefix_prefill import block_aligned_attention, prefix_causal_attention
 from grserve.kvcache.prefix_blocks import PrefixBlockCache, PrefixMatch
 from grserve.model import Decoder
 
@@ -66,6 +67,27 @@ class Thought:
 
 
 
+class ThoughtKV(SequenceKVContext):
+    """A thought's growing K/V, attended as the batch prefill attends (``attention/prefix_prefill.py``): the
+    prompt's uncached part in query chunks aligned to ``align`` (the prefix cache's blocks; 0: one call), every
+    later token by the same SDPA call over all keys so far. So the prompt's K/V are the bits the batch prefill
+    computes for the same tokens — a prefix block a thinking request stores serves a plain request bit for bit,
+    and the reverse — at bf16 as at fp32, and the scores and softmax are fp32-accumulated inside the kernel."""
+
+    def __init__(self, num_layers: int, align: int = 0):
+        super().__init__(num_layers)
+        self.align = align
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.k[layer] = k if self.k[layer] is None else torch.cat([self.k[layer], k], dim=0)
+        self.v[layer] = v if self.v[layer] is None else torch.cat([self.v[layer], v], dim=0)
+        sk, sv = self.k[layer].transpose(0, 1), self.v[layer].transpose(0, 1)  # [Hkv, L, D]
+        past = sk.shape[1] - q.shape[0]
+        if self.align and q.shape[0] > 1 and past % self.align == 0:
+            return block_aligned_attention(q, sk, sv, self.align)
+        return prefix_causal_attention(q, sk, sv)
+
+
 def text_tokens(thought: list[int], sid_begin: int | None) -> list[int]:
     """The free-text part of a thought's tokens (without its closing sid_begin, where the layout has one)."""
     return thought[:-1] if sid_begin is not None and thought and thought[-1] == sid_begin else list(thought)
@@ -95,11 +117,14 @@ def _next_token(logits: torch.Tensor, spec: ThinkSpec, gen: torch.Generator | No
 
 
 @torch.inference_mode()
-def think(model: Decoder, prompt: np.ndarray, spec: ThinkSpec, prefix: PrefixBlockCache | None = None) -> Thought:
+def think(model: Decoder, prompt: np.ndarray, spec: ThinkSpec, prefix: PrefixBlockCache | None = None,
+          packed=None, align: int = 0) -> Thought:
     """Run the text stage of one request (see the module docstring); with ``prefix`` (the engine's prefix cache)
-    the prompt's cached block-aligned prefix is loaded and only the rest is prefilled."""
+    the prompt's cached block-aligned prefix is loaded and only the rest is prefilled. ``packed`` and ``align``:
+    the batch prefill's projections (``model/packed_linear.py``) and attention chunks (``ThoughtKV``), so the
+    prompt's K/V are the same bits as a plain request's."""
     dev, ms = model.device, model.spec
-    kv = SequenceKVContext(ms.num_hidden_layers)
+    kv = ThoughtKV(ms.num_hidden_layers, align)
     ids = torch.from_numpy(np.asarray(prompt, dtype=np.int64)).to(dev)
     match, m = None, 0
     if prefix is not None:
@@ -111,7 +136,7 @@ def think(model: Decoder, prompt: np.ndarray, spec: ThinkSpec, prefix: PrefixBlo
         if m:
             kv.k = [pk[layer, :, :m].transpose(0, 1) for layer in range(ms.num_hidden_layers)]
             kv.v = [pv[layer, :, :m].transpose(0, 1) for layer in range(ms.num_hidden_layers)]
-    h = model(ids[m:], torch.arange(m, ids.shape[0], device=dev), kv)[-1:]
+    h = model(ids[m:], torch.arange(m, ids.shape[0], device=dev), kv, packed=packed)[-1:]
     gen = None
     if spec.temperature > 0:
         gen = torch.Generator(device="cpu")
@@ -129,6 +154,6 @@ def think(model: Decoder, prompt: np.ndarray, spec: ThinkSpec, prefix: PrefixBlo
                 return Thought(tokens, False, kv, h)  # its first SID token: the beams search that position
         tokens.append(token)
         pos = torch.tensor([ids.shape[0] + len(tokens) - 1], device=dev)
-        h = model(torch.tensor([token], device=dev), pos, kv)
+        h = model(torch.tensor([token], device=dev), pos, kv, packed=packed)
         if token == spec.sid_begin:
             return Thought(tokens, forced, kv, h, m, match)
