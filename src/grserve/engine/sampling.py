@@ -29,7 +29,9 @@ before any processing, vLLM's default): the chosen token's and the top k.
 
 from __future__ import annotations
 
+import bisect
 import math
+import operator
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -384,6 +386,12 @@ def _draw_plain_fast(w: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     return _inverse_cdf(w, rows)
 
 
+def _count(a: np.ndarray, op, floor: np.ndarray) -> torch.Tensor:
+    """Per row i, how many entries e of ``a[i]`` have ``op(e, floor[i])`` (row by row: no [b, V] temporary; the
+    reference's ``Tensor.sum`` of a bool tensor first widens it to a fresh int64 one)."""
+    return torch.tensor([int(np.count_nonzero(op(r, f))) for r, f in zip(a, floor.tolist())])
+
+
 def _draw_filtered_fast(x: torch.Tensor, mx: torch.Tensor, temp: torch.Tensor, rows: list[SampleRow],
                         exact32: bool) -> torch.Tensor:
     """Token ids of ``_filtered_sorted`` + ``_draw`` + ``sid.gather`` on the log-weights ``w = (x − mx) / T`` of
@@ -393,61 +401,70 @@ def _draw_filtered_fast(x: torch.Tensor, mx: torch.Tensor, temp: torch.Tensor, r
       itself runs (``topk`` of K: cheap, and its order of equal values is whatever ``topk`` gives);
     * else the *values* of the stable descending sort of ``w`` are the sorted ``x`` mapped by ``(x − mx) / T``
       (monotone: rounding is monotone, T > 0), so ``x`` is sorted instead, as float32 when every value is a float32
-      (``exact32``: unprocessed fp32 / bf16 / fp16 logits), as float64 otherwise, by numpy, values only. Equal
-      values (±0 included) have equal weights, so everything summed over the sorted values (the kept mass, the
-      cumulative sums, the draw's position) is the reference's, computed by the same ops on the same layout;
+      (``exact32``: unprocessed fp32 / bf16 / fp16 logits), as float64 otherwise, by numpy, values only (as −x
+      ascending; ``(−x + mx) / −T`` is ``(x − mx) / T`` bit for bit, rounding being symmetric). Equal values (±0
+      included) have equal weights, so everything summed over the sorted values (the kept mass, the cumulative
+      sums, the draw's position) is the reference's, computed by the same ops on the same layout;
+    * one cumulative sum serves top-p and the draw: ``cumsum`` is sequential (its prefix does not depend on what
+      follows), and the draw's target lies below the kept mass, so the first entry above it is the same whether
+      the entries after the kept ones are zeroed (the reference) or not;
     * the token at the drawn position ``j`` is the one the stable sort puts there: among the ids with ``w`` equal
-      to the value at ``j``, in id order, number ``j − #{w > value}``."""
+      to the value ``v`` at ``j``, in id order, number ``j − #{w > v}`` (``#{w > v}``: where ``v`` starts in the
+      sorted values)."""
     b, V = x.shape
     w = _WS.get("wf", b, V)
     torch.sub(x, mx[:, None], out=w)
     w.div_(temp[:, None])
-    # the reference's K (``_filtered_sorted``)
-    lmax = w.max(dim=1, keepdim=True).values
+    wn = w.numpy()
+    # the reference's K (``_filtered_sorted``); lmax = max w is ±0 ((mx − mx) / T), so floors need no lmax
     k = torch.tensor([min(r.params.top_k, V) if r.params.top_k > 0 else V for r in rows])
-    min_p = torch.tensor([r.params.min_p for r in rows], dtype=torch.float64)[:, None]
+    min_p = [r.params.min_p for r in rows]
     top_p = torch.tensor([r.params.top_p for r in rows], dtype=torch.float64)
-    if bool((min_p > 0).any()):
-        n1 = torch.minimum(k, (w >= torch.log(min_p) + lmax).sum(dim=1)).clamp(min=1)
+    if any(m > 0 for m in min_p):  # log(min_p) + lmax
+        floor_m = torch.log(torch.tensor(min_p, dtype=torch.float64)[:, None])[:, 0].numpy()
+        n1 = torch.minimum(k, _count(wn, operator.ge, floor_m)).clamp(min=1)
     else:  # floor −inf: every (non-NaN) entry counts
         n1 = torch.minimum(k, torch.tensor(V)).clamp(min=1)
     cand = n1
     sub_p = bool((top_p < 1).any())
-    if sub_p:
-        floor_p = lmax + torch.log1p(-top_p)[:, None] - math.log(V)
-        cand = torch.minimum(cand, (w > floor_p).sum(dim=1).clamp(min=1))
+    if sub_p:  # lmax + log1p(−top_p) − log V
+        floor_p = (torch.log1p(-top_p)[:, None] - math.log(V))[:, 0].numpy()
+        cand = torch.minimum(cand, _count(wn, operator.gt, floor_p).clamp(min=1))
     if int(cand.max()) * 4 < V:
         slp, sid, keep_n = _filtered_sorted(w, rows)
         return sid.gather(1, _draw(slp, keep_n, rows)[:, None]).squeeze(1)
-    # the sorted values: x sorted descending (as −x ascending, in place), mapped like w
+    # the sorted values: −x ascending (sorted in place), mapped to w
     y = _WS.get("sortx", b, V, torch.float32 if exact32 else torch.float64)
     y.copy_(x).neg_()
     y.numpy().sort(axis=1)
     slp = _WS.get("slp", b, V)
-    slp.copy_(y).neg_()
-    slp.sub_(mx[:, None]).div_(temp[:, None])
+    slp.copy_(y).add_(mx[:, None]).div_(-temp[:, None])  # (copy first: a float32 + float64 add makes a temporary)
     e = _WS.get("exp", b, V)
-    torch.exp(slp, out=e)  # _draw's exp(slp); lmax is ±0, so it is also exp(slp − lmax)
-    e1 = e if bool((lmax == 0).all()) else torch.exp(slp - lmax)  # (not reached: max w = (mx − mx) / T)
-    ranks = torch.arange(V)[None, :]
+    torch.exp(slp, out=e)  # exp(slp − lmax) = exp(slp): lmax is ±0
+    p = e
+    if bool((n1 < V).any()):
+        p = _WS.get("masked", b, V)
+        p.copy_(e).masked_fill_(torch.arange(V)[None, :] >= n1[:, None], 0.0)
     keep_n = n1
-    q = _WS.get("masked", b, V)
     cdf = _WS.get("cdf", b, V)
+    torch.cumsum(p, dim=1, out=cdf)
     if sub_p:
-        q.copy_(e1).masked_fill_(ranks >= keep_n[:, None], 0.0)
-        z = q.sum(dim=1)  # _kept_mass: n1 <= K = V, so the sorted columns hold all of it
-        torch.cumsum(q, dim=1, out=cdf)
-        before = cdf.sub_(q)
-        keep_n = torch.minimum(keep_n, (before < top_p[:, None] * z[:, None]).sum(dim=1).clamp(min=1))
-    q.copy_(e).masked_fill_(ranks >= keep_n[:, None], 0.0)  # _draw(slp, keep_n)
-    torch.cumsum(q, dim=1, out=cdf)
-    at = _inverse_cdf(cdf, rows)
-    v = slp.gather(1, at[:, None])
-    above = (w > v).sum(dim=1)
-    eq = w == v
-    cols = eq.nonzero()[:, 1]
-    counts = eq.sum(dim=1)
-    return cols[counts.cumsum(0) - counts + (at - above)]
+        z = p.sum(dim=1)  # _kept_mass: n1 <= K = V, so the sorted columns hold all of it
+        before = _WS.get("before", b, V)
+        torch.sub(cdf, p, out=before)
+        thr = (top_p[:, None] * z[:, None])[:, 0].numpy()
+        keep_n = torch.minimum(keep_n, _count(before.numpy(), operator.lt, thr).clamp(min=1))
+    # _draw(slp, keep_n): total = the cumulative sum at the last kept entry
+    total = cdf.gather(1, (keep_n - 1)[:, None])
+    target = torch.minimum(_uniforms(rows, cdf.dtype) * total, torch.nextafter(total, torch.zeros_like(total)))
+    at = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=V - 1).tolist()
+    sn = slp.numpy()
+    out = []
+    for i, j in enumerate(at):
+        v = sn[i, j]
+        start = bisect.bisect_left(sn[i], -v, 0, j + 1, key=operator.neg)  # first sorted entry <= v
+        out.append(int(np.flatnonzero(wn[i] == v)[j - start]))
+    return torch.tensor(out)
 
 
 def _sample_fast(logits: torch.Tensor, rows: list[SampleRow], eos_token_id: int | None) -> SampleOutput:
@@ -461,9 +478,11 @@ def _sample_fast(logits: torch.Tensor, rows: list[SampleRow], eos_token_id: int 
         x = _WS.get("x", B, V)  # the logprobs read the raw logits
         x.copy_(raw)
     x = process_logits(x, rows, eos_token_id)
-    # sanitize, in place
-    x.nan_to_num_(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+    # sanitize, in place (max propagates NaN: a row without NaN has none to replace)
     mx = x.max(dim=1).values
+    if bool(mx.isnan().any()):
+        x.nan_to_num_(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+        mx = x.max(dim=1).values
     has_pos = torch.isposinf(mx)
     if bool(has_pos.any()):
         pos = has_pos.nonzero().flatten()
