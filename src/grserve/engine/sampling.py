@@ -25,6 +25,10 @@ each) go through
 
 ``logprobs`` (``SamplingParams.logprobs = k``) are the model's raw log-probabilities (log_softmax of the logits
 before any processing, vLLM's default): the chosen token's and the top k.
+
+The steps above, as written, are ``_sample_reference`` (``sample(..., reference=True)``); ``sample`` runs
+``_sample_fast``, which returns the same token ids, logprobs and errors bit for bit: per-thread scratch buffers
+reused across steps, in place, argmax only for greedy rows, and no full stable float64 sort (``_draw_filtered_fast``).
 """
 
 from __future__ import annotations
