@@ -36,6 +36,7 @@ from __future__ import annotations
 import bisect
 import math
 import operator
+import sys
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -396,8 +397,27 @@ def _count(a: np.ndarray, op, floor: np.ndarray) -> torch.Tensor:
     return torch.tensor([int(np.count_nonzero(op(r, f))) for r, f in zip(a, floor.tolist())])
 
 
+def _sort_bf16_values(y: torch.Tensor) -> None:
+    """Sort the rows of a float32 [b, V] tensor whose values are all bfloat16 values (low 16 bits zero), ascending,
+    in place: a radix sort (numpy's stable sort of int16) of order keys made from the high halves h (sign-extended:
+    ``h ^ ((h >> 15) & 0x7FFF)`` turns sign-magnitude into two's complement order, and is its own inverse). NaN-free
+    rows only."""
+    b, V = y.shape
+    bits = y.view(torch.int32)
+    h = _WS.get("h32", b, V, torch.int32)
+    key = _WS.get("key16", b, V, torch.int16)
+    torch.bitwise_right_shift(bits, 16, out=h)  # the high half, sign-extended
+    bits.bitwise_right_shift_(31).bitwise_and_(0x7FFF)  # y's memory as scratch from here on
+    key.copy_(h.bitwise_xor_(bits))
+    key.numpy().sort(axis=1, kind="stable")
+    h.copy_(key)
+    torch.bitwise_right_shift(h, 31, out=bits)
+    h.bitwise_xor_(bits.bitwise_and_(0x7FFF))
+    torch.bitwise_left_shift(h, 16, out=bits)
+
+
 def _draw_filtered_fast(x: torch.Tensor, mx: torch.Tensor, temp: torch.Tensor, rows: list[SampleRow],
-                        exact32: bool) -> torch.Tensor:
+                        exact32: bool, exact16: bool = False) -> torch.Tensor:
     """Token ids of ``_filtered_sorted`` + ``_draw`` + ``sid.gather`` on the log-weights ``w = (x − mx) / T`` of
     the rows ``x`` [b, V] (sanitized, processed), the same bits without the full stable sort of ``w``:
 
@@ -405,8 +425,8 @@ def _draw_filtered_fast(x: torch.Tensor, mx: torch.Tensor, temp: torch.Tensor, r
       itself runs (``topk`` of K: cheap, and its order of equal values is whatever ``topk`` gives);
     * else the *values* of the stable descending sort of ``w`` are the sorted ``x`` mapped by ``(x − mx) / T``
       (monotone: rounding is monotone, T > 0), so ``x`` is sorted instead, as float32 when every value is a float32
-      (``exact32``: unprocessed fp32 / bf16 / fp16 logits), as float64 otherwise, by numpy, values only (as −x
-      ascending; ``(−x + mx) / −T`` is ``(x − mx) / T`` bit for bit, rounding being symmetric). Equal values (±0
+      (``exact32``: unprocessed fp32 / bf16 / fp16 logits; bf16 ones, ``exact16``, by a radix sort of their 16
+      bits), as float64 otherwise, by numpy, values only (as −x ascending; ``(−x + mx) / −T`` is ``(x − mx) / T`` bit for bit, rounding being symmetric). Equal values (±0
       included) have equal weights, so everything summed over the sorted values (the kept mass, the cumulative
       sums, the draw's position) is the reference's, computed by the same ops on the same layout;
     * one cumulative sum serves top-p and the draw: ``cumsum`` is sequential (its prefix does not depend on what
@@ -440,7 +460,10 @@ def _draw_filtered_fast(x: torch.Tensor, mx: torch.Tensor, temp: torch.Tensor, r
     # the sorted values: −x ascending (sorted in place), mapped to w
     y = _WS.get("sortx", b, V, torch.float32 if exact32 else torch.float64)
     y.copy_(x).neg_()
-    y.numpy().sort(axis=1)
+    if exact16:
+        _sort_bf16_values(y)
+    else:
+        y.numpy().sort(axis=1)
     slp = _WS.get("slp", b, V)
     slp.copy_(y).add_(mx[:, None]).div_(-temp[:, None])  # (copy first: a float32 + float64 add makes a temporary)
     e = _WS.get("exp", b, V)
@@ -505,10 +528,11 @@ def _sample_fast(logits: torch.Tensor, rows: list[SampleRow], eos_token_id: int 
     plain = [i for i in sampled if i not in in_filt]
     if filt:  # before the plain rows: those may be worked on in place in x
         xf = _rows_of(x, filt, "xf")
-        exact32 = logits.dtype in (torch.float32, torch.bfloat16, torch.float16) and not any(
-            rows[i].params.processes_logits or rows[i].allowed is not None for i in filt)
+        unprocessed = not any(rows[i].params.processes_logits or rows[i].allowed is not None for i in filt)
+        exact32 = unprocessed and logits.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        exact16 = unprocessed and logits.dtype == torch.bfloat16 and sys.byteorder == "little"
         temp = torch.tensor([rows[i].params.temperature for i in filt], dtype=torch.float64)
-        got = _draw_filtered_fast(xf, mx[filt], temp, [rows[i] for i in filt], exact32)
+        got = _draw_filtered_fast(xf, mx[filt], temp, [rows[i] for i in filt], exact32, exact16)
         for i, t in zip(filt, got.tolist()):
             tokens[i] = t
     if plain:
