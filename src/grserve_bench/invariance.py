@@ -18,8 +18,10 @@ items (a repeated user is also served from the user-prefix cache: cached vs reco
 
 Prints a table (one row per pair of runs), the batch sizes each run saw (the responses' ``batch_size``: proof the
 server did batch), and one JSON line naming the dtype the server chose (its start line), the quantization,
-batch_invariant and the machine. Exits 1 when any pair differs or any request failed. ``--server-flags=--no-batch-invariant``
-(with ``=``: the value starts with ``--``) asks whether invariance needed the flag; ``--url`` checks a server already running.
+batch_invariant and the machine. Exits 1 when any pair differs or any request failed.
+``--server-flags=--no-batch-invariant`` (with ``=``: the value starts with ``--``) asks whether invariance needed the
+flag. ``--url`` checks a server already running (its start line is not seen: dtype null, the precision fields from
+``--server-flags`` as given).
 """
 
 from __future__ import annotations
