@@ -12,9 +12,10 @@ from __future__ import annotations
 from typing import Any
 
 from grserve.cli import command_group
-from grserve_bench import cache, cluster, pd, peers, prefix_reuse, quality, ranking, retrieval, serve, soak
+from grserve_bench import cache, cluster, invariance, pd, peers, prefix_reuse, quality, ranking, retrieval, serve, \
+    soak
 
-BENCHES = (retrieval, cache, prefix_reuse, quality, ranking, serve, cluster, pd, peers, soak)
+BENCHES = (retrieval, cache, prefix_reuse, quality, ranking, serve, cluster, pd, peers, soak, invariance)
 
 
 def register(sub: Any) -> None:

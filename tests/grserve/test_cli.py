@@ -55,7 +55,7 @@ LEAVES = dict(_leaves(cli.build_parser()))
 def test_the_command_list():
     expected = {("serve", "retrieval"), ("serve", "ranking"), ("serve", "llm"), ("bench", "retrieval"),
                 ("bench", "cache"), ("bench", "ranking"), ("bench", "serve"), ("bench", "quality"), ("bench", "cluster"),
-                ("bench", "pd"), ("bench", "peers"), ("bench", "prefix"), ("bench", "soak"),
+                ("bench", "pd"), ("bench", "peers"), ("bench", "prefix"), ("bench", "soak"), ("bench", "invariance"),
                 ("catalog", "generate"), ("catalog", "validate"), ("catalog", "convert"), ("catalog", "build"),
                 ("recommend",), ("check", "precision")}
     assert expected == set(LEAVES)
@@ -92,7 +92,7 @@ def test_help_imports_no_torch():
             "print(len(paths))\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert int(r.stdout) == 24  # the root, 4 groups, 19 commands
+    assert int(r.stdout) == 25  # the root, 4 groups, 20 commands
 
 
 def test_serve_help_lists_the_modes_and_the_default(capsys):
