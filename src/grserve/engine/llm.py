@@ -180,7 +180,8 @@ class ModelExecutor:
                 lin += "; bf16 weights without fast bf16 run slower than fp32 here (--dtype float32)"
         head = self.greedy_head.describe() if self.greedy_head is not None else "full logits + argmax"
         return (f"CPU {sup.label()}: projections {lin}; greedy head {head}; "
-                f"decode staging {'on' if self.staging is not None else 'off'}")
+                f"decode staging {'on' if self.staging is not None else 'off'}; "
+                f"batch-invariant {'on' if self.batch_invariant else 'off'}")
 
     def execute(self, items: list[ExecItem], pool: BlockPool) -> tuple[torch.Tensor | list[int] | None, None]:
         ids: list[int] = []
