@@ -81,6 +81,8 @@ def main() -> int:
                     help="the greedy head's candidate search (engine/greedy_head.py); default: the head's own")
     ap.add_argument("--clock", choices=("thread", "wall"), default="thread",
                     help="the breakdown's clock: this thread's CPU time (default) or wall time")
+    ap.add_argument("--batch-invariant", type=int, choices=(0, 1), default=None,
+                    help="the engine's --batch-invariant (attention/hybrid.py); default: the config's default")
     ap.add_argument("--torch-profile", action="store_true", help="also print torch.profiler's top ops (1 round)")
     args = ap.parse_args()
 
@@ -96,7 +98,8 @@ def main() -> int:
 
     if args.fast_index is not None:
         hybrid.FAST_DECODE_INDEX = bool(args.fast_index)
-    eng = AsyncLLMEngine.build(llm_config(args.model, dtype=args.dtype, num_blocks=4096))
+    extra = {} if args.batch_invariant is None else {"batch_invariant": bool(args.batch_invariant)}
+    eng = AsyncLLMEngine.build(llm_config(args.model, dtype=args.dtype, num_blocks=4096, **extra))
     core = eng.core
     ex = core.executor
     if args.greedy_band is not None and ex.greedy_head is not None:
@@ -104,7 +107,8 @@ def main() -> int:
     print(f"# {cpu_support().label()}; torch {torch.__version__}, {torch.get_num_threads()} thread(s); "
           f"{args.model} {args.dtype}; {ex.describe()}; fast index "
           f"{getattr(hybrid, 'FAST_DECODE_INDEX', 'n/a')}; greedy band "
-          f"{getattr(ex.greedy_head, 'band', 'n/a')}; load {os.getloadavg()[0]:.2f}", flush=True)
+          f"{getattr(ex.greedy_head, 'band', 'n/a')}; batch invariant {getattr(ex, 'batch_invariant', 'n/a')}; "
+          f"load {os.getloadavg()[0]:.2f}", flush=True)
 
     t = Timers()
     t.wrap(core.scheduler, "schedule", "scheduler")

@@ -373,6 +373,11 @@ class LLMConfig(Checked):
     decode_staging: bool = flag(True, "pure decode steps read K/V from a persistent head-major copy of the "
                                       "batch's cache instead of gathering it from the pool every layer and step "
                                       "(at most 1 GiB; attention/decode_staging.py)")
+    batch_invariant: bool = flag(False, "a request's tokens and logprobs are the same bits whatever else shares its "
+                                        "batch and however its prompt is chunked: each query token attends in "
+                                        "its own SDPA row over keys padded to a multiple of 512 (attention/hybrid.py;"
+                                        " costs prefill attention, up to ~2x on the tiny preset; docs/llm.md, "
+                                        "issue 42)")
 
 
 @dataclass(frozen=True)

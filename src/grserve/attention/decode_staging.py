@@ -29,7 +29,10 @@ GROW_TOKENS = 64  # T_cap = the step's T rounded up to this (a rebuild every GRO
 
 class DecodeStaging:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, *, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", max_bytes: int = 1 << 30):
+                 device: torch.device | str = "cpu", max_bytes: int = 1 << 30, grow_tokens: int = GROW_TOKENS):
+        """``grow_tokens``: T_cap is a multiple of it (a batch-invariant executor's key length is padded to a
+        multiple of 512, ``attention/hybrid.py``: it stages 512-token multiples)."""
+        self.grow_tokens = grow_tokens
         self.num_layers, self.hkv, self.d = num_layers, num_kv_heads, head_dim
         self.dtype, self.device, self.max_bytes = dtype, torch.device(device), max_bytes
         self.k: torch.Tensor | None = None  # [L, S, Hkv, T_cap, d]
@@ -49,7 +52,7 @@ class DecodeStaging:
         if keys == self.keys and starts == self.lens and self.k is not None and t_needed <= self.k.shape[3]:
             self.stats["append"] += 1
             return "append"
-        t_cap = -(-t_needed // GROW_TOKENS) * GROW_TOKENS
+        t_cap = -(-t_needed // self.grow_tokens) * self.grow_tokens
         if self.nbytes(len(keys), t_cap) > self.max_bytes:
             self.release()
             self.stats["unstaged"] += 1

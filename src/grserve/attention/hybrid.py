@@ -148,6 +148,14 @@ class _HybridBase:
 
 
 FAST_DECODE_INDEX = True  # pure-KV decode passes build their indices directly (``HybridPagedContext``); tests flip it
+# torch's CPU flash attention (SDPA) splits the keys into blocks of this many (its kv_split_size) and sizes the
+# GEMMs of the last block by how many keys are left: a batch-invariant pass pads its key length to a multiple of it
+INVARIANT_KEY_BLOCK = 512
+
+
+def invariant_key_length(t: int) -> int:
+    """The padded key length of a batch-invariant pass: ``t`` rounded up to ``INVARIANT_KEY_BLOCK``."""
+    return -(-t // INVARIANT_KEY_BLOCK) * INVARIANT_KEY_BLOCK
 
 
 class HybridPagedContext(_HybridBase):
@@ -164,11 +172,22 @@ class HybridPagedContext(_HybridBase):
     new-token row in both planes (one lookup in its block table), the key mask from the start positions, and
     the padded gather rows only when the step reads the pool (a staging rebuild or no staging); the general
     construction stays the reference (``tests/grserve/attention/test_decode_index.py``: identical indices).
+
+    ``invariant`` (batch invariance, issue 42): a request's attention output does not depend on the other requests
+    of the pass nor on how its prompt was chunked. SDPA's CPU flash kernel walks the keys in blocks of 512 and
+    sizes the last block's GEMMs by the keys left, so the same keys padded (masked) to the batch's longest
+    request, or attended under ``is_causal`` (which cuts each query block's keys at its diagonal), sum in another
+    order; and its GEMMs' row count (the query rows of a block) changes a row's bits too. Invariant: the key length
+    is padded to a multiple of 512 (``invariant_key_length``; the padding is masked, a fully masked block adds
+    exact zeros), lone prefills take the masked path too, and every query token is its own SDPA batch element
+    (``_attend_tokens``), so each query row meets the same blocks of the same keys in the same call shape whatever
+    shares its pass (``tests/grserve/engine/test_llm_batch_invariance.py``).
     """
 
     def __init__(self, storage: HybridCacheStorage, seqs: list[SeqSlice], kv_from_hidden: KVFromHidden,
                  num_kv_heads: int, head_dim: int, staging: DecodeStaging | None = None, keys: tuple | None = None,
-                 fast_index: bool = True):
+                 fast_index: bool = True, invariant: bool = False):
+        self.invariant = invariant
         if fast_index and FAST_DECODE_INDEX and _pure_kv_decode(seqs):
             self._init_decode(storage, seqs, kv_from_hidden, num_kv_heads, head_dim, staging, keys)
             return
@@ -178,9 +197,11 @@ class HybridPagedContext(_HybridBase):
         self._stage = None  # (staging, "append" | "rebuild", keys) for a staged pure decode (decode_staging.py)
         ends = self._starts + self._nnew
         self.t_max = int(ends.max())
+        if invariant:
+            self.t_max = invariant_key_length(self.t_max)
         self.q_max = int(self._nnew.max())
         # fresh prefills of one length (incl. a lone prompt): plain causal SDPA over [S, n], no gather, no mask
-        self.lone_prefill = (all(s.start == 0 for s in seqs) and self.q_max == int(self._nnew.min())
+        self.lone_prefill = (not invariant and all(s.start == 0 for s in seqs) and self.q_max == int(self._nnew.min())
                              and (self.all_kv or n_seq == 1))
         if self.lone_prefill:
             return
@@ -200,7 +221,7 @@ class HybridPagedContext(_HybridBase):
         self._kv_rows = None
         if self.any_kv:
             kv_ok = valid & self._is_kv[flat_seq]
-            rows = self._rows(flat_seq, flat_pos)  # [P, S·Tmax]
+            rows = self._rows(flat_seq, torch.where(valid, flat_pos, 0))  # [P, S·Tmax] (padding: row 0)
             self._kv_rows = (torch.where(kv_ok, rows[0], 0).to(dev), torch.where(kv_ok, rows[1], 0).to(dev))
         self._new_dst = self._ph = None
         if not self.all_kv:
@@ -253,7 +274,7 @@ class HybridPagedContext(_HybridBase):
         self._v_dst = torch.tensor(v_rows, dtype=torch.int64, device=dev)
         self._h_src, self._h_dst = None, []
         self._stage = None
-        self.t_max = max(starts) + 1
+        self.t_max = invariant_key_length(max(starts) + 1) if self.invariant else max(starts) + 1
         self.q_max = 1
         self.lone_prefill = False
         self.pure_decode = True
@@ -270,7 +291,7 @@ class HybridPagedContext(_HybridBase):
             flat_seq = torch.arange(n_seq).repeat_interleave(self.t_max)
             flat_pos = torch.arange(self.t_max).repeat(n_seq)
             ok = flat_pos <= self._starts[flat_seq]
-            rows = self._rows(flat_seq, flat_pos)
+            rows = self._rows(flat_seq, torch.where(ok, flat_pos, 0))
             self._kv_rows = (torch.where(ok, rows[0], 0).to(dev), torch.where(ok, rows[1], 0).to(dev))
 
     def finish(self) -> None:
@@ -325,6 +346,8 @@ class HybridPagedContext(_HybridBase):
             kr, vr = self.kv_from_hidden(layer, self._gather_hidden(layer, rows).to(k.dtype), pos)
             kk.index_copy_(0, dst, kr)
             vv.index_copy_(0, dst, vr)
+        if self.invariant:
+            return self._attend_tokens(q, kk, vv)
         if self.pure_decode:
             qq = q.view(n_seq, 1, hq, d)
         else:
@@ -340,6 +363,48 @@ class HybridPagedContext(_HybridBase):
         if self.pure_decode:
             return o.reshape(n_seq, hq, d)
         return o.reshape(n_seq * self.q_max, hq, d).index_select(0, self._q_dst)
+
+
+    def _attend_tokens(self, q: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor) -> torch.Tensor:
+        """The invariant pass's attention (``invariant``): every query token is one SDPA batch element, its g query
+        heads of a KV head as g query rows ([tokens, Hkv, g, d], the staged decode's layout) against its request's
+        keys padded to ``t_max`` (a multiple of 512) and masked after its own position. A row then meets the same
+        kernel call shape whatever else shares the pass and however its prompt was chunked (a prefill chunk is a
+        batch of such rows; a request's keys are expanded over its tokens, not copied)."""
+        n_seq, t, hkv, d = len(self.seqs), self.t_max, self.hkv, self.d
+        hq = q.shape[1]
+        qq = q.view(-1, hkv, hq // hkv, d)
+        kk = kk.view(n_seq, t, hkv, d).transpose(1, 2)  # [S, Hkv, T, d]
+        vv = vv.view(n_seq, t, hkv, d).transpose(1, 2)
+        if self.pure_decode:
+            return F.scaled_dot_product_attention(qq, kk, vv, attn_mask=self._mask).reshape(n_seq, hq, d)
+        dev = q.device
+        kpos = torch.arange(t, device=dev)
+        out = torch.empty_like(qq)
+        nnew = self._nnew.tolist()
+        ones = [i for i, n in enumerate(nnew) if n == 1]
+        off = (torch.cumsum(self._nnew, 0) - self._nnew).tolist()
+        if ones:  # the requests with one new token: one call
+            idx = torch.tensor(ones, device=dev)
+            rows = torch.tensor([off[i] for i in ones], device=dev)
+            mask = (kpos[None, :] <= self._starts[ones].to(dev)[:, None])[:, None, None, :]
+            out[rows] = F.scaled_dot_product_attention(qq.index_select(0, rows), kk.index_select(0, idx),
+                                                       vv.index_select(0, idx), attn_mask=mask)
+        block = INVARIANT_KEY_BLOCK
+        for i, n in enumerate(nnew):
+            if n == 1:
+                continue
+            start = int(self._starts[i])
+            # the request's tokens by key length: a token at position p reads invariant_key_length(p + 1) keys (the
+            # blocks past it are fully masked, so any multiple of 512 gives the same bits: the shortest, causal skip)
+            for lo in range(start - start % block, start + n, block):
+                a, b = max(lo, start), min(lo + block, start + n)
+                tk, r = lo + block, off[i] + a - start
+                mask = (kpos[None, :tk] <= torch.arange(a, b, device=dev)[:, None])[:, None, None, :]
+                out[r:r + b - a] = F.scaled_dot_product_attention(
+                    qq[r:r + b - a], kk[i:i + 1, :, :tk].expand(b - a, -1, -1, -1),
+                    vv[i:i + 1, :, :tk].expand(b - a, -1, -1, -1), attn_mask=mask)
+        return out.reshape(-1, hq, d)
 
 
 class ReferenceHybridContext(_HybridBase):

@@ -132,6 +132,7 @@ class AsyncLLMEngine:
                                   prefix_cache_tokens=c.prefix_cache_tokens,
                                   prefix_cache_policy=c.prefix_cache_policy, prefix_cache_mode=c.prefix_cache_mode,
                                   packed_linears=c.packed_linears, decode_staging=c.decode_staging,
+                                  batch_invariant=c.batch_invariant,
                                   eos_token_id=tok.eos_token_id, detokenize=tok.decode,
                                   decoder_factory=tok.decode_stream)
         engine = cls(core, tok, model, cfg.edge)

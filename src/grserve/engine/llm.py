@@ -31,8 +31,8 @@ from typing import Any, Callable, Protocol
 import numpy as np
 import torch
 
-from grserve.attention.decode_staging import DecodeStaging
-from grserve.attention.hybrid import HybridPagedContext, SeqSlice
+from grserve.attention.decode_staging import GROW_TOKENS, DecodeStaging
+from grserve.attention.hybrid import INVARIANT_KEY_BLOCK, HybridPagedContext, SeqSlice
 from grserve.config import Priority
 from grserve.kvcache.blocks import BlockPool, BlockTable, CacheKind, HybridCacheStorage
 from grserve.engine.sampling import SampleOutput, SampleRow, SamplingParams, TokenLogprobs, sample
@@ -137,8 +137,10 @@ class ModelExecutor:
     when every one of them is greedy, their token ids (list) chosen by the screened greedy head."""
 
     def __init__(self, model, storage: HybridCacheStorage, screened_greedy: bool = True, packed_linears: bool = True,
-                 decode_staging: bool = True):
+                 decode_staging: bool = True, batch_invariant: bool = False):
         self.model = model
+        # a request's tokens do not depend on what shares its batch (attention/hybrid.py, docs/llm.md issue 42)
+        self.batch_invariant = batch_invariant
         self.storage = storage
         spec = model.spec
         self.hkv, self.d = spec.num_key_value_heads, spec.head_dim
@@ -152,7 +154,9 @@ class ModelExecutor:
         # pure-KV decode passes build their attention indices straight from the block tables (attention/hybrid.py)
         self.fast_index = fast
         self.staging = DecodeStaging(spec.num_hidden_layers, self.hkv, self.d, dtype=storage.data.dtype,
-                                     device=storage.data.device) if decode_staging and fast else None
+                                     device=storage.data.device,
+                                     grow_tokens=INVARIANT_KEY_BLOCK if batch_invariant else GROW_TOKENS,
+                                     ) if decode_staging and fast else None
         # exact greedy argmax through a bf16 screen of the LM head (engine/greedy_head.py), fp32 models only; its
         # GEMMs chosen by what the CPU can do. A bf16 model: every logit from ModelDtypeHead (packed where fast),
         # plain-greedy passes take its per-row max instead of the sampler's float64 argmax (the same token)
@@ -183,7 +187,8 @@ class ModelExecutor:
         head = (self.greedy_head.describe() if self.greedy_head is not None
                 else self.dtype_head.describe() if self.dtype_head is not None else "full logits + argmax")
         return (f"CPU {sup.label()}: projections {lin}; greedy head {head}; "
-                f"decode staging {'on' if self.staging is not None else 'off'}")
+                f"decode staging {'on' if self.staging is not None else 'off'}; "
+                f"batch-invariant {'on' if self.batch_invariant else 'off'}")
 
     def execute(self, items: list[ExecItem], pool: BlockPool) -> tuple[torch.Tensor | list[int] | None, None]:
         ids: list[int] = []
@@ -205,7 +210,7 @@ class ModelExecutor:
         dev = self.storage.data.device
         keys = tuple((it.seq.seq_id, it.seq.num_preemptions) for it in items) if self.staging is not None else None
         ctx = HybridPagedContext(self.storage, slices, self.model.kv_from_hidden, self.hkv, self.d, self.staging, keys,
-                                 fast_index=self.fast_index)
+                                 fast_index=self.fast_index, invariant=self.batch_invariant)
         with torch.inference_mode():
             try:
                 h = self.model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), ctx, packed=self.packed)
@@ -225,6 +230,10 @@ class ModelExecutor:
                     return self.dtype_head.logits(last), None
                 ids, logits = self.dtype_head.pick(last)
                 return (ids.tolist() if ids is not None else logits), None
+            if self.batch_invariant and last.dtype == torch.float32:  # MKL's sgemm rounds a row by the row count
+                from grserve.model.packed_linear import RowGroups
+
+                return self.model.logits(last, groups=RowGroups.uniform(len(rows), 1)), None
             return self.model.logits(last), None
 
 
@@ -651,7 +660,7 @@ class LLMEngine:
 def build_model_engine(model, scheduler: LLMScheduler, *, num_blocks: int, block_size: int = 16,
                        prefix_cache_tokens: int = 0, prefix_cache_policy: str = "leader",
                        prefix_cache_mode: str = "share", packed_linears: bool = True, decode_staging: bool = True,
-                       **kw) -> LLMEngine:
+                       batch_invariant: bool = False, **kw) -> LLMEngine:
     """Engine over a real model: pool + storage sized from the model spec (planes of K/V width); with
     ``prefix_cache_tokens`` > 0 a prompt-prefix cache of that many tokens, evicting by ``prefix_cache_policy``:
     ``prefix_cache_mode="share"`` shares full cached blocks of the pool (``SharedPrefixCache``, at most
@@ -671,4 +680,5 @@ def build_model_engine(model, scheduler: LLMScheduler, *, num_blocks: int, block
 
         kw["prefix_cache"] = PrefixKVStore.for_storage(storage, prefix_cache_tokens, prefix_cache_policy)
     return LLMEngine(scheduler, pool, ModelExecutor(model, storage, packed_linears=packed_linears,
-                                                   decode_staging=decode_staging), **kw)
+                                                   decode_staging=decode_staging, batch_invariant=batch_invariant),
+                     **kw)
