@@ -15,7 +15,10 @@ each) go through
    log-weights ``(logits − max) / T`` (maximum exactly 0: no overflow for any T), then top-k, min-p
    (``log p ≥ log min_p + log p_max``, no underflow) and top-p on what top-k and min-p keep (cumulative mass
    *before* a token < top_p, so the most likely token is always kept: ``top_p = 1e-300`` is greedy, never empty).
-   The kept tokens are always a prefix of the sorted order (only the K tokens any row can keep are sorted) and
+   The kept tokens are always a prefix of the sorted order (log-weight descending, *token id ascending among
+   equal log-weights*, on every path: where only the K tokens any row can keep are sorted, they are the full
+   stable sort's first K, a tie across the K-th place included, so neither K, the batch's maximum, nor ``topk``'s
+   order of ties decides a row's tokens) and
    the draw is an inverse-CDF lookup whose target stays below the kept mass, so it lands on a kept token of
    positive weight: no value of T, top_p, top_k, min_p or of the logits can produce NaN or an empty distribution;
 3. **the draw** takes its uniform from ``(seed, position)`` only (``draw_uniform``: a splitmix64 mix of the
@@ -229,16 +232,18 @@ def sanitize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     return x, mx, torch.isfinite(mx)
 
 
-def _filtered_sorted(logp: torch.Tensor, rows: list[SampleRow], full_sort: bool = False,
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _filtered_sorted(logp: torch.Tensor, rows: list[SampleRow], full_sort: bool = False, ids: bool = True,
+                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Log-probabilities [b, V] (up to a per-row constant: every rule below is relative to the row's maximum) →
     (sorted logp, sorted ids, number of kept tokens per row) after top-k, min-p and
     top-p (each keeps a prefix of the sorted order, the first token always; top-p on the probabilities
     renormalised over what top-k and min-p keep, as vLLM).
 
-    Only the K best tokens are sorted (``topk``), K the most any row can keep: top-k's k, min-p's count, and for
+    Only the K best tokens are sorted (``_top_candidates``: the first K of the full stable sort, ties by id), K the
+    most any row can keep: top-k's k, min-p's count, and for
     top-p the tokens above ``p_max (1 − top_p) / V`` (a token at or below it has at least ``Z·top_p`` of mass
-    before it, so top-p drops it). ``full_sort`` sorts everything (the reference; a test checks they agree)."""
+    before it, so top-p drops it). ``full_sort`` sorts everything (a test checks they agree). ``ids=False`` (the
+    fast path): ``topk``'s values only, sorted ids None (everything but the ids is a function of the values)."""
     V = logp.shape[1]
     dev = logp.device
     lmax = logp.max(dim=1, keepdim=True).values
@@ -253,7 +258,7 @@ def _filtered_sorted(logp: torch.Tensor, rows: list[SampleRow], full_sort: bool 
         cand = torch.minimum(cand, (logp > floor_p).sum(dim=1).clamp(min=1))
     K = V if full_sort else int(cand.max())
     if K * 4 < V:
-        slp, sid = logp.topk(K, dim=1, sorted=True)
+        slp, sid = _top_candidates(logp, K) if ids else (logp.topk(K, dim=1, sorted=True).values, None)
     else:
         K = V
         slp, sid = logp.sort(dim=1, descending=True, stable=True)
@@ -265,6 +270,26 @@ def _filtered_sorted(logp: torch.Tensor, rows: list[SampleRow], full_sort: bool 
         before = torch.cumsum(p, dim=1) - p
         keep_n = torch.minimum(keep_n, (before < top_p[:, None] * z[:, None]).sum(dim=1).clamp(min=1))
     return slp, sid, keep_n
+
+
+def _top_candidates(logp: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first K entries (K + 1 <= V) of the full stable descending sort of each row of ``logp`` (log-weight
+    descending, token id ascending), values and ids, from ``topk``, which alone would leave two things to K (the
+    batch's maximum) and to its implementation: which of the tokens tied at a row's K-th value it returns (a tie
+    straddling the cut: ``topk`` of K + 1 shows it, and that row takes the lowest ids of the tie), and the order
+    of equal values (the ids are sorted by (tie group, id): the groups, runs of equal values, stay in place)."""
+    V = logp.shape[1]
+    slp, sid = logp.topk(K + 1, dim=1, sorted=True)
+    kth = slp[:, K - 1]
+    straddle = (slp[:, K] == kth).nonzero().flatten().tolist()
+    slp, sid = slp[:, :K], sid[:, :K].clone()
+    for i in straddle:
+        above = int((slp[i] > kth[i]).sum())
+        sid[i, above:] = (logp[i] == kth[i]).nonzero().flatten()[:K - above]
+    group = torch.zeros_like(sid)
+    torch.cumsum(slp[:, 1:] != slp[:, :-1], dim=1, out=group[:, 1:])
+    sid = group.mul_(V).add_(sid).sort(dim=1).values.remainder_(V)
+    return logp.gather(1, sid), sid
 
 
 def _kept_mass(logp: torch.Tensor, lmax: torch.Tensor, floor_m: torch.Tensor, k: torch.Tensor, n1: torch.Tensor,
@@ -422,7 +447,8 @@ def _draw_filtered_fast(x: torch.Tensor, mx: torch.Tensor, temp: torch.Tensor, r
     the rows ``x`` [b, V] (sanitized, processed), the same bits without the full stable sort of ``w``:
 
     * the reference's K (the most tokens any row can keep) is computed the same way; below V / 4 the reference
-      itself runs (``topk`` of K: cheap, and its order of equal values is whatever ``topk`` gives);
+      itself runs on ``topk``'s values only (``ids=False``: the values are the stable sort's first K whichever
+      tied ids ``topk`` returns, and the draw's position is a function of the values), the id as below;
     * else the *values* of the stable descending sort of ``w`` are the sorted ``x`` mapped by ``(x − mx) / T``
       (monotone: rounding is monotone, T > 0), so ``x`` is sorted instead, as float32 when every value is a float32
       (``exact32``: unprocessed fp32 / bf16 / fp16 logits; bf16 ones, ``exact16``, by a radix sort of their 16
@@ -455,8 +481,8 @@ def _draw_filtered_fast(x: torch.Tensor, mx: torch.Tensor, temp: torch.Tensor, r
         floor_p = (torch.log1p(-top_p)[:, None] - math.log(V))[:, 0].numpy()
         cand = torch.minimum(cand, _count(wn, operator.gt, floor_p).clamp(min=1))
     if int(cand.max()) * 4 < V:
-        slp, sid, keep_n = _filtered_sorted(w, rows)
-        return sid.gather(1, _draw(slp, keep_n, rows)[:, None]).squeeze(1)
+        slp, _, keep_n = _filtered_sorted(w, rows, ids=False)
+        return _stable_ids(wn, slp.numpy(), _draw(slp, keep_n, rows).tolist())
     # the sorted values: −x ascending (sorted in place), mapped to w
     y = _WS.get("sortx", b, V, torch.float32 if exact32 else torch.float64)
     y.copy_(x).neg_()
@@ -485,7 +511,13 @@ def _draw_filtered_fast(x: torch.Tensor, mx: torch.Tensor, temp: torch.Tensor, r
     total = cdf.gather(1, (keep_n - 1)[:, None])
     target = torch.minimum(_uniforms(rows, cdf.dtype) * total, torch.nextafter(total, torch.zeros_like(total)))
     at = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=V - 1).tolist()
-    sn = slp.numpy()
+    return _stable_ids(wn, slp.numpy(), at)
+
+
+def _stable_ids(wn: np.ndarray, sn: np.ndarray, at: list[int]) -> torch.Tensor:
+    """The ids the stable descending sort of the rows ``wn`` puts at positions ``at``, given the sorted values ``sn``
+    (at least up to those positions): among the ids of value ``v = sn[i, j]``, in id order, number ``j − #{w > v}``
+    (``#{w > v}``: where ``v`` starts in the sorted values)."""
     out = []
     for i, j in enumerate(at):
         v = sn[i, j]

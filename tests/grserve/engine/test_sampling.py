@@ -286,11 +286,10 @@ def test_partial_sort_keeps_the_same_tokens_as_the_full_sort():
         slp, sid, keep = _filtered_sorted(logp, rows)
         fslp, fsid, fkeep = _filtered_sorted(logp, rows, full_sort=True)
         assert keep.tolist() == fkeep.tolist()
-        for i, n in enumerate(keep.tolist()):  # the same tokens (a tie at the boundary may keep another of equals)
+        for i, n in enumerate(keep.tolist()):  # the very same tokens in the same order, ties included (ids ascending)
             torch.testing.assert_close(slp[i, :n], fslp[i, :n], rtol=0, atol=0)
             torch.testing.assert_close(logp[i, sid[i, :n]], slp[i, :n], rtol=0, atol=0)
-            if len(set(fslp[i, :n + 1].tolist())) == n + 1:  # no tie there: the very same ids
-                assert sid[i, :n].tolist() == fsid[i, :n].tolist()
+            assert sid[i, :n].tolist() == fsid[i, :n].tolist()
     peaked = torch.log_softmax(torch.randn(8, V, generator=g, dtype=torch.float64) * 12, dim=1)
     slp, _, keep = _filtered_sorted(peaked, _rows([SamplingParams(top_p=0.9)] * 8))
     assert slp.shape[1] < V // 4 and keep.tolist() == _filtered_sorted(peaked, _rows([SamplingParams(top_p=0.9)] * 8),
@@ -363,9 +362,9 @@ def test_fast_path_equals_the_reference_bit_for_bit(dtype, monkeypatch):
     shortcut = []
     real = sampling._filtered_sorted
 
-    def counted(logp, rows, full_sort=False):
+    def counted(logp, rows, full_sort=False, ids=True):
         shortcut.append(logp.shape[0])
-        return real(logp, rows, full_sort)
+        return real(logp, rows, full_sort, ids)
 
     g = torch.Generator().manual_seed(43)
     full_rows = 0
@@ -468,3 +467,97 @@ def test_fast_path_scratch_buffers_are_per_thread():
     for th in threads:
         th.join()
     assert not bad
+
+
+# ---- a row's draw does not depend on what shares its batch, ties included ----------------------------------------
+def _tied_row(kind: int, V: int, g: torch.Generator) -> torch.Tensor:
+    """Peaked rows with many exact ties among the tokens a row can keep, ties that straddle a top-k or top-p cut
+    (kind 5: no ties beyond bf16's own)."""
+    x = torch.randn(V, generator=g, dtype=torch.float64) * 8  # peaked (the topk path); bf16 ties many of these
+    ids = torch.randperm(V, generator=g)
+    if kind == 0:  # ten tokens tied on top: top_p 0.55 keeps 6 of them, top_k 3 / 5 cuts the group
+        x = torch.randn(V, generator=g, dtype=torch.float64) - 20
+        x[ids[:10]] = 0.0
+    elif kind == 1:  # 3 above, then a group of 12 tied: a top_k of 5 or 9 cuts through it
+        x[ids[:3]] = 60.0
+        x[ids[3:15]] = 58.0
+    elif kind == 2:  # ~30 distinct values: every one a large tie group
+        x = torch.round(x / 4) / 2
+    elif kind == 3:  # two tie groups carrying most of the mass, so a top_p cut falls inside one of them
+        x = torch.randn(V, generator=g, dtype=torch.float64) - 15
+        x[ids[:7]] = 1.0
+        x[ids[7:40]] = 0.5
+    elif kind == 4:  # one on top, then 600 tied: a top-k cut in that group widens the candidates past V / 4
+        x = torch.randn(V, generator=g, dtype=torch.float64) - 50
+        x[ids[0]] = 1.0
+        x[ids[1:601]] = 0.0
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_row_draws_the_same_tokens_whatever_shares_its_batch_ties_included(dtype):
+    """A sampled row alone and beside rows that make the batch's K (the tokens the ``topk`` path keeps) larger —
+    a flatter row, rows whose top-k puts the cut inside its tie groups, a flat row that forces the full sort —
+    draws the same tokens with the same logprobs, fast path and reference, over many seeds: peaked rows with many
+    exact ties (bf16), ties straddling the top-k and top-p cuts; top_k / top_p / min_p combinations."""
+    V = 2000
+    g = torch.Generator().manual_seed(43)
+    params = [SamplingParams(temperature=1.0, top_p=0.9, logprobs=2), SamplingParams(temperature=0.7, top_p=0.55),
+              SamplingParams(top_k=5), SamplingParams(top_k=9, top_p=0.8, temperature=1.5),
+              SamplingParams(top_k=3, min_p=0.05), SamplingParams(min_p=0.3, top_p=0.95, logprobs=0),
+              SamplingParams(top_k=40, top_p=0.7, min_p=0.01)]
+    targets = torch.stack([_tied_row(i % 6, V, g) for i in range(42)]).to(dtype)
+    flat = (torch.randn(1, V, generator=g) * 1.5).to(dtype)
+    wide = (torch.randn(1, V, generator=g) * 0.2).to(dtype)
+    neighbours = [(flat, SamplingParams(top_p=0.9)), (wide, SamplingParams(top_p=0.999))]  # larger K; full sort
+    neighbours += [(wide, SamplingParams(top_k=k)) for k in (7, 13, 23, 97, 300)]  # K inside the tie groups
+    for j, p in enumerate(params):
+        rows = [SampleRow(p, seed=1000 * j + i, position=i % 11) for i in range(len(targets))]
+        drawn = {}
+        for reference in (True, False):
+            alone = [sample(targets[i:i + 1], rows[i:i + 1], reference=reference) for i in range(len(targets))]
+            want = [a.token_ids[0] for a in alone]
+            want_lp = [a.logprobs[0] and (a.logprobs[0].logprob, a.logprobs[0].top) for a in alone]
+            for n, (other, q) in enumerate(neighbours):
+                first = n % 2  # the neighbour before or after the rows
+                batch = torch.cat([other, targets] if first else [targets, other])
+                nrow = [SampleRow(q, seed=n, position=0)]
+                out = sample(batch, nrow + rows if first else rows + nrow, reference=reference)
+                mine = slice(1, None) if first else slice(0, -1)
+                assert out.token_ids[mine] == want, (p, n, reference)
+                assert [lp and (lp.logprob, lp.top) for lp in out.logprobs[mine]] == want_lp
+            drawn[reference] = want
+        assert drawn[False] == drawn[True]  # the fast path's draws are the reference's
+        for i in range(len(targets)):  # rows 0, 6, ...: ten tied on top, the rest far below; with a top-k or top-p
+            if i % 6:                  # cut inside the group, the stable sort's (lowest-id) part of it
+                continue
+            group = sorted((targets[i] == 0).nonzero().flatten().tolist())
+            n = min(p.top_k or 10, 6 if p.top_p == 0.55 else 10)
+            assert want[i] in group[:n], (p, i)
+        if p == params[2]:  # top_k 5 on rows 1, 7, ...: the 3 on top, or the 2 lowest ids of the group below them;
+            for i in range(1, len(targets), 6):  # on rows 4, 10, ...: the top one or the 4 lowest ids of the 600
+                allowed = (targets[i] == 60).nonzero().flatten().tolist()
+                allowed += sorted((targets[i] == 58).nonzero().flatten().tolist())[:2]
+                assert want[i] in allowed
+                top = targets[i + 3]
+                assert want[i + 3] in (top == 1).nonzero().flatten().tolist() + (top == 0).nonzero().flatten().tolist()[:4]
+
+
+def test_the_reported_case_peaked_bf16_rows_alone_and_beside_a_flatter_row():
+    """The reported case: V 2000, T 1, top_p 0.9, peaked bf16 rows (randn × 8): 200 rows, each alone and beside a
+    flatter row (a larger K on the ``topk`` path), draw the same token (before ties were ordered by id on every
+    path, 6 of these 200 differed, on both paths; 9 of 200 in the report's own sample)."""
+    V = 2000
+    g = torch.Generator().manual_seed(0)
+    p = SamplingParams(temperature=1.0, top_p=0.9)
+    peaked = (torch.randn(200, V, generator=g) * 8).to(torch.bfloat16)
+    flat = (torch.randn(1, V, generator=g) * 1.5).to(torch.bfloat16)
+    for reference in (True, False):
+        differ = 0
+        for i in range(200):
+            row = SampleRow(p, seed=i, position=3)
+            alone = sample(peaked[i:i + 1], [row], reference=reference).token_ids[0]
+            beside = sample(torch.cat([peaked[i:i + 1], flat]), [row, SampleRow(p, seed=9, position=0)],
+                            reference=reference).token_ids[0]
+            differ += alone != beside
+        assert differ == 0, (reference, differ)
