@@ -77,6 +77,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3, help="rounds per concurrency, the first one warm-up")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--fast-index", type=int, choices=(0, 1), default=None)
+    ap.add_argument("--decode-compile", choices=("auto", "on", "off"), default="off",
+                    help="serve llm's --decode-compile (model/decode_compile.py; warm-up before the rounds)")
     ap.add_argument("--greedy-band", choices=("chunks", "topk"), default=None,
                     help="the greedy head's candidate search (engine/greedy_head.py); default: the head's own")
     ap.add_argument("--clock", choices=("thread", "wall"), default="thread",
@@ -96,7 +98,10 @@ def main() -> int:
 
     if args.fast_index is not None:
         hybrid.FAST_DECODE_INDEX = bool(args.fast_index)
-    eng = AsyncLLMEngine.build(llm_config(args.model, dtype=args.dtype, num_blocks=4096))
+    t_build = time.perf_counter()
+    eng = AsyncLLMEngine.build(llm_config(args.model, dtype=args.dtype, num_blocks=4096,
+                                          decode_compile=args.decode_compile))
+    t_build = time.perf_counter() - t_build
     core = eng.core
     ex = core.executor
     if args.greedy_band is not None and ex.greedy_head is not None:
@@ -104,7 +109,8 @@ def main() -> int:
     print(f"# {cpu_support().label()}; torch {torch.__version__}, {torch.get_num_threads()} thread(s); "
           f"{args.model} {args.dtype}; {ex.describe()}; fast index "
           f"{getattr(hybrid, 'FAST_DECODE_INDEX', 'n/a')}; greedy band "
-          f"{getattr(ex.greedy_head, 'band', 'n/a')}; load {os.getloadavg()[0]:.2f}", flush=True)
+          f"{getattr(ex.greedy_head, 'band', 'n/a')}; load {os.getloadavg()[0]:.2f}; engine built in {t_build:.1f} s",
+          flush=True)
 
     t = Timers()
     t.wrap(core.scheduler, "schedule", "scheduler")
@@ -120,6 +126,8 @@ def main() -> int:
             t.wrap(ex.dtype_head, "logits", "logits")
     forward = Timers()  # the whole forward (the model math is it minus attention and index building)
     forward.wrap(ex.model, "forward", "forward")
+    if getattr(ex, "decode_compiled", None) is not None:  # --decode-compile: the compiled stack is the forward
+        forward.wrap(ex.decode_compiled, "forward", "forward")
     ctx_cls = llm_mod.HybridPagedContext
 
     class TimedContext(ctx_cls):  # type: ignore[misc, valid-type]

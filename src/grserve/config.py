@@ -373,6 +373,9 @@ class LLMConfig(Checked):
     decode_staging: bool = flag(True, "pure decode steps read K/V from a persistent head-major copy of the "
                                       "batch's cache instead of gathering it from the pool every layer and step "
                                       "(at most 1 GiB; attention/decode_staging.py)")
+    decode_compile: str = flag("off", "pure decode steps run the layer stack torch.compile'd (Inductor) per row "
+                                      "bucket, compiled at start-up (model/decode_compile.py; auto: on where a C++ "
+                                      "compiler exists and the CPU fast paths are on)", choices=("auto", "on", "off"))
 
 
 @dataclass(frozen=True)
