@@ -29,7 +29,6 @@ makes a restart's compile a cache load. Any failure (no C++ compiler, an Inducto
 
 from __future__ import annotations
 
-import itertools
 import os
 import threading
 import time
@@ -64,9 +63,10 @@ def use_cache_dir() -> str:
 
 
 # ---- the two opaque ops ---------------------------------------------------------------------------------------
-_state = threading.local()  # .ctx, .n: the running pass's attention context and its real row count
-_linears: dict[int, tuple] = {}  # key -> (packed weight or None, weight, bias)
-_next_key = itertools.count()
+# the running pass's attention context (.ctx), its real row count (.n) and its model's projections (.table: key ->
+# (packed weight or None, weight, bias)); the keys are positions in .table, so the same model shape gives the same
+# graph in every process (Inductor's on-disk cache hits)
+_state = threading.local()
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
@@ -80,7 +80,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> to
 
 def _linear(x: torch.Tensor, key: int) -> torch.Tensor:
     """The eager path's projection: the oneDNN-packed weight where the executor packed it, else ``F.linear``."""
-    packed, w, b = _linears[key]
+    packed, w, b = _state.table[key]
     if packed is None:
         return F.linear(x, w, b)
     return torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
@@ -101,7 +101,7 @@ def _register() -> None:
     lib.impl("packed_linear", _linear, "CompositeExplicitAutograd")
     torch.library.register_fake("grserve::decode_attend", lambda q, k, v, layer: torch.empty_like(q), lib=lib)
     torch.library.register_fake("grserve::packed_linear",
-                                lambda x, key: x.new_empty((x.shape[0], _linears[key][1].shape[0])), lib=lib)
+                                lambda x, key: x.new_empty((x.shape[0], _state.table[key][1].shape[0])), lib=lib)
     _LIBS.append(lib)
 
 
@@ -217,20 +217,16 @@ class CompiledDecode:
         fuse_gu = fuse and fusion_agrees([layer0.mlp.gate_proj, layer0.mlp.up_proj], weights, self.bucket_sizes)
         self.fused = [name for name, ok in (("q/k/v", fuse_qkv), ("gate/up", fuse_gu)) if ok]
         keys = []
-        self._keys: list[int] = []
+        self._table: list[tuple] = []  # packed_linear's key -> (packed weight or None, weight, bias)
 
         def group(lins, fused: bool):
             if fused:
-                key = next(_next_key)
-                _linears[key] = _fused_packed(lins)
-                self._keys.append(key)
-                return [(key, tuple(lin.weight.shape[0] for lin in lins))]
+                self._table.append(_fused_packed(lins))
+                return [(len(self._table) - 1, tuple(lin.weight.shape[0] for lin in lins))]
             out = []
             for lin in lins:
-                key = next(_next_key)
-                _linears[key] = (weights.get(lin), lin.weight, lin.bias)
-                self._keys.append(key)
-                out.append((key, (lin.weight.shape[0],)))
+                self._table.append((weights.get(lin), lin.weight, lin.bias))
+                out.append((len(self._table) - 1, (lin.weight.shape[0],)))
             return out
 
         for layer in model.model.layers:
@@ -258,11 +254,8 @@ class CompiledDecode:
         self.compile_s = 0.0  # time spent in first calls of a bucket (tracing + Inductor, or a cache load)
         self.steps = 0  # decode passes served compiled
         self.warm_s: float | None = None  # warm_up's seconds
+        self.bucket_s: dict[int, float] = {}  # warm_up's seconds per bucket
         self.deferred = ""  # the buckets warm_up left to their first step, if any
-
-    def __del__(self):
-        for key in getattr(self, "_keys", ()):
-            _linears.pop(key, None)
 
     # ---- what runs compiled
     def accepts(self, ctx, n: int) -> bool:
@@ -301,13 +294,13 @@ class CompiledDecode:
             positions = F.pad(positions, (0, b - n))
         cos_t, sin_t = self._rope(positions)
         cos, sin = cos_t.index_select(0, positions), sin_t.index_select(0, positions)
-        _state.ctx, _state.n = ctx, n
+        _state.ctx, _state.n, _state.table = ctx, n, self._table
         first = b not in self.compiled_buckets
         t0 = time.perf_counter()
         try:
             h = self._compiled(ids, cos, sin)
         finally:
-            _state.ctx = None
+            _state.ctx = _state.table = None
         if first:
             self.compile_s += time.perf_counter() - t0
             self.compiled_buckets.add(b)
@@ -317,14 +310,16 @@ class CompiledDecode:
     # ---- start-up
     def warm_up(self, bucket_list: tuple[int, ...] | None = None, budget_s: float = 60.0, log=None) -> float:
         """Compile ``bucket_list`` (default: every bucket) now, smallest first, on a stand-in context (no cache, no
-        K/V); once ``budget_s`` is spent no further bucket is started (those compile on their first step).
+        K/V); a bucket is not started when the time spent plus the previous bucket's would pass ``budget_s`` (it and
+        the larger ones then compile on their first step).
         Returns the seconds spent; a failure disables the compiled step (``failed``)."""
         t0 = time.perf_counter()
         dev = self.model.device
+        last = 0.0  # the previous bucket's seconds: the next one is expected to take about as long
         for b in sorted(bucket_list or self.bucket_sizes):
             if self.failed is not None or b not in self.bucket_sizes or b in self.compiled_buckets:
                 continue
-            if time.perf_counter() - t0 > budget_s:
+            if time.perf_counter() - t0 + last > budget_s:
                 self.deferred = f"buckets ≥ {b} compile on their first step (warm-up budget {budget_s:.0f} s spent)"
                 if log is not None:
                     log(f"decode compile: {self.deferred}")
@@ -332,7 +327,9 @@ class CompiledDecode:
             try:
                 with torch.inference_mode():  # as the executor's step: inference tensors (dynamo guards on it)
                     ids = torch.zeros(b, dtype=torch.int64, device=dev)
+                    t1 = time.perf_counter()
                     self._run(ids, torch.arange(b, device=dev), _WarmContext())
+                    last = self.bucket_s[b] = time.perf_counter() - t1
             except Exception as exc:  # noqa: BLE001
                 self.fail(exc)
         self.steps = 0
