@@ -255,13 +255,15 @@ class CompiledDecode:
         self.steps = 0  # decode passes served compiled
         self.warm_s: float | None = None  # warm_up's seconds
         self.bucket_s: dict[int, float] = {}  # warm_up's seconds per bucket
-        self.deferred = ""  # the buckets warm_up left to their first step, if any
+        self.deferred = ""  # the buckets warm_up left to later, if any
+        self.pending: set[int] = set()  # buckets compiling on the background thread (their steps run eager)
 
     # ---- what runs compiled
     def accepts(self, ctx, n: int) -> bool:
         """A pure-KV decode pass (every request one new token, K/V cache only) of at most ``max_bucket`` rows."""
         return (self.failed is None and n <= self.max_bucket and getattr(ctx, "pure_decode", False)
-                and getattr(ctx, "all_kv", False) and not getattr(ctx, "lone_prefill", True))
+                and getattr(ctx, "all_kv", False) and not getattr(ctx, "lone_prefill", True)
+                and bucket_of(n, self.bucket_sizes) not in self.pending)
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         top = int(positions.max()) + 1
@@ -274,7 +276,9 @@ class CompiledDecode:
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         if self.failed is None:
             try:
-                return self._run(ids, positions, ctx)
+                h = self._run(ids, positions, ctx)
+                self.steps += 1
+                return h
             except Exception as exc:  # noqa: BLE001 -- any compile/runtime failure: the eager forward
                 self.fail(exc)
         return self.model(ids, positions, ctx, packed=self.packed)
@@ -304,37 +308,55 @@ class CompiledDecode:
         if first:
             self.compile_s += time.perf_counter() - t0
             self.compiled_buckets.add(b)
-        self.steps += 1
         return h[:n] if b > n else h
 
     # ---- start-up
-    def warm_up(self, bucket_list: tuple[int, ...] | None = None, budget_s: float = 60.0, log=None) -> float:
+    def warm_up(self, bucket_list: tuple[int, ...] | None = None, budget_s: float = 60.0, log=None,
+                background: bool = True) -> float:
         """Compile ``bucket_list`` (default: every bucket) now, smallest first, on a stand-in context (no cache, no
-        K/V); a bucket is not started when the time spent plus the previous bucket's would pass ``budget_s`` (it and
-        the larger ones then compile on their first step).
-        Returns the seconds spent; a failure disables the compiled step (``failed``)."""
+        K/V). A bucket is not started here when the time spent plus the previous bucket's would pass ``budget_s``:
+        it and the larger ones compile on a background thread (``background``; their steps run eager until each is
+        ready, so no step waits for a compile) or else on their first step. Returns the seconds spent here; a
+        failure disables the compiled step (``failed``)."""
         t0 = time.perf_counter()
-        dev = self.model.device
         last = 0.0  # the previous bucket's seconds: the next one is expected to take about as long
-        for b in sorted(bucket_list or self.bucket_sizes):
-            if self.failed is not None or b not in self.bucket_sizes or b in self.compiled_buckets:
-                continue
+        todo = [b for b in sorted(bucket_list or self.bucket_sizes)
+                if b in self.bucket_sizes and b not in self.compiled_buckets]
+        for i, b in enumerate(todo):
+            if self.failed is not None:
+                break
             if time.perf_counter() - t0 + last > budget_s:
-                self.deferred = f"buckets ≥ {b} compile on their first step (warm-up budget {budget_s:.0f} s spent)"
+                rest = todo[i:]
+                where = "a background thread (eager until ready)" if background else "their first step"
+                self.deferred = (f"buckets {','.join(map(str, rest))} compile on {where}: warm-up budget "
+                                 f"{budget_s:.0f} s")
                 if log is not None:
                     log(f"decode compile: {self.deferred}")
+                if background:
+                    self.pending = set(rest)
+                    threading.Thread(target=self._compile_later, args=(rest,), name="grserve-decode-compile",
+                                     daemon=True).start()
                 break
-            try:
-                with torch.inference_mode():  # as the executor's step: inference tensors (dynamo guards on it)
-                    ids = torch.zeros(b, dtype=torch.int64, device=dev)
-                    t1 = time.perf_counter()
-                    self._run(ids, torch.arange(b, device=dev), _WarmContext())
-                    last = self.bucket_s[b] = time.perf_counter() - t1
-            except Exception as exc:  # noqa: BLE001
-                self.fail(exc)
-        self.steps = 0
+            last = self._compile_bucket(b)
         self.warm_s = time.perf_counter() - t0
         return self.warm_s
+
+    def _compile_bucket(self, b: int) -> float:
+        t1 = time.perf_counter()
+        try:
+            with torch.inference_mode():  # as the executor's step: inference tensors (dynamo guards on it)
+                ids = torch.zeros(b, dtype=torch.int64, device=self.model.device)
+                self._run(ids, torch.arange(b, device=ids.device), _WarmContext())
+        except Exception as exc:  # noqa: BLE001
+            self.fail(exc)
+        self.bucket_s[b] = time.perf_counter() - t1
+        return self.bucket_s[b]
+
+    def _compile_later(self, buckets: list[int]) -> None:
+        for b in buckets:
+            if self.failed is None:
+                self._compile_bucket(b)
+            self.pending.discard(b)
 
     def describe(self) -> str:
         if self.failed is not None:

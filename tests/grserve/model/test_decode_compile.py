@@ -177,3 +177,21 @@ def test_auto_is_off_where_the_fast_paths_are(forced_cpu_isa, tiny_model):
     assert decode_compiler(model, None, "auto") is None
     with pytest.raises(ValueError, match="decode_compile"):
         decode_compiler(model, None, "always")
+
+
+def test_buckets_past_the_warm_up_budget_compile_in_the_background(tiny_model):
+    import time
+
+    backend = _Counting()
+    dc = CompiledDecode(tiny_model(0), None, bucket_sizes=(8, 16), compile_fn=_fx_compile(backend))
+    ctx = type("Ctx", (), {"pure_decode": True, "all_kv": True, "lone_prefill": False})()
+    dc.pending = {16}  # as while the thread compiles: that bucket's steps run eager
+    assert dc.accepts(ctx, 5) and not dc.accepts(ctx, 12)
+    dc.pending = set()
+    dc.warm_up(budget_s=0.0)  # nothing fits: every bucket goes to the thread
+    assert "background" in dc.deferred
+    deadline = time.monotonic() + 120
+    while dc.pending and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not dc.pending and dc.compiled_buckets == {8, 16} and backend.graphs == 2 and dc.failed is None
+    assert dc.accepts(ctx, 12)
