@@ -13,18 +13,24 @@ Two ops stay opaque inside the graph (``torch.library`` custom ops, so Inductor 
 * ``grserve::decode_attend(q, k, v, layer)`` runs the pass's ``HybridPagedContext.attend`` (it writes the K/V
   cache and the staging buffer and knows the requests) on the first ``n`` rows only: the padding rows of a bucket
   are never attended to and never written anywhere (their output is zeros);
-* ``grserve::packed_linear(x, key)`` runs the projection exactly as the eager path does (the executor's
-  oneDNN-packed weight, ``torch.ops.mkldnn._linear_pointwise``; ``F.linear`` where nothing is packed), so the
-  GEMMs, and their accumulation order, are the eager path's.
+* ``grserve::packed_linear(x, key)`` runs the projection as the eager path does (the executor's oneDNN-packed
+  weight, ``torch.ops.mkldnn._linear_pointwise``; ``F.linear`` where nothing is packed), so the GEMMs, and their
+  accumulation order, are the eager path's. q/k/v and gate/up run as one GEMM each over the concatenated packed
+  weights where a trial at construction finds the fused output bit-identical to the separate ones
+  (``fusion_agrees``: so on the tiny preset in fp32 and bf16), else separately.
 
 RoPE's cos/sin come from a table of ``Decoder.rope`` over every position (looked up in the graph: the same values,
 ``Decoder.rope`` is per position). In bf16 Inductor's ``emulate_precision_casts`` rounds every intermediate to bf16
-where eager does, so the compiled step gives the eager step's tokens (tests: identical greedy ids in bf16 and fp32).
+where eager does, so the compiled step gives the eager step's tokens (tests: identical greedy ids in bf16 and fp32,
+and the tiny preset's bf16 step bit-identical to eager).
 
-Shapes are static per bucket (``BUCKETS``: 8, 16, 32, 64 rows; a larger batch runs eager): a bucket compiles in
-``warm_up`` at start-up (bounded; what does not fit compiles on its first step); Inductor's FX graph cache under ``$GRSERVE_CACHE_DIR/inductor``
-makes a restart's compile a cache load. Any failure (no C++ compiler, an Inductor error) falls back to
-``Decoder.forward`` for good, with one warning. Every other pass (prefill, mixed, hidden cache) is eager.
+Shapes are static per bucket (``BUCKETS``: 8, 16, 32, 64 rows, the padding rows token 0 at position 0; a larger batch
+runs eager). ``warm_up`` (called by ``AsyncLLMEngine.build``, so at ``serve llm`` start-up) compiles the buckets
+smallest first within a budget (60 s); the ones that do not fit compile on a background thread while their steps
+run eager. Inductor's FX graph cache, under ``$GRSERVE_CACHE_DIR/inductor`` (``TORCHINDUCTOR_CACHE_DIR`` wins), makes
+a restart's compile mostly a cache load (tiny preset, 2 cores: 45-80 s cold, 6-10 s from the cache; docs/llm.md).
+Any failure (no C++ compiler, an Inductor error) falls back to ``Decoder.forward`` for good, with one warning.
+Every other pass (prefill, mixed, hidden cache) is eager.
 """
 
 from __future__ import annotations
