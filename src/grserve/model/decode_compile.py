@@ -50,9 +50,15 @@ BUCKETS = (8, 16, 32, 64)  # decode rows padded up to one of these (more rows: t
 
 
 def cache_dir() -> Path:
-    """Where Inductor keeps its compiled graphs across restarts: ``$GRSERVE_CACHE_DIR/inductor`` (else
-    ``.grserve-cache/inductor``), unless ``TORCHINDUCTOR_CACHE_DIR`` is set."""
-    return Path(os.environ.get("GRSERVE_CACHE_DIR") or ".grserve-cache") / "inductor"
+    """Where Inductor keeps its compiled graphs across restarts: ``$GRSERVE_CACHE_DIR/inductor/<lane>`` (else
+    ``.grserve-cache/inductor/<lane>``), unless ``TORCHINDUCTOR_CACHE_DIR`` is set. ``<lane>``: the torch version and
+    the CPU capability torch and oneDNN run at (``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA``, ``GRSERVE_CPU_ISA``):
+    Inductor's own keys do not tell an AVX2-forced process from a native one, and a graph cached natively gave wrong
+    tokens when loaded under the AVX2 lane (found by the tests; not root-caused), so each lane has its own cache."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    lane = "-".join([torch.__version__.replace("+", "_"), cap, os.environ.get("ONEDNN_MAX_CPU_ISA") or "native",
+                     os.environ.get("GRSERVE_CPU_ISA") or "native"]).lower()
+    return Path(os.environ.get("GRSERVE_CACHE_DIR") or ".grserve-cache") / "inductor" / lane
 
 
 def use_cache_dir() -> str:
