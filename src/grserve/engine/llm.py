@@ -167,10 +167,12 @@ class ModelExecutor:
 
             self.dtype_head = ModelDtypeHead(model.lm_head.weight)
         # pure decode passes through a torch.compile'd layer stack per row bucket (model/decode_compile.py); None:
-        # the eager forward
-        from grserve.model.decode_compile import decode_compiler
+        # the eager forward (off: the module, and its torch.library ops, not even imported)
+        self.decode_compiled = None
+        if decode_compile != "off":
+            from grserve.model.decode_compile import decode_compiler
 
-        self.decode_compiled = decode_compiler(model, self.packed, decode_compile)
+            self.decode_compiled = decode_compiler(model, self.packed, decode_compile)
 
     def describe(self) -> str:
         """Which paths this executor runs on this machine, and why (the start line of ``serve llm``)."""
