@@ -25,7 +25,9 @@ default ``--threads 1`` every op runs on this thread; ``--clock wall`` for wall 
 
 TPOT is (last token time − first token time) / (tokens − 1) per request, median over requests; output tok/s is
 the decode tokens of a round over its wall time from the first decode step. Pass ``--fast-index 0|1`` to force
-the pure-decode index path (``attention/hybrid.py``'s ``FAST_DECODE_INDEX``) for an A/B in one process.
+the pure-decode index path (``attention/hybrid.py``'s ``FAST_DECODE_INDEX``) for an A/B in one process, and
+``--decode-compile on --ab`` to alternate the compiled decode step (``model/decode_compile.py``) with the eager one
+round by round in one process (the compiled stack's forward is timed as the model's).
 """
 
 from __future__ import annotations
@@ -77,6 +79,11 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3, help="rounds per concurrency, the first one warm-up")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--fast-index", type=int, choices=(0, 1), default=None)
+    ap.add_argument("--decode-compile", choices=("auto", "on", "off"), default="off",
+                    help="serve llm's --decode-compile (model/decode_compile.py; warm-up before the rounds)")
+    ap.add_argument("--ab", action="store_true",
+                    help="with --decode-compile on: rounds alternate the compiled and the eager decode step (one "
+                         "process, same engine and load: an A/B on a shared machine)")
     ap.add_argument("--greedy-band", choices=("chunks", "topk"), default=None,
                     help="the greedy head's candidate search (engine/greedy_head.py); default: the head's own")
     ap.add_argument("--clock", choices=("thread", "wall"), default="thread",
@@ -99,7 +106,10 @@ def main() -> int:
     if args.fast_index is not None:
         hybrid.FAST_DECODE_INDEX = bool(args.fast_index)
     extra = {} if args.batch_invariant is None else {"batch_invariant": bool(args.batch_invariant)}
-    eng = AsyncLLMEngine.build(llm_config(args.model, dtype=args.dtype, num_blocks=4096, **extra))
+    t_build = time.perf_counter()
+    eng = AsyncLLMEngine.build(llm_config(args.model, dtype=args.dtype, num_blocks=4096,
+                                          decode_compile=args.decode_compile, **extra))
+    t_build = time.perf_counter() - t_build
     core = eng.core
     ex = core.executor
     if args.greedy_band is not None and ex.greedy_head is not None:
@@ -108,7 +118,7 @@ def main() -> int:
           f"{args.model} {args.dtype}; {ex.describe()}; fast index "
           f"{getattr(hybrid, 'FAST_DECODE_INDEX', 'n/a')}; greedy band "
           f"{getattr(ex.greedy_head, 'band', 'n/a')}; batch invariant {getattr(ex, 'batch_invariant', 'n/a')}; "
-          f"load {os.getloadavg()[0]:.2f}", flush=True)
+          f"load {os.getloadavg()[0]:.2f}; engine built in {t_build:.1f} s", flush=True)
 
     t = Timers()
     t.wrap(core.scheduler, "schedule", "scheduler")
@@ -124,6 +134,8 @@ def main() -> int:
             t.wrap(ex.dtype_head, "logits", "logits")
     forward = Timers()  # the whole forward (the model math is it minus attention and index building)
     forward.wrap(ex.model, "forward", "forward")
+    if getattr(ex, "decode_compiled", None) is not None:  # --decode-compile: the compiled stack is the forward
+        forward.wrap(ex.decode_compiled, "forward", "forward")
     ctx_cls = llm_mod.HybridPagedContext
 
     class TimedContext(ctx_cls):  # type: ignore[misc, valid-type]
@@ -171,29 +183,42 @@ def main() -> int:
                  if len(q.token_times) > 1]
         return statistics.median(tpots) if tpots else 0.0, tokens / wall if wall else 0.0, decode_steps
 
+    dc = getattr(ex, "decode_compiled", None)
+    # --ab: rounds alternate the compiled and the eager decode step in this one process (same engine, same load)
+    modes = ("eager", "compiled") if args.ab and dc is not None else (None,)
     for conc in args.concurrency:
         one_round(conc, False)  # warm-up
-        t.acc.clear()
-        forward.acc.clear()
-        tpot, tps, steps = [], [], 0
+        res = {m: (defaultdict(float), [], [], [0]) for m in modes}
         for _ in range(args.rounds - 1):
-            a, b, n = one_round(conc, True)
-            tpot.append(a), tps.append(b)
-            steps += n
-        acc = dict(t.acc)
-        acc["model math"] = forward.acc["forward"] - acc.get("attention", 0.0)
-        named = sum(acc.get(p, 0.0) for p in PARTS if p != "other Python")
-        acc["other Python"] = acc["step"] - named
-        print(f"\n## concurrency {conc}: {steps} decode steps, load {os.getloadavg()[0]:.2f}")
-        print(f"| ms of {args.clock} time per decode step | |\n|---|---|")
-        for p in PARTS:
-            if acc.get(p):
-                print(f"| {p} | {acc[p] / steps * 1e3:.3f} |")
-        print(f"| **step** | **{acc['step'] / steps * 1e3:.3f}** |")
-        if ex.greedy_head is not None:
-            print(f"greedy head: {ex.greedy_head.stats}")
-        print(f"TPOT p50 {statistics.median(tpot) * 1e3:.2f} ms; output {statistics.median(tps):.0f} tok/s "
-              f"(median of {len(tpot)} rounds: TPOT {', '.join(f'{x * 1e3:.2f}' for x in tpot)})", flush=True)
+            for m in modes:
+                if m is not None:
+                    ex.decode_compiled = dc if m == "compiled" else None
+                t.acc.clear()
+                forward.acc.clear()
+                a, b, n = one_round(conc, True)
+                acc, tpot, tps, steps = res[m]
+                for k, v in t.acc.items():
+                    acc[k] += v
+                acc["forward"] += forward.acc["forward"]
+                tpot.append(a), tps.append(b)
+                steps[0] += n
+        ex.decode_compiled = dc
+        for m, (acc, tpot, tps, steps) in res.items():
+            steps = steps[0]
+            acc["model math"] = acc.pop("forward") - acc.get("attention", 0.0)
+            named = sum(acc.get(p, 0.0) for p in PARTS if p != "other Python")
+            acc["other Python"] = acc["step"] - named
+            label = f" ({m} decode step)" if m else ""
+            print(f"\n## concurrency {conc}{label}: {steps} decode steps, load {os.getloadavg()[0]:.2f}")
+            print(f"| ms of {args.clock} time per decode step | |\n|---|---|")
+            for p in PARTS:
+                if acc.get(p):
+                    print(f"| {p} | {acc[p] / steps * 1e3:.3f} |")
+            print(f"| **step** | **{acc['step'] / steps * 1e3:.3f}** |")
+            if ex.greedy_head is not None:
+                print(f"greedy head: {ex.greedy_head.stats}")
+            print(f"TPOT p50 {statistics.median(tpot) * 1e3:.2f} ms; output {statistics.median(tps):.0f} tok/s "
+                  f"(median of {len(tpot)} rounds: TPOT {', '.join(f'{x * 1e3:.2f}' for x in tpot)})", flush=True)
         if args.torch_profile:
             from torch.profiler import ProfilerActivity, profile
 

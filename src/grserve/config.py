@@ -378,6 +378,9 @@ class LLMConfig(Checked):
                                         "its own SDPA row over keys padded to a multiple of 512 (attention/hybrid.py;"
                                         " costs prefill attention, up to ~2x on the tiny preset; docs/llm.md, "
                                         "issue 42)")
+    decode_compile: str = flag("off", "pure decode steps run the layer stack torch.compile'd (Inductor) per row "
+                                      "bucket, compiled at start-up (model/decode_compile.py; auto: on where a C++ "
+                                      "compiler exists and the CPU fast paths are on)", choices=("auto", "on", "off"))
 
 
 @dataclass(frozen=True)

@@ -133,8 +133,12 @@ class AsyncLLMEngine:
                                   prefix_cache_policy=c.prefix_cache_policy, prefix_cache_mode=c.prefix_cache_mode,
                                   packed_linears=c.packed_linears, decode_staging=c.decode_staging,
                                   batch_invariant=c.batch_invariant,
+                                  decode_compile=c.decode_compile,
                                   eos_token_id=tok.eos_token_id, detokenize=tok.decode,
                                   decoder_factory=tok.decode_stream)
+        dc = getattr(core.executor, "decode_compiled", None)
+        if dc is not None:  # --decode-compile: the row buckets compiled now (bounded), not in the first steps
+            dc.warm_up()
         engine = cls(core, tok, model, cfg.edge)
         engine.thread_choice = choice
         return engine

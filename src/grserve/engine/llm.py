@@ -137,7 +137,7 @@ class ModelExecutor:
     when every one of them is greedy, their token ids (list) chosen by the screened greedy head."""
 
     def __init__(self, model, storage: HybridCacheStorage, screened_greedy: bool = True, packed_linears: bool = True,
-                 decode_staging: bool = True, batch_invariant: bool = False):
+                 decode_staging: bool = True, batch_invariant: bool = False, decode_compile: str = "off"):
         self.model = model
         # a request's tokens do not depend on what shares its batch (attention/hybrid.py, docs/llm.md issue 42)
         self.batch_invariant = batch_invariant
@@ -170,6 +170,13 @@ class ModelExecutor:
             from grserve.engine.greedy_head import ModelDtypeHead
 
             self.dtype_head = ModelDtypeHead(model.lm_head.weight)
+        # pure decode passes through a torch.compile'd layer stack per row bucket (model/decode_compile.py); None:
+        # the eager forward (off: the module, and its torch.library ops, not even imported)
+        self.decode_compiled = None
+        if decode_compile != "off":
+            from grserve.model.decode_compile import decode_compiler
+
+            self.decode_compiled = decode_compiler(model, self.packed, decode_compile)
 
     def describe(self) -> str:
         """Which paths this executor runs on this machine, and why (the start line of ``serve llm``)."""
@@ -186,9 +193,10 @@ class ModelExecutor:
                 lin += "; bf16 weights without fast bf16 run slower than fp32 here (--dtype float32)"
         head = (self.greedy_head.describe() if self.greedy_head is not None
                 else self.dtype_head.describe() if self.dtype_head is not None else "full logits + argmax")
+        dc = self.decode_compiled.describe() if self.decode_compiled is not None else "decode step eager"
         return (f"CPU {sup.label()}: projections {lin}; greedy head {head}; "
                 f"decode staging {'on' if self.staging is not None else 'off'}; "
-                f"batch-invariant {'on' if self.batch_invariant else 'off'}")
+                f"batch-invariant {'on' if self.batch_invariant else 'off'}; {dc}")
 
     def execute(self, items: list[ExecItem], pool: BlockPool) -> tuple[torch.Tensor | list[int] | None, None]:
         ids: list[int] = []
@@ -213,7 +221,12 @@ class ModelExecutor:
                                  fast_index=self.fast_index, invariant=self.batch_invariant)
         with torch.inference_mode():
             try:
-                h = self.model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), ctx, packed=self.packed)
+                ids_t, pos_t = torch.tensor(ids, device=dev), torch.tensor(pos, device=dev)
+                dc = self.decode_compiled
+                if dc is not None and dc.accepts(ctx, len(ids)):
+                    h = dc.forward(ids_t, pos_t, ctx)
+                else:
+                    h = self.model(ids_t, pos_t, ctx, packed=self.packed)
             except BaseException:
                 if self.staging is not None:
                     self.staging.invalidate()
@@ -660,7 +673,7 @@ class LLMEngine:
 def build_model_engine(model, scheduler: LLMScheduler, *, num_blocks: int, block_size: int = 16,
                        prefix_cache_tokens: int = 0, prefix_cache_policy: str = "leader",
                        prefix_cache_mode: str = "share", packed_linears: bool = True, decode_staging: bool = True,
-                       batch_invariant: bool = False, **kw) -> LLMEngine:
+                       batch_invariant: bool = False, decode_compile: str = "off", **kw) -> LLMEngine:
     """Engine over a real model: pool + storage sized from the model spec (planes of K/V width); with
     ``prefix_cache_tokens`` > 0 a prompt-prefix cache of that many tokens, evicting by ``prefix_cache_policy``:
     ``prefix_cache_mode="share"`` shares full cached blocks of the pool (``SharedPrefixCache``, at most
@@ -680,5 +693,6 @@ def build_model_engine(model, scheduler: LLMScheduler, *, num_blocks: int, block
 
         kw["prefix_cache"] = PrefixKVStore.for_storage(storage, prefix_cache_tokens, prefix_cache_policy)
     return LLMEngine(scheduler, pool, ModelExecutor(model, storage, packed_linears=packed_linears,
-                                                   decode_staging=decode_staging, batch_invariant=batch_invariant),
+                                                   decode_staging=decode_staging, batch_invariant=batch_invariant,
+                                                   decode_compile=decode_compile),
                      **kw)
