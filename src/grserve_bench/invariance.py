@@ -32,7 +32,6 @@ import math
 import re
 import shlex
 import struct
-import subprocess
 import sys
 import threading
 import time
@@ -239,7 +238,7 @@ def run(cfg: InvarianceBenchConfig) -> int:
     import signal
 
     from grserve_bench.machine import machine_info
-    from grserve_bench.soak import _free_port, server_command, server_facts, stop_server, wait_ready
+    from grserve_bench.soak import _free_port, server_facts, start_server, stop_server
 
     def _terminated(*_):
         raise KeyboardInterrupt  # SIGTERM: stop the server on the way out (the finally below)
@@ -258,14 +257,8 @@ def run(cfg: InvarianceBenchConfig) -> int:
             base = cfg.url.rstrip("/")
             log_text = ""
         else:
-            port = cfg.port or _free_port()
-            base = f"http://127.0.0.1:{port}"
-            cmd = server_command(cfg.mode, port, cfg.server_flags)
-            result["server_command"] = shlex.join(cmd[1:])
-            print(f"invariance: starting {shlex.join(cmd)} (log {log})", flush=True)
-            with open(log, "w") as f:
-                proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-            wait_ready(base, proc, cfg.startup_timeout, log)
+            proc, base = start_server("invariance", cfg.mode, cfg.port or _free_port(), cfg.server_flags,
+                                      cfg.startup_timeout, log, result)
             log_text = log.read_text(errors="replace")
         result.update(server_precision(log_text, cfg.server_flags, cfg.mode))
         if result["start_line"]:

@@ -412,6 +412,25 @@ def stop_server(proc: subprocess.Popen) -> None:
         time.sleep(0.2)
 
 
+def start_server(name: str, mode: str, port: int, flags: str, startup_timeout: float, log: Path,
+                 result: dict) -> tuple[subprocess.Popen, str]:
+    """``grserve serve`` of ``mode`` on 127.0.0.1:``port`` with ``flags``, its output in ``log``, waited for until
+    ready (a server that never gets ready is stopped); the command goes into ``result["server_command"]``. Returns
+    the process and the base URL."""
+    base = f"http://127.0.0.1:{port}"
+    cmd = server_command(mode, port, flags)
+    result["server_command"] = shlex.join(cmd[1:])
+    print(f"{name}: starting {shlex.join(cmd)} (log {log})", flush=True)
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_ready(base, proc, startup_timeout, log)
+    except BaseException:  # never ready (or interrupted): no server is left behind
+        stop_server(proc)
+        raise
+    return proc, base
+
+
 def _free_port() -> int:
     import socket
     with socket.socket() as s:
@@ -488,14 +507,8 @@ def run(cfg: SoakBenchConfig) -> int:
             def pids():
                 return tree_pids(root)
         else:
-            port = cfg.port or _free_port()
-            base = f"http://127.0.0.1:{port}"
-            cmd = server_command(cfg.mode, port, cfg.server_flags)
-            result["server_command"] = shlex.join(cmd[1:])
-            print(f"soak: starting {shlex.join(cmd)} (log {log})", flush=True)
-            with open(log, "w") as f:
-                proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-            wait_ready(base, proc, cfg.startup_timeout, log)
+            proc, base = start_server("soak", cfg.mode, cfg.port or _free_port(), cfg.server_flags,
+                                      cfg.startup_timeout, log, result)
             root, known = proc.pid, None
 
             def pids():

@@ -223,13 +223,19 @@ def sanitize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     """NaN → −inf; a row with +inf entries keeps only those (as equal logits 0). Returns (x, its row maxima, row
     has a candidate, i.e. a finite maximum)."""
     x = torch.nan_to_num(x, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
-    mx = x.max(dim=1).values
+    mx = _only_posinf(x, x.max(dim=1).values)
+    return x, mx, torch.isfinite(mx)
+
+
+def _only_posinf(x: torch.Tensor, mx: torch.Tensor) -> torch.Tensor:
+    """Rows of ``x`` whose maximum ``mx`` is +inf keep only their +inf entries, as equal logits 0 (in place);
+    returns the row maxima after that."""
     has_pos = torch.isposinf(mx)
     if bool(has_pos.any()):
         rows = has_pos.nonzero().flatten()
         x[rows] = torch.where(torch.isposinf(x[rows]), 0.0, float("-inf")).to(x.dtype)
         mx = torch.where(has_pos, 0.0, mx)
-    return x, mx, torch.isfinite(mx)
+    return mx
 
 
 def _filtered_sorted(logp: torch.Tensor, rows: list[SampleRow], full_sort: bool = False, ids: bool = True,
@@ -542,11 +548,7 @@ def _sample_fast(logits: torch.Tensor, rows: list[SampleRow], eos_token_id: int 
     if bool(mx.isnan().any()):
         x.nan_to_num_(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
         mx = x.max(dim=1).values
-    has_pos = torch.isposinf(mx)
-    if bool(has_pos.any()):
-        pos = has_pos.nonzero().flatten()
-        x[pos] = torch.where(torch.isposinf(x[pos]), 0.0, float("-inf")).to(x.dtype)
-        mx = torch.where(has_pos, 0.0, mx)
+    mx = _only_posinf(x, mx)
     ok = torch.isfinite(mx).tolist()
     tokens = [0] * B
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy and ok[i]]
