@@ -40,7 +40,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from grserve.model.packed_linear import available
+from grserve.model.packed_linear import available, pack_weight, packed_matmul
 
 U_BF16 = 2.0 ** -8
 CHUNK = 128  # tokens per chunk of the candidate search (band="chunks")
@@ -69,9 +69,9 @@ class ScreenedGreedyHead:
         self.weight_packed = None  # oneDNN-packed fp32 copy: the exact path of larger passes without fast bf16
         with torch.inference_mode():
             if cpu and available(torch.bfloat16):
-                self.weight_lo_packed = torch.ops.mkldnn._reorder_linear_weight(self.weight_lo, 32)
+                self.weight_lo_packed = pack_weight(self.weight_lo)
             elif cpu and available(torch.float32):
-                self.weight_packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32)
+                self.weight_packed = pack_weight(weight)
         if screen_max_rows is None:
             screen_max_rows = SLOW_BF16_SCREEN_ROWS if cpu and self.weight_lo_packed is None else ALL_ROWS
         self.screen_max_rows = screen_max_rows
@@ -94,7 +94,7 @@ class ScreenedGreedyHead:
         """The fp32 argmax of ``h · Wᵀ`` without a screen (ties: the lowest index, as ``torch.argmax``)."""
         self.stats["exact_rows"] += h.shape[0]
         if self.weight_packed is not None:
-            logits = torch.ops.mkldnn._linear_pointwise(h, self.weight_packed, None, "none", [], "")
+            logits = packed_matmul(h, self.weight_packed)
         else:
             logits = F.linear(h, self.weight)
         return logits.argmax(dim=1)
@@ -106,7 +106,7 @@ class ScreenedGreedyHead:
             return self.exact_argmax(h)
         hb = h.to(torch.bfloat16)
         if self.weight_lo_packed is not None:
-            lo = torch.ops.mkldnn._linear_pointwise(hb, self.weight_lo_packed, None, "none", [], "")  # [B, V] bf16
+            lo = packed_matmul(hb, self.weight_lo_packed)  # [B, V] bf16
         else:
             lo = F.linear(hb, self.weight_lo)  # [B, V] bf16
         if lo.shape[1] == 1:  # a one-token vocabulary
@@ -192,7 +192,7 @@ class ModelDtypeHead:
         self.packed = None
         if weight.device.type == "cpu" and available(weight.dtype):
             with torch.inference_mode():
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32)
+                self.packed = pack_weight(weight)
 
     def describe(self) -> str:
         dt = str(self.weight.dtype).removeprefix("torch.")
@@ -201,7 +201,7 @@ class ModelDtypeHead:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         h = hidden.to(self.weight.dtype)
         if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(h, self.packed, None, "none", [], "")
+            return packed_matmul(h, self.packed)
         return F.linear(h, self.weight)
 
     def pick(self, hidden: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:

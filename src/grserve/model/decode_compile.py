@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from grserve.model.decoder import Decoder, _rotate
+from grserve.model.packed_linear import pack_weight, packed_matmul
 
 BUCKETS = (8, 16, 32, 64)  # decode rows padded up to one of these (more rows: the eager step)
 
@@ -96,7 +97,7 @@ def _linear(x: torch.Tensor, key: int) -> torch.Tensor:
     packed, w, b = _state.table[key]
     if packed is None:
         return F.linear(x, w, b)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
+    return packed_matmul(x, packed, b)
 
 
 def _register() -> None:
@@ -195,9 +196,8 @@ def fusion_agrees(lins, packed_weights: dict, sizes=(1, 2, 8, 32, 64), seed: int
     with torch.inference_mode():
         for m in sizes:
             x = torch.randn(m, w.shape[1], generator=g).to(w.dtype)
-            sep = torch.cat([torch.ops.mkldnn._linear_pointwise(x, packed_weights[lin], lin.bias, "none", [], "")
-                             for lin in lins], dim=-1)
-            got = torch.ops.mkldnn._linear_pointwise(x, fused[0], fused[2], "none", [], "")
+            sep = torch.cat([packed_matmul(x, packed_weights[lin], lin.bias) for lin in lins], dim=-1)
+            got = packed_matmul(x, fused[0], fused[2])
             if not torch.equal(sep, got):
                 return False
     return True
@@ -208,7 +208,7 @@ def _fused_packed(lins) -> tuple:
     with torch.inference_mode():
         w = torch.cat([lin.weight.detach() for lin in lins])
         bias = None if lins[0].bias is None else torch.cat([lin.bias.detach() for lin in lins])
-        return torch.ops.mkldnn._reorder_linear_weight(w, 32), w, bias
+        return pack_weight(w), w, bias
 
 
 class CompiledDecode:

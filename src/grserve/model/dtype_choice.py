@@ -56,10 +56,12 @@ class DtypeChoice:
 
 def _time_linear(x: torch.Tensor, w: torch.Tensor, packed: bool) -> float:
     if packed:
-        pw = torch.ops.mkldnn._reorder_linear_weight(w, x.shape[0])
+        from grserve.model.packed_linear import pack_weight, packed_matmul
+
+        pw = pack_weight(w, x.shape[0])
 
         def call():
-            return torch.ops.mkldnn._linear_pointwise(x, pw, None, "none", [], "")
+            return packed_matmul(x, pw)
     else:
         def call():
             return torch.nn.functional.linear(x, w)

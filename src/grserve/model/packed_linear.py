@@ -45,6 +45,17 @@ def available(dtype: torch.dtype = torch.float32) -> bool:
     return s.onednn and dtype == torch.float32
 
 
+def pack_weight(w: torch.Tensor, batch_hint: int = 32) -> torch.Tensor:
+    """A weight [N, K] reordered once into oneDNN's blocked layout (the layout chosen for ``batch_hint`` rows; any
+    row count is correct). Only where ``available(w.dtype)``: a CPU without fast bf16 refuses a bf16 reorder."""
+    return torch.ops.mkldnn._reorder_linear_weight(w.detach(), batch_hint)
+
+
+def packed_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ Wᵀ + bias`` on a weight packed by ``pack_weight`` (oneDNN's matmul, no post-op)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 def projections(model: nn.Module) -> list[nn.Linear]:
     """Every projection of every decoder layer (``model.model.layers``), in a fixed order."""
     out = []
@@ -68,16 +79,14 @@ class PackedLinears:
             raise ValueError("packed linears need a CPU fp32 model (bf16: a CPU with fast bf16) and a torch build "
                              "with oneDNN")
         with torch.inference_mode():  # layout chosen for batch_hint rows; any row count is correct
-            self.weights = {lin: torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), batch_hint)
-                            for lin in projections(model)}
+            self.weights = {lin: pack_weight(lin.weight, batch_hint) for lin in projections(model)}
 
     @classmethod
     def of(cls, linears: list[nn.Linear], batch_hint: int = 32) -> "PackedLinears":
         """Packed copies of just ``linears`` (a start-up probe times one layer without packing the model)."""
         self = cls.__new__(cls)
         with torch.inference_mode():
-            self.weights = {lin: torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), batch_hint)
-                            for lin in linears}
+            self.weights = {lin: pack_weight(lin.weight, batch_hint) for lin in linears}
         return self
 
     def __len__(self) -> int:
@@ -88,7 +97,7 @@ class PackedLinears:
         w = self.weights.get(lin)
         if w is None:
             return F.linear(x, lin.weight, lin.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, w, lin.bias, "none", [], "")
+        return packed_matmul(x, w, lin.bias)
 
 
 def maybe_pack(model: nn.Module, enabled: bool = True):

@@ -310,7 +310,7 @@ def timed_trial(scheme: str, dtype_name: str) -> tuple[float, float, float]:
     """(unquantized seconds, quantized seconds, speed-up) of one projection at ``TRIAL_SHAPES[scheme]``, one
     thread, best of ``TRIAL_REPEATS``: the unquantized projection through oneDNN-packed weights in ``dtype_name``
     where this CPU packs that dtype, else ``F.linear``."""
-    from grserve.model.packed_linear import available
+    from grserve.model.packed_linear import available, pack_weight, packed_matmul
 
     key = f"{scheme}:{dtype_name}"
     hit = _inherited(key)
@@ -328,8 +328,8 @@ def timed_trial(scheme: str, dtype_name: str) -> tuple[float, float, float]:
     try:
         with torch.inference_mode():
             if available(dtype):
-                pw = torch.ops.mkldnn._reorder_linear_weight(w, m)
-                base = best_time(lambda: torch.ops.mkldnn._linear_pointwise(x, pw, None, "none", [], ""), TRIAL_REPEATS)
+                pw = pack_weight(w, m)
+                base = best_time(lambda: packed_matmul(x, pw), TRIAL_REPEATS)
             else:
                 base = best_time(lambda: F.linear(x, w), TRIAL_REPEATS)
             quant = best_time(lambda: op(x, qw), TRIAL_REPEATS)
