@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from grserve.model.decoder import Decoder, _rotate
+from grserve.model.decoder import Decoder, _rotate, rms_norm
 from grserve.model.packed_linear import pack_weight, packed_matmul
 
 BUCKETS = (8, 16, 32, 64)  # decode rows padded up to one of these (more rows: the eager step)
@@ -131,12 +131,6 @@ class _WarmContext:
 
 
 # ---- the compiled stack -------------------------------------------------------------------------------------
-def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """``RMSNorm.forward`` (HF semantics: normalise in fp32, cast back, then scale)."""
-    if x.dtype == torch.float32 and w.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), w, eps)
-    return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype) * w
-
 
 class _Stack(torch.nn.Module):
     """``Decoder.forward``'s arithmetic for B decode rows (no groups, no last_rows, no hidden cache). ``keys``: per
@@ -164,18 +158,18 @@ class _Stack(torch.nn.Module):
         for i, layer in enumerate(m.model.layers):
             qkv, o_grp, gu, down = self.keys[i]
             a = layer.self_attn
-            h = _rms(x, layer.input_layernorm.weight, eps)
+            h = rms_norm(x, layer.input_layernorm.weight, eps)
             q, k, v = self._proj(h, qkv)
             q, k, v = q.reshape(n, a.hq, a.d), k.reshape(n, a.hkv, a.d), v.reshape(n, a.hkv, a.d)
             if a.q_norm is not None:
-                q, k = _rms(q, a.q_norm.weight, eps), _rms(k, a.k_norm.weight, eps)
+                q, k = rms_norm(q, a.q_norm.weight, eps), rms_norm(k, a.k_norm.weight, eps)
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             o = torch.ops.grserve.decode_attend(q, k, v, i)
             x = x + self._proj(o.reshape(n, a.hq * a.d), o_grp)[0]
-            h = _rms(x, layer.post_attention_layernorm.weight, eps)
+            h = rms_norm(x, layer.post_attention_layernorm.weight, eps)
             g, u = self._proj(h, gu)
             x = x + self._proj(F.silu(g) * u, down)[0]
-        return _rms(x, m.model.norm.weight, eps)
+        return rms_norm(x, m.model.norm.weight, eps)
 
 
 def bucket_of(n: int, sizes: tuple[int, ...]) -> int | None:

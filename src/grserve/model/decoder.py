@@ -20,6 +20,15 @@ from grserve.model.packed_linear import RowGroups, grouped_linear, linear
 from grserve.model.spec import ModelSpec
 
 
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension with HF semantics: normalize in fp32, cast back to ``x``'s dtype, then scale
+    by ``w`` (fp32 throughout: one fused ``F.rms_norm``). ``RMSNorm.forward`` and the compiled prefill and decode
+    pieces (``model/prefill_compile.py``, ``model/decode_compile.py``) all run this."""
+    if x.dtype == torch.float32 and w.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), w, eps)
+    return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype) * w
+
+
 class RMSNorm(nn.Module):
     """HF semantics: normalize in fp32, cast back to the input dtype, then scale by the weight."""
 
@@ -27,12 +36,9 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype, device=device))
         self.eps = eps
-        self._shape = (dim,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            return F.rms_norm(x, self._shape, self.weight, self.eps)
-        return F.rms_norm(x.float(), self._shape, None, self.eps).to(x.dtype) * self.weight
+        return rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):

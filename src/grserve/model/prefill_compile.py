@@ -26,30 +26,23 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from grserve.model.decoder import Decoder, _rotate
-
-
-def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """``RMSNorm.forward`` as a function (HF semantics: normalise in fp32, cast back, then scale)."""
-    if x.dtype == torch.float32 and w.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), w, eps)
-    return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype) * w
+from grserve.model.decoder import Decoder, _rotate, rms_norm
 
 
 def _pre(x, ln, wq, bq, wk, bk, wv, bv, qn, kn, cos, sin, eps: float, hq: int, hkv: int, d: int):
     n = x.shape[0]
-    h = _rms(x, ln, eps)
+    h = rms_norm(x, ln, eps)
     q = F.linear(h, wq, bq).view(n, hq, d)
     k = F.linear(h, wk, bk).view(n, hkv, d)
     v = F.linear(h, wv, bv).view(n, hkv, d)
     if qn is not None:
-        q, k = _rms(q, qn, eps), _rms(k, kn, eps)
+        q, k = rms_norm(q, qn, eps), rms_norm(k, kn, eps)
     return _rotate(q, cos, sin), _rotate(k, cos, sin), v
 
 
 def _post(x, o, wo, bo, ln2, wg, wu, wd, eps: float):
     x = x + F.linear(o.reshape(x.shape[0], -1), wo, bo)
-    h = _rms(x, ln2, eps)
+    h = rms_norm(x, ln2, eps)
     return x + F.linear(F.silu(F.linear(h, wg)) * F.linear(h, wu), wd)
 
 
