@@ -325,10 +325,16 @@ def _draw(w: torch.Tensor, keep_n: torch.Tensor | None, rows: list[SampleRow]) -
     if keep_n is not None:
         p = p.masked_fill(torch.arange(w.shape[1], device=dev)[None, :] >= keep_n[:, None], 0.0)
     cdf = torch.cumsum(p, dim=1)
-    total = cdf[:, -1:]
-    u = torch.tensor([draw_uniform(r.seed, r.position) for r in rows], dtype=w.dtype, device=dev)[:, None]
+    return _inverse_cdf(cdf, rows, cdf[:, -1:])
+
+
+def _inverse_cdf(cdf: torch.Tensor, rows: list[SampleRow], total: torch.Tensor) -> torch.Tensor:
+    """The draw's lookup on a cumulative sum [b, n] whose kept mass is ``total`` [b, 1]: the first position where
+    the CDF passes ``u · total`` (``u`` from (seed, position)), the target held below ``total`` so the position
+    has a positive weight."""
+    u = torch.tensor([draw_uniform(r.seed, r.position) for r in rows], dtype=cdf.dtype, device=cdf.device)[:, None]
     target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=w.shape[1] - 1)
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=cdf.shape[1] - 1)
 
 
 def choose(x: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list[str | None]]:
@@ -404,22 +410,11 @@ def _rows_of(x: torch.Tensor, idx: list[int], name: str) -> torch.Tensor:
     return out
 
 
-def _uniforms(rows: list[SampleRow], dtype: torch.dtype) -> torch.Tensor:
-    return torch.tensor([draw_uniform(r.seed, r.position) for r in rows], dtype=dtype)[:, None]
-
-
-def _inverse_cdf(cdf: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-    """``_draw``'s lookup on a cumulative sum [b, n] (already computed, flat after the kept entries)."""
-    total = cdf[:, -1:]
-    target = torch.minimum(_uniforms(rows, cdf.dtype) * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=cdf.shape[1] - 1)
-
-
 def _draw_plain_fast(w: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     """``_draw(w, None, rows)`` in place on ``w`` (the caller's scratch rows): exp, cumsum, lookup."""
     w.exp_()
     w.cumsum_(dim=1)
-    return _inverse_cdf(w, rows)
+    return _inverse_cdf(w, rows, w[:, -1:])
 
 
 def _count(a: np.ndarray, op, floor: np.ndarray) -> torch.Tensor:
@@ -514,9 +509,7 @@ def _draw_filtered_fast(x: torch.Tensor, mx: torch.Tensor, temp: torch.Tensor, r
         thr = (top_p[:, None] * z[:, None])[:, 0].numpy()
         keep_n = torch.minimum(keep_n, _count(before.numpy(), operator.lt, thr).clamp(min=1))
     # _draw(slp, keep_n): total = the cumulative sum at the last kept entry
-    total = cdf.gather(1, (keep_n - 1)[:, None])
-    target = torch.minimum(_uniforms(rows, cdf.dtype) * total, torch.nextafter(total, torch.zeros_like(total)))
-    at = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=V - 1).tolist()
+    at = _inverse_cdf(cdf, rows, cdf.gather(1, (keep_n - 1)[:, None])).tolist()
     return _stable_ids(wn, slp.numpy(), at)
 
 
