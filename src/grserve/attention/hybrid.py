@@ -364,7 +364,6 @@ class HybridPagedContext(_HybridBase):
             return o.reshape(n_seq, hq, d)
         return o.reshape(n_seq * self.q_max, hq, d).index_select(0, self._q_dst)
 
-
     def _attend_tokens(self, q: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor) -> torch.Tensor:
         """The invariant pass's attention (``invariant``): every query token is one SDPA batch element, its g query
         heads of a KV head as g query rows ([tokens, Hkv, g, d], the staged decode's layout) against its request's

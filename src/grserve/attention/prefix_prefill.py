@@ -31,7 +31,6 @@ def prefix_causal_attention(q: torch.Tensor, sk: torch.Tensor, sv: torch.Tensor)
     return o[0].transpose(0, 1)
 
 
-
 def block_aligned_attention(q: torch.Tensor, sk: torch.Tensor, sv: torch.Tensor, block: int) -> torch.Tensor:
     """``prefix_causal_attention`` in query chunks aligned to ``block`` (the module docstring): the last n of the
     L tokens, L − n a multiple of ``block`` (a prefix cache holds whole blocks)."""

@@ -66,7 +66,6 @@ class Thought:
     prefix_match: PrefixMatch | None = None  # the prompt's lookup in the prefix cache (None: no cache)
 
 
-
 class ThoughtKV(SequenceKVContext):
     """A thought's growing K/V, attended as the batch prefill attends (``attention/prefix_prefill.py``): the
     prompt's uncached part in query chunks aligned to ``align`` (the prefix cache's blocks; 0: one call), every
