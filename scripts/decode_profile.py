@@ -66,7 +66,69 @@ class Timers:
         object.__setattr__(obj, name, timed)  # on the instance itself (a wrapper policy forwards setattr)
 
 
-def main() -> int:
+def instrument(core, ex, sampled: bool) -> tuple["Timers", "Timers"]:
+    """Wrap the engine's parts in timers (the breakdown of the module docstring): (the parts' timers, the
+    whole forward's); the attention context class is replaced by a timed subclass."""
+    t = Timers()
+    t.wrap(core.scheduler, "schedule", "scheduler")
+    t.wrap(core, "scheduler_input", "scheduler")
+    t.wrap(core, "_sample", "sampler")
+    t.wrap(core, "_append_token", "token events")
+    t.wrap(ex.model, "logits", "logits")
+    if ex.greedy_head is not None:
+        t.wrap(ex.greedy_head, "argmax", "greedy head")
+    if getattr(ex, "dtype_head", None) is not None:  # a bf16 model: greedy passes pick (its logits inside)
+        t.wrap(ex.dtype_head, "pick", "greedy head")
+        if sampled:
+            t.wrap(ex.dtype_head, "logits", "logits")
+    forward = Timers()  # the whole forward (the model math is it minus attention and index building)
+    forward.wrap(ex.model, "forward", "forward")
+    if getattr(ex, "decode_compiled", None) is not None:  # --decode-compile: the compiled stack is the forward
+        forward.wrap(ex.decode_compiled, "forward", "forward")
+    from grserve.engine import llm as llm_mod
+
+    ctx_cls = llm_mod.HybridPagedContext
+
+    class TimedContext(ctx_cls):  # type: ignore[misc, valid-type]
+        def __init__(self, *a, **kw):
+            s = CLOCK()
+            super().__init__(*a, **kw)
+            if t.on:
+                t.acc["attention index building"] += CLOCK() - s
+
+        def attend(self, *a, **kw):
+            s = CLOCK()
+            try:
+                return super().attend(*a, **kw)
+            finally:
+                if t.on:
+                    t.acc["attention"] += CLOCK() - s
+
+    llm_mod.HybridPagedContext = TimedContext
+    return t, forward
+
+
+def report(conc: int, res: dict, ex, clock: str) -> None:
+    """Print one concurrency's breakdown per mode (ms per decode step), TPOT p50 and output tok/s."""
+    for m, (acc, tpot, tps, steps) in res.items():
+        steps = steps[0]
+        acc["model math"] = acc.pop("forward") - acc.get("attention", 0.0)
+        named = sum(acc.get(p, 0.0) for p in PARTS if p != "other Python")
+        acc["other Python"] = acc["step"] - named
+        label = f" ({m} decode step)" if m else ""
+        print(f"\n## concurrency {conc}{label}: {steps} decode steps, load {os.getloadavg()[0]:.2f}")
+        print(f"| ms of {clock} time per decode step | |\n|---|---|")
+        for p in PARTS:
+            if acc.get(p):
+                print(f"| {p} | {acc[p] / steps * 1e3:.3f} |")
+        print(f"| **step** | **{acc['step'] / steps * 1e3:.3f}** |")
+        if ex.greedy_head is not None:
+            print(f"greedy head: {ex.greedy_head.stats}")
+        print(f"TPOT p50 {statistics.median(tpot) * 1e3:.2f} ms; output {statistics.median(tps):.0f} tok/s "
+              f"(median of {len(tpot)} rounds: TPOT {', '.join(f'{x * 1e3:.2f}' for x in tpot)})", flush=True)
+
+
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--dtype", default="float32")
@@ -91,13 +153,16 @@ def main() -> int:
     ap.add_argument("--batch-invariant", type=int, choices=(0, 1), default=None,
                     help="the engine's --batch-invariant (attention/hybrid.py); default: the config's default")
     ap.add_argument("--torch-profile", action="store_true", help="also print torch.profiler's top ops (1 round)")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
 
     torch.set_num_threads(args.threads)
     global CLOCK
     CLOCK = time.thread_time if args.clock == "thread" else time.perf_counter
     from grserve.attention import hybrid
-    from grserve.engine import llm as llm_mod
     from grserve.engine.async_llm import AsyncLLMEngine
     from grserve.engine.sampling import SamplingParams
     from grserve.llm_api import llm_config
@@ -120,40 +185,7 @@ def main() -> int:
           f"{getattr(ex.greedy_head, 'band', 'n/a')}; batch invariant {getattr(ex, 'batch_invariant', 'n/a')}; "
           f"load {os.getloadavg()[0]:.2f}; engine built in {t_build:.1f} s", flush=True)
 
-    t = Timers()
-    t.wrap(core.scheduler, "schedule", "scheduler")
-    t.wrap(core, "scheduler_input", "scheduler")
-    t.wrap(core, "_sample", "sampler")
-    t.wrap(core, "_append_token", "token events")
-    t.wrap(ex.model, "logits", "logits")
-    if ex.greedy_head is not None:
-        t.wrap(ex.greedy_head, "argmax", "greedy head")
-    if getattr(ex, "dtype_head", None) is not None:  # a bf16 model: greedy passes pick (its logits inside)
-        t.wrap(ex.dtype_head, "pick", "greedy head")
-        if args.temperature > 0:
-            t.wrap(ex.dtype_head, "logits", "logits")
-    forward = Timers()  # the whole forward (the model math is it minus attention and index building)
-    forward.wrap(ex.model, "forward", "forward")
-    if getattr(ex, "decode_compiled", None) is not None:  # --decode-compile: the compiled stack is the forward
-        forward.wrap(ex.decode_compiled, "forward", "forward")
-    ctx_cls = llm_mod.HybridPagedContext
-
-    class TimedContext(ctx_cls):  # type: ignore[misc, valid-type]
-        def __init__(self, *a, **kw):
-            s = CLOCK()
-            super().__init__(*a, **kw)
-            if t.on:
-                t.acc["attention index building"] += CLOCK() - s
-
-        def attend(self, *a, **kw):
-            s = CLOCK()
-            try:
-                return super().attend(*a, **kw)
-            finally:
-                if t.on:
-                    t.acc["attention"] += CLOCK() - s
-
-    llm_mod.HybridPagedContext = TimedContext
+    t, forward = instrument(core, ex, args.temperature > 0)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, ignore_eos=True, seed=None if args.temperature == 0 else 7)
     vocab = ex.model.spec.vocab_size
@@ -203,22 +235,7 @@ def main() -> int:
                 tpot.append(a), tps.append(b)
                 steps[0] += n
         ex.decode_compiled = dc
-        for m, (acc, tpot, tps, steps) in res.items():
-            steps = steps[0]
-            acc["model math"] = acc.pop("forward") - acc.get("attention", 0.0)
-            named = sum(acc.get(p, 0.0) for p in PARTS if p != "other Python")
-            acc["other Python"] = acc["step"] - named
-            label = f" ({m} decode step)" if m else ""
-            print(f"\n## concurrency {conc}{label}: {steps} decode steps, load {os.getloadavg()[0]:.2f}")
-            print(f"| ms of {args.clock} time per decode step | |\n|---|---|")
-            for p in PARTS:
-                if acc.get(p):
-                    print(f"| {p} | {acc[p] / steps * 1e3:.3f} |")
-            print(f"| **step** | **{acc['step'] / steps * 1e3:.3f}** |")
-            if ex.greedy_head is not None:
-                print(f"greedy head: {ex.greedy_head.stats}")
-            print(f"TPOT p50 {statistics.median(tpot) * 1e3:.2f} ms; output {statistics.median(tps):.0f} tok/s "
-                  f"(median of {len(tpot)} rounds: TPOT {', '.join(f'{x * 1e3:.2f}' for x in tpot)})", flush=True)
+        report(conc, res, ex, args.clock)
         if args.torch_profile:
             from torch.profiler import ProfilerActivity, profile
 
