@@ -284,3 +284,26 @@ def test_bf16_engine_greedy_pick_equals_the_sampler(random_decoder):
     out = mixed.generate(prompts, [sp, sp, SamplingParams(max_tokens=12, temperature=0.8, seed=1,
                                                           ignore_eos=True)])
     assert out[:2] == want[:2]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_first_max_is_max_with_the_lowest_index(dtype):
+    """``first_max`` (the executor's fast greedy pick) gives ``max(dim=1)``'s indices: exact ties across the row
+    (the lowest index), a row of one repeated value, ±0 maxima (equal values, different bits: ``max`` decides),
+    -inf entries, one column; fails if the bit search took the last hit or a ±0 tie by its bits."""
+    from grserve.engine.greedy_head import first_max
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 4000, generator=g).to(dtype)
+    x[0, [17, 2500, 3999]] = 50.0  # tied maximum: index 17
+    x[1] = 3.0  # every entry the maximum: index 0
+    x[2] = -x[2].abs() - 1
+    x[2, 700], x[2, 900] = -0.0, 0.0  # max is zero: -0 first
+    x[3, :] = float("-inf")
+    x[3, 3000] = -7.0
+    x[4, 3998], x[4, 3999] = 60.0, 60.0  # the last two
+    for rows in (x, x[:1], x[4:], x[[0, 2]].contiguous()):
+        vals = rows.amax(dim=1)
+        assert torch.equal(first_max(rows, vals), rows.max(dim=1).indices)
+    one = torch.randn(5, 1).to(dtype)
+    assert first_max(one, one.amax(dim=1)).tolist() == [0] * 5
