@@ -55,6 +55,27 @@ def test_candidates_are_timed_interleaved_and_alike():
     assert timed == ([1] * 4 + [2] * 4) * 3
 
 
+def test_an_llm_engine_keeps_the_front_ends_core_unless_the_second_thread_is_much_faster(monkeypatch):
+    """``serve llm`` chooses with ``FRONT_END_MARGIN``: the tiny preset's probe (1.32x at 2 threads) stays at one
+    thread, the medium shape's (1.88x) takes two; the default margin would give the tiny preset two."""
+    from grserve.model.thread_choice import FRONT_END_MARGIN
+
+    for cost, default, served in (({1: 0.41, 2: 0.31}, 2, 1), ({1: 4.35, 2: 2.31}, 2, 2)):
+        clock = FakeClock(cost)
+        assert choose_threads(clock.probe, [1, 2], timer=clock.timer).threads == default
+        clock = FakeClock(cost)
+        assert choose_threads(clock.probe, [1, 2], timer=clock.timer, margin=FRONT_END_MARGIN).threads == served
+    seen = []
+    monkeypatch.setattr("grserve.model.thread_choice.choose_threads",
+                        lambda probe, counts, margin=0.1: seen.append(margin) or ThreadChoice(1, {1: 1.0}))
+    from grserve.config import LLMServeConfig, ModelConfig
+    from grserve.engine.async_llm import AsyncLLMEngine
+
+    monkeypatch.setattr("grserve.model.thread_choice.usable_cores", lambda: 2)
+    AsyncLLMEngine.build(LLMServeConfig(model=ModelConfig(source="tiny")), pick_threads=True)
+    assert seen == [FRONT_END_MARGIN]
+
+
 def test_one_candidate_is_not_timed():
     clock = FakeClock({1: 1.0})
     assert choose_threads(clock.probe, [1, 1], timer=clock.timer) == ThreadChoice(1, {}, "one candidate")
