@@ -56,11 +56,12 @@ def test_candidates_are_timed_interleaved_and_alike():
 
 
 def test_an_llm_engine_keeps_the_front_ends_core_unless_the_second_thread_is_much_faster(monkeypatch):
-    """``serve llm`` chooses with ``FRONT_END_MARGIN``: the tiny preset's probe (1.32x at 2 threads) stays at one
-    thread, the medium shape's (1.88x) takes two; the default margin would give the tiny preset two."""
+    """``serve llm`` chooses with ``FRONT_END_MARGIN``: the tiny preset's probes (bf16 1.32x, fp32 1.6x at 2
+    threads) stay at one thread, the medium shape's (1.88x) takes two; the default margin gives all three two."""
     from grserve.model.thread_choice import FRONT_END_MARGIN
 
-    for cost, default, served in (({1: 0.41, 2: 0.31}, 2, 1), ({1: 4.35, 2: 2.31}, 2, 2)):
+    for cost, default, served in (({1: 0.41, 2: 0.31}, 2, 1), ({1: 0.69, 2: 0.43}, 2, 1),
+                                  ({1: 4.35, 2: 2.31}, 2, 2)):
         clock = FakeClock(cost)
         assert choose_threads(clock.probe, [1, 2], timer=clock.timer).threads == default
         clock = FakeClock(cost)
