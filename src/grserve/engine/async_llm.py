@@ -120,9 +120,9 @@ class AsyncLLMEngine:
                              model.spec.max_position_embeddings, cfg.api.tokenizer_cache)
         choice = None
         if pick_threads:
-            from grserve.model.thread_choice import FRONT_END_MARGIN, engine_threads
+            from grserve.model.thread_choice import FRONT_END_STEP_MS, engine_threads
 
-            choice = engine_threads(c.threads, model, c.packed_linears, margin=FRONT_END_MARGIN)
+            choice = engine_threads(c.threads, model, c.packed_linears, min_step_ms=FRONT_END_STEP_MS)
         rho = c.rho if c.rho is not None else (calibrate_rho(model) if c.scheduler == "aptserve" else 0.0)
         pol = make_llm_scheduler(c.scheduler, ttft_slo=c.ttft_slo, tbt_slo=c.tbt_slo, rho=rho,
                                  token_budget=c.token_budget, max_num_batched_tokens=c.max_batched_tokens,

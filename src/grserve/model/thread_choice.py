@@ -32,7 +32,8 @@ class ThreadChoice:
         if not self.probe_ms:
             return f"{self.threads} torch threads ({self.reason})"
         timed = ", ".join(f"{n}: {ms:.2f} ms" for n, ms in sorted(self.probe_ms.items()))
-        return f"{self.threads} torch threads (measured: a decoder layer at {timed})"
+        why = f"; {self.reason}" if self.reason else ""
+        return f"{self.threads} torch threads (measured: a decoder layer at {timed}{why})"
 
 
 def usable_cores() -> int:
@@ -109,18 +110,21 @@ def layer_probe(model, packed: bool = True, rows: int = 32) -> Callable[[], torc
 
 
 # An LLM engine's HTTP front end (another process: SSE per token, detokenization) and, in a benchmark, its client run
-# on the same cores: a thread that takes the last core must make the layer 1.67x faster (margin 0.4), not 1.1x.
-# Measured (`grserve serve llm` + `vllm bench serve`, 2-core AMD EPYC, docs/llm.md "Threads beside the front end"):
-# tiny preset at bf16 (probe 1.32x at 2 threads) and at fp32 (1.6x) served 1.2-1.45x *slower* at 2 threads than at
-# 1 at c1 and c8, level at c32; the medium shape (Qwen3 h1024, bf16, probe 1.88x) served 1.1-1.4x faster at 2.
-FRONT_END_MARGIN = 0.4
+# on the same cores, with about as much CPU per token as a small model's decode. A second thread then pays only when
+# a decode step has enough GEMM work to split: its projections (the probed layer on one thread, 32 rows, times the
+# layers) must take at least this long. Measured (`grserve serve llm` + `vllm bench serve`, 2-vCPU AMD EPYC,
+# docs/llm.md "Threads beside the front end"): the tiny preset (1.6-2.8 ms per step, probe 1.3-1.6x at 2 threads)
+# served 15-45 % *slower* at 2 threads at c1 and c8, level at c32; the medium shape (Qwen3 h1024, 36 ms, probe
+# 1.6-1.9x) served 1.1-1.4x faster at 2. The probe's ratio alone does not tell them apart (both gave 1.6x once).
+FRONT_END_STEP_MS = 8.0
 
 
 def engine_threads(requested: int, model, packed: bool = True, cores: int | None = None,
-                   margin: float = 0.1) -> ThreadChoice:
+                   margin: float = 0.1, min_step_ms: float = 0.0) -> ThreadChoice:
     """``--threads``: ``requested`` when > 0; else (0) measured with :func:`choose_threads` on ``model``'s layer,
-    a larger count kept when it is faster by more than ``margin`` (a model off the CPU is not timed: one thread per
-    core but one, as before)."""
+    a larger count kept when it is faster by more than ``margin`` and, with ``min_step_ms``, when a decode step's
+    projections on the fewer threads (the probe × the model's layers) take at least that long (a model off the CPU
+    is not timed: one thread per core but one, as before)."""
     if requested > 0:
         torch.set_num_threads(requested)
         return ThreadChoice(requested, {}, "--threads")
@@ -128,7 +132,14 @@ def engine_threads(requested: int, model, packed: bool = True, cores: int | None
     if model.device.type != "cpu":
         torch.set_num_threads(counts[0])
         return ThreadChoice(counts[0], {}, f"model on {model.device.type}")
-    return choose_threads(layer_probe(model, packed), counts, margin=margin)
+    choice = choose_threads(layer_probe(model, packed), counts, margin=margin)
+    if min_step_ms > 0 and choice.threads > counts[0] and counts[0] in choice.probe_ms:
+        step_ms = choice.probe_ms[counts[0]] * model.spec.num_hidden_layers
+        if step_ms < min_step_ms:
+            torch.set_num_threads(counts[0])
+            return ThreadChoice(counts[0], choice.probe_ms, f"a step's projections {step_ms:.1f} ms at {counts[0]} < "
+                                                            f"{min_step_ms:g} ms: the front end keeps its core")
+    return choice
 
 
 def start_line(choice: ThreadChoice) -> str:

@@ -55,26 +55,35 @@ def test_candidates_are_timed_interleaved_and_alike():
     assert timed == ([1] * 4 + [2] * 4) * 3
 
 
-def test_an_llm_engine_keeps_the_front_ends_core_unless_the_second_thread_is_much_faster(monkeypatch):
-    """``serve llm`` chooses with ``FRONT_END_MARGIN``: the tiny preset's probes (bf16 1.32x, fp32 1.6x at 2
-    threads) stay at one thread, the medium shape's (1.88x) takes two; the default margin gives all three two."""
-    from grserve.model.thread_choice import FRONT_END_MARGIN
+def test_an_llm_engine_keeps_the_front_ends_core_unless_a_step_has_work_to_split(monkeypatch):
+    """``serve llm`` passes ``FRONT_END_STEP_MS``: the probes measured on the dev VM -- the tiny preset at bf16
+    (0.41 / 0.31 ms) and fp32 (0.69 / 0.43), 4 layers, and the medium shape (4.45 / 2.49 and 4.57 / 2.86 ms, the
+    latter only 1.6x), 8 layers -- give tiny one thread and medium two; without the rule every one of them takes
+    two (the plain 10 % margin), and a ratio threshold that rejects tiny's 1.6x rejects medium's 1.6x too."""
+    from types import SimpleNamespace
 
-    for cost, default, served in (({1: 0.41, 2: 0.31}, 2, 1), ({1: 0.69, 2: 0.43}, 2, 1),
-                                  ({1: 4.35, 2: 2.31}, 2, 2)):
-        clock = FakeClock(cost)
-        assert choose_threads(clock.probe, [1, 2], timer=clock.timer).threads == default
-        clock = FakeClock(cost)
-        assert choose_threads(clock.probe, [1, 2], timer=clock.timer, margin=FRONT_END_MARGIN).threads == served
+    from grserve.model import thread_choice as tc
+
+    monkeypatch.setattr(tc, "layer_probe", lambda model, packed: "probe")
+    for layers, cost, served in ((4, {1: 0.41, 2: 0.31}, 1), (4, {1: 0.69, 2: 0.43}, 1),
+                                 (8, {1: 4.45, 2: 2.49}, 2), (8, {1: 4.57, 2: 2.86}, 2)):
+        model = SimpleNamespace(device=torch.device("cpu"), spec=SimpleNamespace(num_hidden_layers=layers))
+        def fake(probe, counts, margin=0.1, c=cost):  # the 10 % margin's answer for these probes, as it sets it
+            torch.set_num_threads(2)
+            return ThreadChoice(2, c)
+
+        monkeypatch.setattr(tc, "choose_threads", fake)
+        assert tc.engine_threads(0, model, cores=2).threads == 2
+        choice = tc.engine_threads(0, model, cores=2, min_step_ms=tc.FRONT_END_STEP_MS)
+        assert choice.threads == served and torch.get_num_threads() == served
+        assert ("the front end keeps its core" in choice.describe()) == (served == 1)
     seen = []
-    monkeypatch.setattr("grserve.model.thread_choice.choose_threads",
-                        lambda probe, counts, margin=0.1: seen.append(margin) or ThreadChoice(1, {1: 1.0}))
+    monkeypatch.setattr(tc, "engine_threads", lambda *a, **kw: seen.append(kw) or ThreadChoice(1, {1: 1.0}))
     from grserve.config import LLMServeConfig, ModelConfig
     from grserve.engine.async_llm import AsyncLLMEngine
 
-    monkeypatch.setattr("grserve.model.thread_choice.usable_cores", lambda: 2)
     AsyncLLMEngine.build(LLMServeConfig(model=ModelConfig(source="tiny")), pick_threads=True)
-    assert seen == [FRONT_END_MARGIN]
+    assert seen and seen[0].get("min_step_ms") == tc.FRONT_END_STEP_MS
 
 
 def test_one_candidate_is_not_timed():
