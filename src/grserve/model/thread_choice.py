@@ -120,9 +120,9 @@ FRONT_END_STEP_MS = 8.0
 
 
 def engine_threads(requested: int, model, packed: bool = True, cores: int | None = None,
-                   margin: float = 0.1, min_step_ms: float = 0.0) -> ThreadChoice:
+                   min_step_ms: float = 0.0) -> ThreadChoice:
     """``--threads``: ``requested`` when > 0; else (0) measured with :func:`choose_threads` on ``model``'s layer,
-    a larger count kept when it is faster by more than ``margin`` and, with ``min_step_ms``, when a decode step's
+    a larger count kept when it is more than 10 % faster and, with ``min_step_ms``, when a decode step's
     projections on the fewer threads (the probe × the model's layers) take at least that long (a model off the CPU
     is not timed: one thread per core but one, as before)."""
     if requested > 0:
@@ -132,7 +132,7 @@ def engine_threads(requested: int, model, packed: bool = True, cores: int | None
     if model.device.type != "cpu":
         torch.set_num_threads(counts[0])
         return ThreadChoice(counts[0], {}, f"model on {model.device.type}")
-    choice = choose_threads(layer_probe(model, packed), counts, margin=margin)
+    choice = choose_threads(layer_probe(model, packed), counts)
     if min_step_ms > 0 and choice.threads > counts[0] and counts[0] in choice.probe_ms:
         step_ms = choice.probe_ms[counts[0]] * model.spec.num_hidden_layers
         if step_ms < min_step_ms:
