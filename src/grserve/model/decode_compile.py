@@ -24,8 +24,9 @@ RoPE's cos/sin come from a table of ``Decoder.rope`` over every position (looked
 where eager does, so the compiled step gives the eager step's tokens (tests: identical greedy ids in bf16 and fp32,
 and the tiny preset's bf16 step bit-identical to eager).
 
-Shapes are static per bucket (``BUCKETS``: 8, 16, 32, 64 rows, the padding rows token 0 at position 0; a larger batch
-runs eager). ``warm_up`` (called by ``AsyncLLMEngine.build``, so at ``serve llm`` start-up) compiles the buckets
+Shapes are static per bucket (``BUCKETS``: 1, 2, 4, 8, 16, 32, 64 rows, the padding rows token 0 at position 0; a
+larger batch runs eager). The small buckets are for latency: one request padded to 8 rows paid 8 rows' GEMMs and
+kernels, ~13 % of its step (docs/llm.md). ``warm_up`` (called by ``AsyncLLMEngine.build``, so at ``serve llm`` start-up) compiles the buckets
 smallest first within a budget (60 s); the ones that do not fit compile on a background thread while their steps
 run eager. Inductor's FX graph cache, under ``$GRSERVE_CACHE_DIR/inductor/<lane>`` (``cache_dir``; an explicit
 ``TORCHINDUCTOR_CACHE_DIR`` wins), makes
@@ -48,7 +49,7 @@ import torch.nn.functional as F
 from grserve.model.decoder import Decoder, _rotate, rms_norm
 from grserve.model.packed_linear import pack_weight, packed_matmul
 
-BUCKETS = (8, 16, 32, 64)  # decode rows padded up to one of these (more rows: the eager step)
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # decode rows padded up to one of these (more rows: the eager step)
 
 
 def cache_dir() -> Path:
@@ -205,6 +206,22 @@ def _fused_packed(lins) -> tuple:
         return pack_weight(w), w, bias
 
 
+def _compile_settings() -> None:
+    """Dynamo's and Inductor's settings for compiling the buckets, on the calling thread: torch 2.13 keeps these
+    configs per thread (a value set on one thread is the default on another), so every thread that may compile a
+    bucket (start-up, the background compile thread, the step loop) sets them first."""
+    import torch._dynamo
+    import torch._inductor.config as inductor_config
+
+    # one graph per bucket, all on the same code: room for every bucket (dynamo's default limit is 8)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 256)
+    if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
+        # C++ kernels compiled in this process: on a small machine the worker pool's start-up costs more than its
+        # parallel g++ runs save (measured, docs/llm.md)
+        inductor_config.compile_threads = 1
+
+
 class CompiledDecode:
     """``decode.forward(ids, positions, ctx)`` = ``model(ids, positions, ctx, packed=packed)`` for a pure decode
     pass, the layer stack compiled per row bucket. ``failed``: why compiling failed (then: the eager forward for
@@ -242,17 +259,9 @@ class CompiledDecode:
                          group([mlp.gate_proj, mlp.up_proj], fuse_gu), group([mlp.down_proj], False)])
         self.stack = _Stack(model, keys)
         self.cache_dir = use_cache_dir()
-        import torch._dynamo
         import torch._inductor.config as inductor_config
 
-        # one graph per bucket, all on the same code: room for every bucket (dynamo's default limit is 8)
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        torch._dynamo.config.accumulated_recompile_limit = max(
-            torch._dynamo.config.accumulated_recompile_limit, 256)
-        if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
-            # C++ kernels compiled in this process: on a small machine the worker pool's start-up costs more than
-            # its parallel g++ runs save (measured, docs/llm.md)
-            inductor_config.compile_threads = 1
+        _compile_settings()
         options = {"emulate_precision_casts": True} if hasattr(inductor_config, "emulate_precision_casts") else {}
         self._compiled = (compile_fn or (lambda f: torch.compile(f, dynamic=False, options=options)))(self.stack)
         self._cos = self._sin = None  # RoPE tables (model dtype) over positions 0 … len-1
@@ -307,6 +316,8 @@ class CompiledDecode:
         cos, sin = cos_t.index_select(0, positions), sin_t.index_select(0, positions)
         _state.ctx, _state.n, _state.table = ctx, n, self._table
         first = b not in self.compiled_buckets
+        if first:  # this thread may compile it
+            _compile_settings()
         t0 = time.perf_counter()
         try:
             h = self._compiled(ids, cos, sin)

@@ -38,9 +38,13 @@ class _Counting:
 
     def __init__(self):
         self.graphs = 0
+        self.limits = []  # (Dynamo's recompile limit, Inductor's compile threads) on the compiling thread
 
     def __call__(self, gm, example_inputs):
+        import torch._inductor.config as inductor_config
+
         self.graphs += 1
+        self.limits.append((torch._dynamo.config.recompile_limit, inductor_config.compile_threads))
         return gm.forward
 
 
@@ -117,7 +121,7 @@ def test_a_failure_means_the_eager_step_for_good_with_one_warning(tiny_model):
 
 
 def test_padding_rows_never_reach_the_context_or_the_cache(tiny_model):
-    """3 decode rows in the bucket of 8: the context sees 3 rows per layer, and the only pool rows the step
+    """3 decode rows in the bucket of 4: the context sees 3 rows per layer, and the only pool rows the step
     changes are the 3 requests' new K/V slots."""
     from grserve.attention.hybrid import HybridPagedContext
     from grserve.engine import llm as llm_mod
@@ -146,10 +150,10 @@ def test_padding_rows_never_reach_the_context_or_the_cache(tiny_model):
         eng.step()  # the prefills (eager)
         seen.clear()
         written.clear()
-        eng.step()  # one pure decode step of 3 rows: compiled, bucket 8
+        eng.step()  # one pure decode step of 3 rows: compiled, bucket 4
     finally:
         llm_mod.HybridPagedContext = orig
-    assert dc.steps == 1 and dc.compiled_buckets == {8}
+    assert dc.steps == 1 and dc.compiled_buckets == {4}
     assert seen == [(3, 3, 3)] * model.spec.num_hidden_layers
     changed = (eng.executor.storage.data != before["data"]).any(dim=(0, 2)).nonzero().squeeze(1).tolist()
     assert changed and set(changed) <= set(written)
@@ -195,3 +199,7 @@ def test_buckets_past_the_warm_up_budget_compile_in_the_background(tiny_model):
         time.sleep(0.05)
     assert not dc.pending and dc.compiled_buckets == {8, 16} and backend.graphs == 2 and dc.failed is None
     assert dc.accepts(ctx, 12)
+    # torch keeps Dynamo's and Inductor's configs per thread: the compile thread set its own (room for every
+    # bucket's graph; kernels compiled in-process), not the defaults (8, a worker pool)
+    if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
+        assert backend.limits == [(64, 1), (64, 1)]
