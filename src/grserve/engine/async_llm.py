@@ -136,6 +136,8 @@ class AsyncLLMEngine:
                                   decode_compile=c.decode_compile,
                                   eos_token_id=tok.eos_token_id, detokenize=tok.decode,
                                   decoder_factory=tok.decode_stream)
+        if choice is not None and choice.wide_threads:
+            core.executor.wide_threads = choice.wide_threads
         dc = getattr(core.executor, "decode_compiled", None)
         if dc is not None:  # --decode-compile: the row buckets compiled now (bounded), not in the first steps
             dc.warm_up()

@@ -39,6 +39,7 @@ from grserve.engine.sampling import SampleOutput, SampleRow, SamplingParams, Tok
 from grserve.engine.structured import fill_bitmasks
 from grserve.engine.types import Handover, LLMFit
 from grserve.model.cpu_support import cpu_support
+from grserve.model.thread_choice import WIDE_STEP_TOKENS
 from grserve.scheduler.llm_types import LLMScheduler, PoolView, SchedulerInput, SchedulerOutput, SeqView
 
 log = logging.getLogger("grserve.engine")
@@ -172,6 +173,10 @@ class ModelExecutor:
             self.dtype_head = ModelDtypeHead(model.lm_head.weight)
         # pure decode passes through a torch.compile'd layer stack per row bucket (model/decode_compile.py); None:
         # the eager forward (off: the module, and its torch.library ops, not even imported)
+        # threads for a step of >= WIDE_STEP_TOKENS new tokens (model/thread_choice.py: an engine kept on fewer
+        # threads than cores beside its front end); 0: every step on torch's current count. Not under batch
+        # invariance (a GEMM's split over threads could move a row's bits with what shares its step)
+        self.wide_threads = 0
         self.decode_compiled = None
         if decode_compile != "off":
             from grserve.model.decode_compile import decode_compiler
@@ -225,6 +230,13 @@ class ModelExecutor:
                 dc = self.decode_compiled
                 if dc is not None and dc.accepts(ctx, len(ids)):
                     h = dc.forward(ids_t, pos_t, ctx)
+                elif self.wide_threads and len(ids) >= WIDE_STEP_TOKENS and not self.batch_invariant:
+                    threads = torch.get_num_threads()
+                    torch.set_num_threads(self.wide_threads)
+                    try:
+                        h = self.model(ids_t, pos_t, ctx, packed=self.packed)
+                    finally:
+                        torch.set_num_threads(threads)
                 else:
                     h = self.model(ids_t, pos_t, ctx, packed=self.packed)
             except BaseException:

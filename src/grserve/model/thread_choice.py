@@ -27,13 +27,15 @@ class ThreadChoice:
     threads: int
     probe_ms: dict[int, float] = field(default_factory=dict)  # median probe time per candidate; empty: not timed
     reason: str = ""
+    wide_threads: int = 0  # threads for a step of >= WIDE_STEP_TOKENS new tokens (0: ``threads``, as any step)
 
     def describe(self) -> str:
         if not self.probe_ms:
             return f"{self.threads} torch threads ({self.reason})"
         timed = ", ".join(f"{n}: {ms:.2f} ms" for n, ms in sorted(self.probe_ms.items()))
         why = f"; {self.reason}" if self.reason else ""
-        return f"{self.threads} torch threads (measured: a decoder layer at {timed}{why})"
+        wide = f"; steps of >= {WIDE_STEP_TOKENS} tokens on {self.wide_threads}" if self.wide_threads else ""
+        return f"{self.threads} torch threads (measured: a decoder layer at {timed}{why}{wide})"
 
 
 def usable_cores() -> int:
@@ -118,6 +120,15 @@ def layer_probe(model, packed: bool = True, rows: int = 32) -> Callable[[], torc
 # 1.6-1.9x) served 1.1-1.4x faster at 2. The probe's ratio alone does not tell them apart (both gave 1.6x once).
 FRONT_END_STEP_MS = 8.0
 
+# A step of at least this many new tokens (prefill chunks) has GEMMs wide enough to split even beside the front end:
+# an engine kept on fewer threads than cores by the rule above runs such a step's forward on every core
+# (``ModelExecutor.wide_threads``). Measured (tiny preset bf16, compiled decode, `vllm bench serve` 128 in / 128 out,
+# 3 alternating pairs, docs/llm.md "Threads beside the front end"): every step ≥ 64 tokens on 2 threads made c32
+# TTFT p50 185-247 vs 273-282 ms and output tok/s 1,928-2,196 vs 1,789-1,886, but c1 TTFT (one 128-token prefill)
+# 23-31 vs 20-25 ms: a short prefill waits at the barrier for the front end's core. 512 keeps c1 and c8's lone
+# prefills on one thread.
+WIDE_STEP_TOKENS = 512
+
 
 def engine_threads(requested: int, model, packed: bool = True, cores: int | None = None,
                    min_step_ms: float = 0.0) -> ThreadChoice:
@@ -138,7 +149,8 @@ def engine_threads(requested: int, model, packed: bool = True, cores: int | None
         if step_ms < min_step_ms:
             torch.set_num_threads(counts[0])
             return ThreadChoice(counts[0], choice.probe_ms, f"a step's projections {step_ms:.1f} ms at {counts[0]} < "
-                                                            f"{min_step_ms:g} ms: the front end keeps its core")
+                                                            f"{min_step_ms:g} ms: the front end keeps its core",
+                                wide_threads=choice.threads)
     return choice
 
 

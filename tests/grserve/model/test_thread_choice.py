@@ -77,13 +77,60 @@ def test_an_llm_engine_keeps_the_front_ends_core_unless_a_step_has_work_to_split
         choice = tc.engine_threads(0, model, cores=2, min_step_ms=tc.FRONT_END_STEP_MS)
         assert choice.threads == served and torch.get_num_threads() == served
         assert ("the front end keeps its core" in choice.describe()) == (served == 1)
+        # kept on one thread by the rule, its wide steps (prefill chunks) still take the cores the probe chose
+        assert choice.wide_threads == (2 if served == 1 else 0)
     seen = []
-    monkeypatch.setattr(tc, "engine_threads", lambda *a, **kw: seen.append(kw) or ThreadChoice(1, {1: 1.0}))
+    monkeypatch.setattr(tc, "engine_threads",
+                        lambda *a, **kw: seen.append(kw) or ThreadChoice(1, {1: 1.0}, wide_threads=2))
     from grserve.config import LLMServeConfig, ModelConfig
     from grserve.engine.async_llm import AsyncLLMEngine
 
-    AsyncLLMEngine.build(LLMServeConfig(model=ModelConfig(source="tiny")), pick_threads=True)
+    eng = AsyncLLMEngine.build(LLMServeConfig(model=ModelConfig(source="tiny")), pick_threads=True)
     assert seen and seen[0].get("min_step_ms") == tc.FRONT_END_STEP_MS
+    assert eng.core.executor.wide_threads == 2
+
+
+def test_a_wide_step_runs_on_the_wide_threads_and_gives_them_back(tiny, monkeypatch):
+    """A step of >= WIDE_STEP_TOKENS new tokens runs its forward on ``wide_threads``, a shorter one (and every
+    step of a batch-invariant engine) on the engine's count, which every step leaves as it found it."""
+    from grserve.engine.llm import build_model_engine
+    from grserve.engine.sampling import SamplingParams
+    from grserve.model import thread_choice as tc
+    from grserve.scheduler.fcfs import FCFSScheduler
+
+    monkeypatch.setattr(tc, "WIDE_STEP_TOKENS", 24)
+    monkeypatch.setattr("grserve.engine.llm.WIDE_STEP_TOKENS", 24)
+    sp = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    prompts = [list(range(3, 33)), list(range(5, 15))]  # a 30-token prefill (wide), a 10-token one
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        for invariant in (False, True):
+            def engine():
+                return build_model_engine(tiny, FCFSScheduler(max_num_seqs=1), num_blocks=64, block_size=16,
+                                          batch_invariant=invariant)
+
+            want = engine().generate(prompts, sp)  # every step on one thread
+            eng = engine()
+            eng.executor.wide_threads = 2
+            seen = []
+            forward = tiny.forward
+
+            def spy(ids, *a, **kw):
+                seen.append((ids.shape[0], torch.get_num_threads()))
+                return forward(ids, *a, **kw)
+
+            monkeypatch.setattr(tiny, "forward", spy)
+            got = eng.generate(prompts, sp)
+            monkeypatch.undo()
+            monkeypatch.setattr(tc, "WIDE_STEP_TOKENS", 24)
+            monkeypatch.setattr("grserve.engine.llm.WIDE_STEP_TOKENS", 24)
+            assert got == want
+            wide = 1 if invariant else 2
+            assert seen == [(30, wide), (1, 1), (10, 1), (1, 1)], seen
+            assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_one_candidate_is_not_timed():
