@@ -171,12 +171,12 @@ class ModelExecutor:
             from grserve.engine.greedy_head import ModelDtypeHead
 
             self.dtype_head = ModelDtypeHead(model.lm_head.weight)
-        # pure decode passes through a torch.compile'd layer stack per row bucket (model/decode_compile.py); None:
-        # the eager forward (off: the module, and its torch.library ops, not even imported)
         # threads for a step of >= WIDE_STEP_TOKENS new tokens (model/thread_choice.py: an engine kept on fewer
         # threads than cores beside its front end); 0: every step on torch's current count. Not under batch
         # invariance (a GEMM's split over threads could move a row's bits with what shares its step)
         self.wide_threads = 0
+        # pure decode passes through a torch.compile'd layer stack per row bucket (model/decode_compile.py); None:
+        # the eager forward (off: the module, and its torch.library ops, not even imported)
         self.decode_compiled = None
         if decode_compile != "off":
             from grserve.model.decode_compile import decode_compiler

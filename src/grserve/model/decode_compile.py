@@ -26,11 +26,12 @@ and the tiny preset's bf16 step bit-identical to eager).
 
 Shapes are static per bucket (``BUCKETS``: 1, 2, 4, 8, 16, 32, 64 rows, the padding rows token 0 at position 0; a
 larger batch runs eager). The small buckets are for latency: one request padded to 8 rows paid 8 rows' GEMMs and
-kernels, ~13 % of its step (docs/llm.md). ``warm_up`` (called by ``AsyncLLMEngine.build``, so at ``serve llm`` start-up) compiles the buckets
-smallest first within a budget (60 s); the ones that do not fit compile on a background thread while their steps
-run eager. Inductor's FX graph cache, under ``$GRSERVE_CACHE_DIR/inductor/<lane>`` (``cache_dir``; an explicit
-``TORCHINDUCTOR_CACHE_DIR`` wins), makes
-a restart's compile mostly a cache load (tiny preset, 2 cores: 45-80 s cold, 6-10 s from the cache; docs/llm.md).
+kernels, ~13 % of its step (docs/llm.md). ``warm_up`` (called by ``AsyncLLMEngine.build``, so at ``serve llm``
+start-up) compiles the buckets smallest first within a budget (60 s); the ones that do not fit compile on a
+background thread while their steps run eager. Inductor's FX graph cache, under
+``$GRSERVE_CACHE_DIR/inductor/<lane>`` (``cache_dir``; an explicit ``TORCHINDUCTOR_CACHE_DIR`` wins), makes a
+restart's compile mostly a cache load (tiny preset bf16, 2 cores: the seven buckets 88 s cold, of which buckets 1, 2
+and 4 fit the budget; 5 s from the cache; docs/llm.md).
 Any failure (no C++ compiler, an Inductor error) falls back to ``Decoder.forward`` for good, with one warning.
 Every other pass (prefill, mixed, hidden cache) is eager.
 """
