@@ -120,11 +120,9 @@ def test_a_wide_step_runs_on_the_wide_threads_and_gives_them_back(tiny, monkeypa
                 seen.append((ids.shape[0], torch.get_num_threads()))
                 return forward(ids, *a, **kw)
 
-            monkeypatch.setattr(tiny, "forward", spy)
-            got = eng.generate(prompts, sp)
-            monkeypatch.undo()
-            monkeypatch.setattr(tc, "WIDE_STEP_TOKENS", 24)
-            monkeypatch.setattr("grserve.engine.llm.WIDE_STEP_TOKENS", 24)
+            with monkeypatch.context() as m:
+                m.setattr(tiny, "forward", spy)
+                got = eng.generate(prompts, sp)
             assert got == want
             wide = 1 if invariant else 2
             assert seen == [(30, wide), (1, 1), (10, 1), (1, 1)], seen
