@@ -81,7 +81,7 @@ def use_cache_dir() -> str:
 # ---- the two opaque ops ---------------------------------------------------------------------------------------
 # the running pass's attention context (.ctx), its real row count (.n) and its model's projections (.table: key ->
 # (packed weight or None, weight, bias)); the keys are positions in .table, so the same model shape gives the same
-# graph in every process (Inductor's on-disk cache hits)
+# graph in every process (Inductor's on-disk cache hits); .configured: this thread ran _compile_settings
 _state = threading.local()
 
 
@@ -208,9 +208,13 @@ def _fused_packed(lins) -> tuple:
 
 
 def _compile_settings() -> None:
-    """Dynamo's and Inductor's settings for compiling the buckets, on the calling thread: torch 2.13 keeps these
-    configs per thread (a value set on one thread is the default on another), so every thread that may compile a
-    bucket (start-up, the background compile thread, the step loop) sets them first."""
+    """Dynamo's and Inductor's settings for compiling the buckets, once per thread: torch 2.13 keeps these configs
+    per thread (a value set on one thread is the default on another), and any thread that runs the compiled stack
+    (start-up, the background compile thread, the step loop: a recompile can happen on any) may compile, so
+    ``_run`` calls this on each before its first call."""
+    if getattr(_state, "configured", False):
+        return
+    _state.configured = True
     import torch._dynamo
     import torch._inductor.config as inductor_config
 
@@ -262,7 +266,6 @@ class CompiledDecode:
         self.cache_dir = use_cache_dir()
         import torch._inductor.config as inductor_config
 
-        _compile_settings()
         options = {"emulate_precision_casts": True} if hasattr(inductor_config, "emulate_precision_casts") else {}
         self._compiled = (compile_fn or (lambda f: torch.compile(f, dynamic=False, options=options)))(self.stack)
         self._cos = self._sin = None  # RoPE tables (model dtype) over positions 0 … len-1
@@ -317,8 +320,7 @@ class CompiledDecode:
         cos, sin = cos_t.index_select(0, positions), sin_t.index_select(0, positions)
         _state.ctx, _state.n, _state.table = ctx, n, self._table
         first = b not in self.compiled_buckets
-        if first:  # this thread may compile it
-            _compile_settings()
+        _compile_settings()  # this thread may compile (once per thread)
         t0 = time.perf_counter()
         try:
             h = self._compiled(ids, cos, sin)
