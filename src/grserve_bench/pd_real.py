@@ -265,17 +265,14 @@ def _compare(cfg: PartConfig, serve, reqs, sizes, run: dict, nopd: dict | None, 
     """Outputs vs one engine in this process; lost requests; KV bytes expected from the model's shape."""
     from grserve.engine.async_llm import AsyncLLMEngine
     from grserve.model.loader import resolve_dtype
+    from grserve.model.thread_choice import torch_threads
 
     one = AsyncLLMEngine.build(serve)
     core, spec = one.core, one.model.spec
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        ref = []
+    ref = []
+    with torch_threads(1):
         for group in (reqs[:sizes[0]], reqs[sizes[0]:]):
             ref += core.generate([p for _, p, _ in group], group[0][2])
-    finally:
-        torch.set_num_threads(threads)
     dtype_bytes = resolve_dtype(serve.model.dtype).itemsize  # --dtype auto resolved as the instances did
     rows = run["rows"]
     expected = sum(2 * spec.num_hidden_layers * r["n_prompt"] * spec.num_key_value_heads * spec.head_dim

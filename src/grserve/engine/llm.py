@@ -39,7 +39,7 @@ from grserve.engine.sampling import SampleOutput, SampleRow, SamplingParams, Tok
 from grserve.engine.structured import fill_bitmasks
 from grserve.engine.types import Handover, LLMFit
 from grserve.model.cpu_support import cpu_support
-from grserve.model.thread_choice import WIDE_STEP_TOKENS
+from grserve.model.thread_choice import WIDE_STEP_TOKENS, torch_threads
 from grserve.scheduler.llm_types import LLMScheduler, PoolView, SchedulerInput, SchedulerOutput, SeqView
 
 log = logging.getLogger("grserve.engine")
@@ -231,12 +231,8 @@ class ModelExecutor:
                 if dc is not None and dc.accepts(ctx, len(ids)):
                     h = dc.forward(ids_t, pos_t, ctx)
                 elif self.wide_threads and len(ids) >= WIDE_STEP_TOKENS and not self.batch_invariant:
-                    threads = torch.get_num_threads()
-                    torch.set_num_threads(self.wide_threads)
-                    try:
+                    with torch_threads(self.wide_threads):
                         h = self.model(ids_t, pos_t, ctx, packed=self.packed)
-                    finally:
-                        torch.set_num_threads(threads)
                 else:
                     h = self.model(ids_t, pos_t, ctx, packed=self.packed)
             except BaseException:

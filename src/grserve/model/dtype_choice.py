@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from grserve.model.cpu_support import cpu_support
+from grserve.model.thread_choice import torch_threads
 
 AUTO = "auto"
 MIN_SPEEDUP = 1.2  # bf16 must beat fp32 by this much in the timed trial to be chosen
@@ -96,14 +97,9 @@ def bf16_speedup() -> tuple[float, float, float]:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(m, k, generator=g)
     w = torch.randn(n, k, generator=g) * 0.03
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with torch.inference_mode():
-            fp32 = _time_linear(x, w, packed=cpu_support().onednn)
-            bf16 = _time_linear(x.to(torch.bfloat16), w.to(torch.bfloat16), packed=True)
-    finally:
-        torch.set_num_threads(threads)
+    with torch_threads(1), torch.inference_mode():
+        fp32 = _time_linear(x, w, packed=cpu_support().onednn)
+        bf16 = _time_linear(x.to(torch.bfloat16), w.to(torch.bfloat16), packed=True)
     os.environ[TRIAL_ENV] = f"{fp32:.9f} {bf16:.9f}"
     return fp32, bf16, fp32 / bf16
 

@@ -49,6 +49,7 @@ from torch import nn
 from grserve.flags import ConfigError
 from grserve.model.cpu_support import cpu_support, trial_call
 from grserve.model.dtype_choice import best_time
+from grserve.model.thread_choice import torch_threads
 
 NONE = "none"
 SCHEMES = (NONE, "int8", "int8-weight-only", "fp8")
@@ -323,18 +324,13 @@ def timed_trial(scheme: str, dtype_name: str) -> tuple[float, float, float]:
     w = (torch.randn(n, k, generator=g) * 0.03).to(dtype)
     qw = quantize_weight(scheme, w)
     op = _OPS[scheme][1]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with torch.inference_mode():
-            if available(dtype):
-                pw = pack_weight(w, m)
-                base = best_time(lambda: packed_matmul(x, pw), TRIAL_REPEATS)
-            else:
-                base = best_time(lambda: F.linear(x, w), TRIAL_REPEATS)
-            quant = best_time(lambda: op(x, qw), TRIAL_REPEATS)
-    finally:
-        torch.set_num_threads(threads)
+    with torch_threads(1), torch.inference_mode():
+        if available(dtype):
+            pw = pack_weight(w, m)
+            base = best_time(lambda: packed_matmul(x, pw), TRIAL_REPEATS)
+        else:
+            base = best_time(lambda: F.linear(x, w), TRIAL_REPEATS)
+        quant = best_time(lambda: op(x, qw), TRIAL_REPEATS)
     parts = [p for p in os.environ.get(TRIAL_ENV, "").split(";") if p and not p.startswith(key + "=")]
     os.environ[TRIAL_ENV] = ";".join([*parts, f"{key}={base:.9f},{quant:.9f}"])
     return base, quant, base / quant

@@ -16,6 +16,8 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -36,6 +38,19 @@ class ThreadChoice:
         why = f"; {self.reason}" if self.reason else ""
         wide = f"; steps of >= {WIDE_STEP_TOKENS} tokens on {self.wide_threads}" if self.wide_threads else ""
         return f"{self.threads} torch threads (measured: a decoder layer at {timed}{why}{wide})"
+
+
+@contextmanager
+def torch_threads(n: int | None) -> Iterator[None]:
+    """torch's intra-op thread count set to ``n`` inside the block (None or 0: left as it is) and restored after,
+    whatever the block raises."""
+    before = torch.get_num_threads()
+    if n:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def usable_cores() -> int:

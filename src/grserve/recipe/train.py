@@ -47,6 +47,7 @@ from grserve.catalog import Catalog
 from grserve.model.decoder import Decoder
 from grserve.model.loader import save_pretrained
 from grserve.model.spec import ModelSpec
+from grserve.model.thread_choice import torch_threads
 from grserve.recipe.files import file_sha256
 from grserve.recipe.forward import train_forward
 from grserve.recipe.config import TrainConfig
@@ -224,14 +225,9 @@ def train_gr(sequences: Sequence[np.ndarray], catalog: Catalog, cfg: TrainConfig
     ``checkpoint``: a file written after every epoch (weights, optimizer, weight average, random states, the best
     epoch so far); with ``resume`` a checkpoint there of the same settings and data is continued from its epoch, and
     the result is the one an uninterrupted run gives (the same batches, dropout masks and schedule)."""
-    threads_before = torch.get_num_threads()
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    try:
+    with torch_threads(cfg.threads):
         return _train(sequences, catalog, cfg, valid, progress, log, on_epoch,
                       None if checkpoint is None else Path(checkpoint), resume)
-    finally:
-        torch.set_num_threads(threads_before)
 
 
 def _data_key(cfg: TrainConfig, data: "_Stream") -> dict:

@@ -131,6 +131,25 @@ def test_a_wide_step_runs_on_the_wide_threads_and_gives_them_back(tiny, monkeypa
         torch.set_num_threads(before)
 
 
+def test_torch_threads_sets_the_count_inside_the_block_and_restores_it():
+    from grserve.model.thread_choice import torch_threads
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        with torch_threads(2):
+            assert torch.get_num_threads() == 2
+        assert torch.get_num_threads() == 1
+        with pytest.raises(RuntimeError), torch_threads(2):
+            raise RuntimeError("the block failed")
+        assert torch.get_num_threads() == 1
+        for unset in (0, None):  # left as it is
+            with torch_threads(unset):
+                assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_one_candidate_is_not_timed():
     clock = FakeClock({1: 1.0})
     assert choose_threads(clock.probe, [1, 1], timer=clock.timer) == ThreadChoice(1, {}, "one candidate")
