@@ -366,7 +366,8 @@ class LLMConfig(Checked):
     threads: int = flag(0, "torch intra-op threads of the engine (0: measured at start-up -- one per CPU core "
                            "minus one, kept for the HTTP front end and the tokenizer, or one per core when that "
                            "runs the model's layer >10%% faster and a decode step's projections take >= 8 ms "
-                           "without it; the start line says which; docs/llm.md, P7)",
+                           "without it, else steps of >= 512 new tokens still run on one per core; the start line "
+                           "says which; docs/llm.md, P7)",
                         check=non_negative)
     packed_linears: bool = flag(True, "run the decoder's projections on oneDNN-prepacked weights on a CPU "
                                       "(1.4-2x faster GEMMs at serving batch sizes; same math up to the fp32 "
