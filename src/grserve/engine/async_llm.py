@@ -40,6 +40,7 @@ from grserve.engine.protocol import (
     RequestTimedOut,
 )
 from grserve.engine.types import LLMRequest, LLMResult
+from grserve.model.thread_choice import release_openmp_pool
 
 log = logging.getLogger("grserve.engine")
 
@@ -151,6 +152,7 @@ class AsyncLLMEngine:
             if self._status == "ok":
                 return self
             self._status = "ok"
+        release_openmp_pool()  # the step thread's OpenMP pool the only one (model/thread_choice.py)
         self._thread = threading.Thread(target=self._run, name="grserve-llm-engine", daemon=True)
         self._thread.start()
         return self

@@ -28,6 +28,7 @@ from grserve.engine.protocol import (
     RequestTimedOut,
 )
 from grserve.scheduler.gr_batching import Batch, GRBatcher
+from grserve.model.thread_choice import release_openmp_pool
 
 
 class _Pending:
@@ -83,6 +84,7 @@ class BatchingCore:
             if self._status == "ok":
                 return
             self._status = "ok"
+        release_openmp_pool()  # the batch threads' OpenMP pools, not also this one (model/thread_choice.py)
         self._pool = ThreadPoolExecutor(self.cfg.max_inflight_batches, thread_name_prefix=f"{self.name}-batch")
         self._thread = threading.Thread(target=self._loop, name=f"{self.name}-batcher", daemon=True)
         self._thread.start()

@@ -53,6 +53,49 @@ def torch_threads(n: int | None) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+def openmp_runtime():
+    """The OpenMP runtime torch loaded into this process (GNU libgomp, LLVM libomp or Intel libiomp5), as a
+    ``ctypes`` library, or None (no ``/proc/self/maps``: not Linux; none loaded)."""
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "/" in line}
+    except OSError:
+        return None
+    for name in ("libgomp", "libiomp5", "libomp"):
+        for path in sorted(paths):
+            if os.path.basename(path).startswith(name):
+                try:
+                    return ctypes.CDLL(path)  # the copy already loaded (same path: the same handle)
+                except OSError:
+                    return None
+    return None
+
+
+def release_openmp_pool() -> bool:
+    """Free the OpenMP worker threads of the *calling* thread (``omp_pause_resource_all(omp_pause_soft)``; its next
+    parallel region makes new ones): call it on the thread that built and warmed an engine, before another thread
+    takes over the engine's compute. True when the runtime freed them.
+
+    Why: GNU libgomp keeps a pool of workers per thread that ever ran a parallel region, and once the pools' threads
+    outnumber the CPUs it spins only ~100 iterations at a barrier before sleeping in the kernel (its "throttled"
+    spin count) -- on every parallel region of every thread. A serving engine is built on the main thread (weights,
+    packing, the thread probe, warm-up: a pool of ``threads - 1`` workers) and steps on a thread of its own (a
+    second pool): on 2 cores with 2 torch threads that is 4 managed threads for 2 CPUs, and each GEMM's barrier then
+    waits for a worker woken from a futex. Measured (the ``medium`` shape of ``grserve bench peers``, bf16, 2
+    threads, one request, 2-vCPU AMD EPYC, docs/llm.md "One OpenMP pool"): 25.5 ms per token on the step thread
+    against 18.5 ms after the main thread's pool was released, the same as stepping on the main thread."""
+    lib = openmp_runtime()
+    fn = getattr(lib, "omp_pause_resource_all", None) if lib is not None else None
+    if fn is None:
+        return False
+    import ctypes
+
+    fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+    return fn(1) == 0  # omp_pause_soft
+
+
 def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
