@@ -202,3 +202,112 @@ def test_a_serving_engine_names_its_cpu_and_threads(tiny_model):
         assert line == f"CPU {cpu_support().label()}: 1 torch threads (--threads)" and torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def _tasks() -> int:
+    import os
+
+    return len(os.listdir("/proc/self/task"))
+
+
+def _wait_for(cond, timeout_s: float = 5.0) -> bool:
+    import time
+
+    end = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_release_frees_the_calling_threads_openmp_workers_and_the_next_region_makes_new_ones():
+    """``release_openmp_pool`` ends the calling thread's OpenMP workers (one thread fewer per worker), results
+    are unchanged, and the next parallel region starts a pool again."""
+    import os
+
+    from grserve.model.thread_choice import openmp_runtime, release_openmp_pool
+
+    lib = openmp_runtime()
+    if not os.path.isdir("/proc/self/task") or lib is None or not hasattr(lib, "omp_pause_resource_all"):
+        pytest.skip("no OpenMP runtime with omp_pause_resource_all in this process (or no /proc)")
+    torch.set_num_threads(3)
+    x = torch.arange(1 << 22, dtype=torch.float32)
+
+    def region() -> torch.Tensor:  # an elementwise op over 4M values: a parallel region of 3 threads
+        return (x * 0.5).sum()
+
+    want = region()
+    with_pool = _tasks()
+    assert release_openmp_pool()
+    assert _wait_for(lambda: _tasks() <= with_pool - 2), (with_pool, _tasks())
+    assert torch.equal(region(), want)
+    assert _wait_for(lambda: _tasks() >= with_pool), (with_pool, _tasks())
+
+
+def test_an_engine_releases_its_builders_pool_before_its_step_thread_starts(monkeypatch):
+    """``AsyncLLMEngine.start`` (and a GR batcher's ``start``) release the OpenMP workers of the thread that built
+    the engine, on that thread, before the step thread exists."""
+    import threading
+
+    from grserve.engine import async_llm, batching
+    from grserve.engine.async_llm import AsyncLLMEngine
+    from grserve.engine.llm import build_model_engine
+    from grserve.model import load_model
+    from grserve.scheduler.fcfs import FCFSScheduler
+
+    calls = []
+
+    def record():
+        calls.append((threading.current_thread().name, [t.name for t in threading.enumerate()]))
+        return True
+
+    monkeypatch.setattr(async_llm, "release_openmp_pool", record)
+    monkeypatch.setattr(batching, "release_openmp_pool", record)
+    eng = build_model_engine(load_model("tiny", seed=0), FCFSScheduler(), num_blocks=32, block_size=8)
+    loop = AsyncLLMEngine(eng, None).start()
+    try:
+        assert len(calls) == 1
+        name, alive = calls[0]
+        assert name == threading.current_thread().name and "grserve-llm-engine" not in alive
+    finally:
+        loop.stop()
+    from grserve.config import SchedulerConfig
+
+    core = batching.BatchingCore(lambda reqs: reqs, SchedulerConfig(max_batch_requests=1, max_inflight_batches=1),
+                                 "gr-test")
+    core.start()
+    try:
+        assert len(calls) == 2
+        name, alive = calls[1]
+        assert name == threading.current_thread().name and "gr-test-batcher" not in alive
+    finally:
+        core.stop()
+
+
+def test_fewer_threads_are_kept_only_when_a_second_timing_agrees():
+    """A burst of another process during the first timing (the 2-thread samples slow) does not cost the engine
+    its second thread; a machine that stays loaded (slow in both timings) keeps one thread; ``confirm=False``
+    decides on the first timing."""
+    def clock_with(first: float, later: float, rounds: int = 3) -> FakeClock:
+        clock = FakeClock({1: 1.0, 2: first})
+        calls = {"n": 0}
+        probe = clock.probe
+
+        def burst_then(n_first=4 + rounds * 2):  # warm-up (4 calls) and the first timing's 2-thread samples
+            calls["n"] += 1
+            if calls["n"] > n_first:
+                clock.cost[2] = later
+            probe()
+
+        clock.probe = burst_then
+        return clock
+
+    burst = clock_with(first=0.97, later=0.5)
+    assert choose_threads(burst.probe, [1, 2], rounds=3, sample_s=0, timer=burst.timer).threads == 2
+    assert burst.seen.count(2) > 2 + 3  # a second timing ran
+    loaded = clock_with(first=0.97, later=0.98)
+    choice = choose_threads(loaded.probe, [1, 2], rounds=3, sample_s=0, timer=loaded.timer)
+    assert choice.threads == 1 and torch.get_num_threads() == 1
+    once = clock_with(first=0.97, later=0.5)
+    assert choose_threads(once.probe, [1, 2], rounds=3, sample_s=0, timer=once.timer, confirm=False).threads == 1
