@@ -27,8 +27,8 @@ from grserve.engine.protocol import (
     RequestHandle,
     RequestTimedOut,
 )
-from grserve.scheduler.gr_batching import Batch, GRBatcher
 from grserve.model.thread_choice import release_openmp_pool
+from grserve.scheduler.gr_batching import Batch, GRBatcher
 
 
 class _Pending:
