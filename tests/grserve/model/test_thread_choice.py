@@ -264,25 +264,20 @@ def test_an_engine_releases_its_builders_pool_before_its_step_thread_starts(monk
 
     monkeypatch.setattr(async_llm, "release_openmp_pool", record)
     monkeypatch.setattr(batching, "release_openmp_pool", record)
-    eng = build_model_engine(load_model("tiny", seed=0), FCFSScheduler(), num_blocks=32, block_size=8)
-    loop = AsyncLLMEngine(eng, None).start()
-    try:
-        assert len(calls) == 1
-        name, alive = calls[0]
-        assert name == threading.current_thread().name and "grserve-llm-engine" not in alive
-    finally:
-        loop.stop()
     from grserve.config import SchedulerConfig
 
-    core = batching.BatchingCore(lambda reqs: reqs, SchedulerConfig(max_batch_requests=1, max_inflight_batches=1),
-                                 "gr-test")
-    core.start()
-    try:
-        assert len(calls) == 2
-        name, alive = calls[1]
-        assert name == threading.current_thread().name and "gr-test-batcher" not in alive
-    finally:
-        core.stop()
+    eng = build_model_engine(load_model("tiny", seed=0), FCFSScheduler(), num_blocks=32, block_size=8)
+    gr = batching.BatchingCore(lambda reqs: reqs, SchedulerConfig(max_batch_requests=1, max_inflight_batches=1),
+                               "gr-test")
+    for i, (engine, step_thread) in enumerate([(AsyncLLMEngine(eng, None), "grserve-llm-engine"),
+                                               (gr, "gr-test-batcher")]):
+        engine.start()
+        try:
+            assert len(calls) == i + 1
+            name, alive = calls[i]
+            assert name == threading.current_thread().name and step_thread not in alive
+        finally:
+            engine.stop()
 
 
 def test_fewer_threads_are_kept_only_when_a_second_timing_agrees():
