@@ -53,24 +53,44 @@ def torch_threads(n: int | None) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+OPENMP_RUNTIMES = ("libgomp", "libiomp5", "libomp")
+
+
+def torch_openmp_path(paths: Sequence[str], torch_dir: str) -> str | None:
+    """Of the loaded libraries ``paths``, the OpenMP runtime torch's parallel regions run on: one inside torch's
+    package (``torch/lib``, or the ``torch.libs`` beside it that a repaired wheel vendors) or, where torch ships
+    none, one outside every Python package (the system's, which torch then links). Other packages bring their own
+    copies (scikit-learn, libCacheSim: ``<package>.libs/libgomp-<hash>.so``), whose pools are not torch's; None
+    when only such copies are loaded."""
+    def runtime(path: str) -> bool:
+        return os.path.basename(path).startswith(OPENMP_RUNTIMES)
+
+    found = sorted(p for p in set(paths) if runtime(p))
+    torch_dir = os.path.normpath(torch_dir)
+    own = [p for p in found if os.path.normpath(p).startswith((torch_dir + os.sep, torch_dir + ".libs" + os.sep))]
+    if own:
+        return own[0]
+    system = [p for p in found if "-packages" + os.sep not in p]
+    return system[0] if system else None
+
+
 def openmp_runtime():
-    """The OpenMP runtime torch loaded into this process (GNU libgomp, LLVM libomp or Intel libiomp5), as a
-    ``ctypes`` library, or None (no ``/proc/self/maps``: not Linux; none loaded)."""
+    """The OpenMP runtime torch loaded into this process (GNU libgomp, LLVM libomp or Intel libiomp5;
+    :func:`torch_openmp_path`), as a ``ctypes`` library, or None (no ``/proc/self/maps``: not Linux; not found)."""
     import ctypes
 
     try:
         with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "/" in line}
+            paths = [line.split()[-1] for line in maps if "/" in line]
     except OSError:
         return None
-    for name in ("libgomp", "libiomp5", "libomp"):
-        for path in sorted(paths):
-            if os.path.basename(path).startswith(name):
-                try:
-                    return ctypes.CDLL(path)  # the copy already loaded (same path: the same handle)
-                except OSError:
-                    return None
-    return None
+    path = torch_openmp_path(paths, os.path.dirname(torch.__file__))
+    if path is None:
+        return None
+    try:
+        return ctypes.CDLL(path)  # the copy already loaded (same path: the same handle)
+    except OSError:
+        return None
 
 
 def release_openmp_pool() -> bool:

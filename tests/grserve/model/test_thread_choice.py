@@ -259,7 +259,7 @@ def test_an_engine_releases_its_builders_pool_before_its_step_thread_starts(monk
     calls = []
 
     def record():
-        calls.append((threading.current_thread().name, [t.name for t in threading.enumerate()]))
+        calls.append((threading.current_thread().name, threading.enumerate()))
         return True
 
     monkeypatch.setattr(async_llm, "release_openmp_pool", record)
@@ -269,15 +269,32 @@ def test_an_engine_releases_its_builders_pool_before_its_step_thread_starts(monk
     eng = build_model_engine(load_model("tiny", seed=0), FCFSScheduler(), num_blocks=32, block_size=8)
     gr = batching.BatchingCore(lambda reqs: reqs, SchedulerConfig(max_batch_requests=1, max_inflight_batches=1),
                                "gr-test")
-    for i, (engine, step_thread) in enumerate([(AsyncLLMEngine(eng, None), "grserve-llm-engine"),
-                                               (gr, "gr-test-batcher")]):
+    for i, engine in enumerate([AsyncLLMEngine(eng, None), gr]):
         engine.start()
         try:
             assert len(calls) == i + 1
             name, alive = calls[i]
-            assert name == threading.current_thread().name and step_thread not in alive
+            assert name == threading.current_thread().name and engine._thread is not None
+            assert engine._thread not in alive  # the step (batcher) thread did not exist yet
         finally:
             engine.stop()
+
+
+def test_the_released_runtime_is_torchs_not_another_packages_copy():
+    """scikit-learn and libCacheSim vendor their own libgomp (``<package>.libs/libgomp-<hash>.so``), loaded beside
+    torch's: pausing theirs would leave torch's pool alone (a full test run loads them before this module)."""
+    from grserve.model.thread_choice import torch_openmp_path
+
+    site = "/venv/lib/python3.11/site-packages"
+    others = [f"{site}/libcachesim.libs/libgomp-2af01464.so.1.0.0", f"{site}/scikit_learn.libs/libgomp-e985bcbb.so.1.0.0"]
+    libs = [f"{site}/torch/lib/libtorch_cpu.so", f"{site}/numpy.libs/libscipy_openblas64_-ff651d7f.so"]
+    assert torch_openmp_path(others + libs + [f"{site}/torch/lib/libgomp.so.1"], f"{site}/torch") == \
+        f"{site}/torch/lib/libgomp.so.1"
+    assert torch_openmp_path(others + [f"{site}/torch.libs/libgomp-a34b3233.so.1"], f"{site}/torch") == \
+        f"{site}/torch.libs/libgomp-a34b3233.so.1"  # a repaired wheel's vendored copy
+    system = "/usr/lib/x86_64-linux-gnu/libgomp.so.1"  # a torch that ships none links the system's
+    assert torch_openmp_path(others + [system], f"{site}/torch") == system
+    assert torch_openmp_path(others + libs, f"{site}/torch") is None
 
 
 def test_fewer_threads_are_kept_only_when_a_second_timing_agrees():
