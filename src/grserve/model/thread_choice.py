@@ -13,6 +13,7 @@ changes later should pin ``--threads``.
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import time
@@ -106,14 +107,21 @@ def release_openmp_pool() -> bool:
     waits for a worker woken from a futex. Measured (the ``medium`` shape of ``grserve bench peers``, bf16, 2
     threads, one request, 2-vCPU AMD EPYC, docs/llm.md "One OpenMP pool"): 25.5 ms per token on the step thread
     against 18.5 ms after the main thread's pool was released, the same as stepping on the main thread."""
-    lib = openmp_runtime()
-    fn = getattr(lib, "omp_pause_resource_all", None) if lib is not None else None
-    if fn is None:
-        return False
+    fn = _pause_resource_all()
+    return fn is not None and fn(1) == 0  # omp_pause_soft
+
+
+@functools.cache
+def _pause_resource_all():
+    """torch's runtime's ``omp_pause_resource_all`` (found once per process: ``/proc/self/maps`` read, the library
+    opened and the signature set on the first engine start, not on every one), or None."""
     import ctypes
 
-    fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
-    return fn(1) == 0  # omp_pause_soft
+    lib = openmp_runtime()
+    fn = getattr(lib, "omp_pause_resource_all", None) if lib is not None else None
+    if fn is not None:
+        fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+    return fn
 
 
 def usable_cores() -> int:

@@ -250,6 +250,7 @@ def test_an_engine_releases_its_builders_pool_before_its_step_thread_starts(monk
     the engine, on that thread, before the step thread exists."""
     import threading
 
+    from grserve.config import SchedulerConfig
     from grserve.engine import async_llm, batching
     from grserve.engine.async_llm import AsyncLLMEngine
     from grserve.engine.llm import build_model_engine
@@ -264,8 +265,6 @@ def test_an_engine_releases_its_builders_pool_before_its_step_thread_starts(monk
 
     monkeypatch.setattr(async_llm, "release_openmp_pool", record)
     monkeypatch.setattr(batching, "release_openmp_pool", record)
-    from grserve.config import SchedulerConfig
-
     eng = build_model_engine(load_model("tiny", seed=0), FCFSScheduler(), num_blocks=32, block_size=8)
     gr = batching.BatchingCore(lambda reqs: reqs, SchedulerConfig(max_batch_requests=1, max_inflight_batches=1),
                                "gr-test")
