@@ -20,6 +20,12 @@ Issue 24 / target P7. Three parts (``--parts``):
 or AMX; vLLM's CPU backend then runs bf16), float32 elsewhere. At bfloat16 the two engines' greedy texts may part
 (other kernels, other roundings): ``identical_greedy`` is reported, not required.
 
+With ``--decode-compile on|auto`` among ``--grserve-flags``, grserve is first started once per model and dtype,
+untimed, until its compiled decode buckets are all in the Inductor cache (its log says so; the seconds are
+printed and kept as ``compile_warm_s``): on a fresh machine the first start leaves the larger buckets to a
+background thread that would otherwise compile on the second core during round 0's load. Every timed round is
+then a restart with a warm cache; vLLM compiles before it answers /health, so its rounds need no such start.
+
 vLLM lives in its own venv (``--vllm-venv``; ``make vllm-venv`` installs it on first use); it is never a grserve
 dependency. The machine's load average is recorded with every round. The last line is one JSON object.
 """
@@ -144,6 +150,44 @@ def write_models(work: Path, names: list[str], seed: int) -> dict[str, Path]:
             save_pretrained(model, d)
             write_preset_tokenizer(d, model.spec.vocab_size, model.spec.max_position_embeddings)
         out[name] = d.resolve()
+    return out
+
+
+# ---- grserve's compile cache ------------------------------------------------------------------------------------
+COMPILE_WAIT_S = 1800.0  # longest wait for a cold compile of every decode bucket (seven buckets: minutes on 2 cores)
+
+
+def compiles(grserve_flags: str) -> bool:
+    """Whether ``--grserve-flags`` turn the compiled decode step on (``--decode-compile on|auto``)."""
+    words = grserve_flags.replace("=", " ").split()
+    return any(w == "--decode-compile" and i + 1 < len(words) and words[i + 1] in ("on", "auto")
+               for i, w in enumerate(words))
+
+
+def buckets_compiled(log_text: str) -> bool:
+    """A ``serve llm`` log whose decode buckets are all compiled: at start-up (the start line leaves none to the
+    background thread), or the background thread's line that it finished; also true without a compiled step."""
+    start = next((ln for ln in log_text.splitlines() if "decode step compiled" in ln), None)
+    if start is None or "background thread" not in start:
+        return True
+    return "on the background thread in" in log_text
+
+
+def warm_compile_cache(cfg: "PeersBenchConfig", served: dict[str, Path], vllm_bin: Path, work: Path,
+                       dtype: str) -> dict[str, float]:
+    """Start grserve once per model (untimed) and keep it up until its decode buckets are compiled; seconds each."""
+    out: dict[str, float] = {}
+    for name, d in served.items():
+        log = work / f"server-grserve-{name}-{dtype}-compile.log"
+        t0 = time.monotonic()
+        with Server(server_cmd("grserve", d, cfg, vllm_bin, dtype), log, cfg.startup_timeout):
+            deadline = time.monotonic() + COMPILE_WAIT_S
+            while not buckets_compiled(log.read_text(errors="replace")) and time.monotonic() < deadline:
+                time.sleep(2)
+        out[name] = round(time.monotonic() - t0, 1)
+        state = "compiled" if buckets_compiled(log.read_text(errors="replace")) else "NOT all compiled"
+        print(f"peers: grserve {name} {dtype}: decode buckets {state} before the rounds ({out[name]:.1f} s, untimed)",
+              flush=True)
     return out
 
 
@@ -477,6 +521,9 @@ def run(cfg: PeersBenchConfig) -> int:
                     "grserve_flags": cfg.grserve_flags, "vllm_flags": " ".join(VLLM_SERVE_FLAGS)}
     for dtype in dtypes:  # each part's results keyed by dtype
         if "serve" in parts:
+            if compiles(cfg.grserve_flags):
+                result.setdefault("compile_warm_s", {})[dtype] = warm_compile_cache(cfg, served, vllm_bin, work,
+                                                                                    dtype)
             rounds = [serve_round(cfg, served, vllm_bin, r, work, dtype) for r in range(cfg.rounds)]
             result.setdefault("serve", {})[dtype] = summarize_serve(rounds, names, split_commas(cfg.concurrency, int))
             result.setdefault("serve_load", {})[dtype] = [

@@ -38,3 +38,17 @@ def test_both_engines_run_at_the_asked_dtype():
 def test_unknown_dtype_refused():
     with pytest.raises((UsageError, ValueError)):
         peers.PeersBenchConfig(dtype="float16")
+
+
+def test_the_compile_warm_start_runs_only_with_a_compiled_decode_step_and_waits_for_the_background_line():
+    from grserve_bench.peers import buckets_compiled, compiles
+
+    assert compiles("--decode-compile on") and compiles("--threads 1 --decode-compile=auto")
+    assert not compiles("--decode-compile off") and not compiles("") and not compiles("--decode-compile")
+    start = ("grserve: CPU x; decode step compiled (Inductor, row buckets 1,2,4; buckets 1 compiled in 31.9 s at "
+             "start-up; buckets 2,4 compile on a background thread (eager until ready): warm-up budget 60 s)\n")
+    assert not buckets_compiled(start)
+    assert buckets_compiled(start + "grserve: decode compile: buckets 2,4 compiled on the background thread in 74.8 s\n")
+    assert buckets_compiled("grserve: CPU x; decode step compiled (Inductor, row buckets 1,2; buckets 1,2 compiled "
+                            "in 5.0 s at start-up)\n")
+    assert buckets_compiled("grserve: CPU x; decode step eager\n")

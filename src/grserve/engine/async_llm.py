@@ -63,6 +63,11 @@ class _Call:
     future: Future[Any]
 
 
+def _log_line(line: str) -> None:
+    """One line beside the server's start lines (stdout, which ``serve llm``'s engine process shares)."""
+    print(f"grserve: {line}", flush=True)
+
+
 def structured_backend(tok: Any, vocab_size: int) -> Any:
     """Structured output over ``tok``'s vocabulary (``engine/structured.py``; compiled lazily, on the first
     constrained request), or None for an engine without an HF tokenizer."""
@@ -141,6 +146,7 @@ class AsyncLLMEngine:
             core.executor.wide_threads = choice.wide_threads
         dc = getattr(core.executor, "decode_compiled", None)
         if dc is not None:  # --decode-compile: the row buckets compiled now (bounded), not in the first steps
+            dc.on_background_done = _log_line  # the start line says which buckets are left to the background
             dc.warm_up()
         engine = cls(core, tok, model, cfg.edge)
         engine.thread_choice = choice

@@ -32,6 +32,11 @@ Which GEMMs run is chosen by what the CPU can do (``model/cpu_support.py``), sin
   ``screen_max_rows`` = 2 rows; larger passes take the exact fp32 argmax on a oneDNN-packed fp32 copy of the
   head (1.4-2.2x ``F.linear`` at 4-32 rows; measured in docs/llm.md, "On CPUs without fast bf16");
 * no oneDNN, or a GPU: the screen through ``F.linear``.
+
+Where fbgemm runs (x86 with AVX2, ``engine/int8_screen.py``), an int8 screen with its own exact bound is timed
+against the path above at start-up, at 1, 8 and 32 rows (once per head shape per process), and takes the pass
+sizes where it is ``INT8_MIN_SPEEDUP`` x faster (a pass takes the decision of the smallest probe size that holds
+it). The candidates and their exact fp64 check are the same whichever screen found them.
 ``GRSERVE_CPU_ISA=reference`` turns the head off (``ModelExecutor`` then takes the full logits' argmax).
 """
 
@@ -41,19 +46,27 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from grserve.engine.int8_screen import Int8Screen, fbgemm_available
+from grserve.model.dtype_choice import best_time
 from grserve.model.packed_linear import available, pack_weight, packed_matmul
 
 U_BF16 = 2.0 ** -8
 CHUNK = 128  # tokens per chunk of the candidate search (band="chunks")
 SLOW_BF16_SCREEN_ROWS = 2  # without fast bf16: the screen only up to this many rows (docs/llm.md)
 ALL_ROWS = 2 ** 62
+INT8_PROBE_ROWS = (1, 8, 32)  # pass sizes at which the int8 screen is timed against the other path at start-up
+INT8_MIN_SPEEDUP = 1.1  # ... and taken where it is this much faster
+_INT8_TIMED: dict[tuple, dict[int, bool]] = {}
 
 
 class ScreenedGreedyHead:
-    def __init__(self, weight: torch.Tensor, screen_max_rows: int | None = None, band: str = "chunks"):
+    def __init__(self, weight: torch.Tensor, screen_max_rows: int | None = None, band: str = "chunks",
+                 int8: bool | None = None):
         """``screen_max_rows``: passes of more rows take the exact fp32 argmax instead of the screen (None: by
         what the CPU can do, see the module docstring). ``band``: how the candidates are found, ``"chunks"``
-        (chunk maxima) or ``"topk"`` (the reference)."""
+        (chunk maxima) or ``"topk"`` (the reference). ``int8``: the int8 screen (``engine/int8_screen.py``) where
+        fbgemm runs and its check passes: None takes it at the pass sizes where a start-up timing finds it
+        ``INT8_MIN_SPEEDUP`` x faster than the path above, True at every pass size, False never."""
         if band not in ("chunks", "topk"):
             raise ValueError(f"band must be 'chunks' or 'topk', not {band!r}")
         self.band = band
@@ -79,9 +92,62 @@ class ScreenedGreedyHead:
         self.max_row_norm = float(weight.detach().norm(dim=1).max())
         # rows screened; candidates recomputed exactly (≥ 1 per screened row); rows of the exact fp32 path
         self.stats = {"rows": 0, "candidates": 0, "exact_rows": 0}
+        self.int8: Int8Screen | None = None
+        self.int8_at: dict[int, bool] = {}  # probe rows -> the int8 screen runs passes of up to that size
+        self.int8_refused = ""
+        if cpu and int8 is not False and fbgemm_available():
+            self._choose_int8(int8)
+
+    def _choose_int8(self, forced: bool | None) -> None:
+        screen = Int8Screen(self.weight)
+        why = screen.check()
+        if why is not None:
+            self.int8_refused = why
+            return
+        self.int8 = screen
+        if forced:
+            self.int8_at = {r: True for r in INT8_PROBE_ROWS}
+            return
+        key = (*self.weight.shape, self.screen_max_rows, self.weight_lo_packed is not None, torch.get_num_threads())
+        if key in _INT8_TIMED:  # one timing per head shape and path per process (engines are rebuilt in tests)
+            self.int8_at = dict(_INT8_TIMED[key])
+        else:
+            self._time_int8()
+            _INT8_TIMED[key] = dict(self.int8_at)
+        if not any(self.int8_at.values()):
+            self.int8 = None
+
+    def _time_int8(self) -> None:
+        g = torch.Generator().manual_seed(0)
+        with torch.inference_mode():
+            for rows in INT8_PROBE_ROWS:
+                h = torch.randn(rows, self.weight.shape[1], generator=g)
+                self.int8_at[rows] = False
+                base = best_time(lambda h=h: self.argmax(h), 3)
+                self.int8_at[rows] = True
+                fast = best_time(lambda h=h: self.argmax(h), 3)
+                self.int8_at[rows] = base >= INT8_MIN_SPEEDUP * fast
+        self.stats = {"rows": 0, "candidates": 0, "exact_rows": 0}
+
+    def _int8_for(self, rows: int) -> bool:
+        """Whether a pass of ``rows`` rows takes the int8 screen: the decision of the smallest probe size that
+        holds it (the largest for bigger passes)."""
+        if self.int8 is None:
+            return False
+        probe = next((r for r in INT8_PROBE_ROWS if rows <= r), INT8_PROBE_ROWS[-1])
+        return self.int8_at.get(probe, False)
 
     def describe(self) -> str:
         """For the start line: which GEMMs pick the greedy token on this machine."""
+        other = self._describe_other()
+        if self.int8 is None:
+            return other
+        sizes = [r for r in INT8_PROBE_ROWS if self.int8_at.get(r)]
+        if len(sizes) == len(INT8_PROBE_ROWS):
+            return "int8 screen (fbgemm) + exact fp64 check"
+        return f"int8 screen (fbgemm) + exact fp64 check at passes like {sizes} rows, else {other}"
+
+    def _describe_other(self) -> str:
         exact = "fp32 (oneDNN-packed)" if self.weight_packed is not None else "fp32"
         if self.weight_lo_packed is not None:
             return "bf16 screen (oneDNN-packed) + exact fp32 check"
@@ -103,18 +169,21 @@ class ScreenedGreedyHead:
     def argmax(self, hidden: torch.Tensor, k: int = 8) -> torch.Tensor:
         """hidden fp32 [B, d] → int64 [B], the argmax over the vocabulary of ``hidden · Wᵀ``."""
         h = hidden.float()
-        if h.shape[0] > self.screen_max_rows:
+        if self._int8_for(h.shape[0]):
+            lo, bound = self.int8.screen(h)  # type: ignore[union-attr]
+        elif h.shape[0] > self.screen_max_rows:
             return self.exact_argmax(h)
-        hb = h.to(torch.bfloat16)
-        if self.weight_lo_packed is not None:
-            lo = packed_matmul(hb, self.weight_lo_packed)  # [B, V] bf16
         else:
-            lo = F.linear(hb, self.weight_lo)  # [B, V] bf16
+            hb = h.to(torch.bfloat16)
+            if self.weight_lo_packed is not None:
+                lo = packed_matmul(hb, self.weight_lo_packed)  # [B, V] bf16
+            else:
+                lo = F.linear(hb, self.weight_lo)  # [B, V] bf16
+            # |lo_j| ≤ (1 + 3u)·‖h‖·max‖w_j‖ (Cauchy–Schwarz), so the error bound needs no pass over lo
+            hw = h.norm(dim=1) * self.max_row_norm
+            bound = 2.0 * (2.5 * U_BF16 * hw + U_BF16 * (1 + 3 * U_BF16) * hw)
         if lo.shape[1] == 1:  # a one-token vocabulary
             return torch.zeros(h.shape[0], dtype=torch.int64, device=h.device)
-        # |lo_j| ≤ (1 + 3u)·‖h‖·max‖w_j‖ (Cauchy–Schwarz), so the error bound needs no pass over lo
-        hw = h.norm(dim=1) * self.max_row_norm
-        bound = 2.0 * (2.5 * U_BF16 * hw + U_BF16 * (1 + 3 * U_BF16) * hw)
         self.stats["rows"] += h.shape[0]
         if self.band == "topk":
             return self._pick_topk(h, lo, bound, k)

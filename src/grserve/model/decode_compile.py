@@ -277,6 +277,7 @@ class CompiledDecode:
         self.bucket_s: dict[int, float] = {}  # warm_up's seconds per bucket
         self.deferred = ""  # the buckets warm_up left to later, if any
         self.pending: set[int] = set()  # buckets compiling on the background thread (their steps run eager)
+        self.on_background_done = None  # called with one line when the background thread has compiled its buckets
 
     # ---- what runs compiled
     def accepts(self, ctx, n: int) -> bool:
@@ -374,10 +375,15 @@ class CompiledDecode:
         return self.bucket_s[b]
 
     def _compile_later(self, buckets: list[int]) -> None:
+        t0 = time.perf_counter()
         for b in buckets:
             if self.failed is None:
                 self._compile_bucket(b)
             self.pending.discard(b)
+        if self.on_background_done is not None:
+            state = f"failed ({self.failed})" if self.failed is not None else "compiled"
+            self.on_background_done(f"decode compile: buckets {','.join(map(str, buckets))} {state} on the "
+                                    f"background thread in {time.perf_counter() - t0:.1f} s")
 
     def describe(self) -> str:
         if self.failed is not None:

@@ -137,7 +137,7 @@ def test_without_fast_bf16_small_passes_screen_and_large_ones_go_exact(forced_cp
     s = forced_cpu_isa("avx2")
     g = torch.Generator().manual_seed(3)
     w = torch.randn(2000, 48, generator=g) * 0.05
-    head = ScreenedGreedyHead(w)
+    head = ScreenedGreedyHead(w, int8=False)  # the int8 screen: test_int8_screen.py
     assert head.weight_lo_packed is None  # no bf16 reorder: it would raise on such a CPU
     assert (head.weight_packed is not None) == s.onednn and head.screen_max_rows == 2
     assert "no fast bf16" in head.describe()

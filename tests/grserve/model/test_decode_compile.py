@@ -192,12 +192,15 @@ def test_buckets_past_the_warm_up_budget_compile_in_the_background(tiny_model):
     dc.pending = {16}  # as while the thread compiles: that bucket's steps run eager
     assert dc.accepts(ctx, 5) and not dc.accepts(ctx, 12)
     dc.pending = set()
+    lines: list[str] = []
+    dc.on_background_done = lines.append  # serve llm prints it beside its start lines
     dc.warm_up(budget_s=0.0)  # nothing fits: every bucket goes to the thread
     assert "background" in dc.deferred
     deadline = time.monotonic() + 120
-    while dc.pending and time.monotonic() < deadline:
+    while (dc.pending or not lines) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not dc.pending and dc.compiled_buckets == {8, 16} and backend.graphs == 2 and dc.failed is None
+    assert len(lines) == 1 and lines[0].startswith("decode compile: buckets 8,16 compiled on the background thread")
     assert dc.accepts(ctx, 12)
     # torch keeps Dynamo's and Inductor's configs per thread: the compile thread set its own (room for every
     # bucket's graph; kernels compiled in-process), not the defaults (8, a worker pool)
