@@ -42,6 +42,8 @@ it). The candidates and their exact fp64 check are the same whichever screen fou
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -57,6 +59,7 @@ ALL_ROWS = 2 ** 62
 INT8_PROBE_ROWS = (1, 8, 32)  # pass sizes at which the int8 screen is timed against the other path at start-up
 INT8_MIN_SPEEDUP = 1.1  # ... and taken where it is this much faster
 _INT8_TIMED: dict[tuple, dict[int, bool]] = {}
+SCRATCH_ELEMENTS = 2 ** 22  # the exact check's scratch buffers: at most this many elements each (32 MiB of fp64)
 
 
 class ScreenedGreedyHead:
@@ -92,6 +95,7 @@ class ScreenedGreedyHead:
         self.max_row_norm = float(weight.detach().norm(dim=1).max())
         # rows screened; candidates recomputed exactly (≥ 1 per screened row); rows of the exact fp32 path
         self.stats = {"rows": 0, "candidates": 0, "exact_rows": 0}
+        self._scratch = threading.local()  # the exact check's buffers (_exact_dots)
         self.int8: Int8Screen | None = None
         self.int8_at: dict[int, bool] = {}  # probe rows -> the int8 screen runs passes of up to that size
         self.int8_refused = ""
@@ -210,13 +214,34 @@ class ScreenedGreedyHead:
         self.stats["candidates"] += int(cols.numel())
         if cols.numel() == b:  # one candidate per row (a row has at least its maximum): the answers
             return cols
-        exact = (self.weight.index_select(0, cols).double() * h.index_select(0, rows).double()).sum(dim=1)
+        exact = self._exact_dots(h, rows, cols)
         best = torch.full((b,), float("-inf"), dtype=exact.dtype, device=h.device)
         best = best.scatter_reduce(0, rows, exact, "amax")
         win = exact == best[rows]
         # a row without candidates (NaN in h): its screen maximum, as the top-k search would answer
         out = x.view(b, -1).argmax(dim=1)
         return out.scatter_reduce(0, rows[win], cols[win], "amin", include_self=False)
+
+    def _exact_dots(self, h: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        """fp64 ``h[rows_i] · w[cols_i]`` for every candidate i (exact products of fp32 values, one reduction
+        order). On a CPU through scratch buffers kept per thread across passes: fresh [n, d] fp64 temporaries cost
+        a page fault per 4 KiB when first written (≈ 4 µs a candidate at d = 256, most of a pass with ~40
+        candidates per row); the same ops, so the same bits."""
+        n, d = cols.numel(), h.shape[1]
+        if h.device.type != "cpu" or n * d > SCRATCH_ELEMENTS:
+            return (self.weight.index_select(0, cols).double() * h.index_select(0, rows).double()).sum(dim=1)
+        buf = getattr(self._scratch, "bufs", None)
+        if buf is None or buf[0].shape[0] < n or buf[0].shape[1] != d:
+            cap = min(max(n, 2 * (buf[0].shape[0] if buf is not None else 256)), max(n, SCRATCH_ELEMENTS // d))
+            with torch.inference_mode(False):  # normal tensors: written in place in and out of inference mode
+                buf = (torch.empty(cap, d), torch.empty(cap, d, dtype=torch.float64),
+                       torch.empty(cap, d, dtype=torch.float64))
+            self._scratch.bufs = buf
+        w32, w64, h64 = buf[0][:n], buf[1][:n], buf[2][:n]
+        torch.index_select(self.weight, 0, cols, out=w32)
+        w64.copy_(w32)
+        torch.index_select(h.double(), 0, rows, out=h64)
+        return w64.mul_(h64).sum(dim=1)
 
     def _pick_topk(self, h: torch.Tensor, lo: torch.Tensor, bound: torch.Tensor, k: int) -> torch.Tensor:
         """The reference band search: the screen's top k per row (a row scan when the k-th is in the band)."""

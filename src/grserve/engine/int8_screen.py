@@ -10,7 +10,9 @@ That op quantizes its input per *tensor* with parameters it chooses itself, whic
 on its batch and its error unknown. So the input is put on the op's grid first:
 
 1. each row of h is quantized here, symmetric, to integers ``q`` in [−63, 63] with its own scale
-   ``s = max|h| / 63``; ``ĥ = s·q``, and ``‖h − ĥ‖₂`` is computed exactly per row;
+   ``s = max|h| / 63`` (after scaling the row by a power of two to a maximum in [0.5, 1): the screen and its bound
+   are then the row's up to that factor, which moves neither the argmax nor the band); ``ĥ = s·q``, and
+   ``‖h − ĥ‖₂`` is computed per row;
 2. the op sees ``[q, 64, −63]`` in row 0 and ``[q, 0, 0]`` in the others against the weight ``[Ŵ, 0, 0]`` (two zero
    columns), so the tensor's range is [−63, 64] and the op's own parameters are scale 1 and zero point 63
    (``reduce_range``: 127 levels, no ``vpmaddubsw`` saturation): it represents every value exactly, and its output
@@ -18,6 +20,10 @@ on its batch and its error unknown. So the input is put on the op's grid first:
    trial checks this bit for bit and refuses the screen where it does not hold;
 3. ``Ŵ``: the head quantized per output row, symmetric int8 (``q̂w_j = round(w_j / s_w_j)``, ``s_w_j = max|w_j| /
    127``), ``max_j ‖w_j − ŵ_j‖₂`` kept.
+
+``passes=2`` sends each row's residual ``h − ĥ`` through the same call as a second row on its own grid
+(``ĥ = s₁q₁ + s₂q₂``): a ~60x smaller activation term, fewer candidates, twice the op's rows; one pass measured
+faster through the engine (docs/llm.md), so ``PASSES = 1``.
 
 Then ``|h·w_j − lo_j| ≤ ‖h − ĥ‖₂·‖w_j‖₂ + ‖ĥ‖₂·‖w_j − ŵ_j‖₂ + 3·2⁻²⁴·‖ĥ‖₂·‖ŵ_j‖₂`` (Cauchy–Schwarz twice; two
 fp32 roundings of the scaling), bounded with the maxima over j and a factor 2 of slack. Each row's screen and
@@ -39,6 +45,7 @@ Q_MAX = 63          # |q| of the activations: with 64 as the grid's top the op's
 W_MAX = 127         # |q̂w| of the weights (symmetric int8; never -128)
 U_FP32 = 2.0 ** -24
 SLACK = 2.0
+PASSES = 1  # 2: each row's residual as a second row of the same call (a ~60x smaller activation term)
 
 
 @functools.cache
@@ -59,7 +66,11 @@ def fbgemm_available() -> bool:
 class Int8Screen:
     """``screen(h) -> (lo fp32 [B, V], bound fp32 [B])`` with ``|lo_j − h·w_j| ≤ bound`` for every finite row."""
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, passes: int | None = None):
+        passes = PASSES if passes is None else passes
+        if passes not in (1, 2):
+            raise ValueError(f"passes must be 1 or 2, not {passes}")
+        self.passes = passes
         w = weight.detach().float()
         n, self.k = w.shape
         with torch.inference_mode(), warnings.catch_warnings():
@@ -79,15 +90,19 @@ class Int8Screen:
             self.w_scale = qt.q_per_channel_scales().float()
 
     def _grid(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """h's rows on the op's grid in two passes: (q [2B, K] integers in [−63, 63]: the rows, then their
-        residuals; s [2B] their scales; ĥ [B, K] = s₁·q₁ + s₂·q₂)."""
+        """h's rows on the op's grid: (q [P·B, K] integers in [−63, 63]: the rows, then (two passes) their
+        residuals; s [P·B] their scales; ĥ [B, K] = Σ s·q over the passes)."""
         tiny = torch.finfo(torch.float32).tiny
-        s1 = h.abs().amax(dim=1).clamp_min(tiny) / Q_MAX
-        q1 = torch.round(h / s1[:, None]).clamp_(-Q_MAX, Q_MAX)
-        r = h - q1 * s1[:, None]
-        s2 = r.abs().amax(dim=1).clamp_min(tiny) / Q_MAX
-        q2 = torch.round(r / s2[:, None]).clamp_(-Q_MAX, Q_MAX)
-        return torch.cat([q1, q2]), torch.cat([s1, s2]), q1 * s1[:, None] + q2 * s2[:, None]
+        qs, ss, hq, r = [], [], torch.zeros_like(h), h
+        for _ in range(self.passes):
+            s = r.abs().amax(dim=1).clamp_min(tiny) / Q_MAX
+            q = torch.round(r / s[:, None]).clamp_(-Q_MAX, Q_MAX)
+            part = q * s[:, None]
+            hq += part
+            r = r - part
+            qs.append(q)
+            ss.append(s)
+        return torch.cat(qs), torch.cat(ss), hq
 
     def screen(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         b = h.shape[0]
@@ -96,17 +111,22 @@ class Int8Screen:
         finite = torch.isfinite(h).all(dim=1)
         if not bool(finite.all()):
             h = h.masked_fill(~finite[:, None], 0.0)
+        # each row scaled by a power of two to a maximum in [0.5, 1) (exact; the argmax and the candidates do not
+        # change): no scale or product of the screen is subnormal, so the fp32 term of the bound holds
+        h = torch.ldexp(h, -torch.frexp(h.abs().amax(dim=1, keepdim=True)).exponent)
         q, s, hq = self._grid(h)
-        x = torch.zeros(2 * b, self.k + 2)
+        x = torch.zeros(self.passes * b, self.k + 2)
         x[:, :self.k] = q
         x[0, self.k], x[0, self.k + 1] = Q_MAX + 1, -Q_MAX
         out = torch.ops.quantized.linear_dynamic(x, self.packed, True)
         out.mul_(s[:, None])
-        lo = out[:b].add_(out[b:])
+        lo = out[:b]
         parts = (q * s[:, None]).norm(dim=1)
+        for p in range(1, self.passes):
+            lo.add_(out[p * b:(p + 1) * b])
         err = (h - hq).norm(dim=1)
         bound = SLACK * (err * self.max_row_norm + hq.norm(dim=1) * self.max_err_norm
-                         + 4 * U_FP32 * (parts[:b] + parts[b:]) * self.max_dq_norm)
+                         + 4 * U_FP32 * parts.view(self.passes, b).sum(dim=0) * self.max_dq_norm)
         if not bool(finite.all()):
             lo[~finite] = float("nan")
             bound[~finite] = float("nan")
@@ -121,11 +141,13 @@ class Int8Screen:
                 lo, _ = self.screen(h)
         except Exception as exc:  # noqa: BLE001 -- any failure: not on this CPU/build
             return f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
-        q, sc, _ = self._grid(h)
+        q, sc, _ = self._grid(torch.ldexp(h, -torch.frexp(h.abs().amax(dim=1, keepdim=True)).exponent))
         assert self.qw is not None, "check() runs once"
         sums = (q.double() @ self.qw.double().T).float()  # exact integers, exactly representable
         out = (sums * self.w_scale[None, :]) * sc[:, None]
-        want = out[:5] + out[5:]
+        want = out[:5]
+        for p in range(1, self.passes):
+            want = want + out[5 * p:5 * (p + 1)]
         if not torch.equal(lo, want):
             return "fbgemm's dynamic linear did not return the exact integer sums on the grid"
         self.qw = None  # only the check reads it

@@ -307,3 +307,28 @@ def test_first_max_is_max_with_the_lowest_index(dtype):
         assert torch.equal(first_max(rows, vals), rows.max(dim=1).indices)
     one = torch.randn(5, 1).to(dtype)
     assert first_max(one, one.amax(dim=1)).tolist() == [0] * 5
+
+
+def test_the_exact_check_through_scratch_buffers_gives_the_fresh_temporaries_bits():
+    """``_exact_dots`` reuses per-thread buffers (no page faults per pass): the same bits as fp64 temporaries, as
+    they grow, in and out of inference mode, and past their size cap."""
+    from grserve.engine import greedy_head as gh
+
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(700, 40, generator=g)
+    head = ScreenedGreedyHead(w, int8=False)
+    h = torch.randn(6, 40, generator=g)
+    for n, mode in ((5, False), (300, True), (40, False), (2000, True)):
+        rows = torch.randint(0, 6, (n,), generator=g)
+        cols = torch.randint(0, 700, (n,), generator=g)
+        want = (w.index_select(0, cols).double() * h.index_select(0, rows).double()).sum(dim=1)
+        with torch.inference_mode(mode):
+            got = head._exact_dots(h, rows, cols)
+        assert torch.equal(got, want)
+    assert head._scratch.bufs[0].shape[0] >= 2000
+    old = gh.SCRATCH_ELEMENTS
+    try:
+        gh.SCRATCH_ELEMENTS = 10  # past the cap: fresh temporaries
+        assert torch.equal(head._exact_dots(h, rows, cols), want)
+    finally:
+        gh.SCRATCH_ELEMENTS = old

@@ -26,18 +26,37 @@ def _rows(g, b, d, spread=3.0):
 
 
 @needs_fbgemm
-def test_the_op_returns_the_integer_sums_bit_for_bit_and_the_bound_holds():
+@pytest.mark.parametrize("passes", [1, 2])
+def test_the_op_returns_the_integer_sums_bit_for_bit_and_the_bound_holds(passes):
     g = torch.Generator().manual_seed(0)
     w = torch.randn(3000, 96, generator=g) * 0.05
     w[7] *= 40  # one large row: its own scale
-    screen = Int8Screen(w)
+    screen = Int8Screen(w, passes=passes)
     assert screen.check() is None  # bit for bit against the integer sums (int8_screen.check)
     for b in (1, 2, 5, 33):
         h = _rows(g, b, 96)
         lo, bound = screen.screen(h)
-        err = (lo.double() - _exact(h, w)).abs().amax(dim=1)
+        hs = torch.ldexp(h, -torch.frexp(h.abs().amax(dim=1, keepdim=True)).exponent)  # as the screen scales rows
+        err = (lo.double() - _exact(hs, w)).abs().amax(dim=1)
         assert bool((err <= bound.double()).all())
         assert bool((bound > 0).all())
+
+
+@needs_fbgemm
+@pytest.mark.parametrize("scale", [1e-36, 1e-20, 1e20, 1e36])
+def test_rows_at_extreme_magnitudes_keep_the_exact_argmax(scale):
+    """A row is screened at a power-of-two multiple of itself (no subnormal scales or products), so rows near the
+    ends of fp32's range keep the exact argmax."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(2500, 48, generator=g) * 0.05
+    head = ScreenedGreedyHead(w, int8=True)
+    h = torch.randn(12, 48, generator=g) * scale
+    h[0] = w[9] * scale * 3
+    assert torch.equal(head.argmax(h), _exact(h, w).argmax(dim=1))
+    screen = head.int8
+    lo, bound = screen.screen(h)
+    hs = torch.ldexp(h, -torch.frexp(h.abs().amax(dim=1, keepdim=True)).exponent)
+    assert bool(((lo.double() - _exact(hs, w)).abs().amax(dim=1) <= bound.double()).all())
 
 
 @needs_fbgemm
