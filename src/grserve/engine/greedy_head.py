@@ -36,13 +36,17 @@ Which GEMMs run is chosen by what the CPU can do (``model/cpu_support.py``), sin
 Where fbgemm runs (x86 with AVX2, ``engine/int8_screen.py``), an int8 screen with its own exact bound is timed
 against the path above at start-up, at 1, 8 and 32 rows (once per head shape per process), and takes the pass
 sizes where it is ``INT8_MIN_SPEEDUP`` x faster (a pass takes the decision of the smallest probe size that holds
-it). The candidates and their exact fp64 check are the same whichever screen found them.
+it); a pass size whose int8 passes then run slower than the other path did at start-up goes back to it
+(``_watch``: flat logits leave many candidates, which random rows do not show). The candidates and their exact
+fp64 check are the same whichever screen found them.
 ``GRSERVE_CPU_ISA=reference`` turns the head off (``ModelExecutor`` then takes the full logits' argmax).
 """
 
 from __future__ import annotations
 
 import threading
+import time
+from collections import deque
 
 import numpy as np
 import torch
@@ -58,6 +62,7 @@ SLOW_BF16_SCREEN_ROWS = 2  # without fast bf16: the screen only up to this many 
 ALL_ROWS = 2 ** 62
 INT8_PROBE_ROWS = (1, 8, 32)  # pass sizes at which the int8 screen is timed against the other path at start-up
 INT8_MIN_SPEEDUP = 1.1  # ... and taken where it is this much faster
+INT8_WATCH, INT8_STRIKES = 16, 8  # ... and dropped where 8 of the last 16 passes were slower than the other path
 _INT8_TIMED: dict[tuple, dict[int, bool]] = {}
 SCRATCH_ELEMENTS = 2 ** 22  # the exact check's scratch buffers: at most this many elements each (32 MiB of fp64)
 
@@ -98,6 +103,8 @@ class ScreenedGreedyHead:
         self._scratch = threading.local()  # the exact check's buffers (_exact_dots)
         self.int8: Int8Screen | None = None
         self.int8_at: dict[int, bool] = {}  # probe rows -> the int8 screen runs passes of up to that size
+        self.int8_base: dict[int, float] = {}  # probe rows -> the other path's start-up time (seconds)
+        self._strikes: dict[int, deque] = {}  # probe rows -> recent int8 passes slower than that (_watch)
         self.int8_refused = ""
         if cpu and int8 is not False and fbgemm_available():
             self._choose_int8(int8)
@@ -114,10 +121,10 @@ class ScreenedGreedyHead:
             return
         key = (*self.weight.shape, self.screen_max_rows, self.weight_lo_packed is not None, torch.get_num_threads())
         if key in _INT8_TIMED:  # one timing per head shape and path per process (engines are rebuilt in tests)
-            self.int8_at = dict(_INT8_TIMED[key])
+            self.int8_at, self.int8_base = (dict(x) for x in _INT8_TIMED[key])
         else:
             self._time_int8()
-            _INT8_TIMED[key] = dict(self.int8_at)
+            _INT8_TIMED[key] = (dict(self.int8_at), dict(self.int8_base))
         if not any(self.int8_at.values()):
             self.int8 = None
 
@@ -131,15 +138,34 @@ class ScreenedGreedyHead:
                 self.int8_at[rows] = True
                 fast = best_time(lambda h=h: self.argmax(h), 3)
                 self.int8_at[rows] = base >= INT8_MIN_SPEEDUP * fast
+                self.int8_base[rows] = base
         self.stats = {"rows": 0, "candidates": 0, "exact_rows": 0}
 
-    def _int8_for(self, rows: int) -> bool:
-        """Whether a pass of ``rows`` rows takes the int8 screen: the decision of the smallest probe size that
-        holds it (the largest for bigger passes)."""
+    def _int8_probe(self, rows: int) -> int | None:
+        """The probe size whose decision a pass of ``rows`` rows takes (the smallest that holds it, the largest
+        for bigger passes) when that decision is the int8 screen; None otherwise."""
         if self.int8 is None:
-            return False
+            return None
         probe = next((r for r in INT8_PROBE_ROWS if rows <= r), INT8_PROBE_ROWS[-1])
-        return self.int8_at.get(probe, False)
+        return probe if self.int8_at.get(probe, False) else None
+
+    def _int8_for(self, rows: int) -> bool:
+        return self._int8_probe(rows) is not None
+
+    def _watch(self, probe: int, seconds: float) -> None:
+        """The start-up timing ran on random rows, whose screens leave few candidates; a model with flat logits
+        leaves many (docs/llm.md: ~190 a row on the medium shape's random weights), and their exact check can
+        cost more than the screen saves. A pass size whose int8 passes take longer than the other path took at
+        start-up for the probe's (larger or equal) row count in ``INT8_STRIKES`` of the last ``INT8_WATCH`` goes
+        back to the other path, for good."""
+        base = self.int8_base.get(probe)
+        if base is None:  # forced on (int8=True): not watched
+            return
+        seen = self._strikes.setdefault(probe, deque(maxlen=INT8_WATCH))
+        seen.append(seconds > base)
+        if len(seen) == INT8_WATCH and sum(seen) >= INT8_STRIKES:
+            self.int8_at[probe] = False
+            self.stats["int8_dropped"] = self.stats.get("int8_dropped", 0) + 1
 
     def describe(self) -> str:
         """For the start line: which GEMMs pick the greedy token on this machine."""
@@ -173,7 +199,16 @@ class ScreenedGreedyHead:
     def argmax(self, hidden: torch.Tensor, k: int = 8) -> torch.Tensor:
         """hidden fp32 [B, d] → int64 [B], the argmax over the vocabulary of ``hidden · Wᵀ``."""
         h = hidden.float()
-        if self._int8_for(h.shape[0]):
+        probe = self._int8_probe(h.shape[0])
+        if probe is None:
+            return self._argmax(h, k, False)
+        t0 = time.perf_counter()
+        out = self._argmax(h, k, True)
+        self._watch(probe, time.perf_counter() - t0)
+        return out
+
+    def _argmax(self, h: torch.Tensor, k: int, int8: bool) -> torch.Tensor:
+        if int8:
             lo, bound = self.int8.screen(h)  # type: ignore[union-attr]
         elif h.shape[0] > self.screen_max_rows:
             return self.exact_argmax(h)

@@ -27,7 +27,7 @@ def test_matches_fp32_argmax_random(seed, scale, packed):
     v, d = 3000, 64
     w = torch.randn(v, d, generator=g) * 0.05 * scale
     h = torch.randn(17, d, generator=g) * scale
-    head = ScreenedGreedyHead(w, screen_max_rows=ALL_ROWS)
+    head = ScreenedGreedyHead(w, screen_max_rows=ALL_ROWS, int8=False)
     if not packed:
         head.weight_lo_packed = None
     elif head.weight_lo_packed is None:
@@ -45,7 +45,7 @@ def test_near_ties_below_bf16_resolution():
         best = int(_ref(h[r:r + 1], w))
         j = (best + 1 + r) % v
         w[j] = w[best] * (1 + (1e-6 if r % 2 else -1e-6))
-    head = ScreenedGreedyHead(w, screen_max_rows=ALL_ROWS)
+    head = ScreenedGreedyHead(w, screen_max_rows=ALL_ROWS, int8=False)
     got, want = head.argmax(h), _ref(h, w)
     assert torch.equal(got, want)
     assert head.stats["candidates"] > head.stats["rows"]  # the near-ties did go to the exact pass
@@ -57,7 +57,7 @@ def test_exact_ties_take_the_lowest_index_and_wide_bands_scan_the_row():
     w[:, 0] = 1.0  # 40 identical rows: every logit equal, a band far wider than the top k
     h = torch.randn(3, d)
     h[:, 0] = 2.0
-    head = ScreenedGreedyHead(w, screen_max_rows=ALL_ROWS)
+    head = ScreenedGreedyHead(w, screen_max_rows=ALL_ROWS, int8=False)
     assert head.argmax(h).tolist() == [0, 0, 0] == _ref(h, w).tolist()
     assert head.stats["candidates"] == 3 * 40
 
@@ -108,7 +108,7 @@ def test_screen_order_flips_are_caught_by_the_bound():
     h = torch.tensor([[1.0, 1.0]])
     lo = F.linear(h.to(torch.bfloat16), w.to(torch.bfloat16)).float()
     assert int(lo.argmax()) == 3  # the screen alone is wrong
-    head = ScreenedGreedyHead(w)
+    head = ScreenedGreedyHead(w, int8=False)  # the bf16 screen's bound (the int8 one: test_int8_screen.py)
     assert int(head.argmax(h)) == 7 == int(_ref(h, w))
 
 
@@ -119,7 +119,7 @@ def test_exact_path_matches_fp32_argmax(packed):
     g = torch.Generator().manual_seed(7)
     w = torch.randn(3000, 64, generator=g) * 0.05
     h = torch.randn(33, 64, generator=g)
-    head = ScreenedGreedyHead(w, screen_max_rows=0)
+    head = ScreenedGreedyHead(w, screen_max_rows=0, int8=False)
     if packed and head.weight_packed is None:
         if not cs.cpu_support().onednn:
             pytest.skip("no oneDNN fp32 matmul here")
@@ -130,7 +130,7 @@ def test_exact_path_matches_fp32_argmax(packed):
     assert head.stats["exact_rows"] == 33 and head.stats["rows"] == 0
     w2 = torch.zeros(40, 8)
     w2[:, 0] = 1.0
-    assert ScreenedGreedyHead(w2, screen_max_rows=0).argmax(torch.ones(3, 8)).tolist() == [0, 0, 0]
+    assert ScreenedGreedyHead(w2, screen_max_rows=0, int8=False).argmax(torch.ones(3, 8)).tolist() == [0, 0, 0]
 
 
 def test_without_fast_bf16_small_passes_screen_and_large_ones_go_exact(forced_cpu_isa):
@@ -186,7 +186,7 @@ def test_chunk_band_equals_topk_band_and_fp32_argmax(seed, vocab):
         if j != int(best[r]):
             w[j] = w[best[r]] * (1.0 if r % 4 == 0 else 1 + 1e-6)
     want = _ref(h, w)
-    heads = {band: ScreenedGreedyHead(w, screen_max_rows=ALL_ROWS, band=band) for band in ("chunks", "topk")}
+    heads = {band: ScreenedGreedyHead(w, screen_max_rows=ALL_ROWS, band=band, int8=False) for band in ("chunks", "topk")}
     for head in heads.values():
         head.weight_lo_packed = None if seed % 2 else head.weight_lo_packed  # both screens
         assert torch.equal(head.argmax(h), want)
@@ -201,7 +201,7 @@ def test_chunk_band_ties_across_chunks_take_the_lowest_id():
         w[j] = torch.tensor([1.0] + [0.0] * (d - 1))
     h = torch.zeros(3, d)
     h[:, 0] = 1.0
-    head = ScreenedGreedyHead(w, screen_max_rows=ALL_ROWS)
+    head = ScreenedGreedyHead(w, screen_max_rows=ALL_ROWS, int8=False)
     assert head.argmax(h).tolist() == [130, 130, 130] == _ref(h, w).tolist()
     assert head.stats["candidates"] == 3 * 3  # each row's band: the three ties, recomputed exactly
 

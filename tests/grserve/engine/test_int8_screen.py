@@ -152,3 +152,26 @@ def test_reference_level_has_no_int8_screen(forced_cpu_isa):
     assert not fbgemm_available()
     w = torch.randn(300, 16)
     assert ScreenedGreedyHead(w, int8=True).int8 is None
+
+
+@needs_fbgemm
+def test_a_pass_size_whose_int8_passes_run_slower_than_the_other_path_goes_back_to_it(monkeypatch):
+    """The start-up timing's random rows can hide a model whose flat logits leave many candidates: a pass size
+    whose int8 passes keep taking longer than the other path did at start-up is dropped; tokens stay exact."""
+    monkeypatch.setattr(gh, "_INT8_TIMED", {})
+
+    def timed(self):
+        self.int8_at = {1: True, 8: True, 32: True}
+        self.int8_base = {1: 10.0, 8: 1e-9, 32: 10.0}  # the other path "took" 1 ns at 8 rows: int8 always slower
+
+    monkeypatch.setattr(ScreenedGreedyHead, "_time_int8", timed)
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(900, 32, generator=g) * 0.05
+    head = ScreenedGreedyHead(w)
+    for i in range(gh.INT8_WATCH + 2):
+        assert head._int8_for(6) == (i < gh.INT8_WATCH)
+        h = torch.randn(6, 32, generator=g)
+        assert torch.equal(head.argmax(h), _exact(h, w).argmax(dim=1))
+    h = torch.randn(1, 32, generator=g)
+    assert torch.equal(head.argmax(h), _exact(h, w).argmax(dim=1))
+    assert not head._int8_for(6) and head._int8_for(1) and head.stats["int8_dropped"] == 1
