@@ -63,7 +63,7 @@ ALL_ROWS = 2 ** 62
 INT8_PROBE_ROWS = (1, 8, 32)  # pass sizes at which the int8 screen is timed against the other path at start-up
 INT8_MIN_SPEEDUP = 1.1  # ... and taken where it is this much faster
 INT8_WATCH, INT8_STRIKES = 16, 8  # ... and dropped where 8 of the last 16 passes were slower than the other path
-_INT8_TIMED: dict[tuple, dict[int, bool]] = {}
+_INT8_TIMED: dict[tuple, tuple[dict[int, bool], dict[int, float]]] = {}  # key -> (int8_at, int8_base)
 SCRATCH_ELEMENTS = 2 ** 22  # the exact check's scratch buffers: at most this many elements each (32 MiB of fp64)
 
 
