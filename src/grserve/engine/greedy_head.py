@@ -33,7 +33,7 @@ Which GEMMs run is chosen by what the CPU can do (``model/cpu_support.py``), sin
   head (1.4-2.2x ``F.linear`` at 4-32 rows; measured in docs/llm.md, "On CPUs without fast bf16");
 * no oneDNN, or a GPU: the screen through ``F.linear``.
 
-Where fbgemm runs (x86 with AVX2, ``engine/int8_screen.py``), an int8 screen with its own exact bound is timed
+Where fbgemm runs (x86 with AVX2, ``model/int8_screen.py``), an int8 screen with its own exact bound is timed
 against the path above at start-up, at 1, 8 and 32 rows (once per head shape per process), and takes the pass
 sizes where it is ``INT8_MIN_SPEEDUP`` x faster (a pass takes the decision of the smallest probe size that holds
 it); a pass size whose int8 passes then run slower than the other path did at start-up goes back to it
@@ -52,7 +52,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from grserve.engine.int8_screen import Int8Screen, fbgemm_available
+from grserve.model.int8_screen import Int8Screen, fbgemm_available
 from grserve.model.dtype_choice import best_time
 from grserve.model.packed_linear import available, pack_weight, packed_matmul
 
@@ -72,7 +72,7 @@ class ScreenedGreedyHead:
                  int8: bool | None = None):
         """``screen_max_rows``: passes of more rows take the exact fp32 argmax instead of the screen (None: by
         what the CPU can do, see the module docstring). ``band``: how the candidates are found, ``"chunks"``
-        (chunk maxima) or ``"topk"`` (the reference). ``int8``: the int8 screen (``engine/int8_screen.py``) where
+        (chunk maxima) or ``"topk"`` (the reference). ``int8``: the int8 screen (``model/int8_screen.py``) where
         fbgemm runs and its check passes: None takes it at the pass sizes where a start-up timing finds it
         ``INT8_MIN_SPEEDUP`` x faster than the path above, True at every pass size, False never."""
         if band not in ("chunks", "topk"):

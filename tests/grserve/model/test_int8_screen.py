@@ -1,4 +1,4 @@
-"""The int8 screen of the LM head (engine/int8_screen.py): fbgemm's dynamic linear returns the exact integer sums
+"""The int8 screen of the LM head (model/int8_screen.py): fbgemm's dynamic linear returns the exact integer sums
 on the grid, the bound holds on every finite row, and the screened greedy head through it is the exact argmax,
 row by row whatever shares the pass."""
 
@@ -9,7 +9,7 @@ import torch
 
 from grserve.engine import greedy_head as gh
 from grserve.engine.greedy_head import ScreenedGreedyHead
-from grserve.engine.int8_screen import Int8Screen, fbgemm_available
+from grserve.model.int8_screen import Int8Screen, fbgemm_available
 
 needs_fbgemm = pytest.mark.skipif(not fbgemm_available(), reason="no fbgemm quantized engine on this CPU/build")
 
