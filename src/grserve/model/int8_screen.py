@@ -18,8 +18,8 @@ on its batch and its error unknown. So the input is put on the op's grid first:
    (``reduce_range``: 127 levels, no ``vpmaddubsw`` saturation): it represents every value exactly, and its output
    is ``fl(s_w_j · Σ_i q_i·q̂w_ji)`` (integer sums below 2²⁴: exact in fp32), ``lo_j = fl(s · out_j)``; a start-up
    trial checks this bit for bit and refuses the screen where it does not hold;
-3. ``Ŵ``: the head quantized per output row, symmetric int8 (``q̂w_j = round(w_j / s_w_j)``, ``s_w_j = max|w_j| /
-   127``), ``max_j ‖w_j − ŵ_j‖₂`` kept.
+3. ``Ŵ``: the head quantized per output row, symmetric int8 (``quantized_linear.quantize_int8_rows``: ``q̂w_j =
+   round(w_j / s_w_j)``, ``s_w_j = max|w_j| / 127``), ``max_j ‖w_j − ŵ_j‖₂`` kept.
 
 Two passes (``PASSES``): each row's residual ``h − ĥ`` goes through the same call as a second row on its own grid
 (``ĥ = s₁q₁ + s₂q₂``): a ~60x smaller activation term for twice the op's rows. One pass (``passes=1``) is faster
@@ -41,9 +41,9 @@ import warnings
 import torch
 
 from grserve.model.cpu_support import cpu_support
+from grserve.model.quantized_linear import quantize_int8_rows
 
 Q_MAX = 63          # |q| of the activations: with 64 as the grid's top the op's range is [-63, 64], 127 levels
-W_MAX = 127         # |q̂w| of the weights (symmetric int8; never -128)
 U_FP32 = 2.0 ** -24
 SLACK = 2.0
 PASSES = 2  # each row's residual as a second row of the same call (a ~60x smaller activation term); 1: one row
@@ -64,6 +64,12 @@ def fbgemm_available() -> bool:
     return cpu_support().fast_paths and _fbgemm_engine()
 
 
+def unit_rows(h: torch.Tensor) -> torch.Tensor:
+    """Each row scaled by a power of two to a maximum in [0.5, 1) (exact: the argmax and the candidates do not
+    change), so no scale or product of the screen is subnormal and the fp32 term of the bound holds."""
+    return torch.ldexp(h, -torch.frexp(h.abs().amax(dim=1, keepdim=True)).exponent)
+
+
 class Int8Screen:
     """``screen(h) -> (lo fp32 [B, V], bound fp32 [B])`` with ``|lo_j − h·w_j| ≤ bound`` for every finite row."""
 
@@ -76,18 +82,18 @@ class Int8Screen:
         n, self.k = w.shape
         with torch.inference_mode(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # quantized tensor constructors are deprecated (the op is not)
-            scale = (w.abs().amax(dim=1) / W_MAX).clamp_min(torch.finfo(torch.float32).tiny)
-            qw = torch.round(w / scale[:, None]).clamp_(-W_MAX, W_MAX)
+            q8, scale = quantize_int8_rows(w)  # the projections' int8 quantizer: symmetric per row, |q| <= 127
+            qw, scale = q8.float(), scale.view(-1)
             dq = qw * scale[:, None]
             self.max_row_norm = float(w.norm(dim=1).max())
             self.max_dq_norm = float(dq.norm(dim=1).max())
             self.max_err_norm = float((w.double() - (qw.double() * scale.double()[:, None])).norm(dim=1).max())
             grid = torch.cat([dq, dq.new_zeros(n, 2)], dim=1)
             qt = torch.quantize_per_channel(grid, scale.double(), torch.zeros(n, dtype=torch.long), 0, torch.qint8)
-            if not torch.equal(qt.int_repr()[:, :self.k], qw.to(torch.int8)):
+            if not torch.equal(qt.int_repr()[:, :self.k], q8):
                 raise RuntimeError("the per-channel quantizer did not reproduce the int8 head")
             self.packed = torch.ops.quantized.linear_prepack(qt, None)
-            self.qw: torch.Tensor | None = qw.to(torch.int8)  # the check's reference, dropped after it
+            self.qw: torch.Tensor | None = q8  # the check's reference, dropped after it
             self.w_scale = qt.q_per_channel_scales().float()
 
     def _grid(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -110,11 +116,10 @@ class Int8Screen:
         if b == 0:
             return h.new_empty((0, self.w_scale.shape[0])), h.new_empty((0,))
         finite = torch.isfinite(h).all(dim=1)
-        if not bool(finite.all()):
+        all_finite = bool(finite.all())
+        if not all_finite:
             h = h.masked_fill(~finite[:, None], 0.0)
-        # each row scaled by a power of two to a maximum in [0.5, 1) (exact; the argmax and the candidates do not
-        # change): no scale or product of the screen is subnormal, so the fp32 term of the bound holds
-        h = torch.ldexp(h, -torch.frexp(h.abs().amax(dim=1, keepdim=True)).exponent)
+        h = unit_rows(h)
         q, s, hq = self._grid(h)
         x = torch.zeros(self.passes * b, self.k + 2)
         x[:, :self.k] = q
@@ -128,7 +133,7 @@ class Int8Screen:
         err = (h - hq).norm(dim=1)
         bound = SLACK * (err * self.max_row_norm + hq.norm(dim=1) * self.max_err_norm
                          + 4 * U_FP32 * parts.view(self.passes, b).sum(dim=0) * self.max_dq_norm)
-        if not bool(finite.all()):
+        if not all_finite:
             lo[~finite] = float("nan")
             bound[~finite] = float("nan")
         return lo, bound
@@ -142,7 +147,7 @@ class Int8Screen:
                 lo, _ = self.screen(h)
         except Exception as exc:  # noqa: BLE001 -- any failure: not on this CPU/build
             return f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
-        q, sc, _ = self._grid(torch.ldexp(h, -torch.frexp(h.abs().amax(dim=1, keepdim=True)).exponent))
+        q, sc, _ = self._grid(unit_rows(h))
         assert self.qw is not None, "check() runs once"
         sums = (q.double() @ self.qw.double().T).float()  # exact integers, exactly representable
         out = (sums * self.w_scale[None, :]) * sc[:, None]
