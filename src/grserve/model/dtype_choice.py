@@ -69,11 +69,14 @@ def _time_linear(x: torch.Tensor, w: torch.Tensor, packed: bool) -> float:
     return best_time(call)
 
 
-def best_time(call, repeats: int = TRIAL_REPEATS) -> float:
-    """The best wall time of ``repeats`` calls of ``call()``, after one call for kernel selection and caches."""
+def best_time(call, repeats: int = TRIAL_REPEATS, before=None) -> float:
+    """The best wall time of ``repeats`` calls of ``call()``, after one call for kernel selection and caches;
+    ``before()``, where given, runs untimed before each timed call."""
     call()
     best = float("inf")
     for _ in range(repeats):
+        if before is not None:
+            before()
         t = time.perf_counter()
         call()
         best = min(best, time.perf_counter() - t)

@@ -193,6 +193,26 @@ def test_chunk_band_equals_topk_band_and_fp32_argmax(seed, vocab):
     assert heads["chunks"].stats["rows"] == heads["topk"].stats["rows"] == 12
 
 
+@pytest.mark.parametrize("nan_row", [0, 3, 5])
+def test_a_row_without_candidates_beside_rows_with_several(nan_row):
+    """A NaN row has no candidates (its band's floor is NaN): the chunk band answers it with its screen row's
+    ``argmax`` (all NaN: id 0, the sampler's answer for NaN logits), whatever the other rows of the pass need (one
+    candidate, several, exact ties); the other rows are the fp32 argmax."""
+    g = torch.Generator().manual_seed(nan_row)
+    d, vocab = 16, 1000
+    w = torch.randn(vocab, d, generator=g) * 0.1
+    h = torch.randn(6, d, generator=g)
+    best = _ref(h, w)
+    w[(int(best[1]) + 300) % vocab] = w[best[1]]  # row 1: an exact tie in another chunk (several candidates)
+    want = _ref(h, w)
+    h[nan_row, 2] = float("nan")
+    head = ScreenedGreedyHead(w, screen_max_rows=ALL_ROWS, int8=False)
+    got = head.argmax(h)
+    keep = [r for r in range(6) if r != nan_row]
+    assert torch.equal(got[keep], want[keep]) and int(got[nan_row]) == 0
+    assert head.stats["candidates"] > 5  # row 1 had two
+
+
 def test_chunk_band_ties_across_chunks_take_the_lowest_id():
     d = 8
     w = torch.zeros(1000, d)

@@ -155,6 +155,27 @@ def test_reference_level_has_no_int8_screen(forced_cpu_isa):
 
 
 @needs_fbgemm
+def test_a_burst_of_slow_passes_does_not_drop_a_pass_size(monkeypatch):
+    """A busy moment of the machine (fewer than ``INT8_STRIKES`` slow passes of the last ``INT8_WATCH``) keeps
+    the int8 screen; a steady majority of slow passes drops it."""
+    monkeypatch.setattr(gh, "_INT8_TIMED", {})
+
+    def timed(self):
+        self.int8_at = {1: True, 8: True, 32: True}
+        self.int8_base = {1: 1.0, 8: 1.0, 32: 1.0}
+
+    monkeypatch.setattr(ScreenedGreedyHead, "_time_int8", timed)
+    head = ScreenedGreedyHead(torch.randn(300, 16) * 0.05)
+    slow = [2.0] * (gh.INT8_STRIKES - 1) + [0.5] * (gh.INT8_WATCH - gh.INT8_STRIKES + 1)
+    for seconds in slow * 3:  # a burst at every window position
+        head._watch(8, seconds)
+    assert head._int8_for(8) and "int8_dropped" not in head.stats
+    for _ in range(gh.INT8_STRIKES):
+        head._watch(8, 2.0)
+    assert not head._int8_for(8) and head._int8_for(1) and head.stats["int8_dropped"] == 1
+
+
+@needs_fbgemm
 def test_a_pass_size_whose_int8_passes_run_slower_than_the_other_path_goes_back_to_it(monkeypatch):
     """The start-up timing's random rows can hide a model whose flat logits leave many candidates: a pass size
     whose int8 passes keep taking longer than the other path did at start-up is dropped; tokens stay exact."""
