@@ -135,7 +135,7 @@ class ScreenedGreedyHead:
         back instead, the int8 head (a quarter of the fp32 head's bytes) stays in a 32 MB L3 and the start-up
         times were optimistic for it, which the watch below then compared the int8 passes of real steps to."""
         g = torch.Generator().manual_seed(0)
-        other = torch.zeros(EVICT_BYTES // 4)
+        other = torch.zeros(min(EVICT_BYTES, 16 * self.weight.numel() * 4) // 4)  # (a small head: less)
         with torch.inference_mode():
             for rows in INT8_PROBE_ROWS:
                 h = torch.randn(rows, self.weight.shape[1], generator=g)
