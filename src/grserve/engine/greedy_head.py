@@ -253,7 +253,8 @@ class ScreenedGreedyHead:
         p, j = torch.nonzero(x[row, chunk] >= floor[row, None], as_tuple=True)
         rows, cols = row[p], chunk[p] * CHUNK + j  # the candidates, by row then id
         self.stats["candidates"] += int(cols.numel())
-        if cols.numel() == b:  # one candidate per row (a row has at least its maximum): the answers
+        per_row = torch.bincount(rows, minlength=b)  # 0 only for a row without candidates (NaN in h)
+        if bool((per_row == 1).all()):  # one candidate per row: the answers
             return cols
         exact = self._exact_dots(h, rows, cols)
         best = torch.full((b,), float("-inf"), dtype=exact.dtype, device=h.device)
@@ -261,8 +262,7 @@ class ScreenedGreedyHead:
         win = exact == best[rows]
         out = torch.zeros(b, dtype=torch.int64, device=h.device).scatter_reduce(0, rows[win], cols[win], "amin",
                                                                                    include_self=False)
-        bare = torch.ones(b, dtype=torch.bool, device=h.device)
-        bare[rows] = False
+        bare = per_row == 0
         if bool(bare.any()):  # a row without candidates (NaN in h): its screen row's argmax (all NaN: id 0, the
             # sampler's answer for NaN logits); only there: argmax over [B, V] costs ~1 ms at 32 x 32k rows
             out[bare] = x.view(b, -1)[bare].argmax(dim=1)

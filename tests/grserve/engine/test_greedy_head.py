@@ -213,6 +213,25 @@ def test_a_row_without_candidates_beside_rows_with_several(nan_row):
     assert head.stats["candidates"] > 5  # row 1 had two
 
 
+@pytest.mark.parametrize("band", ["chunks", "topk"])
+def test_a_nan_row_does_not_move_another_rows_token(band):
+    """A NaN row (no candidates) beside a row with two (an exact tie) and a row with one: as many candidates as
+    rows, which once passed for "one candidate per row" and handed the tied row's second candidate to the next
+    row. Each finite row keeps its own answer (the tie's lowest id), whatever the NaN row gets."""
+    w = torch.randn(1000, 16, generator=torch.Generator().manual_seed(0)) * 0.001
+    w[5, 0] = w[7, 0] = 1.0
+    w[9, 1] = 1.0
+    h = torch.zeros(3, 16)
+    h[0, 2] = float("nan")
+    h[1, 0] = 1.0
+    h[2, 1] = 1.0
+    head = ScreenedGreedyHead(w, screen_max_rows=ALL_ROWS, band=band, int8=False)
+    got = head.argmax(h)
+    assert got[1:].tolist() == [5, 9]
+    if band == "chunks":
+        assert int(got[0]) == 0  # its screen row's argmax: all NaN
+
+
 def test_chunk_band_ties_across_chunks_take_the_lowest_id():
     d = 8
     w = torch.zeros(1000, d)
