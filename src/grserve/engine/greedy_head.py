@@ -136,13 +136,17 @@ class ScreenedGreedyHead:
         times were optimistic for it, which the watch below then compared the int8 passes of real steps to."""
         g = torch.Generator().manual_seed(0)
         other = torch.zeros(min(EVICT_BYTES, 16 * self.weight.numel() * 4) // 4)  # (a small head: less)
+
+        def evict() -> None:
+            other.add_(1.0)
+
         with torch.inference_mode():
             for rows in INT8_PROBE_ROWS:
                 h = torch.randn(rows, self.weight.shape[1], generator=g)
                 self.int8_at[rows] = False
-                base = best_time(lambda h=h: self.argmax(h), 3, before=lambda: other.add_(1.0))
+                base = best_time(lambda h=h: self.argmax(h), 3, before=evict)
                 self.int8_at[rows] = True
-                fast = best_time(lambda h=h: self.argmax(h), 3, before=lambda: other.add_(1.0))
+                fast = best_time(lambda h=h: self.argmax(h), 3, before=evict)
                 self.int8_at[rows] = base >= INT8_MIN_SPEEDUP * fast
                 self.int8_base[rows] = base
         self.stats = {"rows": 0, "candidates": 0, "exact_rows": 0}
@@ -154,9 +158,6 @@ class ScreenedGreedyHead:
             return None
         probe = next((r for r in INT8_PROBE_ROWS if rows <= r), INT8_PROBE_ROWS[-1])
         return probe if self.int8_at.get(probe, False) else None
-
-    def _int8_for(self, rows: int) -> bool:
-        return self._int8_probe(rows) is not None
 
     def _watch(self, probe: int, seconds: float) -> None:
         """The start-up timing ran on random rows, whose screens leave few candidates; a model with flat logits

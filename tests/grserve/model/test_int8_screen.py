@@ -136,7 +136,7 @@ def test_the_timed_choice_is_per_pass_size_and_taken_once_per_shape(monkeypatch)
     g = torch.Generator().manual_seed(4)
     w = torch.randn(800, 32, generator=g) * 0.05
     head = ScreenedGreedyHead(w)
-    assert [head._int8_for(r) for r in (1, 2, 8, 9, 64)] == [True, False, False, False, False]
+    assert [head._int8_probe(r) is not None for r in (1, 2, 8, 9, 64)] == [True, False, False, False, False]
     assert "at passes like [1] rows" in head.describe()
     ScreenedGreedyHead(w)
     assert len(calls) == 1  # the second head of the shape reuses the timing
@@ -169,10 +169,10 @@ def test_a_burst_of_slow_passes_does_not_drop_a_pass_size(monkeypatch):
     slow = [2.0] * (gh.INT8_STRIKES - 1) + [0.5] * (gh.INT8_WATCH - gh.INT8_STRIKES + 1)
     for seconds in slow * 3:  # a burst at every window position
         head._watch(8, seconds)
-    assert head._int8_for(8) and "int8_dropped" not in head.stats
+    assert head._int8_probe(8) is not None and "int8_dropped" not in head.stats
     for _ in range(gh.INT8_STRIKES):
         head._watch(8, 2.0)
-    assert not head._int8_for(8) and head._int8_for(1) and head.stats["int8_dropped"] == 1
+    assert head._int8_probe(8) is None and head._int8_probe(1) is not None and head.stats["int8_dropped"] == 1
 
 
 @needs_fbgemm
@@ -190,9 +190,9 @@ def test_a_pass_size_whose_int8_passes_run_slower_than_the_other_path_goes_back_
     w = torch.randn(900, 32, generator=g) * 0.05
     head = ScreenedGreedyHead(w)
     for i in range(gh.INT8_WATCH + 2):
-        assert head._int8_for(6) == (i < gh.INT8_WATCH)
+        assert (head._int8_probe(6) is not None) == (i < gh.INT8_WATCH)
         h = torch.randn(6, 32, generator=g)
         assert torch.equal(head.argmax(h), _exact(h, w).argmax(dim=1))
     h = torch.randn(1, 32, generator=g)
     assert torch.equal(head.argmax(h), _exact(h, w).argmax(dim=1))
-    assert not head._int8_for(6) and head._int8_for(1) and head.stats["int8_dropped"] == 1
+    assert head._int8_probe(6) is None and head._int8_probe(1) is not None and head.stats["int8_dropped"] == 1
