@@ -36,9 +36,15 @@ Which GEMMs run is chosen by what the CPU can do (``model/cpu_support.py``), sin
 Where fbgemm runs (x86 with AVX2, ``model/int8_screen.py``), an int8 screen with its own exact bound is timed
 against the path above at start-up, at 1, 8 and 32 rows (once per head shape per process), and takes the pass
 sizes where it is ``INT8_MIN_SPEEDUP`` x faster (a pass takes the decision of the smallest probe size that holds
-it); a pass size whose int8 passes then run slower than the other path did at start-up goes back to it
-(``_watch``: flat logits leave many candidates, which random rows do not show). The candidates and their exact
-fp64 check are the same whichever screen found them.
+it); a pass size whose int8 passes then run ``INT8_SLOW`` x slower than the other path did at start-up goes back to
+it (``_watch``: flat logits leave many candidates, which random rows do not show). Where the start-up timing finds it
+faster (the op compute-bound: 8 rows and more on an AVX2 CPU) the int8 screen starts with one grid per row, not
+two (``Int8Screen.screen(h, passes=1)``: half the op's rows, a wider band). Before the exact check the pass's
+candidates are counted (``_pick_chunks``'s ``limit``): where checking them would cost more than screening again
+with two grids (one grid) or than the other path (two grids), at the exact check's own start-up rate per element,
+the pass is screened again with two grids or goes to the other path; a pass size where that happened in
+``WIDE_AFTER`` of its last ``WIDE_WATCH`` passes starts with two grids, or leaves the int8 screen, from then on
+(``_seen``). The candidates and their exact fp64 check are the same whichever screen found them.
 ``GRSERVE_CPU_ISA=reference`` turns the head off (``ModelExecutor`` then takes the full logits' argmax).
 """
 
@@ -62,9 +68,14 @@ SLOW_BF16_SCREEN_ROWS = 2  # without fast bf16: the screen only up to this many 
 ALL_ROWS = 2 ** 62
 INT8_PROBE_ROWS = (1, 8, 32)  # pass sizes at which the int8 screen is timed against the other path at start-up
 INT8_MIN_SPEEDUP = 1.1  # ... and taken where it is this much faster
-INT8_WATCH, INT8_STRIKES = 64, 48  # ... and dropped where 48 of the last 64 passes were slower than the other path
+INT8_WATCH, INT8_STRIKES = 64, 48  # ... and dropped where 48 of the last 64 passes were slow:
+INT8_SLOW = 1.5  # ... over 1.5x the other path's start-up time (a served step runs beside a front end and client)
 EVICT_BYTES = 64 << 20  # ... each call timed after this much other data went through the caches (_time_int8)
-_INT8_TIMED: dict[tuple, tuple[dict[int, bool], dict[int, float]]] = {}  # key -> (int8_at, int8_base)
+ONE_GRID_MIN_SPEEDUP = 1.1  # the int8 screen's one-grid pass where start-up finds it this much faster than two
+WIDE_WATCH, WIDE_AFTER = 16, 4  # a pass size whose bands were too wide in 4 of its last 16: two grids / other path
+REFINE_SHARE = 256  # untimed (int8=True): a one-grid band of more than 1/256 of the screen's entries: two grids
+_INT8_TIMED: dict[tuple, dict] = {}  # key -> the timed attributes (_TIMED_ATTRS)
+_TIMED_ATTRS = ("int8_at", "int8_base", "int8_grids", "int8_two_grid_time", "dot_seconds")
 SCRATCH_ELEMENTS = 2 ** 22  # the exact check's scratch buffers: at most this many elements each (32 MiB of fp64)
 
 
@@ -105,7 +116,11 @@ class ScreenedGreedyHead:
         self.int8: Int8Screen | None = None
         self.int8_at: dict[int, bool] = {}  # probe rows -> the int8 screen runs passes of up to that size
         self.int8_base: dict[int, float] = {}  # probe rows -> the other path's start-up time (seconds)
+        self.int8_grids: dict[int, int] = {}  # probe rows -> grids per row the int8 screen starts with (1 or 2)
+        self.int8_two_grid_time: dict[int, float] = {}  # probe rows -> the two-grid int8 screen's start-up time
+        self.dot_seconds: float | None = None  # the exact check's start-up time per element (candidates × d)
         self._strikes: dict[int, deque] = {}  # probe rows -> recent int8 passes slower than that (_watch)
+        self._wide: dict[tuple[int, int], deque] = {}  # (probe rows, grids) -> recent bands too wide (_seen)
         self.int8_refused = ""
         if cpu and int8 is not False and fbgemm_available():
             self._choose_int8(int8)
@@ -117,15 +132,19 @@ class ScreenedGreedyHead:
             self.int8_refused = why
             return
         self.int8 = screen
-        if forced:
+        if forced:  # every pass size, one grid first (the path with the most branches)
             self.int8_at = {r: True for r in INT8_PROBE_ROWS}
+            self.int8_grids = {r: 1 for r in INT8_PROBE_ROWS}
             return
         key = (*self.weight.shape, self.screen_max_rows, self.weight_lo_packed is not None, torch.get_num_threads())
         if key in _INT8_TIMED:  # one timing per head shape and path per process (engines are rebuilt in tests)
-            self.int8_at, self.int8_base = (dict(x) for x in _INT8_TIMED[key])
+            for name in _TIMED_ATTRS:
+                value = _INT8_TIMED[key][name]
+                setattr(self, name, dict(value) if isinstance(value, dict) else value)
         else:
             self._time_int8()
-            _INT8_TIMED[key] = (dict(self.int8_at), dict(self.int8_base))
+            _INT8_TIMED[key] = {name: (dict(getattr(self, name)) if isinstance(getattr(self, name), dict)
+                                       else getattr(self, name)) for name in _TIMED_ATTRS}
         if not any(self.int8_at.values()):
             self.int8 = None
 
@@ -133,7 +152,10 @@ class ScreenedGreedyHead:
         """Each path timed as a decode step meets it: the caches refilled by ``EVICT_BYTES`` of other data before
         every timed call (the step's other weights and K/V pass through them between two heads). Timed back to
         back instead, the int8 head (a quarter of the fp32 head's bytes) stays in a 32 MB L3 and the start-up
-        times were optimistic for it, which the watch below then compared the int8 passes of real steps to."""
+        times were optimistic for it, which the watch below then compared the int8 passes of real steps to. The
+        int8 screen is timed with one grid and with two; the one-grid pass is taken where it is
+        ``ONE_GRID_MIN_SPEEDUP`` x faster (random rows leave few candidates either way). The exact check is timed
+        per element, for the limits of ``_dots_limit``."""
         g = torch.Generator().manual_seed(0)
         other = torch.zeros(min(EVICT_BYTES, 16 * self.weight.numel() * 4) // 4)  # (a small head: less)
 
@@ -146,10 +168,23 @@ class ScreenedGreedyHead:
                 self.int8_at[rows] = False
                 base = best_time(lambda h=h: self.argmax(h), 3, before=evict)
                 self.int8_at[rows] = True
-                fast = best_time(lambda h=h: self.argmax(h), 3, before=evict)
-                self.int8_at[rows] = base >= INT8_MIN_SPEEDUP * fast
+                took = {}
+                for grids in (2, 1):
+                    self.int8_grids[rows] = grids
+                    took[grids] = best_time(lambda h=h: self.argmax(h), 3, before=evict)
+                grids = 1 if took[2] >= ONE_GRID_MIN_SPEEDUP * took[1] else 2
+                self.int8_grids[rows] = grids
+                self.int8_at[rows] = base >= INT8_MIN_SPEEDUP * took[grids]
                 self.int8_base[rows] = base
+                self.int8_two_grid_time[rows] = took[2]
+            v, d = self.weight.shape
+            n = max(1, min(4096, SCRATCH_ELEMENTS // d))
+            h = torch.randn(INT8_PROBE_ROWS[-1], d, generator=g)
+            at = torch.randint(0, h.shape[0], (n,), generator=g).sort().values  # candidates by row, as a pass's
+            cols = torch.randint(0, v, (n,), generator=g)
+            self.dot_seconds = best_time(lambda: self._exact_dots(h, at, cols), 3, before=evict) / (n * d)
         self.stats = {"rows": 0, "candidates": 0, "exact_rows": 0}
+        self._wide.clear()
 
     def _int8_probe(self, rows: int) -> int | None:
         """The probe size whose decision a pass of ``rows`` rows takes (the smallest that holds it, the largest
@@ -162,17 +197,44 @@ class ScreenedGreedyHead:
     def _watch(self, probe: int, seconds: float) -> None:
         """The start-up timing ran on random rows, whose screens leave few candidates; a model with flat logits
         leaves many (docs/llm.md: ~190 a row on the medium shape's random weights), and their exact check can
-        cost more than the screen saves. A pass size whose int8 passes take longer than the other path took at
-        start-up for the probe's (larger or equal) row count in ``INT8_STRIKES`` of the last ``INT8_WATCH`` goes
-        back to the other path, for good."""
+        cost more than the screen saves (``_dots_limit`` catches that before the check; this is the last resort).
+        A pass size whose int8 passes take longer than ``INT8_SLOW`` x what the other path took at start-up for
+        the probe's (larger or equal) row count in ``INT8_STRIKES`` of the last ``INT8_WATCH`` goes back to the
+        other path, for good. The margin: start-up times are best cases on a quiet process, and a served step
+        shares caches and memory bandwidth with the front end and the client; without it a served tiny model
+        dropped the one-grid screen at 32 rows (its passes ~10 ms against a 9.8 ms start-up time for the packed
+        fp32 head, which took 11.1 ms a pass there itself)."""
         base = self.int8_base.get(probe)
         if base is None:  # forced on (int8=True): not watched
             return
         seen = self._strikes.setdefault(probe, deque(maxlen=INT8_WATCH))
-        seen.append(seconds > base)
+        seen.append(seconds > INT8_SLOW * base)
         if len(seen) == INT8_WATCH and sum(seen) >= INT8_STRIKES:
             self.int8_at[probe] = False
             self.stats["int8_dropped"] = self.stats.get("int8_dropped", 0) + 1
+
+    def _seen(self, probe: int, grids: int, wide: bool) -> bool:
+        """Notes whether a pass's band with ``grids`` grids was too wide for its exact check; True when that was
+        so in ``WIDE_AFTER`` of the pass size's last ``WIDE_WATCH`` passes (a model whose logits are flat then
+        pays a wasted screen only a few times)."""
+        seen = self._wide.setdefault((probe, grids), deque(maxlen=WIDE_WATCH))
+        seen.append(wide)
+        if sum(seen) < WIDE_AFTER:
+            return False
+        seen.clear()
+        return True
+
+    def _dots_limit(self, probe: int, grids: int, h: torch.Tensor, v: int) -> int:
+        """The most candidates a pass screened with ``grids`` grids sends to the exact check: what the check may
+        cost at its start-up rate per element is what screening again with two grids (from one) or the other
+        path (from two) took at start-up for the probe size, and its elements fit the scratch buffers. Untimed
+        (``int8=True``): ``1/REFINE_SHARE`` of the screen's entries from one grid, the buffers from two."""
+        b, d = h.shape
+        cap = SCRATCH_ELEMENTS // d
+        spend = (self.int8_two_grid_time if grids == 1 else self.int8_base).get(probe)
+        if self.dot_seconds is None or spend is None:
+            return max(b, min(cap, b * v // REFINE_SHARE)) if grids == 1 else max(b, cap)
+        return max(b, min(cap, int(spend / (self.dot_seconds * d))))
 
     def describe(self) -> str:
         """For the start line: which GEMMs pick the greedy token on this machine."""
@@ -180,9 +242,12 @@ class ScreenedGreedyHead:
         if self.int8 is None:
             return other
         sizes = [r for r in INT8_PROBE_ROWS if self.int8_at.get(r)]
+        one = [r for r in sizes if self.int8_grids.get(r) == 1]
+        grids = f"; one grid per row at passes like {one} rows, two where its band is wide" if one else ""
+        screen = f"int8 screen (fbgemm{grids}) + exact fp64 check"
         if len(sizes) == len(INT8_PROBE_ROWS):
-            return "int8 screen (fbgemm) + exact fp64 check"
-        return f"int8 screen (fbgemm) + exact fp64 check at passes like {sizes} rows, else {other}"
+            return screen
+        return f"{screen} at passes like {sizes} rows, else {other}"
 
     def _describe_other(self) -> str:
         exact = "fp32 (oneDNN-packed)" if self.weight_packed is not None else "fp32"
@@ -208,38 +273,69 @@ class ScreenedGreedyHead:
         h = hidden.float()
         probe = self._int8_probe(h.shape[0])
         if probe is None:
-            return self._argmax(h, k, False)
+            return self._argmax(h, k)
         t0 = time.perf_counter()
-        out = self._argmax(h, k, True)
+        out = self._argmax_int8(h, k, probe)
         self._watch(probe, time.perf_counter() - t0)
         return out
 
-    def _argmax(self, h: torch.Tensor, k: int, int8: bool) -> torch.Tensor:
-        if int8:
-            lo, bound = self.int8.screen(h)  # type: ignore[union-attr]
-        elif h.shape[0] > self.screen_max_rows:
+    def _argmax(self, h: torch.Tensor, k: int) -> torch.Tensor:
+        if h.shape[0] > self.screen_max_rows:
             return self.exact_argmax(h)
+        hb = h.to(torch.bfloat16)
+        if self.weight_lo_packed is not None:
+            lo = packed_matmul(hb, self.weight_lo_packed)  # [B, V] bf16
         else:
-            hb = h.to(torch.bfloat16)
-            if self.weight_lo_packed is not None:
-                lo = packed_matmul(hb, self.weight_lo_packed)  # [B, V] bf16
-            else:
-                lo = F.linear(hb, self.weight_lo)  # [B, V] bf16
-            # |lo_j| ≤ (1 + 3u)·‖h‖·max‖w_j‖ (Cauchy–Schwarz), so the error bound needs no pass over lo
-            hw = h.norm(dim=1) * self.max_row_norm
-            bound = 2.0 * (2.5 * U_BF16 * hw + U_BF16 * (1 + 3 * U_BF16) * hw)
+            lo = F.linear(hb, self.weight_lo)  # [B, V] bf16
+        # |lo_j| ≤ (1 + 3u)·‖h‖·max‖w_j‖ (Cauchy–Schwarz), so the error bound needs no pass over lo
+        hw = h.norm(dim=1) * self.max_row_norm
+        bound = 2.0 * (2.5 * U_BF16 * hw + U_BF16 * (1 + 3 * U_BF16) * hw)
+        return self._pick(h, lo, bound, k)
+
+    def _argmax_int8(self, h: torch.Tensor, k: int, probe: int) -> torch.Tensor:
+        """The int8 screen with the probe size's grids per row. A band too wide for its exact check
+        (``_dots_limit``): from one grid the pass is screened again with two, from two it takes the other path;
+        a pass size where that keeps happening starts with two grids, or leaves the int8 screen (``_seen``)."""
+        assert self.int8 is not None
+        v = self.weight.shape[0]
+        grids = self.int8_grids.get(probe, 2)
+        lo, bound = self.int8.screen(h, grids)
+        out = self._pick(h, lo, bound, k, self._dots_limit(probe, grids, h, v))
+        if grids == 1:
+            if self._seen(probe, 1, out is None):
+                self.int8_grids[probe] = 2
+                self.stats["int8_to_two_grids"] = self.stats.get("int8_to_two_grids", 0) + 1
+            if out is not None:
+                return out
+            self.stats["int8_rescreened"] = self.stats.get("int8_rescreened", 0) + 1
+            lo, bound = self.int8.screen(h, 2)
+            out = self._pick(h, lo, bound, k, self._dots_limit(probe, 2, h, v))
+        if self._seen(probe, 2, out is None) and probe in self.int8_base:  # (int8=True: every pass size, kept)
+            self.int8_at[probe] = False
+            self.stats["int8_dropped"] = self.stats.get("int8_dropped", 0) + 1
+        if out is not None:
+            return out
+        self.stats["int8_too_wide"] = self.stats.get("int8_too_wide", 0) + 1
+        return self._argmax(h, k)
+
+    def _pick(self, h: torch.Tensor, lo: torch.Tensor, bound: torch.Tensor, k: int,
+              limit: int | None = None) -> torch.Tensor | None:
+        """The tokens from a screen and its bound (None: more than ``limit`` candidates, chunk band only)."""
         if lo.shape[1] == 1:  # a one-token vocabulary
             return torch.zeros(h.shape[0], dtype=torch.int64, device=h.device)
-        self.stats["rows"] += h.shape[0]
-        if self.band == "topk":
-            return self._pick_topk(h, lo, bound, k)
-        return self._pick_chunks(h, lo, bound)
+        out = self._pick_topk(h, lo, bound, k) if self.band == "topk" else self._pick_chunks(h, lo, bound, limit)
+        if out is not None:
+            self.stats["rows"] += h.shape[0]
+        return out
 
-    def _pick_chunks(self, h: torch.Tensor, lo: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+    def _pick_chunks(self, h: torch.Tensor, lo: torch.Tensor, bound: torch.Tensor,
+                     limit: int | None = None) -> torch.Tensor | None:
         """The band from the screen's per-chunk maxima, for every row at once: the (row, chunk) pairs whose chunk
         maximum is in the row's band, the tokens of those chunks in the band; a row with one such token has its
         answer, rows with more get their candidates' exact logits (fp64, as ``_best``) and the largest, the
-        lowest id on ties (segment max and min over the flat candidate list: no per-row Python)."""
+        lowest id on ties (segment max and min over the flat candidate list: no per-row Python). With ``limit``:
+        None as soon as the pass has more candidates than that (the chunks in the band count first: each holds at
+        least one)."""
         b, v = lo.shape
         c = -(-v // CHUNK)
         if c * CHUNK == v:
@@ -251,7 +347,11 @@ class ScreenedGreedyHead:
         cmax = x.amax(dim=2)  # [B, C]
         floor = cmax.amax(dim=1) - 2.0 * bound  # [B]
         row, chunk = torch.nonzero(cmax >= floor[:, None], as_tuple=True)  # row-major: rows ascending
+        if limit is not None and row.numel() > limit:
+            return None
         p, j = torch.nonzero(x[row, chunk] >= floor[row, None], as_tuple=True)
+        if limit is not None and p.numel() > limit:
+            return None
         rows, cols = row[p], chunk[p] * CHUNK + j  # the candidates, by row then id
         self.stats["candidates"] += int(cols.numel())
         per_row = torch.bincount(rows, minlength=b)  # 0 only for a row without candidates (NaN in h)

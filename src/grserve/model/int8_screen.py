@@ -21,10 +21,11 @@ on its batch and its error unknown. So the input is put on the op's grid first:
 3. ``Ŵ``: the head quantized per output row, symmetric int8 (``quantized_linear.quantize_int8_rows``: ``q̂w_j =
    round(w_j / s_w_j)``, ``s_w_j = max|w_j| / 127``), ``max_j ‖w_j − ŵ_j‖₂`` kept.
 
-Two passes (``PASSES``): each row's residual ``h − ĥ`` goes through the same call as a second row on its own grid
-(``ĥ = s₁q₁ + s₂q₂``): a ~60x smaller activation term for twice the op's rows. One pass (``passes=1``) is faster
-where logits are peaked, but flat ones let thousands of candidates per row through (docs/llm.md: 11,000 per row
-on the medium shape's random weights, a 141 ms head).
+Two passes (``screen(h, passes=2)``): each row's residual ``h − ĥ`` goes through the same call as a second row on
+its own grid (``ĥ = s₁q₁ + s₂q₂``): a ~60x smaller activation term for twice the op's rows. One pass is faster
+where the op is compute-bound (8 rows and more) and the logits are peaked, but flat ones let thousands of
+candidates per row through (docs/llm.md: 11,000 per row on the medium shape's random weights, a 141 ms head); the
+greedy head screens such a pass again with two (``engine/greedy_head.py``).
 
 Then ``|h·w_j − lo_j| ≤ ‖h − ĥ‖₂·‖w_j‖₂ + ‖ĥ‖₂·‖w_j − ŵ_j‖₂ + 3·2⁻²⁴·‖ĥ‖₂·‖ŵ_j‖₂`` (Cauchy–Schwarz twice; two
 fp32 roundings of the scaling), bounded with the maxima over j and a factor 2 of slack. Each row's screen and
@@ -46,7 +47,7 @@ from grserve.model.quantized_linear import quantize_int8_rows
 Q_MAX = 63          # |q| of the activations: with 64 as the grid's top the op's range is [-63, 64], 127 levels
 U_FP32 = 2.0 ** -24
 SLACK = 2.0
-PASSES = 2  # each row's residual as a second row of the same call (a ~60x smaller activation term); 1: one row
+PASSES = 2  # the default: each row's residual as a second row of the same call (a ~60x smaller activation term)
 
 
 @functools.cache
@@ -74,10 +75,8 @@ class Int8Screen:
     """``screen(h) -> (lo fp32 [B, V], bound fp32 [B])`` with ``|lo_j − h·w_j| ≤ bound`` for every finite row."""
 
     def __init__(self, weight: torch.Tensor, passes: int | None = None):
-        passes = PASSES if passes is None else passes
-        if passes not in (1, 2):
-            raise ValueError(f"passes must be 1 or 2, not {passes}")
-        self.passes = passes
+        """``passes``: what ``screen`` runs when not told (1 or 2; default ``PASSES``)."""
+        self.passes = _passes(PASSES if passes is None else passes)
         w = weight.detach().float()
         n, self.k = w.shape
         with torch.inference_mode(), warnings.catch_warnings():
@@ -96,12 +95,12 @@ class Int8Screen:
             self.qw: torch.Tensor | None = q8  # the check's reference, dropped after it
             self.w_scale = qt.q_per_channel_scales().float()
 
-    def _grid(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _grid(self, h: torch.Tensor, passes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """h's rows on the op's grid: (q [P·B, K] integers in [−63, 63]: the rows, then (two passes) their
         residuals; s [P·B] their scales; ĥ [B, K] = Σ s·q over the passes)."""
         tiny = torch.finfo(torch.float32).tiny
         qs, ss, hq, r = [], [], torch.zeros_like(h), h
-        for _ in range(self.passes):
+        for _ in range(passes):
             s = r.abs().amax(dim=1).clamp_min(tiny) / Q_MAX
             q = torch.round(r / s[:, None]).clamp_(-Q_MAX, Q_MAX)
             part = q * s[:, None]
@@ -111,7 +110,8 @@ class Int8Screen:
             ss.append(s)
         return torch.cat(qs), torch.cat(ss), hq
 
-    def screen(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def screen(self, h: torch.Tensor, passes: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        passes = self.passes if passes is None else _passes(passes)
         b = h.shape[0]
         if b == 0:
             return h.new_empty((0, self.w_scale.shape[0])), h.new_empty((0,))
@@ -120,41 +120,49 @@ class Int8Screen:
         if not all_finite:
             h = h.masked_fill(~finite[:, None], 0.0)
         h = unit_rows(h)
-        q, s, hq = self._grid(h)
-        x = torch.zeros(self.passes * b, self.k + 2)
+        q, s, hq = self._grid(h, passes)
+        x = torch.zeros(passes * b, self.k + 2)
         x[:, :self.k] = q
         x[0, self.k], x[0, self.k + 1] = Q_MAX + 1, -Q_MAX
         out = torch.ops.quantized.linear_dynamic(x, self.packed, True)
         out.mul_(s[:, None])
         lo = out[:b]
         parts = (q * s[:, None]).norm(dim=1)
-        for p in range(1, self.passes):
+        for p in range(1, passes):
             lo.add_(out[p * b:(p + 1) * b])
         err = (h - hq).norm(dim=1)
         bound = SLACK * (err * self.max_row_norm + hq.norm(dim=1) * self.max_err_norm
-                         + 4 * U_FP32 * parts.view(self.passes, b).sum(dim=0) * self.max_dq_norm)
+                         + 4 * U_FP32 * parts.view(passes, b).sum(dim=0) * self.max_dq_norm)
         if not all_finite:
             lo[~finite] = float("nan")
             bound[~finite] = float("nan")
         return lo, bound
 
     def check(self) -> str | None:
-        """The op's output against the integer sums it must equal bit for bit; None when it does, else why not."""
+        """The op's output against the integer sums it must equal bit for bit, with one pass and with two; None
+        when it does, else why not."""
         g = torch.Generator().manual_seed(0)
         h = torch.randn(5, self.k, generator=g) * 3
-        try:
-            with torch.inference_mode():
-                lo, _ = self.screen(h)
-        except Exception as exc:  # noqa: BLE001 -- any failure: not on this CPU/build
-            return f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
-        q, sc, _ = self._grid(unit_rows(h))
         assert self.qw is not None, "check() runs once"
-        sums = (q.double() @ self.qw.double().T).float()  # exact integers, exactly representable
-        out = (sums * self.w_scale[None, :]) * sc[:, None]
-        want = out[:5]
-        for p in range(1, self.passes):
-            want = want + out[5 * p:5 * (p + 1)]
-        if not torch.equal(lo, want):
-            return "fbgemm's dynamic linear did not return the exact integer sums on the grid"
+        for passes in (1, 2):
+            try:
+                with torch.inference_mode():
+                    lo, _ = self.screen(h, passes)
+            except Exception as exc:  # noqa: BLE001 -- any failure: not on this CPU/build
+                return f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+            q, sc, _ = self._grid(unit_rows(h), passes)
+            sums = (q.double() @ self.qw.double().T).float()  # exact integers, exactly representable
+            out = (sums * self.w_scale[None, :]) * sc[:, None]
+            want = out[:5]
+            for p in range(1, passes):
+                want = want + out[5 * p:5 * (p + 1)]
+            if not torch.equal(lo, want):
+                return f"fbgemm's dynamic linear did not return the exact integer sums on the grid ({passes} pass)"
         self.qw = None  # only the check reads it
         return None
+
+
+def _passes(passes: int) -> int:
+    if passes not in (1, 2):
+        raise ValueError(f"passes must be 1 or 2, not {passes}")
+    return passes

@@ -40,6 +40,10 @@ def test_the_op_returns_the_integer_sums_bit_for_bit_and_the_bound_holds(passes)
         err = (lo.double() - _exact(hs, w)).abs().amax(dim=1)
         assert bool((err <= bound.double()).all())
         assert bool((bound > 0).all())
+        lo_p, bound_p = screen.screen(h, passes)  # told: the same as the default it was built with
+        assert torch.equal(lo_p, lo) and torch.equal(bound_p, bound)
+    with pytest.raises(ValueError, match="passes must be 1 or 2"):
+        screen.screen(h, 3)
 
 
 @needs_fbgemm
@@ -137,7 +141,9 @@ def test_the_timed_choice_is_per_pass_size_and_taken_once_per_shape(monkeypatch)
     w = torch.randn(800, 32, generator=g) * 0.05
     head = ScreenedGreedyHead(w)
     assert [head._int8_probe(r) is not None for r in (1, 2, 8, 9, 64)] == [True, False, False, False, False]
-    assert "at passes like [1] rows" in head.describe()
+    assert "at passes like [1] rows" in head.describe() and "grid" not in head.describe()
+    head.int8_grids = {1: 1}
+    assert "one grid per row at passes like [1] rows" in head.describe()
     ScreenedGreedyHead(w)
     assert len(calls) == 1  # the second head of the shape reuses the timing
     monkeypatch.setattr(ScreenedGreedyHead, "_time_int8", lambda self: self.int8_at.update({1: False, 8: False,
@@ -196,3 +202,108 @@ def test_a_pass_size_whose_int8_passes_run_slower_than_the_other_path_goes_back_
     h = torch.randn(1, 32, generator=g)
     assert torch.equal(head.argmax(h), _exact(h, w).argmax(dim=1))
     assert head._int8_probe(6) is None and head._int8_probe(1) is not None and head.stats["int8_dropped"] == 1
+
+
+@needs_fbgemm
+def test_one_grid_bands_too_wide_are_screened_again_with_two_and_the_pass_size_then_starts_with_two(monkeypatch):
+    """With the untimed limit at one candidate a row (``REFINE_SHARE`` = the vocabulary), random rows leave more
+    one-grid candidates than that: each such pass is screened again with two grids, and after ``WIDE_AFTER`` of
+    them its size starts with two; the tokens are the exact argmax throughout."""
+    g = torch.Generator().manual_seed(7)
+    v, d = 3000, 64
+    monkeypatch.setattr(gh, "REFINE_SHARE", v)
+    w = torch.randn(v, d, generator=g) * 0.05
+    head = ScreenedGreedyHead(w, int8=True)  # untimed: one grid first at every pass size
+    assert head.int8_grids == {1: 1, 8: 1, 32: 1}
+    for i in range(gh.WIDE_AFTER + 2):
+        h = torch.randn(8, d, generator=g)
+        h[:, 0] *= 50  # a dominant entry: a coarse grid for the rest, a wide one-grid band
+        assert torch.equal(head.argmax(h), _exact(h, w).argmax(dim=1))
+        assert head.stats["int8_rescreened"] == min(i + 1, gh.WIDE_AFTER)
+    assert head.int8_grids[8] == 2 and head.stats["int8_to_two_grids"] == 1
+    assert head.int8_grids[1] == 1 and head.int8_grids[32] == 1  # other pass sizes keep their own
+    assert "int8_too_wide" not in head.stats  # two grids: within the scratch buffers
+
+
+@needs_fbgemm
+def test_a_one_grid_band_within_the_limit_is_checked_as_it_is():
+    """A row far from every other logit (aimed at one weight row) leaves few one-grid candidates: no second
+    screen."""
+    g = torch.Generator().manual_seed(8)
+    v, d = 3000, 64
+    w = torch.randn(v, d, generator=g) * 0.05
+    head = ScreenedGreedyHead(w, int8=True)
+    h = w[torch.randint(0, v, (8,), generator=g)] * 40
+    assert torch.equal(head.argmax(h), _exact(h, w).argmax(dim=1))
+    assert "int8_rescreened" not in head.stats and head.stats["candidates"] < 8 * v // gh.REFINE_SHARE
+
+
+def _timed(int8_grids, base, dot_seconds):
+    def timed(self):
+        self.int8_at = {1: True, 8: True, 32: True}
+        self.int8_base = dict(base)
+        self.int8_two_grid_time = dict(base)
+        self.int8_grids = dict(int8_grids)
+        self.dot_seconds = dot_seconds
+    return timed
+
+
+@needs_fbgemm
+def test_a_two_grid_band_too_wide_for_its_check_takes_the_other_path_and_then_leaves_the_int8_screen(monkeypatch):
+    """200 identical weight rows: a row aimed at them has 200 exact candidates whatever the screen. With the
+    exact check timed at 1 s an element no pass may check more than one candidate a row: each such pass takes the
+    other path (the same tokens), and after ``WIDE_AFTER`` of them its size leaves the int8 screen."""
+    monkeypatch.setattr(gh, "_INT8_TIMED", {})
+    monkeypatch.setattr(ScreenedGreedyHead, "_time_int8", _timed({1: 2, 8: 2, 32: 2}, {1: 1.0, 8: 1.0, 32: 1.0},
+                                                                  1.0))
+    g = torch.Generator().manual_seed(9)
+    v, d = 2000, 32
+    w = torch.randn(v, d, generator=g) * 0.05
+    w[1:200] = w[0]
+    head = ScreenedGreedyHead(w)
+    assert head._dots_limit(8, 2, torch.zeros(6, d), v) == 6  # at least one candidate a row
+    for i in range(gh.WIDE_AFTER + 1):
+        assert (head._int8_probe(6) is not None) == (i < gh.WIDE_AFTER)
+        h = torch.randn(6, d, generator=g)
+        h[0] = w[0] * 5
+        assert torch.equal(head.argmax(h), _exact(h, w).argmax(dim=1))
+    assert head.stats["int8_too_wide"] == gh.WIDE_AFTER and head.stats["int8_dropped"] == 1
+    assert head._int8_probe(1) is not None  # a 1-row pass aimed elsewhere: its own size, kept
+    forced = ScreenedGreedyHead(w, int8=True)  # int8=True: every pass size, never dropped
+    forced.dot_seconds, forced.int8_base = 1.0, {}
+    for _ in range(gh.WIDE_AFTER + 1):
+        h = w[:6] * 5
+        assert torch.equal(forced.argmax(h), _exact(h, w).argmax(dim=1))
+    assert forced._int8_probe(6) is not None
+
+
+@needs_fbgemm
+def test_the_limits_follow_the_timed_costs(monkeypatch):
+    """The exact check may spend what screening again (one grid) or the other path (two grids) took at start-up,
+    at its own rate per element, within the scratch buffers."""
+    monkeypatch.setattr(gh, "_INT8_TIMED", {})
+    monkeypatch.setattr(ScreenedGreedyHead, "_time_int8", _timed({1: 1, 8: 1, 32: 1}, {1: 1e-3, 8: 2e-3, 32: 8e-3},
+                                                                  1e-8))
+    w = torch.randn(5000, 100) * 0.05
+    head = ScreenedGreedyHead(w)
+    head.int8_two_grid_time = {1: 0.5e-3, 8: 1e-3, 32: 4e-3}
+    h = torch.zeros(8, 100)
+    assert head._dots_limit(8, 1, h, 5000) == 1000  # 1 ms / (10 ns × 100)
+    assert head._dots_limit(8, 2, h, 5000) == 2000
+    assert head._dots_limit(32, 2, torch.zeros(32, 100), 5000) == min(8000, gh.SCRATCH_ELEMENTS // 100)
+    head.dot_seconds = 1e-15
+    assert head._dots_limit(8, 2, h, 5000) == gh.SCRATCH_ELEMENTS // 100
+
+
+@needs_fbgemm
+def test_the_start_up_timing_sets_every_probe_size():
+    """The real timing on a small head: a decision, a number of grids and both times for every probe size, and
+    the exact check's rate."""
+    gh._INT8_TIMED.clear()
+    head = ScreenedGreedyHead(torch.randn(4096, 64) * 0.05)
+    if head.int8 is None:  # slower than the other path everywhere here: nothing else to check
+        return
+    assert set(head.int8_at) == set(head.int8_grids) == set(head.int8_base) == set(head.int8_two_grid_time) \
+        == set(gh.INT8_PROBE_ROWS)
+    assert set(head.int8_grids.values()) <= {1, 2} and head.dot_seconds > 0
+    assert head.stats == {"rows": 0, "candidates": 0, "exact_rows": 0} and not head._wide
