@@ -296,10 +296,10 @@ def test_the_limits_follow_the_timed_costs(monkeypatch):
 
 
 @needs_fbgemm
-def test_the_start_up_timing_sets_every_probe_size():
+def test_the_start_up_timing_sets_every_probe_size(monkeypatch):
     """The real timing on a small head: a decision, a number of grids and both times for every probe size, and
     the exact check's rate."""
-    gh._INT8_TIMED.clear()
+    monkeypatch.setattr(gh, "_INT8_TIMED", {})
     head = ScreenedGreedyHead(torch.randn(4096, 64) * 0.05)
     if head.int8 is None:  # slower than the other path everywhere here: nothing else to check
         return
