@@ -44,12 +44,13 @@ candidates are counted (``_pick_chunks``'s ``limit``): where checking them would
 with two grids (one grid) or than the other path (two grids), at the exact check's own start-up rate per element,
 the pass is screened again with two grids or goes to the other path; a pass size where that happened in
 ``WIDE_AFTER`` of its last ``WIDE_WATCH`` passes starts with two grids, or leaves the int8 screen, from then on
-(``_seen``). The candidates and their exact fp64 check are the same whichever screen found them.
+(``_often``). The candidates and their exact fp64 check are the same whichever screen found them.
 ``GRSERVE_CPU_ISA=reference`` turns the head off (``ModelExecutor`` then takes the full logits' argmax).
 """
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from collections import deque
@@ -119,8 +120,7 @@ class ScreenedGreedyHead:
         self.int8_grids: dict[int, int] = {}  # probe rows -> grids per row the int8 screen starts with (1 or 2)
         self.int8_two_grid_time: dict[int, float] = {}  # probe rows -> the two-grid int8 screen's start-up time
         self.dot_seconds: float | None = None  # the exact check's start-up time per element (candidates × d)
-        self._strikes: dict[int, deque] = {}  # probe rows -> recent int8 passes slower than that (_watch)
-        self._wide: dict[tuple[int, int], deque] = {}  # (probe rows, grids) -> recent bands too wide (_seen)
+        self._recent: dict[tuple, deque] = {}  # what _watch and the band limits saw of recent passes (_often)
         self.int8_refused = ""
         if cpu and int8 is not False and fbgemm_available():
             self._choose_int8(int8)
@@ -139,12 +139,10 @@ class ScreenedGreedyHead:
         key = (*self.weight.shape, self.screen_max_rows, self.weight_lo_packed is not None, torch.get_num_threads())
         if key in _INT8_TIMED:  # one timing per head shape and path per process (engines are rebuilt in tests)
             for name in _TIMED_ATTRS:
-                value = _INT8_TIMED[key][name]
-                setattr(self, name, dict(value) if isinstance(value, dict) else value)
+                setattr(self, name, copy.copy(_INT8_TIMED[key][name]))
         else:
             self._time_int8()
-            _INT8_TIMED[key] = {name: (dict(getattr(self, name)) if isinstance(getattr(self, name), dict)
-                                       else getattr(self, name)) for name in _TIMED_ATTRS}
+            _INT8_TIMED[key] = {name: copy.copy(getattr(self, name)) for name in _TIMED_ATTRS}
         if not any(self.int8_at.values()):
             self.int8 = None
 
@@ -184,7 +182,7 @@ class ScreenedGreedyHead:
             cols = torch.randint(0, v, (n,), generator=g)
             self.dot_seconds = best_time(lambda: self._exact_dots(h, at, cols), 3, before=evict) / (n * d)
         self.stats = {"rows": 0, "candidates": 0, "exact_rows": 0}
-        self._wide.clear()
+        self._recent.clear()
 
     def _int8_probe(self, rows: int) -> int | None:
         """The probe size whose decision a pass of ``rows`` rows takes (the smallest that holds it, the largest
@@ -207,29 +205,36 @@ class ScreenedGreedyHead:
         base = self.int8_base.get(probe)
         if base is None:  # forced on (int8=True): not watched
             return
-        seen = self._strikes.setdefault(probe, deque(maxlen=INT8_WATCH))
-        seen.append(seconds > INT8_SLOW * base)
-        if len(seen) == INT8_WATCH and sum(seen) >= INT8_STRIKES:
-            self.int8_at[probe] = False
-            self.stats["int8_dropped"] = self.stats.get("int8_dropped", 0) + 1
+        if self._often(("slow", probe), seconds > INT8_SLOW * base, INT8_WATCH, INT8_STRIKES, whole_window=True):
+            self._drop(probe)
 
-    def _seen(self, probe: int, grids: int, wide: bool) -> bool:
-        """Notes whether a pass's band with ``grids`` grids was too wide for its exact check; True when that was
-        so in ``WIDE_AFTER`` of the pass size's last ``WIDE_WATCH`` passes (a model whose logits are flat then
-        pays a wasted screen only a few times)."""
-        seen = self._wide.setdefault((probe, grids), deque(maxlen=WIDE_WATCH))
-        seen.append(wide)
-        if sum(seen) < WIDE_AFTER:
+    def _often(self, key: tuple, event: bool, window: int, needed: int, whole_window: bool = False) -> bool:
+        """Notes ``event`` for ``key``; True (and forgets the window) when it happened in ``needed`` of the last
+        ``window`` (``whole_window``: only once ``window`` are noted). The band limits note, per pass size and
+        grids, whether a band was too wide for its exact check: ``WIDE_AFTER`` of ``WIDE_WATCH``, so a model
+        whose logits are flat pays a wasted screen only a few times."""
+        seen = self._recent.setdefault(key, deque(maxlen=window))
+        seen.append(event)
+        if sum(seen) < needed or (whole_window and len(seen) < window):
             return False
         seen.clear()
         return True
 
-    def _dots_limit(self, probe: int, grids: int, h: torch.Tensor, v: int) -> int:
+    def _drop(self, probe: int) -> None:
+        """The pass size goes back to the other path, for good."""
+        self.int8_at[probe] = False
+        self._count("int8_dropped")
+
+    def _count(self, name: str) -> None:
+        self.stats[name] = self.stats.get(name, 0) + 1
+
+    def _dots_limit(self, probe: int, grids: int, h: torch.Tensor) -> int:
         """The most candidates a pass screened with ``grids`` grids sends to the exact check: what the check may
         cost at its start-up rate per element is what screening again with two grids (from one) or the other
         path (from two) took at start-up for the probe size, and its elements fit the scratch buffers. Untimed
         (``int8=True``): ``1/REFINE_SHARE`` of the screen's entries from one grid, the buffers from two."""
         b, d = h.shape
+        v = self.weight.shape[0]
         cap = SCRATCH_ELEMENTS // d
         spend = (self.int8_two_grid_time if grids == 1 else self.int8_base).get(probe)
         if self.dot_seconds is None or spend is None:
@@ -295,27 +300,25 @@ class ScreenedGreedyHead:
     def _argmax_int8(self, h: torch.Tensor, k: int, probe: int) -> torch.Tensor:
         """The int8 screen with the probe size's grids per row. A band too wide for its exact check
         (``_dots_limit``): from one grid the pass is screened again with two, from two it takes the other path;
-        a pass size where that keeps happening starts with two grids, or leaves the int8 screen (``_seen``)."""
+        a pass size where that keeps happening starts with two grids, or leaves the int8 screen (``_often``)."""
         assert self.int8 is not None
-        v = self.weight.shape[0]
         grids = self.int8_grids.get(probe, 2)
         lo, bound = self.int8.screen(h, grids)
-        out = self._pick(h, lo, bound, k, self._dots_limit(probe, grids, h, v))
+        out = self._pick(h, lo, bound, k, self._dots_limit(probe, grids, h))
         if grids == 1:
-            if self._seen(probe, 1, out is None):
+            if self._often(("wide", probe, 1), out is None, WIDE_WATCH, WIDE_AFTER):
                 self.int8_grids[probe] = 2
-                self.stats["int8_to_two_grids"] = self.stats.get("int8_to_two_grids", 0) + 1
+                self._count("int8_to_two_grids")
             if out is not None:
                 return out
-            self.stats["int8_rescreened"] = self.stats.get("int8_rescreened", 0) + 1
+            self._count("int8_rescreened")
             lo, bound = self.int8.screen(h, 2)
-            out = self._pick(h, lo, bound, k, self._dots_limit(probe, 2, h, v))
-        if self._seen(probe, 2, out is None) and probe in self.int8_base:  # (int8=True: every pass size, kept)
-            self.int8_at[probe] = False
-            self.stats["int8_dropped"] = self.stats.get("int8_dropped", 0) + 1
+            out = self._pick(h, lo, bound, k, self._dots_limit(probe, 2, h))
+        if self._often(("wide", probe, 2), out is None, WIDE_WATCH, WIDE_AFTER) and probe in self.int8_base:
+            self._drop(probe)  # (int8=True, no start-up times: every pass size, kept)
         if out is not None:
             return out
-        self.stats["int8_too_wide"] = self.stats.get("int8_too_wide", 0) + 1
+        self._count("int8_too_wide")
         return self._argmax(h, k)
 
     def _pick(self, h: torch.Tensor, lo: torch.Tensor, bound: torch.Tensor, k: int,

@@ -261,7 +261,7 @@ def test_a_two_grid_band_too_wide_for_its_check_takes_the_other_path_and_then_le
     w = torch.randn(v, d, generator=g) * 0.05
     w[1:200] = w[0]
     head = ScreenedGreedyHead(w)
-    assert head._dots_limit(8, 2, torch.zeros(6, d), v) == 6  # at least one candidate a row
+    assert head._dots_limit(8, 2, torch.zeros(6, d)) == 6  # at least one candidate a row
     for i in range(gh.WIDE_AFTER + 1):
         assert (head._int8_probe(6) is not None) == (i < gh.WIDE_AFTER)
         h = torch.randn(6, d, generator=g)
@@ -288,11 +288,11 @@ def test_the_limits_follow_the_timed_costs(monkeypatch):
     head = ScreenedGreedyHead(w)
     head.int8_two_grid_time = {1: 0.5e-3, 8: 1e-3, 32: 4e-3}
     h = torch.zeros(8, 100)
-    assert head._dots_limit(8, 1, h, 5000) == 1000  # 1 ms / (10 ns × 100)
-    assert head._dots_limit(8, 2, h, 5000) == 2000
-    assert head._dots_limit(32, 2, torch.zeros(32, 100), 5000) == min(8000, gh.SCRATCH_ELEMENTS // 100)
+    assert head._dots_limit(8, 1, h) == 1000  # 1 ms / (10 ns × 100)
+    assert head._dots_limit(8, 2, h) == 2000
+    assert head._dots_limit(32, 2, torch.zeros(32, 100)) == min(8000, gh.SCRATCH_ELEMENTS // 100)
     head.dot_seconds = 1e-15
-    assert head._dots_limit(8, 2, h, 5000) == gh.SCRATCH_ELEMENTS // 100
+    assert head._dots_limit(8, 2, h) == gh.SCRATCH_ELEMENTS // 100
 
 
 @needs_fbgemm
@@ -306,4 +306,4 @@ def test_the_start_up_timing_sets_every_probe_size(monkeypatch):
     assert set(head.int8_at) == set(head.int8_grids) == set(head.int8_base) == set(head.int8_two_grid_time) \
         == set(gh.INT8_PROBE_ROWS)
     assert set(head.int8_grids.values()) <= {1, 2} and head.dot_seconds > 0
-    assert head.stats == {"rows": 0, "candidates": 0, "exact_rows": 0} and not head._wide
+    assert head.stats == {"rows": 0, "candidates": 0, "exact_rows": 0} and not head._recent
