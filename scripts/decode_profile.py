@@ -146,6 +146,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--ab", action="store_true",
                     help="with --decode-compile on: rounds alternate the compiled and the eager decode step (one "
                          "process, same engine and load: an A/B on a shared machine)")
+    ap.add_argument("--kernel-ab", action="store_true",
+                    help="rounds alternate the C++ decode attention kernel and SDPA on the staging buffer "
+                         "(attention/decode_kernel.py; one process: an A/B on a shared machine)")
     ap.add_argument("--greedy-band", choices=("chunks", "topk"), default=None,
                     help="the greedy head's candidate search (engine/greedy_head.py); default: the head's own")
     ap.add_argument("--clock", choices=("thread", "wall"), default="thread",
@@ -218,12 +221,17 @@ def main() -> int:
     dc = getattr(ex, "decode_compiled", None)
     # --ab: rounds alternate the compiled and the eager decode step in this one process (same engine, same load)
     modes = ("eager", "compiled") if args.ab and dc is not None else (None,)
+    kernel = ex.staging.kernel if ex.staging is not None else None
+    if args.kernel_ab and kernel is not None:  # --kernel-ab: the decode kernel against SDPA, alternating
+        modes = ("sdpa", "kernel")
     for conc in args.concurrency:
         one_round(conc, False)  # warm-up
         res = {m: (defaultdict(float), [], [], [0]) for m in modes}
         for _ in range(args.rounds - 1):
             for m in modes:
-                if m is not None:
+                if m in ("sdpa", "kernel"):
+                    ex.staging.kernel = kernel if m == "kernel" else None
+                elif m is not None:
                     ex.decode_compiled = dc if m == "compiled" else None
                 t.acc.clear()
                 forward.acc.clear()
@@ -235,6 +243,8 @@ def main() -> int:
                 tpot.append(a), tps.append(b)
                 steps[0] += n
         ex.decode_compiled = dc
+        if ex.staging is not None:
+            ex.staging.kernel = kernel
         report(conc, res, ex, args.clock)
         if args.torch_profile:
             from torch.profiler import ProfilerActivity, profile

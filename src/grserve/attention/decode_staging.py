@@ -13,8 +13,10 @@ keeps the batch's K/V between steps in a head-major buffer ``[L, S, Hkv, T_cap, 
   refills the buffer from the pool (``"rebuild"``: the same gather as before, once, then appends again);
 - a batch whose buffer would exceed ``max_bytes`` is not staged (``None``: the context's gather path).
 
-Attention on the buffer is one SDPA per layer with the g = Hq / Hkv query heads of a KV head laid out as g query
-rows of that head (no K/V expansion for GQA) and a [S, 1, 1, T] key mask. A request is identified by its id and how
+Attention on the buffer is one call per layer with the g = Hq / Hkv query heads of a KV head laid out as g query
+rows of that head (no K/V expansion for GQA): the C++ decode kernel (``decode_kernel.py``; ``kernel``, set by the
+executor where it built and checked one, used when the step runs on one torch thread), else SDPA with a
+[S, 1, 1, T] key mask. A request is identified by its id and how
 often it was preempted (a recomputed request is new). The buffer only mirrors the pool: the pool stays the truth
 (prefix cache, preemption, the reference contexts read it); ``tests/grserve/attention/test_decode_staging.py`` checks staged logits
 against the gather path over joins, finishes, preemptions and block boundaries.
@@ -29,9 +31,12 @@ GROW_TOKENS = 64  # T_cap = the step's T rounded up to this (a rebuild every GRO
 
 class DecodeStaging:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, *, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", max_bytes: int = 1 << 30, grow_tokens: int = GROW_TOKENS):
+                 device: torch.device | str = "cpu", max_bytes: int = 1 << 30, grow_tokens: int = GROW_TOKENS,
+                 kernel=None):
         """``grow_tokens``: T_cap is a multiple of it (a batch-invariant executor's key length is padded to a
-        multiple of 512, ``attention/hybrid.py``: it stages 512-token multiples)."""
+        multiple of 512, ``attention/hybrid.py``: it stages 512-token multiples). ``kernel``: a
+        ``decode_kernel.DecodeKernel`` for the buffer's reads, or None (SDPA)."""
+        self.kernel = kernel
         self.grow_tokens = grow_tokens
         self.num_layers, self.hkv, self.d = num_layers, num_kv_heads, head_dim
         self.dtype, self.device, self.max_bytes = dtype, torch.device(device), max_bytes

@@ -195,6 +195,7 @@ class HybridPagedContext(_HybridBase):
         dev = storage.data.device
         n_seq = len(seqs)
         self._stage = None  # (staging, "append" | "rebuild", keys) for a staged pure decode (decode_staging.py)
+        self._stage_lens = None  # keys per request of a staged step, for the decode kernel (built once)
         ends = self._starts + self._nnew
         self.t_max = int(ends.max())
         if invariant:
@@ -281,6 +282,7 @@ class HybridPagedContext(_HybridBase):
         # key t of request s is visible iff t ≤ start_s (the query's own position)
         self._mask = (torch.arange(self.t_max)[None, :] <= self._starts[:, None])[:, None, None, :].to(dev)
         self._new_dst = self._ph = None
+        self._stage_lens = None
         mode = staging.plan(keys, starts) if staging is not None and keys is not None else None
         if mode is not None:
             self._stage = (staging, mode, keys)
@@ -302,8 +304,9 @@ class HybridPagedContext(_HybridBase):
             staging.commit(keys, self._starts.tolist())
 
     def _attend_staged(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Pure decode on the staging buffer: append (or refill) this layer's K/V, one SDPA with the g query heads
-        of each KV head as g query rows (GQA without expanding K/V)."""
+        """Pure decode on the staging buffer: append (or refill) this layer's K/V, then one call with the g query
+        heads of each KV head as g query rows (GQA without expanding K/V): the staging's C++ decode kernel on a
+        one-thread step (``decode_kernel.py``), else SDPA."""
         staging, mode, _keys = self._stage
         n_seq, hq, d, hkv, t = len(self.seqs), q.shape[1], self.d, self.hkv, self.t_max
         kb, vb = staging.k[layer], staging.v[layer]  # [S, Hkv, T_cap, d]
@@ -315,8 +318,14 @@ class HybridPagedContext(_HybridBase):
             s_idx, pos = self._stage_at
             kb[s_idx, :, pos] = k.to(kb.dtype)
             vb[s_idx, :, pos] = v.to(vb.dtype)
-        o = F.scaled_dot_product_attention(q.view(n_seq, hkv, hq // hkv, d), kb[:, :, :t].to(q.dtype),
-                                           vb[:, :, :t].to(q.dtype), attn_mask=self._mask)
+        qg = q.view(n_seq, hkv, hq // hkv, d)
+        kernel = staging.kernel
+        if kernel is not None and kernel.accepts(q, kb) and torch.get_num_threads() == 1:
+            if self._stage_lens is None:
+                self._stage_lens = self._starts + 1
+            return kernel.attend(qg, kb, vb, self._stage_lens).reshape(n_seq, hq, d)
+        o = F.scaled_dot_product_attention(qg, kb[:, :, :t].to(q.dtype), vb[:, :, :t].to(q.dtype),
+                                           attn_mask=self._mask)
         return o.reshape(n_seq, hq, d)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

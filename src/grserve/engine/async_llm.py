@@ -138,6 +138,7 @@ class AsyncLLMEngine:
                                   prefix_cache_tokens=c.prefix_cache_tokens,
                                   prefix_cache_policy=c.prefix_cache_policy, prefix_cache_mode=c.prefix_cache_mode,
                                   packed_linears=c.packed_linears, decode_staging=c.decode_staging,
+                                  decode_kernel=c.decode_kernel,
                                   batch_invariant=c.batch_invariant,
                                   decode_compile=c.decode_compile,
                                   eos_token_id=tok.eos_token_id, detokenize=tok.decode,

@@ -138,7 +138,8 @@ class ModelExecutor:
     when every one of them is greedy, their token ids (list) chosen by the screened greedy head."""
 
     def __init__(self, model, storage: HybridCacheStorage, screened_greedy: bool = True, packed_linears: bool = True,
-                 decode_staging: bool = True, batch_invariant: bool = False, decode_compile: str = "off"):
+                 decode_staging: bool = True, batch_invariant: bool = False, decode_compile: str = "off",
+                 decode_kernel: bool = True):
         self.model = model
         # a request's tokens do not depend on what shares its batch (attention/hybrid.py, docs/llm.md issue 42)
         self.batch_invariant = batch_invariant
@@ -158,6 +159,17 @@ class ModelExecutor:
                                      device=storage.data.device,
                                      grow_tokens=INVARIANT_KEY_BLOCK if batch_invariant else GROW_TOKENS,
                                      ) if decode_staging and fast else None
+        # staged decode attention by a C++ kernel built for this CPU (attention/decode_kernel.py), else SDPA. Not
+        # under batch invariance: a request's decode attention would then differ between a staged step and a
+        # gathered one (SDPA), which depends on what shares its step
+        self.decode_kernel_status = ("SDPA (--no-decode-kernel)" if not decode_kernel
+                                     else "SDPA (batch-invariant)" if batch_invariant else "SDPA")
+        if self.staging is not None and decode_kernel and not batch_invariant and storage.data.device.type == "cpu":
+            from grserve.attention.decode_kernel import decode_kernel as build_kernel, kernel_status
+
+            g = spec.num_attention_heads // self.hkv
+            self.staging.kernel = build_kernel(g, self.d)
+            self.decode_kernel_status = kernel_status(g, self.d)
         # exact greedy argmax through a bf16 screen of the LM head (engine/greedy_head.py), fp32 models only; its
         # GEMMs chosen by what the CPU can do. A bf16 model: every logit from ModelDtypeHead (packed where fast),
         # plain-greedy passes take its per-row max instead of the sampler's float64 argmax (the same token)
@@ -200,7 +212,8 @@ class ModelExecutor:
                 else self.dtype_head.describe() if self.dtype_head is not None else "full logits + argmax")
         dc = self.decode_compiled.describe() if self.decode_compiled is not None else "decode step eager"
         return (f"CPU {sup.label()}: projections {lin}; greedy head {head}; "
-                f"decode staging {'on' if self.staging is not None else 'off'}; "
+                f"decode staging {'on' if self.staging is not None else 'off'}"
+                f"{'' if self.staging is None else ' (attention: ' + self.decode_kernel_status + ')'}; "
                 f"batch-invariant {'on' if self.batch_invariant else 'off'}; {dc}")
 
     def execute(self, items: list[ExecItem], pool: BlockPool) -> tuple[torch.Tensor | list[int] | None, None]:
@@ -681,7 +694,8 @@ class LLMEngine:
 def build_model_engine(model, scheduler: LLMScheduler, *, num_blocks: int, block_size: int = 16,
                        prefix_cache_tokens: int = 0, prefix_cache_policy: str = "leader",
                        prefix_cache_mode: str = "share", packed_linears: bool = True, decode_staging: bool = True,
-                       batch_invariant: bool = False, decode_compile: str = "off", **kw) -> LLMEngine:
+                       decode_kernel: bool = True, batch_invariant: bool = False, decode_compile: str = "off",
+                       **kw) -> LLMEngine:
     """Engine over a real model: pool + storage sized from the model spec (planes of K/V width); with
     ``prefix_cache_tokens`` > 0 a prompt-prefix cache of that many tokens, evicting by ``prefix_cache_policy``:
     ``prefix_cache_mode="share"`` shares full cached blocks of the pool (``SharedPrefixCache``, at most
@@ -701,6 +715,6 @@ def build_model_engine(model, scheduler: LLMScheduler, *, num_blocks: int, block
 
         kw["prefix_cache"] = PrefixKVStore.for_storage(storage, prefix_cache_tokens, prefix_cache_policy)
     return LLMEngine(scheduler, pool, ModelExecutor(model, storage, packed_linears=packed_linears,
-                                                   decode_staging=decode_staging, batch_invariant=batch_invariant,
-                                                   decode_compile=decode_compile),
+                                                   decode_staging=decode_staging, decode_kernel=decode_kernel,
+                                                   batch_invariant=batch_invariant, decode_compile=decode_compile),
                      **kw)

@@ -1,0 +1,198 @@
+"""A C++ decode attention kernel for the staging buffer, built for the running CPU at start-up.
+
+A pure decode step attends one query token per request to that request's keys. On the staging buffer
+(``decode_staging.py``) this was one SDPA call per layer: torch's CPU flash-attention kernel, whose GEMM blocking
+is made for long query blocks and runs a decode step's 1–16 query rows per KV head at a fraction of the CPU's speed
+(tiny preset, 32 requests × ~200 keys, one thread, AMD EPYC AVX2: ~0.8 ms a layer; this kernel ~0.35 ms; medium
+shape 4.7 → 2.6 ms). ``decode_kernel.cpp`` computes each (request, KV head) on its own: the group's query heads
+against eight keys at a time, an exact-order fp32 softmax (a polynomial ``exp`` of ~1 ulp), the weighted sum of
+values in fp32, bf16 outputs rounded once. A request's output therefore depends only on its own keys, never on
+what shares the step.
+
+``decode_kernel(group, head_dim)`` returns the loaded kernel, or None with the reason in ``kernel_status()``:
+
+* built with ``$CXX``, else the first of ``c++``/``g++``/``clang++`` on the PATH, ``-O3
+  -march=native`` on x86 (``-mno-avx512f`` where torch runs at AVX2: the test lane that holds an AVX-512 machine
+  to AVX2 gets AVX2 code), ``-mcpu=native`` on ARM; about half a second, cached across restarts in
+  ``$GRSERVE_CACHE_DIR/kernels/`` under a hash of the source, flags and compiler;
+* checked once against SDPA (fp32 and bf16, key counts 1–70, one- and multi-block rows) before first use;
+* None — and SDPA stays — when ``GRSERVE_CPU_ISA=reference``, there is no compiler, the build or the check fails,
+  or the shape is outside what it was written for (head dim a multiple of 8, at most 256; at most 16 query heads
+  per KV head).
+
+It runs on the calling thread: the staged path uses it when the step runs on one torch thread (the tiny preset's
+``serve llm`` rule, docs/llm.md "Threads beside the front end") and keeps SDPA, which splits over torch's threads,
+when it has more.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from grserve.model.cpu_support import cpu_support
+
+SOURCE = Path(__file__).with_name("decode_kernel.cpp")
+MAX_HEAD_DIM = 256
+MAX_GROUP = 16
+_STATUS: dict[tuple[int, int], str] = {}
+
+
+def compiler() -> str | None:
+    """The C++ compiler: ``$CXX``, else the first of c++, g++, clang++ on the PATH."""
+    cxx = os.environ.get("CXX")
+    if cxx:
+        return shutil.which(cxx) or None
+    return next((p for p in map(shutil.which, ("c++", "g++", "clang++")) if p), None)
+
+
+def isa_flags() -> list[str]:
+    """Code for this CPU, held to AVX2 where torch is (``ATEN_CPU_CAPABILITY=avx2``: the AVX2 test lane)."""
+    machine = platform.machine().lower()
+    if machine in ("x86_64", "amd64", "i686"):
+        flags = ["-march=native"]
+        if not torch.backends.cpu.get_cpu_capability().upper().startswith("AVX512"):
+            flags.append("-mno-avx512f")
+        return flags
+    if machine in ("aarch64", "arm64"):
+        return ["-mcpu=native"]
+    return []
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("GRSERVE_CACHE_DIR") or ".grserve-cache") / "kernels"
+
+
+def _build(cxx: str, group: int, head_dim: int) -> tuple[Path, bool]:
+    """Compile (or find in the cache) the kernel for one shape: the shared library's path, and whether it was
+    found in the cache."""
+    flags = ["-O3", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC", *isa_flags(),
+             f"-DGROUP={group}", f"-DHEAD_DIM={head_dim}"]
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), cxx, version, *flags,
+                                    cpu_support().cpu_model]).encode()).hexdigest()[:20]
+    out = cache_root() / f"decode_attend_g{group}_d{head_dim}_{key}.so"
+    if out.exists():
+        return out, True
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        part = Path(tmp) / out.name
+        run = subprocess.run([cxx, *flags, str(SOURCE), "-o", str(part)], capture_output=True, text=True,
+                             timeout=300)
+        if run.returncode != 0:
+            raise RuntimeError(f"{Path(cxx).name} failed: {run.stderr.strip()[-300:]}")
+        os.replace(part, out)  # atomic: a concurrent start sees no file or the whole new one
+    return out, False
+
+
+class DecodeKernel:
+    """The loaded kernel for one (group, head_dim)."""
+
+    def __init__(self, path: Path, group: int, head_dim: int, seconds: float, cached: bool):
+        lib = ctypes.CDLL(str(path))
+        self.group, self.head_dim, self.seconds, self.cached = group, head_dim, seconds, cached
+        self.scale = head_dim ** -0.5
+        p, i = ctypes.c_void_p, ctypes.c_int64
+        self._fns = {}
+        for dtype, name in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
+            fn = getattr(lib, f"grserve_decode_attend_{name}")
+            fn.argtypes = [p] * 5 + [i] * 8 + [ctypes.c_float]
+            fn.restype = None
+            self._fns[dtype] = fn
+        for name, want in (("group", group), ("head_dim", head_dim)):
+            fn = getattr(lib, f"grserve_decode_attend_{name}")
+            fn.restype = ctypes.c_int64
+            if fn() != want:
+                raise RuntimeError(f"library built for another {name}")
+        self._lib = lib
+
+    def accepts(self, q: torch.Tensor, k: torch.Tensor) -> bool:
+        return q.dtype in self._fns and k.dtype == q.dtype and q.device.type == "cpu"
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+        """q [S, Hkv, G, d]; k, v [S, Hkv, T, d] (any strides with a unit last one, T ≥ every len); lens int64 [S]
+        (contiguous), each ≥ 1: request s attends to its first lens[s] keys. Returns [S, Hkv, G, d] in q's dtype."""
+        s, h, g, d = q.shape
+        if (g != self.group or d != self.head_dim or k.stride(-1) != 1 or v.stride(-1) != 1
+                or lens.dtype != torch.int64 or not lens.is_contiguous()):
+            raise ValueError(f"kernel for group {self.group}, head dim {self.head_dim}, unit last strides, int64 "
+                             f"lens: got q {tuple(q.shape)}, lens {lens.dtype}")
+        if not q.is_contiguous():
+            q = q.contiguous()
+        o = torch.empty_like(q)
+        ks, vs = k.stride(), v.stride()
+        self._fns[q.dtype](q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lens.data_ptr(), s, h,
+                           ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], self.scale)
+        return o
+
+    def describe(self) -> str:
+        how = "from the cache" if self.cached else f"built in {self.seconds:.1f} s"
+        return (f"C++ decode kernel on one-thread steps (group {self.group}, head dim {self.head_dim}, {how}), "
+                f"else SDPA")
+
+
+def reference_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """What the kernel computes, by SDPA with a key mask (the staged path without the kernel)."""
+    t = k.shape[2]
+    mask = (torch.arange(t)[None, :] < lens[:, None])[:, None, None, :]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def check(kernel: DecodeKernel, seed: int = 0) -> str | None:
+    """The kernel against ``reference_attend`` on random rows (fp32 and bf16); None when it agrees, else why."""
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.tensor([1, 7, 8, 9, 16, 33, 70])
+    for dtype, tol in ((torch.float32, 2e-5), (torch.bfloat16, 2e-2)):
+        q = torch.randn(len(lens), 2, kernel.group, kernel.head_dim, generator=g).to(dtype)
+        k = torch.randn(len(lens), 2, 72, kernel.head_dim, generator=g).to(dtype)
+        v = torch.randn(len(lens), 2, 72, kernel.head_dim, generator=g).to(dtype)
+        got = kernel.attend(q, k, v, lens).float()  # lens: int64 (torch.tensor of ints)
+        want = reference_attend(q.float(), k.float(), v.float(), lens)
+        err = float((got - want).abs().max())
+        if not err <= tol:
+            return f"disagrees with SDPA ({dtype}: max |diff| {err:.2e} > {tol})"
+    return None
+
+
+def kernel_status(group: int, head_dim: int) -> str:
+    """Why ``decode_kernel`` returned what it did (the start line)."""
+    return _STATUS.get((group, head_dim), "not tried")
+
+
+@functools.cache
+def decode_kernel(group: int, head_dim: int) -> DecodeKernel | None:
+    """The checked kernel for this shape on this machine, or None (``kernel_status`` says why)."""
+    key = (group, head_dim)
+    if not cpu_support().fast_paths:
+        _STATUS[key] = "off (GRSERVE_CPU_ISA=reference)"
+        return None
+    if head_dim % 8 or head_dim > MAX_HEAD_DIM or not 1 <= group <= MAX_GROUP:
+        _STATUS[key] = f"no kernel for group {group}, head dim {head_dim}"
+        return None
+    cxx = compiler()
+    if cxx is None:
+        _STATUS[key] = "no C++ compiler"
+        return None
+    start = time.perf_counter()
+    try:
+        path, cached = _build(cxx, group, head_dim)
+        kernel = DecodeKernel(path, group, head_dim, time.perf_counter() - start, cached)
+        why = check(kernel)
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        why = str(e)
+    if why is not None:
+        _STATUS[key] = f"SDPA (the C++ kernel: {why})"
+        return None
+    _STATUS[key] = kernel.describe()
+    return kernel

@@ -1,0 +1,232 @@
+"""The C++ decode attention kernel (``attention/decode_kernel.py``) against SDPA, and its fallbacks.
+
+The kernel is built for the running CPU by the test itself (``$GRSERVE_CACHE_DIR`` in a temporary directory where a
+test needs a fresh build). Checked: outputs against ``reference_attend`` (SDPA with a key mask) for the shapes of
+the presets and odd ones, fp32 and bf16, strided K/V as the staging buffer holds them, every key count from 1 to
+past two blocks; a request's output is the same bits alone and beside others (it reads only its own keys); every
+reason to fall back gives None and SDPA; through the engine on one torch thread (where the staged path uses it):
+per-step logits equal the gather path's, greedy tokens equal HF ``generate`` (fp32) and the eager bf16 path equals
+the compiled one.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grserve.attention import decode_kernel as dk
+from grserve.attention.decode_staging import DecodeStaging
+from grserve.engine.sampling import SamplingParams
+from grserve.model.cpu_support import cpu_support
+from grserve.scheduler.llm_factory import make_llm_scheduler
+from llm_fixtures import Preempting, run_joining
+
+fast_only = pytest.mark.skipif(not cpu_support().fast_paths, reason="GRSERVE_CPU_ISA=reference: no kernel")
+needs_compiler = pytest.mark.skipif(dk.compiler() is None, reason="no C++ compiler")
+
+
+@pytest.fixture
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _kernel(group: int, head_dim: int) -> dk.DecodeKernel:
+    kernel = dk.decode_kernel(group, head_dim)
+    assert kernel is not None, dk.kernel_status(group, head_dim)
+    return kernel
+
+
+@fast_only
+@needs_compiler
+@pytest.mark.parametrize("group,head_dim", [(4, 32), (2, 64), (1, 128), (8, 128), (3, 40)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_equals_sdpa_on_the_staging_layout(group, head_dim, dtype):
+    kernel = _kernel(group, head_dim)
+    g = torch.Generator().manual_seed(group * 1000 + head_dim)
+    s, hkv, t_cap = 19, 2, 64
+    lens = torch.tensor([1, 2, 7, 8, 9, 15, 16, 17, 23, 24, 31, 33, 40, 47, 48, 50, 57, 63, 64])
+    buf = torch.randn(2, s, hkv, t_cap, head_dim, generator=g).to(dtype)  # [K/V, S, Hkv, T_cap, d]: as staged
+    k, v = buf[0], buf[1]
+    q = torch.randn(s, hkv * group, head_dim, generator=g).to(dtype).view(s, hkv, group, head_dim)
+    got = kernel.attend(q, k, v, lens)
+    assert got.dtype == dtype and got.shape == q.shape
+    want = dk.reference_attend(q.float(), k.float(), v.float(), lens)
+    tol = 2e-6 if dtype == torch.float32 else 8e-3  # bf16: one rounding of the output
+    assert float((got.float() - want).abs().max()) <= tol
+    # keys past a request's length are never read: NaN there changes nothing
+    k2 = k.clone()
+    for i, n in enumerate(lens.tolist()):
+        k2[i, :, n:] = float("nan")
+    assert torch.equal(kernel.attend(q, k2, v, lens), got)
+
+
+@fast_only
+@needs_compiler
+def test_a_request_gets_the_same_bits_alone_and_beside_others():
+    kernel = _kernel(4, 32)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(6, 2, 4, 32, generator=g)
+    k, v = torch.randn(2, 6, 2, 128, 32, generator=g)
+    lens = torch.tensor([100, 3, 128, 57, 9, 64])
+    batch = kernel.attend(q, k, v, lens)
+    for i in range(6):
+        alone = kernel.attend(q[i:i + 1], k[i:i + 1, :, :lens[i]], v[i:i + 1, :, :lens[i]], lens[i:i + 1])
+        assert torch.equal(alone[0], batch[i])
+
+
+@fast_only
+@needs_compiler
+def test_a_wrong_shape_is_refused():
+    kernel = _kernel(4, 32)
+    with pytest.raises(ValueError, match="group 4"):
+        kernel.attend(torch.zeros(1, 2, 2, 32), torch.zeros(1, 2, 8, 32), torch.zeros(1, 2, 8, 32),
+                      torch.tensor([8]))
+    assert not kernel.accepts(torch.zeros(1, dtype=torch.float16), torch.zeros(1, dtype=torch.float16))
+    assert not kernel.accepts(torch.zeros(1), torch.zeros(1, dtype=torch.bfloat16))
+
+
+def test_every_reason_to_fall_back_gives_sdpa(monkeypatch, tmp_path):
+    monkeypatch.setenv("GRSERVE_CACHE_DIR", str(tmp_path))
+    dk.decode_kernel.cache_clear()
+    try:
+        assert dk.decode_kernel(4, 36) is None and "no kernel" in dk.kernel_status(4, 36)  # head dim not 8k
+        assert dk.decode_kernel(17, 32) is None and "no kernel" in dk.kernel_status(17, 32)
+        if not cpu_support().fast_paths:
+            assert dk.decode_kernel(4, 32) is None and "reference" in dk.kernel_status(4, 32)
+            return
+        monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+        assert dk.decode_kernel(4, 32) is None and dk.kernel_status(4, 32) == "no C++ compiler"
+        dk.decode_kernel.cache_clear()
+        monkeypatch.delenv("CXX")
+        if dk.compiler() is None:
+            return
+        broken = tmp_path / "broken.cpp"
+        broken.write_text("this is not C++\n")
+        monkeypatch.setattr(dk, "SOURCE", broken)
+        assert dk.decode_kernel(4, 32) is None and "failed" in dk.kernel_status(4, 32)
+        dk.decode_kernel.cache_clear()
+        monkeypatch.undo()
+        monkeypatch.setenv("GRSERVE_CACHE_DIR", str(tmp_path))
+        # a kernel that builds but disagrees with SDPA is not used
+        monkeypatch.setattr(dk, "reference_attend", lambda q, k, v, lens: torch.zeros_like(q))
+        assert dk.decode_kernel(4, 32) is None and "disagrees" in dk.kernel_status(4, 32)
+    finally:
+        dk.decode_kernel.cache_clear()
+
+
+@fast_only
+@needs_compiler
+def test_the_build_is_cached_across_restarts(monkeypatch, tmp_path):
+    monkeypatch.setenv("GRSERVE_CACHE_DIR", str(tmp_path))
+    dk.decode_kernel.cache_clear()
+    try:
+        first = _kernel(2, 16)
+        assert not first.cached and "built in" in first.describe()
+        assert len(list((tmp_path / "kernels").glob("decode_attend_g2_d16_*.so"))) == 1
+        dk.decode_kernel.cache_clear()  # a restart
+        again = _kernel(2, 16)
+        assert again.cached and "from the cache" in again.describe()
+    finally:
+        dk.decode_kernel.cache_clear()
+
+
+VOCAB = 300
+
+
+@fast_only
+@needs_compiler
+@pytest.mark.parametrize("sched", ["fcfs", "preempting"])
+def test_engine_on_one_thread_uses_the_kernel_and_equals_hf(hf_qwen3, sched, one_thread):
+    hf, ours = hf_qwen3(kv_heads=2, seed=5, perturb_norms=True)
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, VOCAB, (int(n),), generator=gen).tolist()
+               for n in torch.randint(3, 20, (7,), generator=gen)]
+    params = [SamplingParams(max_tokens=int(m), temperature=0.0, ignore_eos=True)
+              for m in torch.randint(3, 15, (7,), generator=gen)]
+    calls = []
+    real = dk.DecodeKernel.attend
+
+    def counted(self, *a):
+        calls.append(1)
+        return real(self, *a)
+
+    runs = {}
+    for kernel in (True, False):
+        policy = make_llm_scheduler("fcfs")
+        policy = Preempting(policy) if sched == "preempting" else policy
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(dk.DecodeKernel, "attend", counted)
+            runs[kernel], eng = run_joining(ours, policy, prompts, params, decode_kernel=kernel)
+        assert (eng.executor.staging.kernel is not None) == kernel
+        assert ("C++ decode kernel" in eng.executor.describe()) == kernel
+        assert (len(calls) > 0) == kernel
+        calls.clear()
+    assert runs[True] == runs[False]
+    for p, sp, got in zip(prompts, params, runs[True]):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                              max_new_tokens=sp.max_tokens, min_new_tokens=sp.max_tokens, do_sample=False,
+                              pad_token_id=0)[0, len(p):].tolist()
+        assert got == ref
+
+
+@fast_only
+@needs_compiler
+def test_staged_logits_with_the_kernel_equal_the_gather_path(hf_qwen3, one_thread):
+    """The staged context's per-step logits with the kernel against the unstaged (gather + SDPA) context's."""
+    from test_decode_staging import FULL, PROMPTS, _step_logits
+
+    from grserve.kvcache.blocks import BlockPool, HybridCacheStorage
+
+    _, ours = hf_qwen3(kv_heads=2, seed=5, perturb_norms=True)
+    spec = ours.spec
+    runs = {}
+    for staged in (False, True):
+        pool = BlockPool.for_model(128, 4, spec.hidden_size, spec.kv_size)
+        st = HybridCacheStorage(pool, spec.num_hidden_layers, spec.kv_size, spec.hidden_size)
+        tables = [pool.reserve(i, len(f), "kv") for i, f in enumerate(FULL)]
+        staging = None
+        if staged:
+            kernel = _kernel(spec.num_attention_heads // spec.num_key_value_heads, spec.head_dim)
+            staging = DecodeStaging(spec.num_hidden_layers, spec.num_key_value_heads, spec.head_dim, kernel=kernel)
+        done = [0, 0, 0]
+        out = [_step_logits(ours, st, tables, done, [(i, len(p)) for i, p in enumerate(PROMPTS)], None, None)]
+        done = [len(p) for p in PROMPTS]
+        for step in range(10):
+            live = [0, 1, 2] if step < 5 else [0, 1]
+            out.append(_step_logits(ours, st, tables, done, [(i, 1) for i in live], staging,
+                                    tuple((i, 0) for i in live)))
+            for i in live:
+                done[i] += 1
+        runs[staged] = out
+    for a, b in zip(runs[False], runs[True]):
+        assert float((a - b).abs().max()) <= 1e-5
+
+
+@fast_only
+@needs_compiler
+@pytest.mark.slow
+def test_bf16_compiled_equals_eager_with_the_kernel(one_thread):
+    """The tiny preset in bf16 on one thread: the eager and the compiled step both attend through the kernel and
+    give the same greedy tokens (random weights: near-tied logits, so any rounding that differs flips a token)."""
+    from grserve.engine.llm import build_model_engine
+    from grserve.model import load_model
+    from grserve.scheduler.fcfs import FCFSScheduler
+
+    model = load_model("tiny", dtype="bfloat16", seed=0)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(5, model.spec.vocab_size, (int(n),), generator=g).tolist()
+               for n in torch.randint(5, 60, (8,), generator=g)]
+    params = [SamplingParams(max_tokens=int(m), temperature=0.0, ignore_eos=True)
+              for m in torch.randint(30, 80, (8,), generator=g)]
+    runs = {}
+    for mode in ("off", "on"):
+        eng = build_model_engine(model, FCFSScheduler(max_num_seqs=5), num_blocks=512, block_size=16,
+                                 decode_compile=mode)
+        assert eng.executor.staging.kernel is not None
+        runs[mode] = eng.generate(prompts, params)
+    assert eng.executor.decode_compiled.failed is None and eng.executor.decode_compiled.steps > 0
+    assert runs["on"] == runs["off"]
