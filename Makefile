@@ -28,7 +28,8 @@ CPU_LANE_TESTS := tests/grserve/model tests/grserve/engine/test_engine_contract.
 	tests/grserve/engine/test_engine_inbox.py tests/grserve/engine/test_greedy_head.py \
 	tests/grserve/engine/test_llm_handover.py tests/grserve/engine/test_sampling.py \
 	tests/grserve/engine/test_tokenizer.py \
-	tests/grserve/attention/test_decode_staging.py tests/grserve/attention/test_model_dtype_attention.py \
+	tests/grserve/attention/test_decode_staging.py tests/grserve/attention/test_decode_kernel.py \
+	tests/grserve/attention/test_model_dtype_attention.py \
 	tests/grserve/attention/test_hidden_path.py tests/grserve/attention/test_varlen_prefill.py tests/grserve/kvcache/test_prefix_kv.py \
 	tests/grserve/kvcache/test_shared_prefix.py tests/grserve/scheduler/test_colocation.py \
 	tests/grserve/scheduler/test_llm_trace.py tests/grserve/server/test_openai_api.py \
