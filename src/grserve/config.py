@@ -375,9 +375,9 @@ class LLMConfig(Checked):
     decode_staging: bool = flag(True, "pure decode steps read K/V from a persistent head-major copy of the "
                                       "batch's cache instead of gathering it from the pool every layer and step "
                                       "(at most 1 GiB; attention/decode_staging.py)")
-    decode_kernel: bool = flag(True, "staged decode steps on one torch thread attend with a C++ kernel built for "
-                                     "this CPU at start-up (~1 s, cached in $GRSERVE_CACHE_DIR/kernels) and checked "
-                                     "against SDPA; off, or without a C++ compiler: SDPA "
+    decode_kernel: bool = flag(True, "staged decode steps attend with a C++ kernel built for this CPU at start-up "
+                                     "(~1 s with the system's C++ compiler, cached in $GRSERVE_CACHE_DIR/kernels, "
+                                     "checked against SDPA; on torch's threads); off, or without a compiler: SDPA "
                                      "(attention/decode_kernel.py)")
     batch_invariant: bool = flag(False, "a request's tokens and logprobs are the same bits whatever else shares its "
                                         "batch and however its prompt is chunked: each query token attends in "

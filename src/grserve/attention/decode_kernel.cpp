@@ -101,13 +101,16 @@ inline v8 exp_nonpositive(v8 x) {
 // q, o: [S, H, G, D] contiguous; k, v: element (s, h, t, d) at s·ks + h·kh + t·kt + d (unit last stride)
 template <typename T>
 void attend(const T* q, const T* k, const T* v, T* o, const int64_t* lens, int64_t S, int64_t H, int64_t ks,
-            int64_t kh, int64_t kt, int64_t vs, int64_t vh, int64_t vt, float scale) {
-    static thread_local std::vector<float> scratch;
-    for (int64_t s = 0; s < S; s++) {
+            int64_t kh, int64_t kt, int64_t vs, int64_t vh, int64_t vt, float scale, int64_t threads) {
+    // one (request, KV head) per iteration: the same arithmetic whichever thread runs it
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t i = 0; i < S * H; i++) {
+        static thread_local std::vector<float> scratch;
+        const int64_t s = i / H, h = i % H;
         const int64_t n = lens[s], n8 = (n + 7) / 8 * 8;
         if (scratch.size() < (size_t)(G * n8)) scratch.resize(G * n8);
         float* sc = scratch.data();
-        for (int64_t h = 0; h < H; h++) {
+        {
             const T* qh = q + (s * H + h) * G * D;
             const T* kh_ = k + s * ks + h * kh;
             const T* vh_ = v + s * vs + h * vh;
@@ -178,14 +181,14 @@ int64_t grserve_decode_attend_head_dim(void) { return D; }
 
 void grserve_decode_attend_f32(const float* q, const float* k, const float* v, float* o, const int64_t* lens,
                                int64_t S, int64_t H, int64_t ks, int64_t kh, int64_t kt, int64_t vs, int64_t vh,
-                               int64_t vt, float scale) {
-    attend<float>(q, k, v, o, lens, S, H, ks, kh, kt, vs, vh, vt, scale);
+                               int64_t vt, float scale, int64_t threads) {
+    attend<float>(q, k, v, o, lens, S, H, ks, kh, kt, vs, vh, vt, scale, threads);
 }
 
 void grserve_decode_attend_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* o,
                                 const int64_t* lens, int64_t S, int64_t H, int64_t ks, int64_t kh, int64_t kt,
-                                int64_t vs, int64_t vh, int64_t vt, float scale) {
-    attend<uint16_t>(q, k, v, o, lens, S, H, ks, kh, kt, vs, vh, vt, scale);
+                                int64_t vs, int64_t vh, int64_t vt, float scale, int64_t threads) {
+    attend<uint16_t>(q, k, v, o, lens, S, H, ks, kh, kt, vs, vh, vt, scale, threads);
 }
 
 }  // extern "C"

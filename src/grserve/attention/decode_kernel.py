@@ -4,25 +4,27 @@ A pure decode step attends one query token per request to that request's keys. O
 (``decode_staging.py``) this was one SDPA call per layer: torch's CPU flash-attention kernel, whose GEMM blocking
 is made for long query blocks and runs a decode step's 1–16 query rows per KV head at a fraction of the CPU's speed
 (tiny preset, 32 requests × ~200 keys, one thread, AMD EPYC AVX2: ~0.8 ms a layer; this kernel ~0.35 ms; medium
-shape 4.7 → 2.6 ms). ``decode_kernel.cpp`` computes each (request, KV head) on its own: the group's query heads
+shape 4.7 → 2.6 ms, and on two threads 2.8 → 1.5 ms). ``decode_kernel.cpp`` computes each (request, KV head) on its own: the group's query heads
 against eight keys at a time, an exact-order fp32 softmax (a polynomial ``exp`` of ~1 ulp), the weighted sum of
 values in fp32, bf16 outputs rounded once. A request's output therefore depends only on its own keys, never on
 what shares the step.
 
 ``decode_kernel(group, head_dim)`` returns the loaded kernel, or None with the reason in ``kernel_status()``:
 
-* built with ``$CXX``, else the first of ``c++``/``g++``/``clang++`` on the PATH, ``-O3
-  -march=native`` on x86 (``-mno-avx512f`` where torch runs at AVX2: the test lane that holds an AVX-512 machine
-  to AVX2 gets AVX2 code), ``-mcpu=native`` on ARM; about half a second, cached across restarts in
-  ``$GRSERVE_CACHE_DIR/kernels/`` under a hash of the source, flags and compiler;
+* built with ``$CXX``, else the first of ``c++``/``g++``/``clang++`` on the PATH: ``-O3 -march=native`` on x86
+  (``-mno-avx512f`` where torch runs at AVX2: the test lane that holds an AVX-512 machine to AVX2 gets AVX2 code),
+  ``-mcpu=native`` on ARM; its loop over (request, KV head) is an OpenMP loop linked against the runtime torch
+  loaded (``model/thread_choice.py``), so it runs on torch's pool of threads, never a second one (compiled and
+  linked apart: ``-fopenmp`` at the link would add the system's runtime). About a second; cached across restarts
+  in ``$GRSERVE_CACHE_DIR/kernels/`` under a hash of the source, flags, compiler, runtime and CPU model;
 * checked once against SDPA (fp32 and bf16, key counts 1–70, one- and multi-block rows) before first use;
 * None — and SDPA stays — when ``GRSERVE_CPU_ISA=reference``, there is no compiler, the build or the check fails,
   or the shape is outside what it was written for (head dim a multiple of 8, at most 256; at most 16 query heads
   per KV head).
 
-It runs on the calling thread: the staged path uses it when the step runs on one torch thread (the tiny preset's
-``serve llm`` rule, docs/llm.md "Threads beside the front end") and keeps SDPA, which splits over torch's threads,
-when it has more.
+Each (request, KV head) is one iteration of the loop, whole on one thread, so the output has the same bits on any
+number of threads. Where torch's OpenMP runtime is not found (not Linux) the kernel is built serial and takes only
+steps on one torch thread; SDPA splits the others over torch's threads.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from grserve.model.cpu_support import cpu_support
+from grserve.model.thread_choice import openmp_runtime_path
 
 SOURCE = Path(__file__).with_name("decode_kernel.cpp")
 MAX_HEAD_DIM = 256
@@ -74,40 +77,43 @@ def cache_root() -> Path:
     return Path(os.environ.get("GRSERVE_CACHE_DIR") or ".grserve-cache") / "kernels"
 
 
-def _build(cxx: str, group: int, head_dim: int) -> tuple[Path, bool]:
-    """Compile (or find in the cache) the kernel for one shape: the shared library's path, and whether it was
-    found in the cache."""
-    flags = ["-O3", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC", *isa_flags(),
-             f"-DGROUP={group}", f"-DHEAD_DIM={head_dim}"]
+def _build(cxx: str, group: int, head_dim: int, openmp: str | None) -> tuple[Path, bool]:
+    """Compile (or find in the cache) the kernel for one shape, its parallel loop linked against ``openmp`` (the
+    runtime torch loaded: one pool of threads with torch's) or, without one, serial. Returns the shared library's
+    path and whether it was found in the cache."""
+    flags = ["-O3", "-std=c++17", "-fPIC", "-Wno-unknown-pragmas", *isa_flags(), f"-DGROUP={group}",
+             f"-DHEAD_DIM={head_dim}", *(["-fopenmp"] if openmp else [])]
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), cxx, version, *flags,
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), cxx, version, *flags, openmp or "serial",
                                     cpu_support().cpu_model]).encode()).hexdigest()[:20]
     out = cache_root() / f"decode_attend_g{group}_d{head_dim}_{key}.so"
     if out.exists():
         return out, True
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        part = Path(tmp) / out.name
-        run = subprocess.run([cxx, *flags, str(SOURCE), "-o", str(part)], capture_output=True, text=True,
-                             timeout=300)
-        if run.returncode != 0:
-            raise RuntimeError(f"{Path(cxx).name} failed: {run.stderr.strip()[-300:]}")
+        obj, part = Path(tmp) / "kernel.o", Path(tmp) / out.name
+        # compiled and linked apart: linking with -fopenmp would add the system's libgomp, a second runtime
+        for cmd in ([cxx, *flags, "-c", str(SOURCE), "-o", str(obj)],
+                    [cxx, "-shared", str(obj), *([openmp] if openmp else []), "-o", str(part)]):
+            run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            if run.returncode != 0:
+                raise RuntimeError(f"{Path(cxx).name} failed: {run.stderr.strip()[-300:]}")
         os.replace(part, out)  # atomic: a concurrent start sees no file or the whole new one
     return out, False
 
 
 class DecodeKernel:
-    """The loaded kernel for one (group, head_dim)."""
+    """The loaded kernel for one (group, head_dim); ``parallel``: its loop runs on torch's OpenMP threads."""
 
-    def __init__(self, path: Path, group: int, head_dim: int, seconds: float, cached: bool):
+    def __init__(self, path: Path, group: int, head_dim: int, seconds: float, cached: bool, parallel: bool):
         lib = ctypes.CDLL(str(path))
         self.group, self.head_dim, self.seconds, self.cached = group, head_dim, seconds, cached
-        self.scale = head_dim ** -0.5
+        self.parallel, self.scale = parallel, head_dim ** -0.5
         p, i = ctypes.c_void_p, ctypes.c_int64
         self._fns = {}
         for dtype, name in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
             fn = getattr(lib, f"grserve_decode_attend_{name}")
-            fn.argtypes = [p] * 5 + [i] * 8 + [ctypes.c_float]
+            fn.argtypes = [p] * 5 + [i] * 8 + [ctypes.c_float, i]
             fn.restype = None
             self._fns[dtype] = fn
         for name, want in (("group", group), ("head_dim", head_dim)):
@@ -118,11 +124,15 @@ class DecodeKernel:
         self._lib = lib
 
     def accepts(self, q: torch.Tensor, k: torch.Tensor) -> bool:
-        return q.dtype in self._fns and k.dtype == q.dtype and q.device.type == "cpu"
+        """Whether a call on these tensors runs here: fp32 or bf16 on a CPU, one dtype, and a serial build only on
+        a step of one torch thread (SDPA splits over more)."""
+        return (q.dtype in self._fns and k.dtype == q.dtype and q.device.type == "cpu"
+                and (self.parallel or torch.get_num_threads() == 1))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
         """q [S, Hkv, G, d]; k, v [S, Hkv, T, d] (any strides with a unit last one, T ≥ every len); lens int64 [S]
-        (contiguous), each ≥ 1: request s attends to its first lens[s] keys. Returns [S, Hkv, G, d] in q's dtype."""
+        (contiguous), each ≥ 1: request s attends to its first lens[s] keys. Returns [S, Hkv, G, d] in q's dtype,
+        computed on torch's current number of threads (the same bits on any number)."""
         s, h, g, d = q.shape
         if (g != self.group or d != self.head_dim or k.stride(-1) != 1 or v.stride(-1) != 1
                 or lens.dtype != torch.int64 or not lens.is_contiguous()):
@@ -133,13 +143,14 @@ class DecodeKernel:
         o = torch.empty_like(q)
         ks, vs = k.stride(), v.stride()
         self._fns[q.dtype](q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lens.data_ptr(), s, h,
-                           ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], self.scale)
+                           ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], self.scale,
+                           torch.get_num_threads() if self.parallel else 1)
         return o
 
     def describe(self) -> str:
         how = "from the cache" if self.cached else f"built in {self.seconds:.1f} s"
-        return (f"C++ decode kernel on one-thread steps (group {self.group}, head dim {self.head_dim}, {how}), "
-                f"else SDPA")
+        where = "on torch's OpenMP threads" if self.parallel else "serial: SDPA on steps of more than one thread"
+        return f"C++ decode kernel (group {self.group}, head dim {self.head_dim}, {where}, {how})"
 
 
 def reference_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
@@ -185,9 +196,10 @@ def decode_kernel(group: int, head_dim: int) -> DecodeKernel | None:
         _STATUS[key] = "no C++ compiler"
         return None
     start = time.perf_counter()
+    openmp = openmp_runtime_path()
     try:
-        path, cached = _build(cxx, group, head_dim)
-        kernel = DecodeKernel(path, group, head_dim, time.perf_counter() - start, cached)
+        path, cached = _build(cxx, group, head_dim, openmp)
+        kernel = DecodeKernel(path, group, head_dim, time.perf_counter() - start, cached, openmp is not None)
         why = check(kernel)
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         why = str(e)

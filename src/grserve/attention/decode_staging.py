@@ -15,7 +15,7 @@ keeps the batch's K/V between steps in a head-major buffer ``[L, S, Hkv, T_cap, 
 
 Attention on the buffer is one call per layer with the g = Hq / Hkv query heads of a KV head laid out as g query
 rows of that head (no K/V expansion for GQA): the C++ decode kernel (``decode_kernel.py``; ``kernel``, set by the
-executor where it built and checked one, used when the step runs on one torch thread), else SDPA with a
+executor where it built and checked one), else SDPA with a
 [S, 1, 1, T] key mask. A request is identified by its id and how
 often it was preempted (a recomputed request is new). The buffer only mirrors the pool: the pool stays the truth
 (prefix cache, preemption, the reference contexts read it); ``tests/grserve/attention/test_decode_staging.py`` checks staged logits

@@ -305,8 +305,8 @@ class HybridPagedContext(_HybridBase):
 
     def _attend_staged(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Pure decode on the staging buffer: append (or refill) this layer's K/V, then one call with the g query
-        heads of each KV head as g query rows (GQA without expanding K/V): the staging's C++ decode kernel on a
-        one-thread step (``decode_kernel.py``), else SDPA."""
+        heads of each KV head as g query rows (GQA without expanding K/V): the staging's C++ decode kernel where it
+        takes the call (``decode_kernel.py``), else SDPA."""
         staging, mode, _keys = self._stage
         n_seq, hq, d, hkv, t = len(self.seqs), q.shape[1], self.d, self.hkv, self.t_max
         kb, vb = staging.k[layer], staging.v[layer]  # [S, Hkv, T_cap, d]
@@ -320,7 +320,7 @@ class HybridPagedContext(_HybridBase):
             vb[s_idx, :, pos] = v.to(vb.dtype)
         qg = q.view(n_seq, hkv, hq // hkv, d)
         kernel = staging.kernel
-        if kernel is not None and kernel.accepts(q, kb) and torch.get_num_threads() == 1:
+        if kernel is not None and kernel.accepts(q, kb):
             if self._stage_lens is None:
                 self._stage_lens = self._starts + 1
             return kernel.attend(qg, kb, vb, self._stage_lens).reshape(n_seq, hq, d)

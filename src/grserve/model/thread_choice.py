@@ -75,17 +75,23 @@ def torch_openmp_path(paths: Sequence[str], torch_dir: str) -> str | None:
     return system[0] if system else None
 
 
-def openmp_runtime():
-    """The OpenMP runtime torch loaded into this process (GNU libgomp, LLVM libomp or Intel libiomp5;
-    :func:`torch_openmp_path`), as a ``ctypes`` library, or None (no ``/proc/self/maps``: not Linux; not found)."""
-    import ctypes
-
+def openmp_runtime_path() -> str | None:
+    """The file of the OpenMP runtime torch loaded into this process (:func:`torch_openmp_path`), or None (no
+    ``/proc/self/maps``: not Linux; not found)."""
     try:
         with open("/proc/self/maps") as maps:
             paths = [line.split()[-1] for line in maps if "/" in line]
     except OSError:
         return None
-    path = torch_openmp_path(paths, os.path.dirname(torch.__file__))
+    return torch_openmp_path(paths, os.path.dirname(torch.__file__))
+
+
+def openmp_runtime():
+    """The OpenMP runtime torch loaded into this process (GNU libgomp, LLVM libomp or Intel libiomp5;
+    :func:`torch_openmp_path`), as a ``ctypes`` library, or None (not Linux; not found)."""
+    import ctypes
+
+    path = openmp_runtime_path()
     if path is None:
         return None
     try:

@@ -3,10 +3,10 @@
 The kernel is built for the running CPU by the test itself (``$GRSERVE_CACHE_DIR`` in a temporary directory where a
 test needs a fresh build). Checked: outputs against ``reference_attend`` (SDPA with a key mask) for the shapes of
 the presets and odd ones, fp32 and bf16, strided K/V as the staging buffer holds them, every key count from 1 to
-past two blocks; a request's output is the same bits alone and beside others (it reads only its own keys); every
-reason to fall back gives None and SDPA; through the engine on one torch thread (where the staged path uses it):
-per-step logits equal the gather path's, greedy tokens equal HF ``generate`` (fp32) and the eager bf16 path equals
-the compiled one.
+past two blocks; a request's output is the same bits alone and beside others (it reads only its own keys) and on
+one thread or two; every reason to fall back gives None and SDPA, and a serial build takes only one-thread steps.
+Through the engine on one torch thread and on two: greedy tokens equal HF ``generate`` and the SDPA run (fp32),
+per-step logits equal the gather path's, and the eager bf16 path equals the compiled one.
 """
 
 from __future__ import annotations
@@ -79,6 +79,44 @@ def test_a_request_gets_the_same_bits_alone_and_beside_others():
 
 @fast_only
 @needs_compiler
+def test_the_same_bits_on_one_thread_and_two():
+    kernel = _kernel(2, 64)
+    assert kernel.parallel == (dk.openmp_runtime_path() is not None)
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(9, 8, 2, 64, generator=g)
+    k, v = torch.randn(2, 9, 8, 200, 64, generator=g)
+    lens = torch.tensor([200, 1, 77, 150, 9, 64, 65, 199, 3])
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernel.attend(q, k, v, lens)
+        torch.set_num_threads(2)
+        assert kernel.accepts(q, k) == kernel.parallel
+        assert torch.equal(kernel.attend(q, k, v, lens), one)
+    finally:
+        torch.set_num_threads(before)
+
+
+@fast_only
+@needs_compiler
+def test_a_serial_build_takes_only_one_thread_steps(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRSERVE_CACHE_DIR", str(tmp_path))
+    path, cached = dk._build(dk.compiler(), 2, 16, None)
+    kernel = dk.DecodeKernel(path, 2, 16, 0.0, cached, parallel=False)
+    assert dk.check(kernel) is None and "serial" in kernel.describe()
+    q = torch.zeros(1, 1, 2, 16)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert not kernel.accepts(q, q)
+        torch.set_num_threads(1)
+        assert kernel.accepts(q, q)
+    finally:
+        torch.set_num_threads(before)
+
+
+@fast_only
+@needs_compiler
 def test_a_wrong_shape_is_refused():
     kernel = _kernel(4, 32)
     with pytest.raises(ValueError, match="group 4"):
@@ -138,8 +176,8 @@ VOCAB = 300
 
 @fast_only
 @needs_compiler
-@pytest.mark.parametrize("sched", ["fcfs", "preempting"])
-def test_engine_on_one_thread_uses_the_kernel_and_equals_hf(hf_qwen3, sched, one_thread):
+@pytest.mark.parametrize("sched,threads", [("fcfs", 1), ("preempting", 1), ("fcfs", 2)])
+def test_engine_uses_the_kernel_and_equals_hf(hf_qwen3, sched, threads):
     hf, ours = hf_qwen3(kv_heads=2, seed=5, perturb_norms=True)
     gen = torch.Generator().manual_seed(11)
     prompts = [torch.randint(3, VOCAB, (int(n),), generator=gen).tolist()
@@ -154,6 +192,8 @@ def test_engine_on_one_thread_uses_the_kernel_and_equals_hf(hf_qwen3, sched, one
         return real(self, *a)
 
     runs = {}
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
     for kernel in (True, False):
         policy = make_llm_scheduler("fcfs")
         policy = Preempting(policy) if sched == "preempting" else policy
@@ -162,8 +202,9 @@ def test_engine_on_one_thread_uses_the_kernel_and_equals_hf(hf_qwen3, sched, one
             runs[kernel], eng = run_joining(ours, policy, prompts, params, decode_kernel=kernel)
         assert (eng.executor.staging.kernel is not None) == kernel
         assert ("C++ decode kernel" in eng.executor.describe()) == kernel
-        assert (len(calls) > 0) == kernel
+        assert (len(calls) > 0) == (kernel and (eng.executor.staging.kernel.parallel or threads == 1))
         calls.clear()
+    torch.set_num_threads(before)
     assert runs[True] == runs[False]
     for p, sp, got in zip(prompts, params, runs[True]):
         with torch.no_grad():
