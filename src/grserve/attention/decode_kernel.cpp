@@ -108,6 +108,11 @@ void attend(const T* q, const T* k, const T* v, T* o, const int64_t* lens, int64
         static thread_local std::vector<float> scratch;
         const int64_t s = i / H, h = i % H;
         const int64_t n = lens[s], n8 = (n + 7) / 8 * 8;
+        if (n <= 0) {  // no keys: zeros (the Python side refuses this; never read past the buffer)
+            for (int g = 0; g < G; g++)
+                for (int j = 0; j < NV; j++) store8(o + (s * H + h) * G * D + g * D + 8 * j, splat(0.f));
+            continue;
+        }
         if (scratch.size() < (size_t)(G * n8)) scratch.resize(G * n8);
         float* sc = scratch.data();
         {

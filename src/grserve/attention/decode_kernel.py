@@ -102,6 +102,19 @@ def _build(cxx: str, group: int, head_dim: int, openmp: str | None) -> tuple[Pat
     return out, False
 
 
+class KeyLengths:
+    """Keys per request for ``DecodeKernel.attend``, checked once (each ≥ 1) and held in a private int64 copy, so
+    the bound the C++ side relies on cannot change under it; a step builds one for all its layers."""
+
+    def __init__(self, lens: torch.Tensor):
+        self._t = lens.detach().to(torch.int64, copy=True).contiguous().reshape(-1)
+        self.count = self._t.numel()
+        self.longest = int(self._t.max()) if self.count else 0
+        if self.count and int(self._t.min()) < 1:
+            raise ValueError("lens must lie in [1, T]: got a request with no keys")
+        self.data_ptr = self._t.data_ptr()
+
+
 class DecodeKernel:
     """The loaded kernel for one (group, head_dim); ``parallel``: its loop runs on torch's OpenMP threads."""
 
@@ -129,20 +142,27 @@ class DecodeKernel:
         return (q.dtype in self._fns and k.dtype == q.dtype and q.device.type == "cpu"
                 and (self.parallel or torch.get_num_threads() == 1))
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
-        """q [S, Hkv, G, d]; k, v [S, Hkv, T, d] (any strides with a unit last one, T ≥ every len); lens int64 [S]
-        (contiguous), each ≥ 1: request s attends to its first lens[s] keys. Returns [S, Hkv, G, d] in q's dtype,
-        computed on torch's current number of threads (the same bits on any number)."""
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               lens: torch.Tensor | KeyLengths) -> torch.Tensor:
+        """q [S, Hkv, G, d]; k, v [S, Hkv, T, d] (any strides with a unit last one); lens [S], each in [1, T]:
+        request s attends to its first lens[s] keys (a ``KeyLengths`` checks them once for a step's layers).
+        Returns [S, Hkv, G, d] in q's dtype, computed on torch's current number of threads (the same bits on any
+        number)."""
         s, h, g, d = q.shape
-        if (g != self.group or d != self.head_dim or k.stride(-1) != 1 or v.stride(-1) != 1
-                or lens.dtype != torch.int64 or not lens.is_contiguous()):
-            raise ValueError(f"kernel for group {self.group}, head dim {self.head_dim}, unit last strides, int64 "
-                             f"lens: got q {tuple(q.shape)}, lens {lens.dtype}")
+        if not isinstance(lens, KeyLengths):
+            lens = KeyLengths(lens)
+        if (g != self.group or d != self.head_dim or k.shape[:2] != (s, h) or v.shape[:2] != (s, h)
+                or k.shape[3] != d or v.shape[3] != d or k.stride(-1) != 1 or v.stride(-1) != 1
+                or lens.count != s):
+            raise ValueError(f"kernel for group {self.group}, head dim {self.head_dim}: q {tuple(q.shape)}, k "
+                             f"{tuple(k.shape)}, v {tuple(v.shape)} (unit last strides), {lens.count} lens")
+        if lens.longest > min(k.shape[2], v.shape[2]):  # the C++ side reads lens[s] keys: never past the tensors
+            raise ValueError(f"lens must lie in [1, {min(k.shape[2], v.shape[2])}]: got {lens.longest}")
         if not q.is_contiguous():
             q = q.contiguous()
         o = torch.empty_like(q)
         ks, vs = k.stride(), v.stride()
-        self._fns[q.dtype](q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lens.data_ptr(), s, h,
+        self._fns[q.dtype](q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lens.data_ptr, s, h,
                            ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], self.scale,
                            torch.get_num_threads() if self.parallel else 1)
         return o

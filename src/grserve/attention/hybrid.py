@@ -26,6 +26,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from grserve.attention.decode_kernel import KeyLengths
 from grserve.attention.decode_staging import DecodeStaging
 from grserve.attention.reference import reference_attention
 from grserve.kvcache.blocks import BlockTable, HybridCacheStorage
@@ -322,7 +323,7 @@ class HybridPagedContext(_HybridBase):
         kernel = staging.kernel
         if kernel is not None and kernel.accepts(q, kb):
             if self._stage_lens is None:
-                self._stage_lens = self._starts + 1
+                self._stage_lens = KeyLengths(self._starts + 1)
             return kernel.attend(qg, kb, vb, self._stage_lens).reshape(n_seq, hq, d)
         o = F.scaled_dot_product_attention(qg, kb[:, :, :t].to(q.dtype), vb[:, :, :t].to(q.dtype),
                                            attn_mask=self._mask)

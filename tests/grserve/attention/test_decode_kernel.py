@@ -119,9 +119,15 @@ def test_a_serial_build_takes_only_one_thread_steps(tmp_path, monkeypatch):
 @needs_compiler
 def test_a_wrong_shape_is_refused():
     kernel = _kernel(4, 32)
+    q, kv = torch.zeros(1, 2, 4, 32), torch.zeros(1, 2, 8, 32)
     with pytest.raises(ValueError, match="group 4"):
-        kernel.attend(torch.zeros(1, 2, 2, 32), torch.zeros(1, 2, 8, 32), torch.zeros(1, 2, 8, 32),
-                      torch.tensor([8]))
+        kernel.attend(torch.zeros(1, 2, 2, 32), kv, kv, torch.tensor([8]))
+    with pytest.raises(ValueError, match="group 4"):
+        kernel.attend(q, torch.zeros(2, 2, 8, 32), kv, torch.tensor([8]))  # another request count
+    for bad in (9, 0):  # past the keys held, or none: refused before the C++ side reads anything
+        with pytest.raises(ValueError, match="lens must lie"):
+            kernel.attend(q, kv, kv, torch.tensor([bad]))
+    assert kernel.attend(q, kv, kv, torch.tensor([8])).shape == q.shape
     assert not kernel.accepts(torch.zeros(1, dtype=torch.float16), torch.zeros(1, dtype=torch.float16))
     assert not kernel.accepts(torch.zeros(1), torch.zeros(1, dtype=torch.bfloat16))
 
@@ -271,3 +277,18 @@ def test_bf16_compiled_equals_eager_with_the_kernel(one_thread):
         runs[mode] = eng.generate(prompts, params)
     assert eng.executor.decode_compiled.failed is None and eng.executor.decode_compiled.steps > 0
     assert runs["on"] == runs["off"]
+
+
+@fast_only
+@needs_compiler
+def test_key_lengths_are_a_private_copy_checked_once():
+    kernel = _kernel(4, 32)
+    q, kv = torch.zeros(2, 2, 4, 32), torch.zeros(2, 2, 8, 32)
+    lens = torch.tensor([8, 3])
+    held = dk.KeyLengths(lens)
+    lens[1] = 9  # the caller's tensor changes; the checked copy does not
+    assert held.longest == 8 and kernel.attend(q, kv, kv, held).shape == q.shape
+    with pytest.raises(ValueError, match="lens must lie"):
+        kernel.attend(q, kv, kv, lens)
+    with pytest.raises(ValueError, match="no keys"):
+        dk.KeyLengths(torch.tensor([0, 3]))
