@@ -224,32 +224,21 @@ def test_engine_uses_the_kernel_and_equals_hf(hf_qwen3, sched, threads):
 @needs_compiler
 def test_staged_logits_with_the_kernel_equal_the_gather_path(hf_qwen3, one_thread):
     """The staged context's per-step logits with the kernel against the unstaged (gather + SDPA) context's."""
-    from test_decode_staging import FULL, PROMPTS, _step_logits
-
-    from grserve.kvcache.blocks import BlockPool, HybridCacheStorage
+    from test_decode_staging import staged_run_logits
 
     _, ours = hf_qwen3(kv_heads=2, seed=5, perturb_norms=True)
     spec = ours.spec
-    runs = {}
-    for staged in (False, True):
-        pool = BlockPool.for_model(128, 4, spec.hidden_size, spec.kv_size)
-        st = HybridCacheStorage(pool, spec.num_hidden_layers, spec.kv_size, spec.hidden_size)
-        tables = [pool.reserve(i, len(f), "kv") for i, f in enumerate(FULL)]
-        staging = None
-        if staged:
-            kernel = _kernel(spec.num_attention_heads // spec.num_key_value_heads, spec.head_dim)
-            staging = DecodeStaging(spec.num_hidden_layers, spec.num_key_value_heads, spec.head_dim, kernel=kernel)
-        done = [0, 0, 0]
-        out = [_step_logits(ours, st, tables, done, [(i, len(p)) for i, p in enumerate(PROMPTS)], None, None)]
-        done = [len(p) for p in PROMPTS]
-        for step in range(10):
-            live = [0, 1, 2] if step < 5 else [0, 1]
-            out.append(_step_logits(ours, st, tables, done, [(i, 1) for i in live], staging,
-                                    tuple((i, 0) for i in live)))
-            for i in live:
-                done[i] += 1
-        runs[staged] = out
-    for a, b in zip(runs[False], runs[True]):
+    kernel = _kernel(spec.num_attention_heads // spec.num_key_value_heads, spec.head_dim)
+    staging = DecodeStaging(spec.num_hidden_layers, spec.num_key_value_heads, spec.head_dim, kernel=kernel)
+    calls = []
+    real = kernel.attend
+    kernel.attend = lambda *a: calls.append(1) or real(*a)
+    try:
+        staged = staged_run_logits(ours, staging)
+    finally:
+        del kernel.attend
+    assert len(calls) >= 4 * spec.num_hidden_layers
+    for a, b in zip(staged_run_logits(ours, None), staged):
         assert float((a - b).abs().max()) <= 1e-5
 
 

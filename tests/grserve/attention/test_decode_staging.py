@@ -63,28 +63,32 @@ PROMPTS = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (5, GROW
 FULL = [p + torch.randint(3, VOCAB, (12,), generator=g).tolist() for p in PROMPTS]
 
 
+def staged_run_logits(model, staging: DecodeStaging | None) -> list[torch.Tensor]:
+    """Per-step logits of the three FULL requests: their prompts at once, then ten decode steps (request 2 leaves
+    after five) through ``staging`` (None: the gather path)."""
+    spec = model.spec
+    pool = BlockPool.for_model(128, 4, spec.hidden_size, spec.kv_size)
+    st = HybridCacheStorage(pool, spec.num_hidden_layers, spec.kv_size, spec.hidden_size)
+    tables = [pool.reserve(i, len(f), "kv") for i, f in enumerate(FULL)]
+    done = [0, 0, 0]
+    out = [_step_logits(model, st, tables, done, [(i, len(p)) for i, p in enumerate(PROMPTS)], None, None)]
+    done = [len(p) for p in PROMPTS]
+    for step in range(10):
+        live = [0, 1, 2] if step < 5 else [0, 1]  # request 2 leaves after five decodes
+        keys = tuple((i, 0) for i in live)
+        out.append(_step_logits(model, st, tables, done, [(i, 1) for i in live], staging, keys))
+        for i in live:
+            done[i] += 1
+    return out
+
+
 def test_staged_logits_equal_gather_path(hf_qwen3):
     _, ours = hf_qwen3(kv_heads=2, seed=5, perturb_norms=True)
     spec = ours.spec
-    runs = {}
-    for staged in (False, True):
-        pool = BlockPool.for_model(128, 4, spec.hidden_size, spec.kv_size)
-        st = HybridCacheStorage(pool, spec.num_hidden_layers, spec.kv_size, spec.hidden_size)
-        tables = [pool.reserve(i, len(f), "kv") for i, f in enumerate(FULL)]
-        staging = DecodeStaging(spec.num_hidden_layers, spec.num_key_value_heads, spec.head_dim) if staged else None
-        done = [0, 0, 0]
-        out = [_step_logits(ours, st, tables, done, [(i, len(p)) for i, p in enumerate(PROMPTS)], None, None)]
-        done = [len(p) for p in PROMPTS]
-        for step in range(10):
-            live = [0, 1, 2] if step < 5 else [0, 1]  # request 2 leaves after five decodes
-            keys = tuple((i, 0) for i in live)
-            out.append(_step_logits(ours, st, tables, done, [(i, 1) for i in live], staging, keys))
-            for i in live:
-                done[i] += 1
-        runs[staged] = (out, staging)
-    staging = runs[True][1]
+    staging = DecodeStaging(spec.num_hidden_layers, spec.num_key_value_heads, spec.head_dim)
+    staged = staged_run_logits(ours, staging)
     assert staging.stats["append"] >= 5 and staging.stats["rebuild"] >= 3  # first, the leave, the growth
-    for a, b in zip(runs[False][0], runs[True][0]):
+    for a, b in zip(staged_run_logits(ours, None), staged):
         assert float((a - b).abs().max()) <= 1e-5
 
 
