@@ -9,7 +9,10 @@ against eight keys at a time, an exact-order fp32 softmax (a polynomial ``exp`` 
 values in fp32, bf16 outputs rounded once. A request's output therefore depends only on its own keys, never on
 what shares the step.
 
-``decode_kernel(group, head_dim)`` returns the loaded kernel, or None with the reason in ``kernel_status()``:
+``decode_kernel(group, head_dim, machine, openmp)`` returns the loaded kernel, or None with the reason in
+``kernel_status()``. The caller (the executor, ``engine/llm.py``) says which machine it is (``machine``: the CPU
+model, part of the cache key) and which OpenMP runtime torch loaded (``openmp``: its file, or None), and builds it
+only where the CPU fast paths are on (not under ``GRSERVE_CPU_ISA=reference``):
 
 * built with ``$CXX``, else the first of ``c++``/``g++``/``clang++`` on the PATH: ``-O3 -march=native`` on x86
   (``-mno-avx512f`` where torch runs at AVX2: the test lane that holds an AVX-512 machine to AVX2 gets AVX2 code),
@@ -18,7 +21,7 @@ what shares the step.
   linked apart: ``-fopenmp`` at the link would add the system's runtime). About a second; cached across restarts
   in ``$GRSERVE_CACHE_DIR/kernels/`` under a hash of the source, flags, compiler, runtime and CPU model;
 * checked once against SDPA (fp32 and bf16, key counts 1–70, one- and multi-block rows) before first use;
-* None — and SDPA stays — when ``GRSERVE_CPU_ISA=reference``, there is no compiler, the build or the check fails,
+* None — and SDPA stays — when there is no compiler, the build or the check fails,
   or the shape is outside what it was written for (head dim a multiple of 8, at most 256; at most 16 query heads
   per KV head).
 
@@ -43,8 +46,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from grserve.model.cpu_support import cpu_support
-from grserve.model.thread_choice import openmp_runtime_path
 
 SOURCE = Path(__file__).with_name("decode_kernel.cpp")
 MAX_HEAD_DIM = 256
@@ -77,7 +78,7 @@ def cache_root() -> Path:
     return Path(os.environ.get("GRSERVE_CACHE_DIR") or ".grserve-cache") / "kernels"
 
 
-def _build(cxx: str, group: int, head_dim: int, openmp: str | None) -> tuple[Path, bool]:
+def _build(cxx: str, group: int, head_dim: int, openmp: str | None, machine: str = "") -> tuple[Path, bool]:
     """Compile (or find in the cache) the kernel for one shape, its parallel loop linked against ``openmp`` (the
     runtime torch loaded: one pool of threads with torch's) or, without one, serial. Returns the shared library's
     path and whether it was found in the cache."""
@@ -85,7 +86,7 @@ def _build(cxx: str, group: int, head_dim: int, openmp: str | None) -> tuple[Pat
              f"-DHEAD_DIM={head_dim}", *(["-fopenmp"] if openmp else [])]
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256("\0".join([SOURCE.read_text(), cxx, version, *flags, openmp or "serial",
-                                    cpu_support().cpu_model]).encode()).hexdigest()[:20]
+                                    machine]).encode()).hexdigest()[:20]
     out = cache_root() / f"decode_attend_g{group}_d{head_dim}_{key}.so"
     if out.exists():
         return out, True
@@ -202,12 +203,10 @@ def kernel_status(group: int, head_dim: int) -> str:
 
 
 @functools.cache
-def decode_kernel(group: int, head_dim: int) -> DecodeKernel | None:
-    """The checked kernel for this shape on this machine, or None (``kernel_status`` says why)."""
+def decode_kernel(group: int, head_dim: int, machine: str, openmp: str | None) -> DecodeKernel | None:
+    """The checked kernel for this shape on this machine (``machine``: the CPU model; ``openmp``: the file of the
+    OpenMP runtime torch loaded, None: a serial build), or None (``kernel_status`` says why)."""
     key = (group, head_dim)
-    if not cpu_support().fast_paths:
-        _STATUS[key] = "off (GRSERVE_CPU_ISA=reference)"
-        return None
     if head_dim % 8 or head_dim > MAX_HEAD_DIM or not 1 <= group <= MAX_GROUP:
         _STATUS[key] = f"no kernel for group {group}, head dim {head_dim}"
         return None
@@ -216,9 +215,8 @@ def decode_kernel(group: int, head_dim: int) -> DecodeKernel | None:
         _STATUS[key] = "no C++ compiler"
         return None
     start = time.perf_counter()
-    openmp = openmp_runtime_path()
     try:
-        path, cached = _build(cxx, group, head_dim, openmp)
+        path, cached = _build(cxx, group, head_dim, openmp, machine)
         kernel = DecodeKernel(path, group, head_dim, time.perf_counter() - start, cached, openmp is not None)
         why = check(kernel)
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:

@@ -166,9 +166,10 @@ class ModelExecutor:
                                      else "SDPA (batch-invariant)" if batch_invariant else "SDPA")
         if self.staging is not None and decode_kernel and not batch_invariant and storage.data.device.type == "cpu":
             from grserve.attention.decode_kernel import decode_kernel as build_kernel, kernel_status
+            from grserve.model.thread_choice import openmp_runtime_path
 
             g = spec.num_attention_heads // self.hkv
-            self.staging.kernel = build_kernel(g, self.d)
+            self.staging.kernel = build_kernel(g, self.d, cpu_support().cpu_model, openmp_runtime_path())
             self.decode_kernel_status = kernel_status(g, self.d)
         # exact greedy argmax through a bf16 screen of the LM head (engine/greedy_head.py), fp32 models only; its
         # GEMMs chosen by what the CPU can do. A bf16 model: every logit from ModelDtypeHead (packed where fast),

@@ -18,6 +18,7 @@ from grserve.attention import decode_kernel as dk
 from grserve.attention.decode_staging import DecodeStaging
 from grserve.engine.sampling import SamplingParams
 from grserve.model.cpu_support import cpu_support
+from grserve.model.thread_choice import openmp_runtime_path
 from grserve.scheduler.llm_factory import make_llm_scheduler
 from llm_fixtures import Preempting, run_joining
 
@@ -33,8 +34,13 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+def _build(group: int, head_dim: int) -> dk.DecodeKernel | None:
+    """The kernel as the executor builds it (this machine, torch's OpenMP runtime)."""
+    return dk.decode_kernel(group, head_dim, cpu_support().cpu_model, openmp_runtime_path())
+
+
 def _kernel(group: int, head_dim: int) -> dk.DecodeKernel:
-    kernel = dk.decode_kernel(group, head_dim)
+    kernel = _build(group, head_dim)
     assert kernel is not None, dk.kernel_status(group, head_dim)
     return kernel
 
@@ -81,7 +87,7 @@ def test_a_request_gets_the_same_bits_alone_and_beside_others():
 @needs_compiler
 def test_the_same_bits_on_one_thread_and_two():
     kernel = _kernel(2, 64)
-    assert kernel.parallel == (dk.openmp_runtime_path() is not None)
+    assert kernel.parallel == (openmp_runtime_path() is not None)
     g = torch.Generator().manual_seed(4)
     q = torch.randn(9, 8, 2, 64, generator=g)
     k, v = torch.randn(2, 9, 8, 200, 64, generator=g)
@@ -136,13 +142,10 @@ def test_every_reason_to_fall_back_gives_sdpa(monkeypatch, tmp_path):
     monkeypatch.setenv("GRSERVE_CACHE_DIR", str(tmp_path))
     dk.decode_kernel.cache_clear()
     try:
-        if not cpu_support().fast_paths:
-            assert dk.decode_kernel(4, 32) is None and "reference" in dk.kernel_status(4, 32)
-            return
-        assert dk.decode_kernel(4, 36) is None and "no kernel" in dk.kernel_status(4, 36)  # head dim not 8k
-        assert dk.decode_kernel(17, 32) is None and "no kernel" in dk.kernel_status(17, 32)
+        assert _build(4, 36) is None and "no kernel" in dk.kernel_status(4, 36)  # head dim not 8k
+        assert _build(17, 32) is None and "no kernel" in dk.kernel_status(17, 32)
         monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-        assert dk.decode_kernel(4, 32) is None and dk.kernel_status(4, 32) == "no C++ compiler"
+        assert _build(4, 32) is None and dk.kernel_status(4, 32) == "no C++ compiler"
         dk.decode_kernel.cache_clear()
         monkeypatch.delenv("CXX")
         if dk.compiler() is None:
@@ -150,13 +153,13 @@ def test_every_reason_to_fall_back_gives_sdpa(monkeypatch, tmp_path):
         broken = tmp_path / "broken.cpp"
         broken.write_text("this is not C++\n")
         monkeypatch.setattr(dk, "SOURCE", broken)
-        assert dk.decode_kernel(4, 32) is None and "failed" in dk.kernel_status(4, 32)
+        assert _build(4, 32) is None and "failed" in dk.kernel_status(4, 32)
         dk.decode_kernel.cache_clear()
         monkeypatch.undo()
         monkeypatch.setenv("GRSERVE_CACHE_DIR", str(tmp_path))
         # a kernel that builds but disagrees with SDPA is not used
         monkeypatch.setattr(dk, "reference_attend", lambda q, k, v, lens: torch.zeros_like(q))
-        assert dk.decode_kernel(4, 32) is None and "disagrees" in dk.kernel_status(4, 32)
+        assert _build(4, 32) is None and "disagrees" in dk.kernel_status(4, 32)
     finally:
         dk.decode_kernel.cache_clear()
 
