@@ -86,6 +86,16 @@ def forced_cpu_isa(monkeypatch):
     cs.refresh()
 
 
+@pytest.fixture
+def one_thread():
+    """One torch intra-op thread for the test (tiny GEMMs: two OpenMP threads on a shared, busy 2-core box are
+    100× slower; and the one-thread paths, e.g. a serial decode kernel)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def tiny_model():
     """``tiny_model(seed=0)`` → the ``tiny`` preset (fp32, CPU) with seeded random weights."""

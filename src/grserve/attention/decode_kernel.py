@@ -9,8 +9,8 @@ against eight keys at a time, an exact-order fp32 softmax (a polynomial ``exp`` 
 values in fp32, bf16 outputs rounded once. A request's output therefore depends only on its own keys, never on
 what shares the step.
 
-``decode_kernel(group, head_dim, machine, openmp)`` returns the loaded kernel, or None with the reason in
-``kernel_status()``. The caller (the executor, ``engine/llm.py``) says which machine it is (``machine``: the CPU
+``decode_kernel(group, head_dim, machine, openmp)`` returns the loaded kernel, or None, with what the start line
+says of it. The caller (the executor, ``engine/llm.py``) says which machine it is (``machine``: the CPU
 model, part of the cache key) and which OpenMP runtime torch loaded (``openmp``: its file, or None), and builds it
 only where the CPU fast paths are on (not under ``GRSERVE_CPU_ISA=reference``):
 
@@ -50,15 +50,12 @@ import torch.nn.functional as F
 SOURCE = Path(__file__).with_name("decode_kernel.cpp")
 MAX_HEAD_DIM = 256
 MAX_GROUP = 16
-_STATUS: dict[tuple[int, int], str] = {}
 
 
 def compiler() -> str | None:
-    """The C++ compiler: ``$CXX``, else the first of c++, g++, clang++ on the PATH."""
-    cxx = os.environ.get("CXX")
-    if cxx:
-        return shutil.which(cxx) or None
-    return next((p for p in map(shutil.which, ("c++", "g++", "clang++")) if p), None)
+    """The C++ compiler: ``$CXX`` (else ``c++``) if on the PATH, else ``g++``, else ``clang++`` (the same search as
+    ``--decode-compile``'s, ``model/decode_compile.py``)."""
+    return next((p for p in map(shutil.which, (os.environ.get("CXX") or "c++", "g++", "clang++")) if p), None)
 
 
 def isa_flags() -> list[str]:
@@ -197,23 +194,15 @@ def check(kernel: DecodeKernel, seed: int = 0) -> str | None:
     return None
 
 
-def kernel_status(group: int, head_dim: int) -> str:
-    """Why ``decode_kernel`` returned what it did (the start line)."""
-    return _STATUS.get((group, head_dim), "not tried")
-
-
 @functools.cache
-def decode_kernel(group: int, head_dim: int, machine: str, openmp: str | None) -> DecodeKernel | None:
+def decode_kernel(group: int, head_dim: int, machine: str, openmp: str | None) -> tuple[DecodeKernel | None, str]:
     """The checked kernel for this shape on this machine (``machine``: the CPU model; ``openmp``: the file of the
-    OpenMP runtime torch loaded, None: a serial build), or None (``kernel_status`` says why)."""
-    key = (group, head_dim)
+    OpenMP runtime torch loaded, None: a serial build), or None; and what the start line says of it (why not)."""
     if head_dim % 8 or head_dim > MAX_HEAD_DIM or not 1 <= group <= MAX_GROUP:
-        _STATUS[key] = f"no kernel for group {group}, head dim {head_dim}"
-        return None
+        return None, f"no kernel for group {group}, head dim {head_dim}"
     cxx = compiler()
     if cxx is None:
-        _STATUS[key] = "no C++ compiler"
-        return None
+        return None, "no C++ compiler"
     start = time.perf_counter()
     try:
         path, cached = _build(cxx, group, head_dim, openmp, machine)
@@ -222,7 +211,5 @@ def decode_kernel(group: int, head_dim: int, machine: str, openmp: str | None) -
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         why = str(e)
     if why is not None:
-        _STATUS[key] = f"SDPA (the C++ kernel: {why})"
-        return None
-    _STATUS[key] = kernel.describe()
-    return kernel
+        return None, f"SDPA (the C++ kernel: {why})"
+    return kernel, kernel.describe()

@@ -165,12 +165,11 @@ class ModelExecutor:
         self.decode_kernel_status = ("SDPA (--no-decode-kernel)" if not decode_kernel
                                      else "SDPA (batch-invariant)" if batch_invariant else "SDPA")
         if self.staging is not None and decode_kernel and not batch_invariant and storage.data.device.type == "cpu":
-            from grserve.attention.decode_kernel import decode_kernel as build_kernel, kernel_status
+            from grserve.attention.decode_kernel import decode_kernel as build_kernel
             from grserve.model.thread_choice import openmp_runtime_path
 
-            g = spec.num_attention_heads // self.hkv
-            self.staging.kernel = build_kernel(g, self.d, cpu_support().cpu_model, openmp_runtime_path())
-            self.decode_kernel_status = kernel_status(g, self.d)
+            self.staging.kernel, self.decode_kernel_status = build_kernel(
+                spec.num_attention_heads // self.hkv, self.d, cpu_support().cpu_model, openmp_runtime_path())
         # exact greedy argmax through a bf16 screen of the LM head (engine/greedy_head.py), fp32 models only; its
         # GEMMs chosen by what the CPU can do. A bf16 model: every logit from ModelDtypeHead (packed where fast),
         # plain-greedy passes take its per-row max instead of the sampler's float64 argmax (the same token)

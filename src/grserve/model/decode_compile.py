@@ -402,12 +402,9 @@ MODES = ("auto", "on", "off")
 
 def compiler_missing() -> str | None:
     """Why Inductor's CPU backend cannot build here (no C++ compiler), else None."""
-    import shutil
+    from grserve.attention.decode_kernel import compiler
 
-    cxx = os.environ.get("CXX") or "c++"
-    if shutil.which(cxx) or shutil.which("g++") or shutil.which("clang++"):
-        return None
-    return "no C++ compiler on PATH"
+    return None if compiler() else "no C++ compiler on PATH"
 
 
 def decode_compiler(model: Decoder, packed, mode: str = "off") -> CompiledDecode | None:

@@ -93,6 +93,7 @@ def test_bf16_greedy_tokens_equal_the_eager_bf16_path():
     for mode in ("off", "on"):
         eng = build_model_engine(model, FCFSScheduler(max_num_seqs=6), num_blocks=512, block_size=16,
                                  decode_compile=mode)
+        assert eng.executor.staging.kernel is not None  # both attend through the C++ decode kernel
         runs[mode] = eng.generate(prompts, params)
     dc = eng.executor.decode_compiled
     assert dc.failed is None and dc.steps > 0

@@ -96,15 +96,6 @@ def test_random_memory_bound_traces_terminate(name, seed, cv):
     assert pool.num_free == pool.num_blocks
 
 
-@pytest.fixture
-def one_thread():
-    """Tiny GEMMs: one intra-op thread (two OpenMP threads on a shared, busy 2-core box are 100× slower)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.mark.parametrize("name", ["fcfs", "chunked", "aptserve"])
 def test_real_model_trace_terminates(name, one_thread, random_decoder):
     import dataclasses
